@@ -1,0 +1,1 @@
+"""Inference (KV-cache generation, batching, quantization): built by issue #7."""

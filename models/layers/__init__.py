@@ -1,0 +1,1 @@
+"""Building blocks shared by the models: params, norm, rope, attention, mlp, embed."""

@@ -1,0 +1,25 @@
+"""SwiGLU feed-forward (Shazeer, 2020): down(silu(x W_gate) * (x W_up))."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers.params import normal, param
+from sharding.rules import with_logical_constraint
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, dtype: jnp.dtype,
+                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.w_gate = param(normal(init_std), rngs.params(), (d_model, d_ff), param_dtype, ("embed", "mlp"))
+        self.w_up = param(normal(init_std), rngs.params(), (d_model, d_ff), param_dtype, ("embed", "mlp"))
+        self.w_down = param(normal(out_std), rngs.params(), (d_ff, d_model), param_dtype, ("mlp", "embed"))
+        self.dtype = dtype
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        gate_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, self.w_gate[...].astype(self.dtype))
+        up_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, self.w_up[...].astype(self.dtype))
+        h_BLF = with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_seq", "act_mlp"))
+        return jnp.einsum("BLF,FD->BLD", h_BLF, self.w_down[...].astype(self.dtype))

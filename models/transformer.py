@@ -1,0 +1,96 @@
+"""A Llama-style decoder-only Transformer LM in Flax NNX.
+
+Pre-norm blocks (RMSNorm -> grouped-query attention with RoPE -> residual,
+RMSNorm -> SwiGLU -> residual), stacked along a leading `layers` axis and
+applied with `jax.lax.scan`, so the program (and its compile time) has one
+block whatever the depth; `remat` picks what the backward pass recomputes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshwork.config import ModelConfig
+from models.layers.attention import Attention
+from models.layers.embed import Embed
+from models.layers.mlp import SwiGLU
+from models.layers.norm import RMSNorm
+from models.layers.params import normal, param
+from sharding.rules import with_logical_constraint
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+ACT_BLD = ("act_batch", "act_seq", "act_embed")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        # Residual-branch outputs start smaller so the stream's variance does not
+        # grow with depth (GPT-2's 1/sqrt(2L)).
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
+                              rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=out_std, **kw)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=out_std, **kw)
+
+    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array) -> jax.Array:
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
+        x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return with_logical_constraint(x_BLD, ACT_BLD)
+
+
+class Transformer(nnx.Module):
+    """tokens (B, L) int -> logits (B, L, V) float32."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
+                 remat: str = "none", rngs: nnx.Rngs):
+        if remat not in ("none", *REMAT_POLICIES):
+            raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
+        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+
+        # One Block per layer with its own init, stacked on a leading axis named
+        # `layers` (the metadata transform keeps the logical names aligned).
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(normal(cfg.init_std), rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype,
+                                 ("embed", "vocab"))
+
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        B, L = tokens_BL.shape
+        positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x_BLD, layer_state):
+            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL), None
+
+        if self.remat != "none":
+            # prevent_cse=False: inside scan there is nothing for CSE to undo.
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+
+        x_BLD = self.final_norm(x_BLD)
+        if self.cfg.tie_embeddings:
+            logits_BLV = self.embed.attend(x_BLD)
+        else:
+            logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.lm_head[...].astype(self.dtype))
+        logits_BLV = with_logical_constraint(logits_BLV, ("act_batch", "act_seq", "act_vocab"))
+        return logits_BLV.astype(jnp.float32)

@@ -1,0 +1,24 @@
+"""Sharding helpers: build meshes, map logical axis names to mesh axes.
+
+Depends on jax only, so research code can import it on its own:
+
+    from sharding import make_mesh, rules_for, logical_to_sharding
+"""
+
+from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
+from sharding.rules import (
+    PRESETS,
+    current_rules,
+    logical_to_sharding,
+    logical_to_spec,
+    rules_for,
+    tree_shardings,
+    use_rules,
+    with_logical_constraint,
+)
+
+__all__ = [
+    "MESH_AXES", "MeshSizeError", "make_mesh", "resolve_mesh_shape", "PRESETS", "current_rules",
+    "logical_to_sharding", "logical_to_spec", "rules_for", "tree_shardings", "use_rules",
+    "with_logical_constraint",
+]

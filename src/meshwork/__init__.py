@@ -1,0 +1,1 @@
+"""meshwork's engine room: config, data, checkpoints, metrics, hardware and FLOP math."""

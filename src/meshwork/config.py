@@ -1,0 +1,285 @@
+"""Run configuration: YAML with `include:`, typed frozen sections, CLI overrides.
+
+A run is described by one YAML file validated into `Config`, whose sections
+(`run`, `model`, `data`, `optimizer`, `train`, `mesh`, `rules`, `checkpoint`,
+`log`) are frozen pydantic models. Unknown keys and wrong types are errors, so a
+typo never silently falls back to a default.
+
+    cfg = load_config("configs/lm_tiny.yaml", ["train.steps=50", "mesh.data=2"])
+
+Errors are raised as `ConfigError`, whose message is one line naming the file,
+the dotted key and the fix; the command-line entry points print it and exit 2.
+This module does not import jax, so validation is instant.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Literal
+
+import pydantic
+import yaml
+
+MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message is one actionable line."""
+
+
+class Section(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class RunConfig(Section):
+    dir: str = "runs/lm_tiny"
+    """Output directory: resolved config, metrics.jsonl, TensorBoard events, checkpoints/."""
+    seed: int = 0
+    """Seeds parameter init and data order."""
+    name: str = "lm_tiny"
+
+
+class ModelConfig(Section):
+    kind: Literal["transformer"] = "transformer"
+    vocab_size: int = pydantic.Field(256, gt=0)
+    """256 for the byte-level tokenizer; larger for a user token file."""
+    d_model: int = pydantic.Field(128, gt=0)
+    n_layers: int = pydantic.Field(4, gt=0)
+    n_heads: int = pydantic.Field(4, gt=0)
+    n_kv_heads: int = pydantic.Field(2, gt=0)
+    """Grouped-query attention: n_heads must be a multiple of n_kv_heads."""
+    head_dim: int | None = None
+    """Defaults to d_model // n_heads."""
+    d_ff: int = pydantic.Field(384, gt=0)
+    """Hidden size of the SwiGLU MLP."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    """Reuse the input embedding as the output projection."""
+    init_std: float = 0.02
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+class DataConfig(Section):
+    source: Literal["stdlib", "tokens"] = "stdlib"
+    """`stdlib`: this Python's own standard-library sources, byte-tokenized.
+    `tokens`: nanoGPT-style uint16 files `train_path` and `val_path`."""
+    train_path: str | None = None
+    val_path: str | None = None
+    seq_len: int = pydantic.Field(128, gt=0)
+    val_fraction: float = pydantic.Field(0.02, gt=0, lt=1)
+    """Share of stdlib files (chosen by a hash of their path) held out for validation."""
+    cache_dir: str | None = None
+    """Where the tokenized stdlib corpus is cached; default ~/.cache/meshwork."""
+
+
+class OptimizerConfig(Section):
+    lr: float = pydantic.Field(3e-3, gt=0)
+    """Peak learning rate, reached after `warmup_steps`."""
+    init_lr_ratio: float = pydantic.Field(0.0, ge=0, le=1)
+    """Learning rate at step 0 as a fraction of `lr`."""
+    warmup_steps: int = pydantic.Field(20, ge=0)
+    min_lr_ratio: float = pydantic.Field(0.1, ge=0, le=1)
+    """Cosine decay ends at `lr * min_lr_ratio` on the last step."""
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = pydantic.Field(0.1, ge=0)
+    """Decoupled (AdamW) decay; norm scales are not decayed."""
+    clip_norm: float | None = 1.0
+    """Global-norm gradient clipping; null disables it."""
+
+
+class TrainConfig(Section):
+    steps: int = pydantic.Field(300, gt=0)
+    global_batch: int = pydantic.Field(16, gt=0)
+    """Sequences per optimizer step, summed over all devices and microbatches."""
+    microbatches: int = pydantic.Field(1, gt=0)
+    """Gradient accumulation: the global batch is split into this many sequential parts."""
+    remat: Literal["none", "full", "dots_saveable"] = "none"
+    """What the scanned layers keep for the backward pass (jax.checkpoint policy)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class MeshConfig(Section):
+    """Device-mesh axis sizes; their product must equal the device count (one may be -1)."""
+
+    stage: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+    @pydantic.field_validator(*MESH_AXES)
+    @classmethod
+    def _positive_or_fill(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("must be a positive size or -1 (fill with the remaining devices)")
+        return v
+
+    @pydantic.model_validator(mode="after")
+    def _one_fill(self) -> "MeshConfig":
+        if sum(getattr(self, a) == -1 for a in MESH_AXES) > 1:
+            raise ValueError("at most one mesh axis may be -1")
+        return self
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+
+class RulesConfig(Section):
+    preset: Literal["dp", "fsdp"] = "dp"
+    """Name of a preset in sharding/rules.py."""
+    overrides: dict[str, str | list[str] | None] = {}
+    """logical axis -> mesh axis (or list of them, or null), applied over the preset."""
+
+
+class CheckpointConfig(Section):
+    every: int = pydantic.Field(100, gt=0)
+    """Save every this many steps (and always after the last step)."""
+    keep: int = pydantic.Field(2, gt=0)
+    async_: bool = pydantic.Field(True, alias="async")
+    """Write checkpoints in a background thread while training continues."""
+
+
+class LogConfig(Section):
+    every: int = pydantic.Field(10, gt=0)
+    """Write a metrics line every this many steps."""
+    eval_every: int = pydantic.Field(100, gt=0)
+    eval_batches: int = pydantic.Field(4, gt=0)
+    tensorboard: bool = True
+    progress: bool = True
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+    rules: RulesConfig = RulesConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        m, t = self.model, self.train
+        if m.n_heads % m.n_kv_heads:
+            raise _KeyError("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor")
+        if t.global_batch % t.microbatches:
+            raise _KeyError("train.microbatches", f"{t.microbatches} does not divide train.global_batch={t.global_batch}")
+        if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
+            raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class _KeyError(ValueError):
+    """Cross-field error that knows which dotted key to blame."""
+
+    def __init__(self, key: str, msg: str):
+        super().__init__(msg)
+        self.key, self.msg = key, msg
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict[str, Any]:
+    """Reads a YAML file, resolving `include:` (a path or list, relative to the file)."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; pass an existing YAML file to --config")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    includes = raw.pop("include", [])
+    merged: dict[str, Any] = {}
+    for inc in [includes] if isinstance(includes, str) else includes:
+        merged = _deep_merge(merged, _read_yaml(path.parent / inc, seen + (path.resolve(),)))
+    return _deep_merge(merged, raw)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "command line") -> dict[str, Any]:
+    """Applies `a.b=value` strings; values are parsed as YAML (`3`, `true`, `[q, v]`, `null`)."""
+    raw = _deep_merge({}, raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{source}: override {item!r} is not of the form section.key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: {key}: {p} is not a section")
+        node[leaf] = value
+    return raw
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    """Validates a raw mapping into a Config, turning the first error into a one-line ConfigError."""
+    try:
+        return Config.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise ConfigError(_explain(e, source)) from None
+
+
+def _explain(e: pydantic.ValidationError, source: str) -> str:
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        section = _section_model(loc[:-1])
+        valid = ", ".join(f.alias or n for n, f in section.model_fields.items())
+        return f"{source}: {key}: unknown key; valid keys here are: {valid}"
+    if "ctx" in err and isinstance(err["ctx"].get("error"), _KeyError):
+        ke = err["ctx"]["error"]
+        return f"{source}: {ke.key}: {ke.msg}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{source}: {key}: {msg} (got {err['input']!r})"
+
+
+def _section_model(loc: list[str]) -> type[pydantic.BaseModel]:
+    model: type[pydantic.BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, pydantic.BaseModel):
+            break
+        model = field.annotation
+    return model
+
+
+def load_config(path: str | pathlib.Path, overrides: list[str] = ()) -> Config:
+    """Loads, merges includes, applies overrides and validates. Raises ConfigError."""
+    path = pathlib.Path(path)
+    raw = apply_overrides(_read_yaml(path), list(overrides))
+    source = f"{path}" + (f" + {len(overrides)} override(s)" if overrides else "")
+    return validate(raw, source)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,64 @@
+"""Where training numbers go: metrics.jsonl, TensorBoard events, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to `run_dir/metrics.jsonl` and
+    mirrors every numeric field to TensorBoard scalars.
+
+    On resume (`resume_step` given), lines past the restored step are dropped
+    first: those steps are about to be trained again, and keeping them would
+    leave two different losses for one step.
+    """
+
+    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool, resume_step: int | None = None,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self.path = pathlib.Path(run_dir) / "metrics.jsonl"
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        elif resume_step is None:
+            self.path.write_text("")
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(pathlib.Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    return v
+
+
+def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]

@@ -1,0 +1,1 @@
+"""Training: `python -m train --config FILE [key=value ...]`."""

@@ -1,0 +1,212 @@
+"""The training loop: validate, build the mesh, init or resume, step, log, save.
+
+    from meshwork.config import load_config
+    from train.loop import train
+    summary = train(load_config("configs/lm_tiny.yaml", ["train.steps=50"]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from meshwork import data as data_lib
+from meshwork.checkpoint import Checkpointer, abstract_with_shardings
+from meshwork.config import Config, ConfigError, dump_config
+from meshwork.flops import train_flops_per_token
+from meshwork.hardware import peak_flops_per_device
+from meshwork.metrics import MetricsWriter
+from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
+from sharding.report import compiled_report, format_report
+from sharding.rules import logical_to_sharding, rules_for, use_rules
+from train.optim import make_optimizer
+from train.state import abstract_state, init_state, state_shardings
+from train.step import make_eval_step, make_train_step
+
+BATCH_AXES = ("act_batch", "act_seq")
+
+
+@dataclass(frozen=True)
+class DataFiles:
+    train: pathlib.Path
+    val: pathlib.Path
+
+
+def check_runtime(cfg: Config, devices: list | None = None) -> DataFiles:
+    """The checks that need jax or the file system; raises ConfigError before anything is compiled or written."""
+    n_devices = len(devices) if devices is not None else jax.device_count()
+    try:
+        mesh_shape = dict(zip(MESH_AXES, resolve_mesh_shape(cfg.mesh.sizes(), n_devices)))
+    except MeshSizeError as e:
+        raise ConfigError(f"{e} (devices: {n_devices}, {jax.default_backend()})") from None
+    dp = mesh_shape["data"] * mesh_shape["fsdp"]
+    per_micro = cfg.train.global_batch // cfg.train.microbatches
+    if per_micro % dp:
+        raise ConfigError(
+            f"train.global_batch: {cfg.train.global_batch} sequences in {cfg.train.microbatches} microbatch(es) "
+            f"cannot be split over the data-parallel size data*fsdp={dp}; use a multiple of {dp * cfg.train.microbatches}")
+    if cfg.train.global_batch % jax.process_count():
+        raise ConfigError(f"train.global_batch: {cfg.train.global_batch} is not divisible by the "
+                          f"{jax.process_count()} processes")
+    try:
+        rules_for(cfg.rules.preset, cfg.rules.overrides)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+    if cfg.data.source == "stdlib":
+        if cfg.model.vocab_size < data_lib.ByteTokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is below the byte tokenizer's 256; set 256")
+        return DataFiles(*data_lib.stdlib_corpus(cfg.data.val_fraction, cfg.data.cache_dir))
+    files = {}
+    for key in ("train_path", "val_path"):
+        path = pathlib.Path(getattr(cfg.data, key)).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"data.{key}: file not found: {path}; point it to a uint16 token file (.bin)")
+        if path.stat().st_size < 2 * (cfg.data.seq_len + 1):
+            raise ConfigError(f"data.{key}: {path} holds fewer than {cfg.data.seq_len + 1} tokens; "
+                              f"use a larger file or a smaller data.seq_len")
+        head = np.memmap(path, dtype=data_lib.TOKEN_DTYPE, mode="r")[: 1 << 20]
+        if int(head.max()) >= cfg.model.vocab_size:
+            raise ConfigError(f"data.{key}: token id {int(head.max())} in {path} is out of range for "
+                              f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
+        files[key] = path
+    return DataFiles(files["train_path"], files["val_path"])
+
+
+class Trainer:
+    """Everything compiled for one config on one mesh; `train()` drives it."""
+
+    def __init__(self, cfg: Config, files: DataFiles, devices: list | None = None):
+        self.cfg, self.files = cfg, files
+        self.mesh = make_mesh(cfg.mesh.sizes(), devices)
+        self.rules = rules_for(cfg.rules.preset, cfg.rules.overrides)
+        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+        # Shapes first, outside the mesh: nnx.eval_shape would otherwise try to
+        # place the logical names on the mesh itself.
+        self.graphdef, self.abstract = abstract_state(cfg, self.tx)
+        with self.context():
+            self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
+            self.batch_sharding = logical_to_sharding(BATCH_AXES, self.mesh, self.rules)
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            B, L = cfg.train.global_batch, cfg.data.seq_len
+            batch_abstract = {k: jax.ShapeDtypeStruct((B, L), np.int32, sharding=self.batch_sharding)
+                              for k in ("inputs", "targets")}
+            # The step owns the state: donating it lets XLA update parameters
+            # and moments in place instead of holding two copies.
+            step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches),
+                           in_shardings=(self.shardings, self.batch_sharding),
+                           out_shardings=(self.shardings, replicated), donate_argnums=0)
+            self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile()
+            self.eval_fn = jax.jit(make_eval_step(self.graphdef), in_shardings=(self.shardings["params"],
+                                   self.batch_sharding), out_shardings=replicated)
+
+    def context(self):
+        """Mesh and rules must both be current while tracing, so activation constraints apply."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(use_rules(self.rules))
+        return stack
+
+    def init_state(self) -> dict[str, Any]:
+        with self.context():
+            return init_state(self.cfg, self.tx, self.shardings)
+
+    def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+    def evaluate(self, params, batches: list[dict[str, np.ndarray]]) -> float:
+        with self.context():
+            losses = [self.eval_fn(params, self.to_device(b)) for b in batches]
+        return float(np.mean(jax.device_get(losses)))
+
+    def report(self) -> str:
+        return format_report(compiled_report(self.step_fn), self.cfg, self.mesh)
+
+
+def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) -> dict[str, Any]:
+    """Trains `cfg` to `cfg.train.steps`, resuming from `run.dir` if it holds a checkpoint.
+
+    Returns a summary: first and last validation loss, steps run, run dir.
+    """
+    files = check_runtime(cfg, devices)
+    trainer = Trainer(cfg, files, devices)
+    if dry_run:
+        print(trainer.report())
+        return {"dry_run": True}
+
+    run_dir = pathlib.Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    is_main = jax.process_index() == 0
+    if is_main:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+
+    per_process = cfg.train.global_batch // jax.process_count()
+    data_iter = data_lib.train_iterator(str(files.train), cfg.data.seq_len, per_process, cfg.run.seed,
+                                        jax.process_index(), jax.process_count())
+    val_set = data_lib.eval_batches(str(files.val), cfg.data.seq_len, per_process, cfg.log.eval_batches,
+                                    jax.process_index(), jax.process_count())
+    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        use_async=cfg.checkpoint.async_)
+    start = ckpt.latest_step()
+    if start is None:
+        state = trainer.init_state()
+    else:
+        state, iter_state = ckpt.restore(start, abstract_with_shardings(trainer.abstract, trainer.shardings))
+        data_iter.set_state(iter_state)
+    writer = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=is_main)
+
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+    peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}}
+    if start is None:
+        start = 0
+        summary["val_loss"][0] = trainer.evaluate(state["params"], val_set)
+        writer.write(0, {"val_loss": summary["val_loss"][0]})
+
+    steps = cfg.train.steps
+    pbar = tqdm(total=steps, initial=start, disable=not (cfg.log.progress and is_main), desc=cfg.run.name,
+                dynamic_ncols=True)
+    pending: tuple[int, Any] | None = None
+    clock = {"t": time.perf_counter(), "steps": 0}
+    extra: dict[int, dict[str, float]] = {}
+
+    def finish(step: int, metrics_dev) -> None:
+        """Reads step `step`'s metrics (by now the next step is already queued)."""
+        m = {k: float(v) for k, v in jax.device_get(metrics_dev).items()}
+        clock["steps"] += 1
+        pbar.update(1)
+        pbar.set_postfix(loss=f"{m['loss']:.3f}")
+        if step % cfg.log.every and step not in extra and step != steps:
+            return
+        now = time.perf_counter()
+        step_time = (now - clock["t"]) / max(clock["steps"], 1)
+        clock.update(t=now, steps=0)
+        tflops = flops_per_step / step_time / jax.device_count() / 1e12
+        writer.write(step, {**m, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+                            "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak, **extra.pop(step, {})})
+
+    for step in range(start + 1, steps + 1):
+        batch = trainer.to_device(next(data_iter))
+        state, metrics = trainer.step_fn(state, batch)
+        if pending is not None:
+            finish(*pending)
+        pending = (step, metrics)
+        if step % cfg.log.eval_every == 0 or step == steps:
+            val = trainer.evaluate(state["params"], val_set)
+            summary["val_loss"][step] = extra.setdefault(step, {})["val_loss"] = val
+        ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == steps)
+    if pending is not None:
+        finish(*pending)
+    pbar.close()
+    ckpt.close()
+    writer.close()
+    summary["state"] = state
+    return summary

@@ -1,0 +1,66 @@
+"""The train state and its abstract-first, sharded initialization.
+
+State is a plain dict pytree {"step", "params", "opt_state"}; the model's
+structure (its nnx GraphDef) is kept apart and closed over by the step, so
+the jitted functions see only arrays. Parameters and Adam moments are
+`nnx.Param` variables carrying their logical axis names, which is all the
+sharding rules need:
+
+    graphdef, abstract = abstract_state(cfg, tx)          # shapes only
+    shardings = state_shardings(abstract, mesh, rules)    # names -> mesh
+    state = init_state(cfg, tx, shardings)                # born sharded
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from meshwork.config import Config
+from models.transformer import Transformer
+from sharding.rules import Rules, tree_shardings
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def build_model(cfg: Config, seed: int | None = None) -> Transformer:
+    return Transformer(cfg.model, dtype=DTYPES[cfg.train.compute_dtype], param_dtype=DTYPES[cfg.train.param_dtype],
+                       remat=cfg.train.remat, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
+
+
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation) -> dict[str, Any]:
+    params = nnx.state(build_model(cfg), nnx.Param)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, dict[str, Any]]:
+    """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg)))
+    return graphdef, jax.eval_shape(lambda: _fresh_state(cfg, tx))
+
+
+def logical_specs(state: Any) -> Any:
+    """Tree prefix of `state`: a PartitionSpec of logical names per annotated variable, else None."""
+    def spec(leaf):
+        names = leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
+        return PartitionSpec(*names) if names else None
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(abstract: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for every state leaf (a tree prefix of the state)."""
+    return tree_shardings(logical_specs(abstract), mesh, rules)
+
+
+def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any) -> dict[str, Any]:
+    """Initializes directly into `shardings`: each device computes only its shards."""
+    return jax.jit(lambda: _fresh_state(cfg, tx), out_shardings=shardings)()
+
+
+def param_count(state: dict[str, Any]) -> int:
+    return sum(x.size for x in jax.tree.leaves(state["params"]))
