@@ -17,7 +17,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="YAML file (may `include:` others)")
     p.add_argument("--dry-run", action="store_true", help="compile the step, print the per-device report, exit")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str]) -> int:

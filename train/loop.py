@@ -172,6 +172,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
         writer.write(0, {"val_loss": summary["val_loss"][0]})
 
     steps = cfg.train.steps
+    last = min(steps, cfg.train.stop_after or steps)
     pbar = tqdm(total=steps, initial=start, disable=not (cfg.log.progress and is_main), desc=cfg.run.name,
                 dynamic_ncols=True)
     pending: tuple[int, Any] | None = None
@@ -184,7 +185,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
         clock["steps"] += 1
         pbar.update(1)
         pbar.set_postfix(loss=f"{m['loss']:.3f}")
-        if step % cfg.log.every and step not in extra and step != steps:
+        if step % cfg.log.every and step not in extra and step != last:
             return
         now = time.perf_counter()
         step_time = (now - clock["t"]) / max(clock["steps"], 1)
@@ -193,7 +194,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
         writer.write(step, {**m, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                             "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak, **extra.pop(step, {})})
 
-    for step in range(start + 1, steps + 1):
+    for step in range(start + 1, last + 1):
         batch = trainer.to_device(next(data_iter))
         state, metrics = trainer.step_fn(state, batch)
         if pending is not None:
@@ -202,7 +203,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
         if step % cfg.log.eval_every == 0 or step == steps:
             val = trainer.evaluate(state["params"], val_set)
             summary["val_loss"][step] = extra.setdefault(step, {})["val_loss"] = val
-        ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == steps)
+        ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == last)
     if pending is not None:
         finish(*pending)
     pbar.close()

@@ -95,6 +95,10 @@ class OptimizerConfig(Section):
 
 class TrainConfig(Section):
     steps: int = pydantic.Field(300, gt=0)
+    """Length of the run; the learning-rate schedule spans exactly this many steps."""
+    stop_after: int | None = pydantic.Field(None, gt=0)
+    """End this invocation after this step (checkpointing there), as a scheduler's
+    time limit would; re-running the same config resumes toward `steps`."""
     global_batch: int = pydantic.Field(16, gt=0)
     """Sequences per optimizer step, summed over all devices and microbatches."""
     microbatches: int = pydantic.Field(1, gt=0)

@@ -1,0 +1,79 @@
+"""Config parsing, includes, overrides, and the one-line errors of the CLI."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from meshwork.config import Config, ConfigError, load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    assert isinstance(load_config(path), Config)
+
+
+def test_include_and_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("model: {d_model: 64, n_layers: 3}\ntrain: {steps: 10}\n")
+    (tmp_path / "child.yaml").write_text("include: base.yaml\nmodel: {n_layers: 5}\n")
+    cfg = load_config(tmp_path / "child.yaml", ["train.steps=7", "rules.preset=fsdp", "checkpoint.async=false"])
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.train.steps) == (64, 5, 7)
+    assert cfg.rules.preset == "fsdp" and cfg.checkpoint.async_ is False
+    with pytest.raises(Exception):
+        cfg.train.steps = 3  # frozen
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.stepz=3", "train.stepz"),
+    ("train.steps=abc", "train.steps"),
+    ("optimizer.lr=-1", "optimizer.lr"),
+    ("model.n_kv_heads=3", "model.n_kv_heads"),
+    ("rules.preset=zero9", "rules.preset"),
+])
+def test_bad_values_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+        load_config(ROOT / "configs/lm_tiny.yaml", [override])
+    assert "\n" not in str(e.value)
+
+
+def _cli(*args, cwd):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "train", "--config", str(ROOT / "configs/lm_tiny.yaml"), *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.stepz=3", "train.stepz"),                        # unknown key
+    ("train.global_batch=lots", "train.global_batch"),       # wrong type
+    ("mesh.data=3", "mesh"),                                 # 3 devices of 8
+    ("train.global_batch=12", "train.global_batch"),         # 12 sequences over data=8
+    ("data.source=tokens data.train_path=/nonexistent/train.bin data.val_path=/nonexistent/val.bin",
+     "data.train_path"),                                     # missing data file
+])
+def test_cli_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, override, key):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sentinel = {"config.yaml": "previous run's config\n", "metrics.jsonl": '{"step": 1, "loss": 1.0}\n'}
+    for name, text in sentinel.items():
+        (run_dir / name).write_text(text)
+    proc = _cli(f"run.dir={run_dir}", *override.split(), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(sentinel)
+    for name, text in sentinel.items():
+        assert (run_dir / name).read_text() == text
+
+
+def test_dry_run_prints_report_and_writes_nothing(tmp_path):
+    proc = _cli(f"run.dir={tmp_path / 'run'}", "--dry-run", "rules.preset=fsdp", "mesh.data=2", "mesh.fsdp=4",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "per-device temp" in proc.stdout and "all-gather" in proc.stdout
+    assert not (tmp_path / "run").exists()

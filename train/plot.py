@@ -1,0 +1,49 @@
+"""python -m train.plot RUN_DIR [--out FILE]: loss curves from metrics.jsonl as a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from meshwork.metrics import read_metrics
+
+
+def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    out = pathlib.Path(out or pathlib.Path(run_dir) / "loss.png")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("loss", "train loss"), ("val_loss", "validation loss")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "val_loss" else None, markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(pathlib.Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__)
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
+    args = p.parse_args(argv)
+    if not (pathlib.Path(args.run_dir) / "metrics.jsonl").is_file():
+        print(f"error: {args.run_dir}/metrics.jsonl not found; pass the run.dir of a training run", file=sys.stderr)
+        return 2
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
