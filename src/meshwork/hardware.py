@@ -24,7 +24,7 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def measure_cpu_peak(dtype: str = "float32", n: int = 512, repeats: int = 5) -> float:
+def measure_cpu_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of one n x n matmul on the first CPU device, best of `repeats`.
 
     XLA's CPU devices share one thread pool, so with several (fake) devices in
