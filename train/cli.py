@@ -32,10 +32,6 @@ def main(argv: list[str]) -> int:
         return 2
     if not args.dry_run:
         vals = summary["val_loss"]
-        if vals:
-            last = max(vals)
-            print(f"done: {cfg.train.steps} steps, validation loss {vals[last]:.4f} at step {last}; "
-                  f"run dir {summary['run_dir']}")
-        else:
-            print(f"done: {summary['run_dir']} was already trained to {cfg.train.steps} steps")
+        val = f", validation loss {vals[max(vals)]:.4f} at step {max(vals)}" if vals else ""
+        print(f"at step {summary['last_step']} of {cfg.train.steps}{val}; run dir {summary['run_dir']}")
     return 0

@@ -209,5 +209,5 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
     pbar.close()
     ckpt.close()
     writer.close()
-    summary["state"] = state
+    summary.update(state=state, last_step=max(last, start))
     return summary
