@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshwork.config import load_config
+from meshwork.config import ConfigError, load_config
 from meshwork.metrics import read_metrics
 from train.loop import train
 
@@ -40,3 +40,10 @@ def test_finished_run_is_not_trained_again(tmp_path):
     again = train(cfg)
     assert again["resumed_from"] == 3 and again["val_loss"] == {}
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [3]
+
+    before = (tmp_path / "config.yaml").read_text()
+    other = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "train.steps=6",
+                                                        "mesh.data=8", "model.d_ff=256"])
+    with pytest.raises(ConfigError, match=r"model\.d_ff: .* holds a checkpoint .*d_ff=128"):
+        train(other)
+    assert (tmp_path / "config.yaml").read_text() == before

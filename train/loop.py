@@ -130,6 +130,62 @@ class Trainer:
         return format_report(compiled_report(self.step_fn), self.cfg, self.mesh)
 
 
+def _check_same_model(cfg: Config, saved: dict, run_dir: pathlib.Path) -> None:
+    """Resuming a different model would fail deep inside Orbax; say so plainly instead."""
+    for section in ("model", "data"):
+        now = cfg.to_dict()[section]
+        if saved.get(section) != now:
+            key = next((k for k in now if saved.get(section, {}).get(k) != now[k]), "")
+            raise ConfigError(f"{section}.{key}: {run_dir} holds a checkpoint of a run with {section}.{key}="
+                              f"{saved.get(section, {}).get(key)!r}, not {now[key]!r}; use a new run.dir "
+                              f"or the original value")
+
+
+class StepLogger:
+    """Reads each step's metrics one step late (the next step is already queued,
+    so the host never stalls the device) and writes every `log.every`-th
+    step, every evaluated step and the last one, with throughput and MFU."""
+
+    def __init__(self, cfg: Config, writer: MetricsWriter, *, start: int, last: int, enabled: bool):
+        self.cfg, self.writer, self.last = cfg, writer, last
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * self.tokens_per_step
+        self.peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
+        self.pbar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.log.progress and enabled),
+                         desc=cfg.run.name, dynamic_ncols=True)
+        self.pending: tuple[int, Any] | None = None
+        self.extra: dict[int, dict[str, float]] = {}
+        self.t_last, self.steps_since = time.perf_counter(), 0
+
+    def add(self, step: int, **values: float) -> None:
+        self.extra.setdefault(step, {}).update(values)
+
+    def step_dispatched(self, step: int, metrics: Any) -> None:
+        if self.pending is not None:
+            self._finish(*self.pending)
+        self.pending = (step, metrics)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self._finish(*self.pending)
+        self.pbar.close()
+
+    def _finish(self, step: int, metrics: Any) -> None:
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.steps_since += 1
+        self.pbar.update(1)
+        self.pbar.set_postfix(loss=f"{m['loss']:.3f}")
+        if step % self.cfg.log.every and step not in self.extra and step != self.last:
+            return
+        now = time.perf_counter()
+        step_time = (now - self.t_last) / self.steps_since
+        self.t_last, self.steps_since = now, 0
+        tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
+        self.writer.write(step, {**m, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
+                                 "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak,
+                                 **self.extra.pop(step, {})})
+
+
 def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Trains `cfg` to `cfg.train.steps`, resuming from `run.dir` if it holds a checkpoint.
 
@@ -142,7 +198,11 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
         return {"dry_run": True}
 
     run_dir = pathlib.Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        use_async=cfg.checkpoint.async_)
+    start = ckpt.latest_step()
+    if start is not None:
+        _check_same_model(cfg, ckpt.saved_config(start), run_dir)
     is_main = jax.process_index() == 0
     if is_main:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -152,19 +212,12 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
                                         jax.process_index(), jax.process_count())
     val_set = data_lib.eval_batches(str(files.val), cfg.data.seq_len, per_process, cfg.log.eval_batches,
                                     jax.process_index(), jax.process_count())
-    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        use_async=cfg.checkpoint.async_)
-    start = ckpt.latest_step()
     if start is None:
         state = trainer.init_state()
     else:
         state, iter_state = ckpt.restore(start, abstract_with_shardings(trainer.abstract, trainer.shardings))
         data_iter.set_state(iter_state)
     writer = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=is_main)
-
-    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-    flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-    peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}}
     if start is None:
         start = 0
@@ -173,40 +226,16 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
 
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_after or steps)
-    pbar = tqdm(total=steps, initial=start, disable=not (cfg.log.progress and is_main), desc=cfg.run.name,
-                dynamic_ncols=True)
-    pending: tuple[int, Any] | None = None
-    clock = {"t": time.perf_counter(), "steps": 0}
-    extra: dict[int, dict[str, float]] = {}
-
-    def finish(step: int, metrics_dev) -> None:
-        """Reads step `step`'s metrics (by now the next step is already queued)."""
-        m = {k: float(v) for k, v in jax.device_get(metrics_dev).items()}
-        clock["steps"] += 1
-        pbar.update(1)
-        pbar.set_postfix(loss=f"{m['loss']:.3f}")
-        if step % cfg.log.every and step not in extra and step != last:
-            return
-        now = time.perf_counter()
-        step_time = (now - clock["t"]) / max(clock["steps"], 1)
-        clock.update(t=now, steps=0)
-        tflops = flops_per_step / step_time / jax.device_count() / 1e12
-        writer.write(step, {**m, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-                            "tflops_per_device": tflops, "mfu": tflops * 1e12 / peak, **extra.pop(step, {})})
-
+    logger = StepLogger(cfg, writer, start=start, last=last, enabled=is_main)
     for step in range(start + 1, last + 1):
         batch = trainer.to_device(next(data_iter))
         state, metrics = trainer.step_fn(state, batch)
-        if pending is not None:
-            finish(*pending)
-        pending = (step, metrics)
+        logger.step_dispatched(step, metrics)
         if step % cfg.log.eval_every == 0 or step == steps:
-            val = trainer.evaluate(state["params"], val_set)
-            summary["val_loss"][step] = extra.setdefault(step, {})["val_loss"] = val
+            summary["val_loss"][step] = trainer.evaluate(state["params"], val_set)
+            logger.add(step, val_loss=summary["val_loss"][step])
         ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == last)
-    if pending is not None:
-        finish(*pending)
-    pbar.close()
+    logger.close()
     ckpt.close()
     writer.close()
     summary.update(state=state, last_step=max(last, start))

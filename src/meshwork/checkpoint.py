@@ -42,6 +42,10 @@ class Checkpointer:
             data_iter=ocp.args.JsonRestore()))
         return out["state"], out["data_iter"]
 
+    def saved_config(self, step: int) -> dict:
+        """The resolved config stored with checkpoint `step`."""
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
