@@ -26,7 +26,7 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
 }
-ACT_BLD = ("act_batch", "act_seq", "act_embed")
+ACT_BLD = ("act_batch", "act_norm_seq", "act_embed")  # the residual stream
 
 
 class Block(nnx.Module):

@@ -3,19 +3,38 @@
 Models name every weight and activation dimension with a logical name
 (`embed`, `heads`, `act_batch`, ...) and never mention mesh axes. A rules table
 maps each logical name to a mesh axis (or a tuple of them, or None for
-replicated). Parallelism strategies are presets of this table plus mesh sizes:
+replicated). Parallelism strategies are presets of this table plus mesh sizes,
+combined with `+` (e.g. `fsdp+tp` on a 2 data x 2 fsdp x 2 tensor mesh):
 
 - `dp`: parameters replicated; the batch is split over `data` (and `fsdp`,
   which is data-parallel for activations); XLA all-reduces the gradients.
-- `fsdp` (ZeRO-3): as `dp`, and every weight is split over `fsdp` along its
-  `embed` dimension, so parameters, gradients and Adam moments all live in
-  1/fsdp pieces; XLA all-gathers weights before use and reduce-scatters
-  gradients. With `data` > 1 as well this is hybrid sharding (HSDP).
+- `zero1`: as `dp`, but Adam's moments are split over the data-parallel axes
+  (ZeRO stage 1); `zero2`: gradients too, so XLA reduce-scatters them.
+- `fsdp` (ZeRO-3): every weight is split over `fsdp` along its `embed`
+  dimension, so parameters, gradients and moments all live in 1/fsdp pieces;
+  XLA all-gathers weights before use and reduce-scatters gradients. With
+  `data` > 1 as well this is hybrid sharding (HSDP).
+- `tp`: Megatron tensor parallelism over `tensor`: attention heads and the MLP
+  hidden dimension split (column-parallel in, row-parallel out: one all-reduce
+  per block in the forward pass), vocab-parallel embedding and logits.
+- `sp`: `tp` plus Megatron sequence parallelism: the residual stream and norms
+  (`act_norm_seq`) are split over the sequence on `tensor` between the
+  tensor-parallel regions, turning each all-reduce into all-gather +
+  reduce-scatter.
+- `cp`: context parallelism: the sequence split over `sequence` everywhere;
+  attention becomes ring attention (see `sharding/ring_attention.py`).
+
+Each preset gives one table per role: `params` (also used for activations),
+`grads` and `opt_state`; they differ only for the ZeRO-1/2 presets.
 
     >>> rules = rules_for("fsdp")
     >>> logical_to_spec(("embed", "mlp"), rules) == PartitionSpec("fsdp", None)
     True
     >>> logical_to_spec(("act_batch", "act_seq", "act_embed"), rules) == PartitionSpec(("data", "fsdp"), None, None)
+    True
+    >>> logical_to_spec(("embed", "mlp"), rules_for("zero1", role="opt_state")) == PartitionSpec(("data", "fsdp"), None)
+    True
+    >>> logical_to_spec(("embed", "heads"), rules_for("fsdp+tp")) == PartitionSpec("fsdp", "tensor")
     True
 """
 
@@ -31,10 +50,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
+ROLES = ("params", "grads", "opt_state")
 
 # Every logical name used by models/ appears here; a name missing from the
 # table is an error rather than a silent "replicated".
-_DP: dict[str, MeshAxes] = {
+_BASE: dict[str, MeshAxes] = {
     # weights
     "vocab": None,
     "embed": None,
@@ -45,7 +65,8 @@ _DP: dict[str, MeshAxes] = {
     "layers": None,
     # activations
     "act_batch": ("data", "fsdp"),
-    "act_seq": None,
+    "act_seq": None,        # sequence inside attention and the MLP
+    "act_norm_seq": None,   # sequence of the residual stream and norms (Megatron-SP splits only this)
     "act_embed": None,
     "act_heads": None,
     "act_kv_heads": None,
@@ -54,26 +75,52 @@ _DP: dict[str, MeshAxes] = {
     "act_vocab": None,
 }
 
-PRESETS: dict[str, dict[str, MeshAxes]] = {
-    "dp": _DP,
-    "fsdp": {**_DP, "embed": "fsdp"},
+_DATA_PARALLEL = ("data", "fsdp")
+_TENSOR_PARALLEL = {name: "tensor" for name in (
+    "heads", "kv_heads", "mlp", "vocab", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")}
+
+# preset -> role ("all" or one of ROLES) -> changes to the base table.
+PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
+    "dp": {},
+    "zero1": {"opt_state": {"embed": _DATA_PARALLEL}},
+    "zero2": {"opt_state": {"embed": _DATA_PARALLEL}, "grads": {"embed": _DATA_PARALLEL}},
+    "fsdp": {"all": {"embed": "fsdp"}},
+    "tp": {"all": _TENSOR_PARALLEL},
+    "sp": {"all": {**_TENSOR_PARALLEL, "act_norm_seq": "tensor"}},
+    "cp": {"all": {"act_seq": "sequence", "act_norm_seq": "sequence"}},
 }
 
 
-def rules_for(preset: str, overrides: Mapping[str, MeshAxes | Sequence[str]] | None = None) -> Rules:
-    """Returns the rules of `preset` with `overrides` applied, as a tuple of pairs.
+def rules_for(preset: str, overrides: Mapping[str, MeshAxes | Sequence[str]] | None = None,
+              role: str = "params") -> Rules:
+    """The rules of `preset` (names joined by `+`, applied left to right) for `role`,
+    with `overrides` applied last, as a tuple of (logical name, mesh axes) pairs.
 
     >>> dict(rules_for("dp", {"mlp": "tensor"}))["mlp"]
     'tensor'
+    >>> dict(rules_for("zero2", role="grads"))["embed"]
+    ('data', 'fsdp')
     """
-    if preset not in PRESETS:
-        raise KeyError(f"rules.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    table = dict(PRESETS[preset])
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}; choose one of {ROLES}")
+    table = dict(_BASE)
+    for name in preset.split("+"):
+        if name not in PRESETS:
+            raise KeyError(f"rules.preset: unknown preset {name!r} in {preset!r}; "
+                           f"choose from {', '.join(PRESETS)}, joined by +")
+        table.update(PRESETS[name].get("all", {}))
+        table.update(PRESETS[name].get(role, {}))
     for name, axes in (overrides or {}).items():
         if name not in table:
-            raise KeyError(f"rules.overrides: unknown logical axis {name!r}; known: {sorted(table)}")
+            raise KeyError(f"rules.overrides: unknown logical axis {name!r}; known: {', '.join(table)}")
         table[name] = tuple(axes) if isinstance(axes, list | tuple) else axes
     return tuple(table.items())
+
+
+def axes_of(name: str, rules: Rules) -> tuple[str, ...]:
+    """The mesh axes a logical name maps to, as a tuple (empty when replicated)."""
+    axes = dict(rules)[name]
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:

@@ -33,7 +33,7 @@ def test_include_and_overrides(tmp_path):
     ("train.steps=abc", "train.steps"),
     ("optimizer.lr=-1", "optimizer.lr"),
     ("model.n_kv_heads=3", "model.n_kv_heads"),
-    ("rules.preset=zero9", "rules.preset"),
+    ("rules.preset=FSDP!", "rules.preset"),
 ])
 def test_bad_values_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
@@ -52,6 +52,7 @@ def _cli(*args, cwd):
     ("train.global_batch=lots", "train.global_batch"),       # wrong type
     ("mesh.data=3", "mesh"),                                 # 3 devices of 8
     ("train.global_batch=12", "train.global_batch"),         # 12 sequences over data=8
+    ("rules.preset=fsdp+zero9", "rules.preset"),             # no such preset
     ("data.source=tokens data.train_path=/nonexistent/train.bin data.val_path=/nonexistent/val.bin",
      "data.train_path"),                                     # missing data file
 ])

@@ -26,9 +26,9 @@ from meshwork.hardware import peak_flops_per_device
 from meshwork.metrics import MetricsWriter
 from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
 from sharding.report import compiled_report, format_report
-from sharding.rules import logical_to_sharding, rules_for, use_rules
+from sharding.rules import ROLES, logical_to_sharding, rules_for, tree_shardings, use_rules
 from train.optim import make_optimizer
-from train.state import abstract_state, init_state, state_shardings
+from train.state import abstract_state, init_state, logical_specs, state_shardings
 from train.step import make_eval_step, make_train_step
 
 BATCH_AXES = ("act_batch", "act_seq")
@@ -86,13 +86,20 @@ class Trainer:
     def __init__(self, cfg: Config, files: DataFiles, devices: list | None = None):
         self.cfg, self.files = cfg, files
         self.mesh = make_mesh(cfg.mesh.sizes(), devices)
-        self.rules = rules_for(cfg.rules.preset, cfg.rules.overrides)
+        self.rules_by_role = {role: rules_for(cfg.rules.preset, cfg.rules.overrides, role) for role in ROLES}
+        self.rules = self.rules_by_role["params"]  # also the activations' table
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
         # Shapes first, outside the mesh: nnx.eval_shape would otherwise try to
         # place the logical names on the mesh itself.
         self.graphdef, self.abstract = abstract_state(cfg, self.tx)
         with self.context():
-            self.shardings = state_shardings(self.abstract, self.mesh, self.rules)
+            self.shardings = state_shardings(self.abstract, self.mesh, self.rules_by_role)
+            # Gradients get their own layout only when it differs from the
+            # parameters' (ZeRO-2: reduce-scattered instead of all-reduced).
+            grad_shardings = tree_shardings(logical_specs(self.abstract["params"]), self.mesh,
+                                            self.rules_by_role["grads"])
+            if self.rules_by_role["grads"] == self.rules:
+                grad_shardings = None
             self.batch_sharding = logical_to_sharding(BATCH_AXES, self.mesh, self.rules)
             replicated = NamedSharding(self.mesh, PartitionSpec())
             B, L = cfg.train.global_batch, cfg.data.seq_len
@@ -100,7 +107,8 @@ class Trainer:
                               for k in ("inputs", "targets")}
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
-            step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches),
+            step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches,
+                                           grad_shardings),
                            in_shardings=(self.shardings, self.batch_sharding),
                            out_shardings=(self.shardings, replicated), donate_argnums=0)
             self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile()

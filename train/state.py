@@ -13,6 +13,7 @@ sharding rules need:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -52,9 +53,15 @@ def logical_specs(state: Any) -> Any:
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def state_shardings(abstract: Any, mesh: Mesh, rules: Rules) -> Any:
-    """NamedShardings for every state leaf (a tree prefix of the state)."""
-    return tree_shardings(logical_specs(abstract), mesh, rules)
+def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules]) -> Any:
+    """NamedShardings for every state leaf (a tree prefix of the state).
+
+    `rules` maps a role to its table (see `sharding.rules.ROLES`): parameters
+    follow "params", Adam's moments "opt_state" (they differ under ZeRO-1/2).
+    """
+    return {"step": tree_shardings(None, mesh, rules["params"]),
+            "params": tree_shardings(logical_specs(abstract["params"]), mesh, rules["params"]),
+            "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"])}
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any) -> dict[str, Any]:

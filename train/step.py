@@ -20,8 +20,12 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[Any, Batch], jax.Array]:
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int = 1) -> Callable[[dict, Batch], tuple[dict, dict]]:
+                    microbatches: int = 1, grad_shardings: Any = None) -> Callable[[dict, Batch], tuple[dict, dict]]:
     """Returns step(state, batch) -> (state, metrics); jit it with shardings and donation.
+
+    `grad_shardings`, when given, pins the gradients' layout (ZeRO-2 splits
+    them over the data-parallel axes, so XLA reduce-scatters instead of
+    all-reducing); otherwise XLA lays them out like the parameters.
 
     With `microbatches` = M > 1, gradients of M equal slices of the batch are
     summed in float32 inside a scan (gradient accumulation), so activation
@@ -50,6 +54,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
 
     def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
         loss, grads = accumulate(state["params"], batch)
+        if grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}

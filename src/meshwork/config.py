@@ -137,8 +137,8 @@ class MeshConfig(Section):
 
 
 class RulesConfig(Section):
-    preset: Literal["dp", "fsdp"] = "dp"
-    """Name of a preset in sharding/rules.py."""
+    preset: str = pydantic.Field("dp", pattern=r"^[a-z0-9]+(\+[a-z0-9]+)*$")
+    """A preset of sharding/rules.py (dp, zero1, zero2, fsdp, tp, sp, cp) or several joined by `+`."""
     overrides: dict[str, str | list[str] | None] = {}
     """logical axis -> mesh axis (or list of them, or null), applied over the preset."""
 
