@@ -7,6 +7,7 @@ exit with status 2 before anything is compiled or written.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from meshwork.config import ConfigError, load_config
@@ -17,13 +18,41 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="YAML file (may `include:` others)")
     p.add_argument("--dry-run", action="store_true", help="compile the step, print the per-device report, exit")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    dist = p.add_argument_group("multi-process (jax.distributed); omit all on a single host")
+    dist.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                      help="host:port of process 0 (env JAX_COORDINATOR_ADDRESS)")
+    dist.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
+                      help="number of processes (env JAX_NUM_PROCESSES)")
+    dist.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
+                      help="this process's id, 0-based (env JAX_PROCESS_ID)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="call jax.distributed.initialize() with JAX's own cluster detection (SLURM, TPU pods, MPI)")
     return p.parse_intermixed_args(argv)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """Starts JAX's distributed runtime when asked to; must run before any jax computation."""
+    explicit = (args.coordinator_address, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in explicit):
+        return
+    if not args.distributed and any(v is None for v in explicit):
+        raise ConfigError("--coordinator-address, --num-processes and --process-id go together (or use "
+                          "--distributed for JAX's cluster auto-detection)")
+    import jax
+
+    jax.distributed.initialize(*explicit) if not args.distributed else jax.distributed.initialize()
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        init_distributed(args)
         from train.loop import train  # jax loads only once the config is known to be good
 
         summary = train(cfg, dry_run=args.dry_run)

@@ -53,9 +53,6 @@ def check_runtime(cfg: Config, devices: list | None = None) -> DataFiles:
         raise ConfigError(
             f"train.global_batch: {cfg.train.global_batch} sequences in {cfg.train.microbatches} microbatch(es) "
             f"cannot be split over the data-parallel size data*fsdp={dp}; use a multiple of {dp * cfg.train.microbatches}")
-    if cfg.train.global_batch % jax.process_count():
-        raise ConfigError(f"train.global_batch: {cfg.train.global_batch} is not divisible by the "
-                          f"{jax.process_count()} processes")
     try:
         rules_for(cfg.rules.preset, cfg.rules.overrides)
     except KeyError as e:
@@ -78,6 +75,19 @@ def check_runtime(cfg: Config, devices: list | None = None) -> DataFiles:
                               f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
         files[key] = path
     return DataFiles(files["train_path"], files["val_path"])
+
+
+def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
+    """The contiguous block of rows (dimension 0) that this process's devices hold."""
+    index_map = sharding.addressable_devices_indices_map(global_shape)
+    starts = {idx[0].start or 0 for idx in index_map.values()}
+    stops = {global_shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()}
+    return slice(min(starts), max(stops))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated value as numpy, also when other processes hold copies of it."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
 
 
 class Trainer:
@@ -127,12 +137,15 @@ class Trainer:
             return init_state(self.cfg, self.tx, self.shardings)
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+        """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
+        rows = process_rows(self.batch_sharding, next(iter(batch.values())).shape)
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape)
+                for k, v in batch.items()}
 
     def evaluate(self, params, batches: list[dict[str, np.ndarray]]) -> float:
         with self.context():
             losses = [self.eval_fn(params, self.to_device(b)) for b in batches]
-        return float(np.mean(jax.device_get(losses)))
+        return float(np.mean([to_host(x) for x in losses]))
 
     def report(self) -> str:
         return format_report(compiled_report(self.step_fn), self.cfg, self.mesh)
@@ -179,7 +192,7 @@ class StepLogger:
         self.pbar.close()
 
     def _finish(self, step: int, metrics: Any) -> None:
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        m = {k: float(to_host(v)) for k, v in metrics.items()}
         self.steps_since += 1
         self.pbar.update(1)
         self.pbar.set_postfix(loss=f"{m['loss']:.3f}")
@@ -215,11 +228,8 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) ->
     if is_main:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
 
-    per_process = cfg.train.global_batch // jax.process_count()
-    data_iter = data_lib.train_iterator(str(files.train), cfg.data.seq_len, per_process, cfg.run.seed,
-                                        jax.process_index(), jax.process_count())
-    val_set = data_lib.eval_batches(str(files.val), cfg.data.seq_len, per_process, cfg.log.eval_batches,
-                                    jax.process_index(), jax.process_count())
+    data_iter = data_lib.train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)
+    val_set = data_lib.eval_batches(str(files.val), cfg.data.seq_len, cfg.train.global_batch, cfg.log.eval_batches)
     if start is None:
         state = trainer.init_state()
     else:

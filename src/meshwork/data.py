@@ -129,27 +129,24 @@ def _to_example(batch_BL1: np.ndarray) -> dict[str, np.ndarray]:
     return {"inputs": batch_BL1[:, :-1], "targets": batch_BL1[:, 1:]}
 
 
-def train_iterator(path: str, seq_len: int, batch_size: int, seed: int,
-                   process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
-    """An infinite, shuffled, checkpointable iterator of {'inputs', 'targets'} (B, L) batches.
+def train_iterator(path: str, seq_len: int, global_batch: int, seed: int) -> grain.DatasetIterator:
+    """An infinite, shuffled, checkpointable iterator of {'inputs', 'targets'} (B, L) global batches.
 
-    `batch_size` is this process's share of the global batch; each process
-    reads a disjoint slice of every shuffled epoch.
+    Every process iterates the same global batches and keeps its own rows
+    (see `train.loop.Trainer.to_device`), so the data a run sees, and its
+    checkpointed iterator state, do not depend on the number of processes.
     """
-    ds = grain.MapDataset.source(TokenWindows(str(path), seq_len)).shuffle(seed=seed)
-    ds = ds[process_index::process_count].repeat(None)
-    ds = ds.batch(batch_size, drop_remainder=True).map(_to_example)
+    ds = grain.MapDataset.source(TokenWindows(str(path), seq_len)).shuffle(seed=seed).repeat(None)
+    ds = ds.batch(global_batch, drop_remainder=True).map(_to_example)
     return iter(ds.to_iter_dataset())
 
 
-def eval_batches(path: str, seq_len: int, batch_size: int, n_batches: int,
-                 process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+def eval_batches(path: str, seq_len: int, global_batch: int, n_batches: int) -> list[dict[str, np.ndarray]]:
     """A fixed validation set: windows spread evenly over the file, the same every time."""
     src = TokenWindows(str(path), seq_len)
-    total = batch_size * process_count * n_batches
+    total = global_batch * n_batches
     if len(src) < total:
         raise ValueError(f"{path}: {len(src)} windows of {seq_len + 1} tokens, need {total} for evaluation; "
                          f"lower log.eval_batches or data.seq_len")
-    idx = np.linspace(0, len(src) - 1, total).astype(np.int64)
-    idx = idx.reshape(n_batches, process_count, batch_size)[:, process_index]
+    idx = np.linspace(0, len(src) - 1, total).astype(np.int64).reshape(n_batches, global_batch)
     return [_to_example(np.stack([src[i] for i in row])) for row in idx]
