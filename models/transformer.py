@@ -41,7 +41,7 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=out_std, **kw)
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
@@ -72,9 +72,9 @@ class Transformer(nnx.Module):
             self.lm_head = param(normal(cfg.init_std), rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype,
                                  ("embed", "vocab"))
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        B, L = tokens_BL.shape
-        positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
+        """positions_BL: the position of each token when the sequence is laid out in another
+        order than 0..L-1 (context parallelism's zigzag); None means 0..L-1."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
 
         graphdef, stacked = nnx.split(self.blocks)

@@ -123,6 +123,17 @@ def axes_of(name: str, rules: Rules) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
+def split_axes(name: str, rules: Rules, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that split logical dimension `name`.
+
+    >>> split_axes("act_seq", rules_for("cp"), {"data": 2, "sequence": 4})
+    ('sequence',)
+    >>> split_axes("act_seq", rules_for("cp"), {"data": 8, "sequence": 1})
+    ()
+    """
+    return tuple(a for a in axes_of(name, rules) if mesh_shape.get(a, 1) > 1)
+
+
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     """Maps a tuple of logical names to a PartitionSpec.
 

@@ -24,7 +24,7 @@ def one_step(tmp_path, overrides, n_devices):
     batch = next(train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0))
     state = trainer.init_state()
     state, metrics = trainer.step_fn(state, trainer.to_device(batch))
-    return jax.device_get(metrics), jax.device_get(state["params"]), state
+    return jax.device_get(metrics), jax.device_get(state["params"]), state, trainer
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def reference(tmp_path_factory):
 
 
 def assert_same_step(got, want, param_atol=1e-5):
-    (m_got, p_got, _), (m_want, p_want, _) = got, want
+    (m_got, p_got, *_), (m_want, p_want, *_) = got, want
     np.testing.assert_allclose(m_got["loss"], m_want["loss"], rtol=1e-6)
     np.testing.assert_allclose(m_got["grad_norm"], m_want["grad_norm"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p_got), jax.tree.leaves(p_want)):
@@ -50,7 +50,9 @@ LAYOUTS = {
     "fsdp 4x2": ("fsdp", dict(data=4, fsdp=2)),
     "tp 4x2": ("tp", dict(data=4, tensor=2)),
     "sp 4x2": ("sp", dict(data=4, tensor=2)),
+    "cp 2x4": ("cp", dict(data=2, sequence=4)),
     "fsdp+tp 2x2x2": ("fsdp+tp", dict(data=2, fsdp=2, tensor=2)),
+    "cp+tp 2x2x2": ("cp+tp", dict(data=2, sequence=2, tensor=2)),
     "zero2+sp 2x2x2": ("zero2+sp", dict(data=1, fsdp=4, tensor=2)),
 }
 
@@ -63,6 +65,8 @@ def test_sharded_step_equals_single_device(tmp_path, reference, layout):
     wq = got[2]["params"]["blocks"]["attn"]["wq"]
     expect = (None, "fsdp" if "fsdp" in preset else None, "tensor" if "tp" in preset or "sp" in preset else None)
     assert tuple(wq.sharding.spec)[:3] == expect, wq.sharding.spec
+    if "cp" in preset:  # attention really went around the ring
+        assert "collective-permute" in got[3].step_fn.as_text()
     assert_same_step(got, reference)
 
 

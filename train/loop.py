@@ -26,7 +26,8 @@ from meshwork.hardware import peak_flops_per_device
 from meshwork.metrics import MetricsWriter
 from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
 from sharding.report import compiled_report, format_report
-from sharding.rules import ROLES, logical_to_sharding, rules_for, tree_shardings, use_rules
+from sharding.ring_attention import zigzag_permutation
+from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
 from train.optim import make_optimizer
 from train.state import abstract_state, init_state, logical_specs, state_shardings
 from train.step import make_eval_step, make_train_step
@@ -54,9 +55,15 @@ def check_runtime(cfg: Config, devices: list | None = None) -> DataFiles:
             f"train.global_batch: {cfg.train.global_batch} sequences in {cfg.train.microbatches} microbatch(es) "
             f"cannot be split over the data-parallel size data*fsdp={dp}; use a multiple of {dp * cfg.train.microbatches}")
     try:
-        rules_for(cfg.rules.preset, cfg.rules.overrides)
+        rules = rules_for(cfg.rules.preset, cfg.rules.overrides)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
+    seq_axes = split_axes("act_seq", rules, mesh_shape)
+    if len(seq_axes) > 1:
+        raise ConfigError(f"rules.preset: the sequence is split over {seq_axes}; context parallelism uses one axis")
+    if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
+                          f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout")
     if cfg.data.source == "stdlib":
         if cfg.model.vocab_size < data_lib.ByteTokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is below the byte tokenizer's 256; set 256")
@@ -98,6 +105,13 @@ class Trainer:
         self.mesh = make_mesh(cfg.mesh.sizes(), devices)
         self.rules_by_role = {role: rules_for(cfg.rules.preset, cfg.rules.overrides, role) for role in ROLES}
         self.rules = self.rules_by_role["params"]  # also the activations' table
+        # Context parallelism: tokens are laid out in zigzag order so every
+        # device on the ring gets the same share of causal attention work;
+        # the model reads each token's true position from `positions`.
+        seq_axes = split_axes("act_seq", self.rules, dict(self.mesh.shape))
+        self.seq_perm = (zigzag_permutation(cfg.data.seq_len, self.mesh.shape[seq_axes[0]])
+                         if len(seq_axes) == 1 else None)
+        self.batch_keys = ("inputs", "targets") + (("positions",) if self.seq_perm is not None else ())
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
         # Shapes first, outside the mesh: nnx.eval_shape would otherwise try to
         # place the logical names on the mesh itself.
@@ -114,7 +128,7 @@ class Trainer:
             replicated = NamedSharding(self.mesh, PartitionSpec())
             B, L = cfg.train.global_batch, cfg.data.seq_len
             batch_abstract = {k: jax.ShapeDtypeStruct((B, L), np.int32, sharding=self.batch_sharding)
-                              for k in ("inputs", "targets")}
+                              for k in self.batch_keys}
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
             step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches,
@@ -138,6 +152,10 @@ class Trainer:
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
+        if self.seq_perm is not None:
+            B = batch["inputs"].shape[0]
+            batch = {**{k: v[:, self.seq_perm] for k, v in batch.items()},
+                     "positions": np.broadcast_to(self.seq_perm.astype(np.int32), (B, len(self.seq_perm)))}
         rows = process_rows(self.batch_sharding, next(iter(batch.values())).shape)
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape)
                 for k, v in batch.items()}

@@ -14,7 +14,7 @@ Batch = dict[str, jax.Array]
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[Any, Batch], jax.Array]:
     def loss_fn(params, batch: Batch) -> jax.Array:
-        logits_BLV = nnx.merge(graphdef, params)(batch["inputs"])
+        logits_BLV = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"))
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
     return loss_fn
 

@@ -13,20 +13,52 @@ from flax import nnx
 
 from models.layers.params import normal, param
 from models.layers.rope import apply_rope
-from sharding.rules import with_logical_constraint
+from sharding.ring_attention import ring_attention
+from sharding.rules import axes_of, current_rules, split_axes, with_logical_constraint
 
 
-def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, causal: bool = True,
-           scale: float | None = None, impl: str = "xla") -> jax.Array:
+def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
+           causal: bool = True, scale: float | None = None, impl: str = "auto") -> jax.Array:
     """softmax(q k^T * scale + mask) v, with G key/value heads shared by H/G query heads.
 
     impl="xla": `jax.nn.dot_product_attention`, which handles grouped heads
-    without materializing repeated K/V and lets XLA pick the fusion (cuDNN
-    flash attention on GPU when asked for).
+    without materializing repeated K/V and lets XLA pick the fusion.
+    impl="ring": ring attention over the mesh axis that splits the sequence
+    (context parallelism); the causal mask comes from `positions_BL`, so any
+    token layout (e.g. the load-balancing zigzag) is correct.
+    impl="auto": "ring" when the current mesh and rules split `act_seq`, else "xla".
     """
-    if impl != "xla":
-        raise ValueError(f"attention impl {impl!r} is not available; use 'xla'")
-    return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
+    seq_axes = _context_parallel_axes()
+    if impl == "auto":
+        impl = "ring" if seq_axes else "xla"
+    if impl == "xla":
+        if positions_BL is not None and causal:
+            # Masking by positions keeps a permuted layout correct here too.
+            mask = positions_BL[:, None, :, None] >= positions_BL[:, None, None, :]
+            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
+        return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
+    if impl == "ring":
+        if len(seq_axes) != 1:
+            raise ValueError(f"ring attention needs exactly one mesh axis splitting act_seq, got {seq_axes}")
+        if positions_BL is None:
+            B, L = q_BLHK.shape[:2]
+            positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        rules = current_rules()
+        heads = split_axes("act_heads", rules, _mesh_shape())
+        return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
+                              batch_axes=axes_of("act_batch", rules), head_axis=heads[0] if heads else None,
+                              causal=causal, scale=scale)
+    raise ValueError(f"attention impl {impl!r} is not available; use auto, xla or ring")
+
+
+def _mesh_shape() -> dict[str, int]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return {} if mesh.empty else dict(mesh.shape)
+
+
+def _context_parallel_axes() -> tuple[str, ...]:
+    rules = current_rules()
+    return split_axes("act_seq", rules, _mesh_shape()) if rules is not None else ()
 
 
 class Attention(nnx.Module):
@@ -39,14 +71,17 @@ class Attention(nnx.Module):
         self.wo = param(normal(out_std), rngs.params(), (H, K, D), param_dtype, ("heads", "head_dim", "embed"))
         self.rope_theta, self.dtype = rope_theta, dtype
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
+        """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag)."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        B, L, _ = x_BLD.shape
+        rope_pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
         q_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD, w(self.wq))
         k_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w(self.wk))
         v_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w(self.wv))
-        q_BLHK = with_logical_constraint(apply_rope(q_BLHK, positions_BL, self.rope_theta),
+        q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta),
                                          ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        k_BLGK = with_logical_constraint(apply_rope(k_BLGK, positions_BL, self.rope_theta),
+        k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta),
                                          ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
-        o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, causal=True)
+        o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True)
         return jnp.einsum("BLHK,HKD->BLD", o_BLHK, w(self.wo))
