@@ -48,6 +48,43 @@ class Block(nnx.Module):
         return with_logical_constraint(x_BLD, ACT_BLD)
 
 
+def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
+                 positions_BL: jax.Array | None, remat: str) -> jax.Array:
+    """Runs the blocks whose states are stacked on a leading axis, one after another (lax.scan).
+
+    Shared by the model and by pipeline stages, which each run a slice of the stack.
+    """
+    def layer(x_BLD, layer_state):
+        return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL), None
+
+    if remat != "none":
+        # prevent_cse=False: inside scan there is nothing for CSE to undo.
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+    return x_BLD
+
+
+class LMHead(nnx.Module):
+    """Final RMSNorm and the projection to vocabulary logits (float32)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(normal(cfg.init_std), rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype,
+                                 ("embed", "vocab"))
+        self.tied, self.dtype = cfg.tie_embeddings, dtype
+
+    def __call__(self, x_BLD: jax.Array, embed: Embed | None = None) -> jax.Array:
+        """`embed`: the input embedding, used as the projection when embeddings are tied."""
+        x_BLD = self.final_norm(x_BLD)
+        if self.tied:
+            logits_BLV = embed.attend(x_BLD)
+        else:
+            logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.lm_head[...].astype(self.dtype))
+        logits_BLV = with_logical_constraint(logits_BLV, ("act_batch", "act_seq", "act_vocab"))
+        return logits_BLV.astype(jnp.float32)
+
+
 class Transformer(nnx.Module):
     """tokens (B, L) int -> logits (B, L, V) float32."""
 
@@ -67,30 +104,11 @@ class Transformer(nnx.Module):
             return Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        if not cfg.tie_embeddings:
-            self.lm_head = param(normal(cfg.init_std), rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype,
-                                 ("embed", "vocab"))
+        self.head = LMHead(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         """positions_BL: the position of each token when the sequence is laid out in another
         order than 0..L-1 (context parallelism's zigzag); None means 0..L-1."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
-
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def layer(x_BLD, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL), None
-
-        if self.remat != "none":
-            # prevent_cse=False: inside scan there is nothing for CSE to undo.
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
-
-        x_BLD = self.final_norm(x_BLD)
-        if self.cfg.tie_embeddings:
-            logits_BLV = self.embed.attend(x_BLD)
-        else:
-            logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.lm_head[...].astype(self.dtype))
-        logits_BLV = with_logical_constraint(logits_BLV, ("act_batch", "act_seq", "act_vocab"))
-        return logits_BLV.astype(jnp.float32)
+        x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat)
+        return self.head(x_BLD, self.embed)

@@ -23,6 +23,9 @@ combined with `+` (e.g. `fsdp+tp` on a 2 data x 2 fsdp x 2 tensor mesh):
   reduce-scatter.
 - `cp`: context parallelism: the sequence split over `sequence` everywhere;
   attention becomes ring attention (see `sharding/ring_attention.py`).
+- `pp`: pipeline parallelism: the stacked layers split over `stage`, so each
+  stage holds its own layers (and their moments); the step then runs the
+  GPipe or 1F1B schedule of `sharding/pipeline.py`. `train.pipeline` adds it.
 
 Each preset gives one table per role: `params` (also used for activations),
 `grads` and `opt_state`; they differ only for the ZeRO-1/2 presets.
@@ -88,6 +91,7 @@ PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
     "tp": {"all": _TENSOR_PARALLEL},
     "sp": {"all": {**_TENSOR_PARALLEL, "act_norm_seq": "tensor"}},
     "cp": {"all": {"act_seq": "sequence", "act_norm_seq": "sequence"}},
+    "pp": {"all": {"layers": "stage"}},
 }
 
 

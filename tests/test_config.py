@@ -34,6 +34,8 @@ def test_include_and_overrides(tmp_path):
     ("optimizer.lr=-1", "optimizer.lr"),
     ("model.n_kv_heads=3", "model.n_kv_heads"),
     ("rules.preset=FSDP!", "rules.preset"),
+    ("mesh.stage=2", "train.pipeline"),
+    ("train.pipeline=1f1b", "train.pipeline"),
 ])
 def test_bad_values_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:

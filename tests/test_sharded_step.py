@@ -73,3 +73,21 @@ def test_sharded_step_equals_single_device(tmp_path, reference, layout):
 def test_gradient_accumulation_equals_full_batch(tmp_path, reference):
     got = one_step(tmp_path, ["mesh.data=1", "train.microbatches=4"], 1)
     assert_same_step(got, reference)
+
+
+@pytest.fixture(scope="module")
+def references_4_layers(tmp_path_factory):
+    return {tied: one_step(tmp_path_factory.mktemp("ref4"), ["mesh.data=1", "model.n_layers=4",
+                                                              f"model.tie_embeddings={tied}"], 1)
+            for tied in (False, True)}
+
+
+@pytest.mark.parametrize("kind, tied", [("gpipe", False), ("1f1b", False), ("1f1b", True)])
+def test_pipeline_step_equals_single_device(tmp_path, references_4_layers, kind, tied):
+    # 4 stages of one layer x 2-way data parallel, 4 microbatches; tied
+    # embeddings send the table's gradient through both ends of the pipeline.
+    got = one_step(tmp_path, ["model.n_layers=4", "mesh.stage=4", "mesh.data=2", f"train.pipeline={kind}",
+                              "train.microbatches=4", f"model.tie_embeddings={tied}"], 8)
+    wq = got[2]["params"]["blocks"]["attn"]["wq"]
+    assert wq.sharding.spec[0] == "stage" and wq.addressable_shards[0].data.shape[0] == 1
+    assert_same_step(got, references_4_layers[tied])

@@ -59,6 +59,9 @@ def check_runtime(cfg: Config, devices: list | None = None) -> DataFiles:
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
     seq_axes = split_axes("act_seq", rules, mesh_shape)
+    if seq_axes and cfg.train.pipeline != "none":
+        raise ConfigError("train.pipeline: context parallelism (cp) inside a pipeline is not supported; "
+                          "drop cp from rules.preset or set train.pipeline=none")
     if len(seq_axes) > 1:
         raise ConfigError(f"rules.preset: the sequence is split over {seq_axes}; context parallelism uses one axis")
     if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
@@ -103,7 +106,8 @@ class Trainer:
     def __init__(self, cfg: Config, files: DataFiles, devices: list | None = None):
         self.cfg, self.files = cfg, files
         self.mesh = make_mesh(cfg.mesh.sizes(), devices)
-        self.rules_by_role = {role: rules_for(cfg.rules.preset, cfg.rules.overrides, role) for role in ROLES}
+        preset = cfg.rules.preset + ("+pp" if cfg.train.pipeline != "none" else "")
+        self.rules_by_role = {role: rules_for(preset, cfg.rules.overrides, role) for role in ROLES}
         self.rules = self.rules_by_role["params"]  # also the activations' table
         # Context parallelism: tokens are laid out in zigzag order so every
         # device on the ring gets the same share of causal attention work;
@@ -132,7 +136,7 @@ class Trainer:
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
             step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches,
-                                           grad_shardings),
+                                           grad_shardings, cfg.train.pipeline),
                            in_shardings=(self.shardings, self.batch_sharding),
                            out_shardings=(self.shardings, replicated), donate_argnums=0)
             self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile()

@@ -103,6 +103,8 @@ class TrainConfig(Section):
     """Sequences per optimizer step, summed over all devices and microbatches."""
     microbatches: int = pydantic.Field(1, gt=0)
     """Gradient accumulation: the global batch is split into this many sequential parts."""
+    pipeline: Literal["none", "gpipe", "1f1b"] = "none"
+    """Pipeline schedule over mesh.stage > 1 stages, with `microbatches` microbatches."""
     remat: Literal["none", "full", "dots_saveable"] = "none"
     """What the scanned layers keep for the backward pass (jax.checkpoint policy)."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -178,6 +180,12 @@ class Config(Section):
             raise _KeyError("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor")
         if t.global_batch % t.microbatches:
             raise _KeyError("train.microbatches", f"{t.microbatches} does not divide train.global_batch={t.global_batch}")
+        if (self.mesh.stage != 1) != (t.pipeline != "none"):
+            raise _KeyError("train.pipeline", f"train.pipeline={t.pipeline} with mesh.stage={self.mesh.stage}; "
+                            "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe or 1f1b)")
+        if t.pipeline != "none" and self.mesh.stage > 0 and m.n_layers % self.mesh.stage:
+            raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
+                            f"{self.mesh.stage} equal stages")
         if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
         return self
