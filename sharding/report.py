@@ -62,7 +62,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _OPERAND = re.compile(r"%([^\s,(){}]+)")
 _CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([^\s,{}]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 # Ops that move or relabel a value without changing which elements it holds.
 _PASS_THROUGH = {"bitcast", "reshape", "copy", "transpose"}
 
@@ -82,6 +82,11 @@ class _Instr:
     @property
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return _shapes(self.type)
+
+
+def _param_index(instr: _Instr) -> int:
+    """i of `parameter(i)`."""
+    return int(instr.args) if instr.args.strip().isdigit() else -1
 
 
 def _shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -220,10 +225,9 @@ def _group_size(attrs: str, n_devices: int) -> int:
     m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
     if m:  # [4,2]<=[8]: 4 groups of 2
         return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=\{(.*?)\}(?:,|$)", attrs)
-    if m and m.group(1).strip():  # {{0,1},{2,3}}
-        first = re.search(r"\{([^}]*)\}", m.group(1))
-        return len(first.group(1).split(",")) if first else n_devices
+    m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
+    if m:  # {{0,1},{2,3}}: the first group's size
+        return len(m.group(1).split(","))
     return n_devices  # replica_groups={} or absent: everyone
 
 
@@ -244,8 +248,10 @@ class _Module:
                     self.callers[callee].append((cname, instr))
             self.users[cname] = users
         self._partition_memo: dict[tuple[str, str], bool] = {}
+        self._visiting: set[tuple[str, str]] = set()
 
     def operand_shapes(self, comp: str, instr: _Instr) -> list[tuple[str, tuple[int, ...]]]:
+        """The operands' shapes (a `-start` op's result also holds its output)."""
         instrs = self.comps[comp]
         if all(o in instrs for o in instr.operands):
             return [s for o in instr.operands for s in instrs[o].shapes]
@@ -254,11 +260,14 @@ class _Module:
     # -- is a value derived from partition-id? (GSPMD's slices are; a scan's are not)
     def from_partition(self, comp: str, name: str, depth: int = 0) -> bool:
         key = (comp, name)
-        if key not in self._partition_memo:
-            self._partition_memo[key] = False  # cycles and deep chains: no
-            if depth < 200:
-                self._partition_memo[key] = self._from_partition(comp, name, depth)
-        return self._partition_memo[key]
+        if key in self._partition_memo:
+            return self._partition_memo[key]
+        if depth > 200 or key in self._visiting:
+            return False  # HLO has no cycles; this only bounds the recursion
+        self._visiting.add(key)
+        self._partition_memo[key] = found = self._from_partition(comp, name, depth)
+        self._visiting.discard(key)
+        return found
 
     def _from_partition(self, comp: str, name: str, depth: int) -> bool:
         instr = self.comps[comp].get(name)
@@ -345,9 +354,13 @@ class _Module:
                     continue
                 g = _group_size(instr.attrs, self.n_devices)
                 shapes = self.operand_shapes(comp, instr)
-                make = lambda k, gs, b, how=instr.op: Collective(k, gs, int(b), mult, comp, instr.name, how)  # noqa: E731
-                if kind == "all-gather":
-                    found.append(make(kind, g, sum(map(_nbytes, shapes)) * g))
+
+                def make(k, group, nbytes, how=instr.op, comp=comp, mult=mult, name=instr.name):
+                    return Collective(k, group, int(nbytes), mult, comp, name, how)
+
+                if kind == "all-gather":  # payload: the gathered output, g inputs' worth
+                    out = instr.shapes if instr.op == kind else [sh for sh in shapes for _ in range(g)]
+                    found.append(make(kind, g, sum(map(_nbytes, out))))
                 elif kind == "all-reduce" and not instr.op.endswith("-start"):
                     found += self._split_all_reduce(comp, instr, g, shapes, make)
                 else:
@@ -373,10 +386,6 @@ class _Module:
         return out
 
 
-def _param_index(instr: _Instr) -> int:
-    return int(instr.args) if instr.args.strip().isdigit() else -1
-
-
 def list_collectives(hlo_text: str) -> list[Collective]:
     """Every collective in optimized HLO, as GPU/TPU would run it (see the
     module docstring for how all-reduce + dynamic-slice becomes reduce-scatter).
@@ -392,8 +401,13 @@ def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
     """{kind: {"count", "bytes", "payload_bytes"}} per run of the program, for
     all five kinds: counts and bytes sent per device, loop trip counts included.
 
-    >>> collective_summary(hlo)["reduce-scatter"]["count"]  # doctest: +SKIP
-    8
+    >>> hlo = '''HloModule m, num_partitions=4
+    ... ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %p = f32[8]{0} parameter(0)
+    ...   ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups=[2,2]<=[4], to_apply=%add
+    ... }'''
+    >>> collective_summary(hlo)["all-reduce"]   # 2 (g-1)/g * 32 bytes, g = 2
+    {'count': 1, 'bytes': 32, 'payload_bytes': 32}
     """
     out = {k: {"count": 0, "bytes": 0, "payload_bytes": 0} for k in COLLECTIVES}
     for c in list_collectives(hlo_text):
@@ -416,3 +430,106 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
         if m:
             counts[m.group(1)] += 1
     return counts
+
+
+# ---------------------------------------------------------------------------
+# Per-device state from the real shard shapes.
+
+def _tree_bytes(tree: Any, shardings: Any) -> int:
+    """Per-device bytes of `tree` (leaves with .shape and .dtype) laid out by
+    `shardings`, a tree prefix of it (one sharding per leaf or per subtree)."""
+    per_subtree = jax.tree.map(
+        lambda sharding, sub: sum(math.prod(sharding.shard_shape(tuple(x.shape))) * x.dtype.itemsize
+                                  for x in jax.tree.leaves(sub)),
+        shardings, tree, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    return int(sum(jax.tree.leaves(per_subtree)))
+
+
+def state_bytes(abstract_state: dict[str, Any], shardings: dict[str, Any],
+                grad_shardings: Any = None) -> dict[str, int]:
+    """Bytes one device holds of the train state, from each leaf's shard shape.
+
+    `abstract_state` is {"params", "opt_state", ...} of arrays or
+    ShapeDtypeStructs; `shardings` the same keys, each a tree prefix of
+    shardings (as `Trainer.shardings`). Gradients have the parameters' shapes
+    and dtypes, laid out by `grad_shardings` when given (ZeRO-2) and like the
+    parameters otherwise.
+
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    >>> w = jax.ShapeDtypeStruct((jax.device_count() * 4, 8), "float32")
+    >>> state_bytes({"params": {"w": w}, "opt_state": {}},
+    ...             {"params": {"w": NamedSharding(mesh, P("fsdp"))}, "opt_state": {}})
+    {'params': 128, 'grads': 128, 'opt_state': 0, 'total': 256}
+    """
+    params = _tree_bytes(abstract_state["params"], shardings["params"])
+    grads = (params if grad_shardings is None
+             else _tree_bytes(abstract_state["params"], grad_shardings))
+    opt = _tree_bytes(abstract_state["opt_state"], shardings["opt_state"])
+    return {"params": params, "grads": grads, "opt_state": opt, "total": params + grads + opt}
+
+
+# ---------------------------------------------------------------------------
+# The report.
+
+def compiled_report(compiled: Any, state: dict[str, int] | None = None) -> dict[str, Any]:
+    """Per-device memory (bytes), FLOPs and collectives of a compiled jit, as a
+    JSON-serializable dict; `state` (from `state_bytes`) is included when given.
+
+    `flops` comes from `cost_analysis()`, which counts a while (scan) body
+    once; `collectives` is `collective_summary` (per run, loops multiplied).
+
+    >>> report = compiled_report(trainer.step_fn, state_bytes(abstract, shardings))  # doctest: +SKIP
+    >>> report["collectives"]["all-gather"]["count"], report["state"]["params"]      # doctest: +SKIP
+    (40, 53408)
+    """
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    report: dict[str, Any] = {
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+        "flops": float((cost or {}).get("flops", 0.0)),
+        "collectives": collective_summary(compiled.as_text()),
+    }
+    if state is not None:
+        report["state"] = {k: int(v) for k, v in state.items()}
+    return report
+
+
+def _mib(b: float) -> str:
+    m = b / 2**20
+    return f"{m:,.2f} MiB" if m >= 1 or m == 0 else f"{m:.3g} MiB"  # tiny models: keep 3 digits
+
+
+def format_report(report: dict[str, Any], cfg: Any = None, mesh: Any = None) -> str:
+    """The report as text, one fact a line, all figures per device.
+
+    >>> print(format_report(compiled_report(compiled)))   # doctest: +SKIP
+    per-device arguments: 1.63 MiB (donated/aliased: 1.63 MiB)
+    ...
+    """
+    lines = []
+    if mesh is not None:
+        lines.append("mesh: " + " x ".join(f"{k}={v}" for k, v in mesh.shape.items()))
+    if cfg is not None:
+        lines.append(f"rules: {cfg.rules.preset}")
+    state = report.get("state")
+    if state:
+        lines += [f"per-device params:    {_mib(state['params'])}",
+                  f"per-device grads:     {_mib(state['grads'])}",
+                  f"per-device opt state: {_mib(state['opt_state'])}"]
+    lines += [
+        f"per-device arguments: {_mib(report['argument_bytes'])} (donated/aliased: {_mib(report['alias_bytes'])})",
+        f"per-device outputs:   {_mib(report['output_bytes'])}",
+        f"per-device temp:      {_mib(report['temp_bytes'])}",
+        f"FLOPs per device (scan body once): {report['flops']:.3e}",
+        "collectives per step (bytes sent per device, ring algorithms):",
+    ]
+    width = max(map(len, COLLECTIVES))
+    for kind, c in report["collectives"].items():
+        c = c if isinstance(c, dict) else {"count": c, "bytes": 0}
+        lines.append(f"  {kind:<{width}}  {c['count']:>4} x  {_mib(c['bytes'])}")
+    return "\n".join(lines)

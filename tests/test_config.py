@@ -80,3 +80,17 @@ def test_dry_run_prints_report_and_writes_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "per-device temp" in proc.stdout and "all-gather" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_json_has_state_bytes_and_collectives(tmp_path):
+    import json
+
+    proc = _cli(f"run.dir={tmp_path / 'run'}", "--dry-run", "--json", "rules.preset=fsdp", "mesh.data=1",
+                "mesh.fsdp=8", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    state = report["state"]
+    assert state["total"] == state["params"] + state["grads"] + state["opt_state"]
+    # fp32 Adam under ZeRO-3 on 8 devices: 16 bytes per parameter / 8 per device.
+    assert abs(state["total"] / (state["params"] * 4) - 1) < 0.01
+    assert report["collectives"]["all-gather"]["count"] > 0 and report["temp_bytes"] > 0

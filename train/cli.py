@@ -17,6 +17,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train", description="Train a model from a YAML config.")
     p.add_argument("--config", required=True, help="YAML file (may `include:` others)")
     p.add_argument("--dry-run", action="store_true", help="compile the step, print the per-device report, exit")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the report as one JSON object")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     dist = p.add_argument_group("multi-process (jax.distributed); omit all on a single host")
     dist.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
@@ -55,7 +56,7 @@ def main(argv: list[str]) -> int:
         init_distributed(args)
         from train.loop import train  # jax loads only once the config is known to be good
 
-        summary = train(cfg, dry_run=args.dry_run)
+        summary = train(cfg, dry_run="json" if args.dry_run and args.json else args.dry_run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

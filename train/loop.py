@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from meshwork.flops import train_flops_per_token
 from meshwork.hardware import peak_flops_per_device
 from meshwork.metrics import MetricsWriter
 from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
-from sharding.report import compiled_report, format_report
+from sharding.report import compiled_report, format_report, state_bytes
 from sharding.ring_attention import zigzag_permutation
 from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
 from train.optim import make_optimizer
@@ -128,6 +129,7 @@ class Trainer:
                                             self.rules_by_role["grads"])
             if self.rules_by_role["grads"] == self.rules:
                 grad_shardings = None
+            self.grad_shardings = grad_shardings
             self.batch_sharding = logical_to_sharding(BATCH_AXES, self.mesh, self.rules)
             replicated = NamedSharding(self.mesh, PartitionSpec())
             B, L = cfg.train.global_batch, cfg.data.seq_len
@@ -169,8 +171,12 @@ class Trainer:
             losses = [self.eval_fn(params, self.to_device(b)) for b in batches]
         return float(np.mean([to_host(x) for x in losses]))
 
+    def report_dict(self) -> dict[str, Any]:
+        """Per-device state bytes, temp memory, FLOPs and collectives of the compiled step."""
+        return compiled_report(self.step_fn, state_bytes(self.abstract, self.shardings, self.grad_shardings))
+
     def report(self) -> str:
-        return format_report(compiled_report(self.step_fn), self.cfg, self.mesh)
+        return format_report(self.report_dict(), self.cfg, self.mesh)
 
 
 def _check_same_model(cfg: Config, saved: dict, run_dir: pathlib.Path) -> None:
@@ -229,15 +235,15 @@ class StepLogger:
                                  **self.extra.pop(step, {})})
 
 
-def train(cfg: Config, *, devices: list | None = None, dry_run: bool = False) -> dict[str, Any]:
+def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = False) -> dict[str, Any]:
     """Trains `cfg` to `cfg.train.steps`, resuming from `run.dir` if it holds a checkpoint.
 
     Returns a summary: first and last validation loss, steps run, run dir.
     """
     files = check_runtime(cfg, devices)
     trainer = Trainer(cfg, files, devices)
-    if dry_run:
-        print(trainer.report())
+    if dry_run:  # True: human-readable; "json": one JSON object
+        print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
 
     run_dir = pathlib.Path(cfg.run.dir)

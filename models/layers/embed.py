@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers.params import normal, param
+from sharding.rules import with_logical_constraint
 
 
 class Embed(nnx.Module):
@@ -16,7 +17,12 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        return jnp.take(self.table[...], tokens_BL, axis=0).astype(self.dtype)
+        # Gather the table's embed dimension before the lookup (FSDP splits it):
+        # the looked-up rows then come out split by batch like the tokens,
+        # instead of split by embed, which the backward pass cannot undo cheaply
+        # on a data x fsdp mesh. A vocab split (tensor parallelism) stays.
+        table_VD = with_logical_constraint(self.table[...], ("act_vocab", "act_embed"))
+        return jnp.take(table_VD, tokens_BL, axis=0).astype(self.dtype)
 
     def attend(self, x_BLD: jax.Array) -> jax.Array:
         """Logits against the embedding table (tied output projection)."""
