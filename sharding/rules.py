@@ -23,6 +23,9 @@ combined with `+` (e.g. `fsdp+tp` on a 2 data x 2 fsdp x 2 tensor mesh):
   reduce-scatter.
 - `cp`: context parallelism: the sequence split over `sequence` everywhere;
   attention becomes ring attention (see `sharding/ring_attention.py`).
+- `ep`: expert parallelism: MoE experts split over `expert`, tokens sent to
+  their experts' devices by all-to-all (models/layers/moe.py); the batch is
+  split over `expert` too.
 - `pp`: pipeline parallelism: the stacked layers split over `stage`, so each
   stage holds its own layers (and their moments); the step then runs the
   GPipe or 1F1B schedule of `sharding/pipeline.py`. `train.pipeline` adds it.
@@ -66,6 +69,8 @@ _BASE: dict[str, MeshAxes] = {
     "head_dim": None,
     "mlp": None,
     "layers": None,
+    "expert": None,         # the stacked-experts dimension of MoE weights
+    "router": None,         # the experts dimension of the router's weight and bias
     # activations
     "act_batch": ("data", "fsdp"),
     "act_seq": None,        # sequence inside attention and the MLP
@@ -76,6 +81,7 @@ _BASE: dict[str, MeshAxes] = {
     "act_head_dim": None,
     "act_mlp": None,
     "act_vocab": None,
+    "act_expert": None,     # the experts dimension of dispatched tokens
 }
 
 _DATA_PARALLEL = ("data", "fsdp")
@@ -92,6 +98,9 @@ PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
     "sp": {"all": {**_TENSOR_PARALLEL, "act_norm_seq": "tensor"}},
     "cp": {"all": {"act_seq": "sequence", "act_norm_seq": "sequence"}},
     "pp": {"all": {"layers": "stage"}},
+    # Expert parallelism: each device of the `expert` axis owns E/n experts and,
+    # outside the MoE layers, acts as one more data-parallel shard.
+    "ep": {"all": {"expert": "expert", "act_expert": "expert", "act_batch": ("data", "fsdp", "expert")}},
 }
 
 

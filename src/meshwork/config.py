@@ -39,8 +39,50 @@ class RunConfig(Section):
     name: str = "lm_tiny"
 
 
+class MoEConfig(Section):
+    """Mixture-of-Experts feed-forward layers (models/layers/moe.py); used when model.kind = moe."""
+
+    n_experts: int = pydantic.Field(8, gt=0)
+    """Routed experts per MoE layer."""
+    top_k: int = pydantic.Field(2, gt=0)
+    """Routed experts each token is sent to."""
+    d_expert: int = pydantic.Field(192, gt=0)
+    """Hidden size of one routed expert's SwiGLU (fine-grained experts: d_ff / m)."""
+    n_shared_experts: int = pydantic.Field(0, ge=0)
+    """Always-on experts every token passes through (DeepSeekMoE); their hidden size is d_expert each."""
+    d_shared: int | None = pydantic.Field(None, gt=0)
+    """Hidden size of the shared expert(s) SwiGLU; null: n_shared_experts * d_expert."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE: scale the shared experts' output by sigmoid(x . w_gate)."""
+    router: Literal["softmax", "noisy", "sigmoid"] = "softmax"
+    """softmax top-k (Mixtral); noisy top-k (Shazeer et al., noise in training only);
+    sigmoid scores with a selection-only bias (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalize the k selected weights to sum to 1."""
+    noise_std: float = pydantic.Field(1.0, ge=0)
+    """Noisy top-k: scale of the learned-softplus noise."""
+    n_groups: int = pydantic.Field(1, gt=0)
+    """DeepSeek-V3 group-limited routing: experts split into this many groups..."""
+    topk_groups: int = pydantic.Field(1, gt=0)
+    """...of which each token may use this many."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' combined output (DeepSeek-V3: 2.5)."""
+    bias_update_rate: float = pydantic.Field(0.0, ge=0)
+    """Auxiliary-loss-free balancing: after each step the selection bias moves by this
+    rate toward under-loaded experts (0 disables)."""
+    capacity_factor: float | None = pydantic.Field(None, gt=0)
+    """Tokens per expert = capacity_factor * tokens * top_k / n_experts; overflow tokens
+    skip the experts (GShard). null: dropless (grouped matmul over sorted tokens)."""
+    aux_loss_coef: float = pydantic.Field(0.01, ge=0)
+    """Switch/GShard load-balancing loss coefficient."""
+    z_loss_coef: float = pydantic.Field(0.001, ge=0)
+    """Router z-loss coefficient (ST-MoE)."""
+    first_dense_layers: int = pydantic.Field(0, ge=0)
+    """The first k layers use the dense MLP (d_ff), the rest MoE."""
+
+
 class ModelConfig(Section):
-    kind: Literal["transformer"] = "transformer"
+    kind: Literal["transformer", "moe"] = "transformer"
     vocab_size: int = pydantic.Field(256, gt=0)
     """256 for the byte-level tokenizer; larger for a user token file."""
     d_model: int = pydantic.Field(128, gt=0)
@@ -54,9 +96,13 @@ class ModelConfig(Section):
     """Hidden size of the SwiGLU MLP."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    """Biases on the q, k, v projections (Qwen2)."""
     tie_embeddings: bool = False
     """Reuse the input embedding as the output projection."""
     init_std: float = 0.02
+    moe: MoEConfig = MoEConfig()
+    """Used when kind = moe."""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -178,6 +224,15 @@ class Config(Section):
         m, t = self.model, self.train
         if m.n_heads % m.n_kv_heads:
             raise _KeyError("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor")
+        if m.kind == "moe":
+            e = m.moe
+            if e.top_k > e.n_experts:
+                raise _KeyError("model.moe.top_k", f"{e.top_k} exceeds model.moe.n_experts={e.n_experts}")
+            if e.n_experts % e.n_groups or e.topk_groups > e.n_groups:
+                raise _KeyError("model.moe.n_groups", f"{e.n_experts} experts in {e.n_groups} groups with "
+                                f"topk_groups={e.topk_groups}: groups must divide the experts and topk_groups <= n_groups")
+            if e.first_dense_layers > m.n_layers:
+                raise _KeyError("model.moe.first_dense_layers", f"{e.first_dense_layers} > model.n_layers={m.n_layers}")
         if t.global_batch % t.microbatches:
             raise _KeyError("train.microbatches", f"{t.microbatches} does not divide train.global_batch={t.global_batch}")
         if (self.mesh.stage != 1) != (t.pipeline != "none"):
