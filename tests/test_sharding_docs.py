@@ -4,12 +4,13 @@ import doctest
 
 import pytest
 
+import sharding.hlo
 import sharding.mesh
 import sharding.report
 import sharding.rules
 
 
-@pytest.mark.parametrize("module", [sharding.mesh, sharding.rules, sharding.report], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [sharding.mesh, sharding.rules, sharding.report, sharding.hlo], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
