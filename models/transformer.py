@@ -37,7 +37,8 @@ class Block(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
-                              rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=out_std, **kw)
+                              rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=out_std,
+                              qkv_bias=cfg.qkv_bias, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=out_std, **kw)
 
@@ -112,3 +113,21 @@ class Transformer(nnx.Module):
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat)
         return self.head(x_BLD, self.embed)
+
+    def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+              noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The trainer's entry point, shared by all LMs: (logits, auxiliary statistics).
+
+        A dense model has no auxiliary terms; `noise_key` is for routers that use noise.
+        """
+        del noise_key
+        return self(tokens_BL, positions_BL), {}
+
+    def aux_coefficients(self) -> dict[str, float]:
+        """Weights of the auxiliary terms `apply` returns in the training objective."""
+        return {}
+
+    def updated_buffers(self, buffers: nnx.State, stats: dict[str, jax.Array]) -> nnx.State:
+        """Non-trainable variables after a step (a dense model has none to update)."""
+        del stats
+        return buffers

@@ -11,7 +11,7 @@ from meshwork.flops import train_flops_per_token
 from models.layers.attention import attend
 from models.layers.rope import apply_rope
 from sharding.report import compiled_report
-from train.state import build_model
+from train.state import build_model, split_model
 from train.step import make_loss_fn
 
 from conftest import ROOT, tiny_overrides
@@ -70,8 +70,9 @@ def test_tied_embeddings_drop_the_output_matrix(tmp_path):
 
 def _loss_and_grads(cfg, batch):
     model = build_model(cfg)
-    graphdef, params = nnx.split(model, nnx.Param)
-    fn = jax.jit(jax.value_and_grad(make_loss_fn(graphdef)))
+    graphdef, params, buffers = split_model(model)
+    loss_fn = make_loss_fn(graphdef)
+    fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, buffers, b)[0]))
     return fn, params, fn(params, batch)
 
 
@@ -109,8 +110,9 @@ def test_flops_formula_matches_compiled_step(tmp_path, batch):
     # One layer, so the scan body XLA counts once is the whole model.
     cfg = cfg_with(tmp_path, "model.n_layers=1")
     model = build_model(cfg)
-    graphdef, params = nnx.split(model, nnx.Param)
-    grad = jax.jit(jax.grad(make_loss_fn(graphdef)))
+    graphdef, params, buffers = split_model(model)
+    loss_fn = make_loss_fn(graphdef)
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, buffers, b)[0]))
     xla_flops = compiled_report(grad.lower(params, batch).compile())["flops"]
     B, L = batch["inputs"].shape
     ours = train_flops_per_token(cfg.model, L) * B * L

@@ -138,12 +138,12 @@ class Trainer:
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
             step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches,
-                                           grad_shardings, cfg.train.pipeline),
+                                           grad_shardings, cfg.train.pipeline, cfg.run.seed),
                            in_shardings=(self.shardings, self.batch_sharding),
                            out_shardings=(self.shardings, replicated), donate_argnums=0)
             self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile()
-            self.eval_fn = jax.jit(make_eval_step(self.graphdef), in_shardings=(self.shardings["params"],
-                                   self.batch_sharding), out_shardings=replicated)
+            self.eval_fn = jax.jit(make_eval_step(self.graphdef), in_shardings=(
+                self.shardings["params"], self.shardings["buffers"], self.batch_sharding), out_shardings=replicated)
 
     def context(self):
         """Mesh and rules must both be current while tracing, so activation constraints apply."""
@@ -166,9 +166,9 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape)
                 for k, v in batch.items()}
 
-    def evaluate(self, params, batches: list[dict[str, np.ndarray]]) -> float:
+    def evaluate(self, state: dict[str, Any], batches: list[dict[str, np.ndarray]]) -> float:
         with self.context():
-            losses = [self.eval_fn(params, self.to_device(b)) for b in batches]
+            losses = [self.eval_fn(state["params"], state["buffers"], self.to_device(b)) for b in batches]
         return float(np.mean([to_host(x) for x in losses]))
 
     def report_dict(self) -> dict[str, Any]:
@@ -220,7 +220,7 @@ class StepLogger:
         self.pbar.close()
 
     def _finish(self, step: int, metrics: Any) -> None:
-        m = {k: float(to_host(v)) for k, v in metrics.items()}
+        m = {k: to_host(v).tolist() for k, v in metrics.items()}  # scalars, or per-expert lists
         self.steps_since += 1
         self.pbar.update(1)
         self.pbar.set_postfix(loss=f"{m['loss']:.3f}")
@@ -267,7 +267,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}}
     if start is None:
         start = 0
-        summary["val_loss"][0] = trainer.evaluate(state["params"], val_set)
+        summary["val_loss"][0] = trainer.evaluate(state, val_set)
         writer.write(0, {"val_loss": summary["val_loss"][0]})
 
     steps = cfg.train.steps
@@ -278,7 +278,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         state, metrics = trainer.step_fn(state, batch)
         logger.step_dispatched(step, metrics)
         if step % cfg.log.eval_every == 0 or step == steps:
-            summary["val_loss"][step] = trainer.evaluate(state["params"], val_set)
+            summary["val_loss"][step] = trainer.evaluate(state, val_set)
             logger.add(step, val_loss=summary["val_loss"][step])
         ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == last)
     logger.close()

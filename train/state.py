@@ -29,19 +29,31 @@ from sharding.rules import Rules, tree_shardings
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def build_model(cfg: Config, seed: int | None = None) -> Transformer:
-    return Transformer(cfg.model, dtype=DTYPES[cfg.train.compute_dtype], param_dtype=DTYPES[cfg.train.param_dtype],
-                       remat=cfg.train.remat, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
+def build_model(cfg: Config, seed: int | None = None) -> nnx.Module:
+    """The model `cfg.model.kind` names, initialized from `run.seed` (or `seed`)."""
+    kw = dict(dtype=DTYPES[cfg.train.compute_dtype], param_dtype=DTYPES[cfg.train.param_dtype],
+              remat=cfg.train.remat, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
+    if cfg.model.kind == "moe":
+        from models.moe import MoETransformer
+
+        return MoETransformer(cfg.model, **kw)
+    return Transformer(cfg.model, **kw)
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, trainable params, buffers): buffers are the other variables
+    (e.g. MoE routers' selection biases), carried in the state but never trained."""
+    return nnx.split(model, nnx.Param, ...)
 
 
 def _fresh_state(cfg: Config, tx: optax.GradientTransformation) -> dict[str, Any]:
-    params = nnx.state(build_model(cfg), nnx.Param)
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    _, params, buffers = split_model(build_model(cfg))
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers, "opt_state": tx.init(params)}
 
 
 def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, dict[str, Any]]:
     """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg)))
+    graphdef = split_model(nnx.eval_shape(lambda: build_model(cfg)))[0]
     return graphdef, jax.eval_shape(lambda: _fresh_state(cfg, tx))
 
 
@@ -61,6 +73,7 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules]) -> An
     """
     return {"step": tree_shardings(None, mesh, rules["params"]),
             "params": tree_shardings(logical_specs(abstract["params"]), mesh, rules["params"]),
+            "buffers": tree_shardings(logical_specs(abstract["buffers"]), mesh, rules["params"]),
             "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"])}
 
 

@@ -15,10 +15,20 @@ from sharding.pipeline import pipeline_value_and_grad
 Batch = dict[str, jax.Array]
 
 
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[Any, Batch], jax.Array]:
-    def loss_fn(params, batch: Batch) -> jax.Array:
-        logits_BLV = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"))
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
+def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]]:
+    """loss_fn(params, buffers, batch, noise_key=None) -> (objective, metrics).
+
+    The objective is the next-token cross-entropy plus the model's auxiliary
+    terms (MoE load balancing and router z-loss, with the coefficients of its
+    config); metrics["loss"] is the cross-entropy alone, comparable with the
+    validation loss, beside the model's statistics (expert load, drops).
+    """
+    def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
+        model = nnx.merge(graphdef, params, buffers)
+        logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), noise_key=noise_key)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
+        objective = ce + sum(model.aux_coefficients()[k] * stats[k] for k in stats if k in model.aux_coefficients())
+        return objective, {"loss": ce, **stats}
     return loss_fn
 
 
@@ -34,8 +44,8 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
     def ce(logits_BLV, targets_BL):
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
 
-    def value_and_grad(params, batch: Batch):
-        model = nnx.merge(graphdef, params)
+    def value_and_grad(params, buffers, batch: Batch):
+        model = nnx.merge(graphdef, params, buffers)
         emb_g, emb_s = nnx.split(model.embed)
         blk_g, blk_s = nnx.split(model.blocks)
         head_g, head_s = nnx.split(model.head)
@@ -65,14 +75,14 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
         grads = jax.tree.map(jnp.zeros_like, params)
         nnx.replace_by_pure_dict(grads, {"blocks": nnx.to_pure_dict(d_blocks), "embed": nnx.to_pure_dict(d_embed),
                                          "head": nnx.to_pure_dict(d_head["head"])})
-        return loss, grads
+        return loss, {"loss": loss}, grads
 
     return value_and_grad
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     microbatches: int = 1, grad_shardings: Any = None,
-                    pipeline: str = "none") -> Callable[[dict, Batch], tuple[dict, dict]]:
+                    pipeline: str = "none", seed: int = 0) -> Callable[[dict, Batch], tuple[dict, dict]]:
     """Returns step(state, batch) -> (state, metrics); jit it with shardings and donation.
 
     `pipeline` ("gpipe" or "1f1b") runs the blocks as a pipeline over the mesh
@@ -86,41 +96,51 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     summed in float32 inside a scan (gradient accumulation), so activation
     memory is that of B/M sequences while the update equals the full batch's.
     """
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef))
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef), has_aux=True)
     pipelined = make_pipeline_value_and_grad(graphdef, pipeline, microbatches) if pipeline != "none" else None
 
-    def accumulate(params, batch: Batch):
+    def accumulate(params, buffers, batch: Batch, noise_key):
+        """(metrics, grads) of the batch, microbatched when asked to."""
         if pipelined is not None:  # the pipeline schedule does the microbatching
-            return pipelined(params, batch)
+            _, metrics, grads = pipelined(params, buffers, batch)
+            return metrics, grads
         if microbatches == 1:
-            return grad_fn(params, batch)
+            (_, metrics), grads = grad_fn(params, buffers, batch, noise_key)
+            return metrics, grads
         # Row r of microbatch m is row r*M + m of the batch: each microbatch
         # takes rows from every data-parallel shard, so none sits idle.
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
                              .swapaxes(0, 1), batch)
 
-        def body(carry, mb):
-            loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, mb)
+        def body(grad_sum, mb_and_key):
+            mb, key = mb_and_key
+            (_, metrics), grads = grad_fn(params, buffers, mb, key)
             grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-            return (loss_sum + loss, grad_sum), None
+            return grad_sum, metrics
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+        keys = jax.random.split(noise_key, microbatches)
+        grad_sum, metrics = jax.lax.scan(body, zeros, (micro, keys))
         grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
-        return loss_sum / microbatches, grads
+        return jax.tree.map(lambda m: m.mean(axis=0), metrics), grads
 
     def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
-        loss, grads = accumulate(state["params"], batch)
+        # Noise (e.g. noisy top-k routing) is a pure function of the step, so a
+        # resumed run draws exactly what an uninterrupted one would.
+        noise_key = jax.random.fold_in(jax.random.key(seed), state["step"])
+        metrics, grads = accumulate(state["params"], state["buffers"], batch, noise_key)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        buffers = nnx.merge(graphdef, params, state["buffers"]).updated_buffers(state["buffers"], metrics)
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "buffers": buffers, "opt_state": opt_state}, metrics
 
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Any, Batch], jax.Array]:
-    return make_loss_fn(graphdef)
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Any, Any, Batch], jax.Array]:
+    """(params, buffers, batch) -> cross-entropy, without auxiliary terms or noise."""
+    loss_fn = make_loss_fn(graphdef)
+    return lambda params, buffers, batch: loss_fn(params, buffers, batch)[1]["loss"]
