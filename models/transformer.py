@@ -9,6 +9,7 @@ block whatever the depth; `remat` picks what the backward pass recomputes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,16 @@ class Block(nnx.Module):
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return with_logical_constraint(x_BLD, ACT_BLD)
+
+
+def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """n copies of `make(rngs)`, each with its own init, stacked on a leading axis named
+    `layers` (the metadata transform keeps the logical names aligned with the new axis)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+    return build(rngs)
 
 
 def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
@@ -97,14 +108,8 @@ class Transformer(nnx.Module):
         self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)
 
-        # One Block per layer with its own init, stacked on a leading axis named
-        # `layers` (the metadata transform keeps the logical names aligned).
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stack_layers(lambda r: Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=r),
+                                   cfg.n_layers, rngs)
         self.head = LMHead(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:

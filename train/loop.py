@@ -22,7 +22,7 @@ from tqdm import tqdm
 from meshwork import data as data_lib
 from meshwork.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.config import Config, ConfigError, dump_config
-from meshwork.flops import train_flops_per_token
+from meshwork.flops import param_counts, train_flops_per_token
 from meshwork.hardware import peak_flops_per_device
 from meshwork.metrics import MetricsWriter
 from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
@@ -242,6 +242,9 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     """
     files = check_runtime(cfg, devices)
     trainer = Trainer(cfg, files, devices)
+    counts = param_counts(cfg.model)
+    if jax.process_index() == 0 and not dry_run == "json":
+        print(f"{cfg.model.kind} model: {counts['total']:,} parameters, {counts['activated']:,} activated per token")
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}

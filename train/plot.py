@@ -30,6 +30,31 @@ def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+    loads = [(r["step"], r["load"], r.get("load_cv")) for r in rows if "load" in r]
+    if loads:
+        plot_expert_load(loads, out.with_name("expert_load.png"), plt)
+    return out
+
+
+def plot_expert_load(loads, out: pathlib.Path, plt) -> pathlib.Path:
+    """Each expert's share of routed tokens over steps (averaged over MoE layers),
+    and the per-layer coefficient of variation: the imbalance the aux loss fights."""
+    steps = [s for s, _, _ in loads]
+    fig, (ax, ax_cv) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for e, share in enumerate(zip(*(load for _, load, _ in loads))):
+        ax.plot(steps, share, linewidth=1, label=f"expert {e}")
+    ax.axhline(1 / len(loads[0][1]), color="black", linestyle="--", linewidth=1, label="balanced")
+    ax.set_ylabel("share of routed tokens")
+    ax.legend(fontsize=7, ncol=4)
+    ax.grid(alpha=0.3)
+    if loads[0][2] is not None:
+        ax_cv.plot(steps, [cv for _, _, cv in loads])
+    ax_cv.set_ylabel("load CV (per layer, mean)")
+    ax_cv.set_xlabel("step")
+    ax_cv.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
 
 

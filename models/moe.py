@@ -1,0 +1,112 @@
+"""A Mixture-of-Experts decoder LM: the dense Transformer with MoE feed-forward layers.
+
+Attention, norms, embedding and head are the dense model's own
+(models/transformer.py); the first `moe.first_dense_layers` layers keep the
+dense SwiGLU (as DeepSeek-V3 does), the rest route each token to `top_k` of
+`n_experts` experts (models/layers/moe.py). Both stacks are scanned.
+
+`apply` returns the logits and the routing statistics averaged over the MoE
+layers: the load-balancing and z losses (the trainer adds them to the
+objective with the config's coefficients), the fraction of dropped
+assignments, and the per-expert load, per layer and averaged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshwork.config import ModelConfig
+from models.layers.attention import Attention
+from models.layers.embed import Embed
+from models.layers.moe import MoE, RouterBias, updated_router_bias
+from models.layers.norm import RMSNorm
+from models.transformer import ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, stack_layers
+from sharding.rules import with_logical_constraint
+
+
+class MoEBlock(nnx.Module):
+    """Pre-norm block: attention, then a routed mixture of SwiGLU experts."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
+                              rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=out_std,
+                              qkv_bias=cfg.qkv_bias, **kw)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+        self.moe = MoE(cfg.d_model, cfg.moe, init_std=cfg.init_std, out_std=out_std, **kw)
+
+    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, *,
+                 noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
+        x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
+        y_BLD, stats = self.moe(self.mlp_norm(x_BLD), noise_key=noise_key)
+        return with_logical_constraint(x_BLD + y_BLD, ACT_BLD), stats
+
+
+class MoETransformer(nnx.Module):
+    """tokens (B, L) int -> logits (B, L, V) float32, with MoE feed-forward layers."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
+                 remat: str = "none", rngs: nnx.Rngs):
+        if remat not in ("none", *REMAT_POLICIES):
+            raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
+        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs, **kw)
+        n_dense = cfg.moe.first_dense_layers
+        if n_dense:
+            self.dense_blocks = stack_layers(lambda r: Block(cfg, rngs=r, **kw), n_dense, rngs)
+        self.moe_blocks = stack_layers(lambda r: MoEBlock(cfg, rngs=r, **kw), cfg.n_layers - n_dense, rngs)
+        self.head = LMHead(cfg, rngs=rngs, **kw)
+
+    def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+              noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
+        if self.cfg.moe.first_dense_layers:
+            x_BLD = apply_layers(*nnx.split(self.dense_blocks), x_BLD, positions_BL, self.remat)
+
+        graphdef, stacked = nnx.split(self.moe_blocks)
+        n_moe = self.cfg.n_layers - self.cfg.moe.first_dense_layers
+        keys = jax.random.split(noise_key, n_moe) if noise_key is not None else None
+
+        def layer(x_BLD, layer_state_and_key):
+            layer_state, key = layer_state_and_key
+            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, noise_key=key)
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x_BLD, stats = jax.lax.scan(layer, x_BLD, (stacked, keys))
+        logits_BLV = self.head(x_BLD, self.embed)
+        # Scalars averaged over MoE layers; the per-layer load is kept for the
+        # aux-loss-free bias update and for the load plot.
+        out = {k: v.mean(axis=0) for k, v in stats.items()}
+        out["load_per_layer"] = stats["load"]
+        # Imbalance, per layer then averaged: the coefficient of variation of the
+        # experts' loads (0 when every expert gets the same share).
+        out["load_cv"] = (stats["load"].std(axis=-1) / stats["load"].mean(axis=-1)).mean()
+        return logits_BLV, out
+
+    def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
+        return self.apply(tokens_BL, positions_BL)[0]
+
+    def aux_coefficients(self) -> dict[str, float]:
+        return {"aux_loss": self.cfg.moe.aux_loss_coef, "z_loss": self.cfg.moe.z_loss_coef}
+
+    def updated_buffers(self, buffers: nnx.State, stats: dict[str, jax.Array]) -> nnx.State:
+        """DeepSeek-V3's auxiliary-loss-free balancing: after each step every MoE
+        layer's selection bias moves toward its under-loaded experts."""
+        rate = self.cfg.moe.bias_update_rate
+        if not rate or self.cfg.moe.router != "sigmoid":
+            return buffers
+        biases = nnx.state(self.moe_blocks, RouterBias)
+        new = jax.vmap(updated_router_bias, in_axes=(0, 0, None))(
+            biases["moe"]["router_bias"][...], stats["load_per_layer"], rate)
+        out = jax.tree.map(lambda x: x, buffers)
+        nnx.replace_by_pure_dict(out, {"moe_blocks": {"moe": {"router_bias": new}}})
+        return out
