@@ -63,13 +63,20 @@ def _context_parallel_axes() -> tuple[str, ...]:
 
 class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope_theta: float,
-                 init_std: float, out_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+                 init_std: float, out_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
+                 qkv_bias: bool = False):
+        """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero."""
         D, H, G, K = d_model, n_heads, n_kv_heads, head_dim
         self.wq = param(normal(init_std), rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim"))
         self.wk = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.wv = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.wo = param(normal(out_std), rngs.params(), (H, K, D), param_dtype, ("heads", "head_dim", "embed"))
-        self.rope_theta, self.dtype = rope_theta, dtype
+        if qkv_bias:
+            zeros = nnx.initializers.zeros
+            self.bq = param(zeros, rngs.params(), (H, K), param_dtype, ("heads", "head_dim"))
+            self.bk = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
+            self.bv = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
+        self.qkv_bias, self.rope_theta, self.dtype = qkv_bias, rope_theta, dtype
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag)."""
@@ -79,6 +86,8 @@ class Attention(nnx.Module):
         q_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD, w(self.wq))
         k_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w(self.wk))
         v_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w(self.wv))
+        if self.qkv_bias:
+            q_BLHK, k_BLGK, v_BLGK = q_BLHK + w(self.bq), k_BLGK + w(self.bk), v_BLGK + w(self.bv)
         q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta),
                                          ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta),
