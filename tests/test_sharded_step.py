@@ -91,3 +91,30 @@ def test_pipeline_step_equals_single_device(tmp_path, references_4_layers, kind,
     wq = got[2]["params"]["blocks"]["attn"]["wq"]
     assert wq.sharding.spec[0] == "stage" and wq.addressable_shards[0].data.shape[0] == 1
     assert_same_step(got, references_4_layers[tied])
+
+
+MOE = ["model.kind=moe", "model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_expert=64",
+       "model.moe.first_dense_layers=1", "model.moe.n_shared_experts=1"]
+
+
+@pytest.fixture(scope="module")
+def moe_references(tmp_path_factory):
+    return {cf: one_step(tmp_path_factory.mktemp("moeref"), ["mesh.data=1", *MOE, f"model.moe.capacity_factor={cf}"],
+                         1) for cf in ("1.0", "null")}
+
+
+@pytest.mark.parametrize("sizes, preset, capacity", [
+    (dict(expert=4, data=2), "ep", "1.0"),
+    (dict(expert=8, data=1), "ep", "null"),
+    (dict(expert=2, fsdp=2, tensor=2), "fsdp+tp+ep", "1.0"),
+], ids=["ep 4x2 capacity", "ep 8 dropless", "fsdp+tp+ep 2x2x2"])
+def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references, sizes, preset, capacity):
+    got = one_step(tmp_path, [*MOE, f"model.moe.capacity_factor={capacity}", f"rules.preset={preset}",
+                              *(f"mesh.{k}={v}" for k, v in sizes.items())], 8)
+    w_up = got[2]["params"]["moe_blocks"]["moe"]["w_up"]  # (layers, expert, embed, mlp)
+    assert w_up.sharding.spec[1] == "expert"
+    assert w_up.addressable_shards[0].data.shape[1] == 8 // sizes["expert"]
+    hlo = got[3].step_fn.as_text()
+    assert "all-to-all" in hlo
+    assert_same_step(got, moe_references[capacity])
+    np.testing.assert_allclose(got[0]["dropped_fraction"], moe_references[capacity][0]["dropped_fraction"])
