@@ -13,33 +13,25 @@ assignments, and the per-expert load, per layer and averaged.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.config import ModelConfig
-from models.layers.attention import Attention
 from models.layers.embed import Embed
 from models.layers.moe import MoE, RouterBias, updated_router_bias
-from models.layers.norm import RMSNorm
-from models.transformer import ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, stack_layers
+from models.transformer import (ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, residual_out_std,
+                                stack_layers)
 from sharding.rules import with_logical_constraint
 
 
-class MoEBlock(nnx.Module):
+class MoEBlock(Block):
     """Pre-norm block: attention, then a routed mixture of SwiGLU experts."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
-                              rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=out_std,
-                              qkv_bias=cfg.qkv_bias, **kw)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
-        self.moe = MoE(cfg.d_model, cfg.moe, init_std=cfg.init_std, out_std=out_std, **kw)
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mlp=False)
+        self.moe = MoE(cfg.d_model, cfg.moe, init_std=cfg.init_std, out_std=residual_out_std(cfg), dtype=dtype,
+                       param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, *,
                  noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -30,18 +30,26 @@ REMAT_POLICIES = {
 ACT_BLD = ("act_batch", "act_norm_seq", "act_embed")  # the residual stream
 
 
+def residual_out_std(cfg: ModelConfig) -> float:
+    """Init scale of the projections that write into the residual stream: smaller,
+    so the stream's variance does not grow with depth (GPT-2's 1/sqrt(2L))."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        # Residual-branch outputs start smaller so the stream's variance does not
-        # grow with depth (GPT-2's 1/sqrt(2L)).
-        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    """Pre-norm block: attention, then a SwiGLU MLP (`mlp=False` leaves the
+    feed-forward to a subclass, e.g. the MoE block)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
+                 mlp: bool = True):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
-                              rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=out_std,
+                              rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=residual_out_std(cfg),
                               qkv_bias=cfg.qkv_bias, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=out_std, **kw)
+        if mlp:
+            self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
