@@ -1,11 +1,12 @@
-"""One training step is the same computation on any mesh, and with or without
-gradient accumulation: sharding changes where numbers live, not what they are."""
+"""Training is the same computation on any mesh, and with or without gradient
+accumulation: sharding changes where numbers live, not what they are."""
 
 import jax
 import numpy as np
 import pytest
 
 from meshwork.config import load_config
+from meshwork.data import train_iterator
 from train.loop import Trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
@@ -14,16 +15,19 @@ from conftest import ROOT, tiny_overrides
 STEP_OVERRIDES = ["optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10", "model.tie_embeddings=false"]
 
 
+STEPS = 3
+
+
 def one_step(tmp_path, overrides, n_devices):
+    """Trains STEPS steps on the first batches of the corpus; (last metrics, params, state, trainer)."""
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *STEP_OVERRIDES, *overrides])
     devices = jax.devices()[:n_devices]
     files = check_runtime(cfg, devices)
     trainer = Trainer(cfg, files, devices)
-    from meshwork.data import train_iterator
-
-    batch = next(train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0))
+    batches = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
     state = trainer.init_state()
-    state, metrics = trainer.step_fn(state, trainer.to_device(batch))
+    for _ in range(STEPS):
+        state, metrics = trainer.step_fn(state, trainer.to_device(next(batches)))
     return jax.device_get(metrics), jax.device_get(state["params"]), state, trainer
 
 
