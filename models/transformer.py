@@ -46,7 +46,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
                               rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=residual_out_std(cfg),
-                              qkv_bias=cfg.qkv_bias, **kw)
+                              qkv_bias=cfg.qkv_bias, impl=cfg.attention, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         if mlp:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)

@@ -7,48 +7,85 @@ models never change when a faster kernel lands.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from models.layers.params import normal, param
 from models.layers.rope import apply_rope
+from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from sharding.ring_attention import ring_attention
 from sharding.rules import axes_of, current_rules, split_axes, with_logical_constraint
 
 
 def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
-           causal: bool = True, scale: float | None = None, impl: str = "auto") -> jax.Array:
+           causal: bool = True, scale: float | None = None, impl: str = "xla") -> jax.Array:
     """softmax(q k^T * scale + mask) v, with G key/value heads shared by H/G query heads.
 
-    impl="xla": `jax.nn.dot_product_attention`, which handles grouped heads
-    without materializing repeated K/V and lets XLA pick the fusion.
-    impl="ring": ring attention over the mesh axis that splits the sequence
-    (context parallelism); the causal mask comes from `positions_BL`, so any
-    token layout (e.g. the load-balancing zigzag) is correct.
-    impl="auto": "ring" when the current mesh and rules split `act_seq`, else "xla".
+    impl (model.attention in the config):
+    - "xla": `jax.nn.dot_product_attention`, which handles grouped heads
+      without materializing repeated K/V and lets XLA pick the fusion;
+    - "pallas": meshwork's flash-attention kernel (src/meshwork/kernels), run
+      per device inside `shard_map` (batch and heads split as the rules say);
+    - "cudnn": cuDNN's fused attention (GPU only);
+    - "reference": the plain formula, materializing the L x S scores.
+    Whatever `impl`, a sequence split over the mesh (context parallelism, the
+    `cp` preset) goes to ring attention; its causal mask comes from
+    `positions_BL`, so any token layout (e.g. the load-balancing zigzag) is correct.
     """
     seq_axes = _context_parallel_axes()
-    if impl == "auto":
-        impl = "ring" if seq_axes else "xla"
+    if seq_axes:
+        return _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, causal=causal, scale=scale)
+    if positions_BL is not None and causal and impl != "xla":
+        raise ValueError(f"attention impl {impl!r} takes tokens in order 0..L-1; use xla for permuted positions")
     if impl == "xla":
         if positions_BL is not None and causal:
             # Masking by positions keeps a permuted layout correct here too.
             mask = positions_BL[:, None, :, None] >= positions_BL[:, None, None, :]
             return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
         return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
-    if impl == "ring":
-        if len(seq_axes) != 1:
-            raise ValueError(f"ring attention needs exactly one mesh axis splitting act_seq, got {seq_axes}")
-        if positions_BL is None:
-            B, L = q_BLHK.shape[:2]
-            positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-        rules = current_rules()
-        heads = split_axes("act_heads", rules, _mesh_shape())
-        return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
-                              batch_axes=axes_of("act_batch", rules), head_axis=heads[0] if heads else None,
-                              causal=causal, scale=scale)
-    raise ValueError(f"attention impl {impl!r} is not available; use auto, xla or ring")
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal,
+                                            implementation="cudnn")
+    if impl == "reference":
+        return flash_attention_reference(q_BLHK, k_BSGK, v_BSGK, causal=causal, scale=scale)
+    if impl == "pallas":
+        return _per_device(functools.partial(flash_attention, causal=causal, scale=scale), q_BLHK, k_BSGK, v_BSGK)
+    raise ValueError(f"attention impl {impl!r}; choose xla, pallas, cudnn or reference")
+
+
+def _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
+    if len(seq_axes) != 1:
+        raise ValueError(f"ring attention needs exactly one mesh axis splitting act_seq, got {seq_axes}")
+    if positions_BL is None:
+        B, L = q_BLHK.shape[:2]
+        positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    rules = current_rules()
+    heads = split_axes("act_heads", rules, _mesh_shape())
+    return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
+                          batch_axes=axes_of("act_batch", rules), head_axis=heads[0] if heads else None,
+                          causal=causal, scale=scale)
+
+
+def _per_device(kernel, q_BLHK, k_BSGK, v_BSGK):
+    """Runs a single-device attention kernel on each device's shard of the batch and heads.
+
+    A Pallas call is opaque to the partitioner, so under a mesh it goes inside
+    `shard_map` with the specs the rules give the activations; every device
+    then holds whole sequences of its heads, which is all the kernel needs.
+    """
+    rules, mesh_shape = current_rules(), _mesh_shape()
+    if rules is None or not mesh_shape or all(n == 1 for n in mesh_shape.values()):
+        return kernel(q_BLHK, k_BSGK, v_BSGK)
+    batch = split_axes("act_batch", rules, mesh_shape)
+    heads = split_axes("act_heads", rules, mesh_shape)
+    spec = PartitionSpec(batch or None, None, heads or None, None)
+    # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
+    return jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec, spec, spec),
+                         out_specs=spec, check_vma=False)(q_BLHK, k_BSGK, v_BSGK)
 
 
 def _mesh_shape() -> dict[str, int]:
@@ -64,7 +101,7 @@ def _context_parallel_axes() -> tuple[str, ...]:
 class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope_theta: float,
                  init_std: float, out_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 qkv_bias: bool = False):
+                 qkv_bias: bool = False, impl: str = "xla"):
         """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero."""
         D, H, G, K = d_model, n_heads, n_kv_heads, head_dim
         self.wq = param(normal(init_std), rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim"))
@@ -76,7 +113,7 @@ class Attention(nnx.Module):
             self.bq = param(zeros, rngs.params(), (H, K), param_dtype, ("heads", "head_dim"))
             self.bk = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
             self.bv = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
-        self.qkv_bias, self.rope_theta, self.dtype = qkv_bias, rope_theta, dtype
+        self.qkv_bias, self.rope_theta, self.dtype, self.impl = qkv_bias, rope_theta, dtype, impl
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag)."""
@@ -92,5 +129,5 @@ class Attention(nnx.Module):
                                          ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta),
                                          ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
-        o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True)
+        o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl)
         return jnp.einsum("BLHK,HKD->BLD", o_BLHK, w(self.wo))

@@ -96,6 +96,11 @@ class ModelConfig(Section):
     """Hidden size of the SwiGLU MLP."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    attention: Literal["xla", "pallas", "cudnn", "reference"] = "xla"
+    """Attention kernel: XLA's fusion of jax.nn.dot_product_attention; meshwork's Pallas flash
+    attention (interpret mode on CPU: slow, for tests); cuDNN's (GPU only); or the plain
+    reference that materializes the scores. A sequence split by context parallelism always
+    uses ring attention."""
     qkv_bias: bool = False
     """Biases on the q, k, v projections (Qwen2)."""
     tie_embeddings: bool = False
