@@ -81,8 +81,44 @@ class MoEConfig(Section):
     """The first k layers use the dense MLP (d_ff), the rest MoE."""
 
 
+class UNetConfig(Section):
+    """An image UNet (models/unet.py) whose fields mirror diffusers' UNet2DModel config,
+    so its weights load; used when model.kind = unet."""
+
+    sample_size: int = pydantic.Field(16, gt=0)
+    in_channels: int = pydantic.Field(1, gt=0)
+    out_channels: int = pydantic.Field(1, gt=0)
+    block_out_channels: list[int] = [32, 64]
+    """Channels of each resolution level, from the input resolution down."""
+    down_block_types: list[Literal["DownBlock2D", "AttnDownBlock2D"]] = ["DownBlock2D", "AttnDownBlock2D"]
+    up_block_types: list[Literal["UpBlock2D", "AttnUpBlock2D"]] = ["AttnUpBlock2D", "UpBlock2D"]
+    layers_per_block: int = pydantic.Field(1, gt=0)
+    norm_num_groups: int = pydantic.Field(8, gt=0)
+    norm_eps: float = 1e-5
+    attention_head_dim: int = pydantic.Field(8, gt=0)
+    mid_block_attention: bool = True
+    num_class_embeds: int | None = pydantic.Field(None, gt=0)
+    """Class conditioning (digits: 10); an extra null class is not added: classifier-free
+    guidance drops labels to class `num_class_embeds - 1` only if you reserve one."""
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+
+
+class DiffusionConfig(Section):
+    """The denoising objective and its noise schedule; used when model.kind = unet."""
+
+    num_train_timesteps: int = pydantic.Field(1000, gt=0)
+    schedule: Literal["linear", "cosine"] = "linear"
+    beta_start: float = pydantic.Field(1e-4, gt=0)
+    beta_end: float = pydantic.Field(0.02, gt=0)
+    prediction: Literal["epsilon", "v"] = "epsilon"
+    ema_decay: float = pydantic.Field(0.999, ge=0, lt=1)
+    label_dropout: float = pydantic.Field(0.1, ge=0, le=1)
+    """Classifier-free guidance training: share of labels replaced by the null class."""
+
+
 class ModelConfig(Section):
-    kind: Literal["transformer", "moe"] = "transformer"
+    kind: Literal["transformer", "moe", "unet"] = "transformer"
     vocab_size: int = pydantic.Field(256, gt=0)
     """256 for the byte-level tokenizer; larger for a user token file."""
     d_model: int = pydantic.Field(128, gt=0)
@@ -108,6 +144,10 @@ class ModelConfig(Section):
     init_std: float = 0.02
     moe: MoEConfig = MoEConfig()
     """Used when kind = moe."""
+    unet: UNetConfig = UNetConfig()
+    """Used when kind = unet."""
+    diffusion: DiffusionConfig = DiffusionConfig()
+    """Used when kind = unet."""
 
     @property
     def resolved_head_dim(self) -> int:
