@@ -11,7 +11,6 @@ import contextlib
 import json
 import pathlib
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,10 +18,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from meshwork import data as data_lib
 from meshwork.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.config import Config, ConfigError, dump_config
-from meshwork.flops import param_counts, train_flops_per_token
+from meshwork.flops import param_counts
 from meshwork.hardware import peak_flops_per_device
 from meshwork.metrics import MetricsWriter
 from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
@@ -30,19 +28,11 @@ from sharding.report import compiled_report, format_report, state_bytes
 from sharding.ring_attention import zigzag_permutation
 from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
 from train.optim import make_optimizer
-from train.state import abstract_state, init_state, logical_specs, state_shardings
-from train.step import make_eval_step, make_train_step
+from train.state import abstract_state, ema_decay, init_state, logical_specs, state_shardings
+from train.step import make_eval_step, make_objective, make_train_step
+from train.task import DiffusionTask, LMTask, make_task
 
-BATCH_AXES = ("act_batch", "act_seq")
-
-
-@dataclass(frozen=True)
-class DataFiles:
-    train: pathlib.Path
-    val: pathlib.Path
-
-
-def check_runtime(cfg: Config, devices: list | None = None) -> DataFiles:
+def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | DiffusionTask:
     """The checks that need jax or the file system; raises ConfigError before anything is compiled or written."""
     n_devices = len(devices) if devices is not None else jax.device_count()
     try:
@@ -68,24 +58,7 @@ def check_runtime(cfg: Config, devices: list | None = None) -> DataFiles:
     if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
                           f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout")
-    if cfg.data.source == "stdlib":
-        if cfg.model.vocab_size < data_lib.ByteTokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is below the byte tokenizer's 256; set 256")
-        return DataFiles(*data_lib.stdlib_corpus(cfg.data.val_fraction, cfg.data.cache_dir))
-    files = {}
-    for key in ("train_path", "val_path"):
-        path = pathlib.Path(getattr(cfg.data, key)).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"data.{key}: file not found: {path}; point it to a uint16 token file (.bin)")
-        if path.stat().st_size < 2 * (cfg.data.seq_len + 1):
-            raise ConfigError(f"data.{key}: {path} holds fewer than {cfg.data.seq_len + 1} tokens; "
-                              f"use a larger file or a smaller data.seq_len")
-        head = np.memmap(path, dtype=data_lib.TOKEN_DTYPE, mode="r")[: 1 << 20]
-        if int(head.max()) >= cfg.model.vocab_size:
-            raise ConfigError(f"data.{key}: token id {int(head.max())} in {path} is out of range for "
-                              f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
-        files[key] = path
-    return DataFiles(files["train_path"], files["val_path"])
+    return make_task(cfg)
 
 
 def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
@@ -104,8 +77,8 @@ def to_host(x: jax.Array) -> np.ndarray:
 class Trainer:
     """Everything compiled for one config on one mesh; `train()` drives it."""
 
-    def __init__(self, cfg: Config, files: DataFiles, devices: list | None = None):
-        self.cfg, self.files = cfg, files
+    def __init__(self, cfg: Config, task: LMTask | DiffusionTask, devices: list | None = None):
+        self.cfg, self.task = cfg, task
         self.mesh = make_mesh(cfg.mesh.sizes(), devices)
         preset = cfg.rules.preset + ("+pp" if cfg.train.pipeline != "none" else "")
         self.rules_by_role = {role: rules_for(preset, cfg.rules.overrides, role) for role in ROLES}
@@ -116,7 +89,6 @@ class Trainer:
         seq_axes = split_axes("act_seq", self.rules, dict(self.mesh.shape))
         self.seq_perm = (zigzag_permutation(cfg.data.seq_len, self.mesh.shape[seq_axes[0]])
                          if len(seq_axes) == 1 else None)
-        self.batch_keys = ("inputs", "targets") + (("positions",) if self.seq_perm is not None else ())
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
         # Shapes first, outside the mesh: nnx.eval_shape would otherwise try to
         # place the logical names on the mesh itself.
@@ -130,19 +102,22 @@ class Trainer:
             if self.rules_by_role["grads"] == self.rules:
                 grad_shardings = None
             self.grad_shardings = grad_shardings
-            self.batch_sharding = logical_to_sharding(BATCH_AXES, self.mesh, self.rules)
+            self.batch_sharding = logical_to_sharding(task.batch_axes, self.mesh, self.rules)
             replicated = NamedSharding(self.mesh, PartitionSpec())
-            B, L = cfg.train.global_batch, cfg.data.seq_len
-            batch_abstract = {k: jax.ShapeDtypeStruct((B, L), np.int32, sharding=self.batch_sharding)
-                              for k in self.batch_keys}
+            shapes = {**task.batch_shapes(), **({"positions": task.batch_shapes()["inputs"]}
+                                                 if self.seq_perm is not None else {})}
+            batch_abstract = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, *shape), dtype,
+                                                      sharding=self.batch_sharding)
+                              for k, (shape, dtype) in shapes.items()}
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
             step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches,
-                                           grad_shardings, cfg.train.pipeline, cfg.run.seed),
+                                           grad_shardings, cfg.train.pipeline, cfg.run.seed,
+                                           loss_fn=make_objective(self.graphdef, cfg), ema_decay=ema_decay(cfg)),
                            in_shardings=(self.shardings, self.batch_sharding),
                            out_shardings=(self.shardings, replicated), donate_argnums=0)
             self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile()
-            self.eval_fn = jax.jit(make_eval_step(self.graphdef), in_shardings=(
+            self.eval_fn = jax.jit(make_eval_step(self.graphdef, make_objective(self.graphdef, cfg)), in_shardings=(
                 self.shardings["params"], self.shardings["buffers"], self.batch_sharding), out_shardings=replicated)
 
     def context(self):
@@ -158,7 +133,7 @@ class Trainer:
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
-        if self.seq_perm is not None:
+        if self.seq_perm is not None:  # a language model's tokens under context parallelism
             B = batch["inputs"].shape[0]
             batch = {**{k: v[:, self.seq_perm] for k, v in batch.items()},
                      "positions": np.broadcast_to(self.seq_perm.astype(np.int32), (B, len(self.seq_perm)))}
@@ -195,10 +170,11 @@ class StepLogger:
     so the host never stalls the device) and writes every `log.every`-th
     step, every evaluated step and the last one, with throughput and MFU."""
 
-    def __init__(self, cfg: Config, writer: MetricsWriter, *, start: int, last: int, enabled: bool):
+    def __init__(self, cfg: Config, writer: MetricsWriter, trainer: Trainer, *, start: int, last: int,
+                 enabled: bool):
         self.cfg, self.writer, self.last = cfg, writer, last
-        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        self.flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * self.tokens_per_step
+        self.unit, self.items_per_step = trainer.task.unit, trainer.task.items_per_step()
+        self.flops_per_step = trainer.task.flops_per_step(trainer.step_fn)
         self.peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
         self.pbar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.log.progress and enabled),
                          desc=cfg.run.name, dynamic_ncols=True)
@@ -230,7 +206,7 @@ class StepLogger:
         step_time = (now - self.t_last) / self.steps_since
         self.t_last, self.steps_since = now, 0
         tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
-        self.writer.write(step, {**m, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
+        self.writer.write(step, {**m, "step_time_s": step_time, f"{self.unit}_per_s": self.items_per_step / step_time,
                                  "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak,
                                  **self.extra.pop(step, {})})
 
@@ -240,11 +216,11 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
 
     Returns a summary: first and last validation loss, steps run, run dir.
     """
-    files = check_runtime(cfg, devices)
-    trainer = Trainer(cfg, files, devices)
-    counts = param_counts(cfg.model)
+    trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
     if jax.process_index() == 0 and not dry_run == "json":
-        print(f"{cfg.model.kind} model: {counts['total']:,} parameters, {counts['activated']:,} activated per token")
+        total = sum(x.size for x in jax.tree.leaves(trainer.abstract["params"]))
+        active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
+        print(f"{cfg.model.kind} model: {total:,} parameters{active}")
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
@@ -259,8 +235,8 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     if is_main:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
 
-    data_iter = data_lib.train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)
-    val_set = data_lib.eval_batches(str(files.val), cfg.data.seq_len, cfg.train.global_batch, cfg.log.eval_batches)
+    data_iter = trainer.task.train_iterator()
+    val_set = trainer.task.eval_batches()
     if start is None:
         state = trainer.init_state()
     else:
@@ -275,7 +251,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
 
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_after or steps)
-    logger = StepLogger(cfg, writer, start=start, last=last, enabled=is_main)
+    logger = StepLogger(cfg, writer, trainer, start=start, last=last, enabled=is_main)
     for step in range(start + 1, last + 1):
         batch = trainer.to_device(next(data_iter))
         state, metrics = trainer.step_fn(state, batch)

@@ -37,6 +37,10 @@ def build_model(cfg: Config, seed: int | None = None) -> nnx.Module:
         from models.moe import MoETransformer
 
         return MoETransformer(cfg.model, **kw)
+    if cfg.model.kind == "unet":
+        from models.unet import UNet
+
+        return UNet(cfg.model.unet, **kw)
     return Transformer(cfg.model, **kw)
 
 
@@ -46,9 +50,17 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return nnx.split(model, nnx.Param, ...)
 
 
+def ema_decay(cfg: Config) -> float | None:
+    """Decay of the weights' exponential moving average, when the model keeps one (diffusion)."""
+    return (cfg.model.diffusion.ema_decay or None) if cfg.model.kind == "unet" else None
+
+
 def _fresh_state(cfg: Config, tx: optax.GradientTransformation) -> dict[str, Any]:
     _, params, buffers = split_model(build_model(cfg))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers, "opt_state": tx.init(params)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers, "opt_state": tx.init(params)}
+    if ema_decay(cfg):
+        state["ema"] = jax.tree.map(jnp.copy, params)
+    return state
 
 
 def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, dict[str, Any]]:
@@ -71,10 +83,13 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules]) -> An
     `rules` maps a role to its table (see `sharding.rules.ROLES`): parameters
     follow "params", Adam's moments "opt_state" (they differ under ZeRO-1/2).
     """
-    return {"step": tree_shardings(None, mesh, rules["params"]),
-            "params": tree_shardings(logical_specs(abstract["params"]), mesh, rules["params"]),
-            "buffers": tree_shardings(logical_specs(abstract["buffers"]), mesh, rules["params"]),
-            "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"])}
+    shardings = {"step": tree_shardings(None, mesh, rules["params"]),
+                 "params": tree_shardings(logical_specs(abstract["params"]), mesh, rules["params"]),
+                 "buffers": tree_shardings(logical_specs(abstract["buffers"]), mesh, rules["params"]),
+                 "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"])}
+    if "ema" in abstract:
+        shardings["ema"] = shardings["params"]
+    return shardings
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any) -> dict[str, Any]:

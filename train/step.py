@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from meshwork.config import Config
 from models.transformer import apply_layers
 from sharding.pipeline import pipeline_value_and_grad
 
@@ -30,6 +31,35 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]
         objective = ce + sum(model.aux_coefficients()[k] * stats[k] for k in stats if k in model.aux_coefficients())
         return objective, {"loss": ce, **stats}
     return loss_fn
+
+
+def make_diffusion_loss_fn(graphdef: nnx.GraphDef, cfg: Config) -> Callable[..., tuple[jax.Array, dict]]:
+    """loss_fn(params, buffers, batch, noise_key=None) -> (objective, metrics) for a denoiser.
+
+    The noise and timesteps come from `noise_key` (a pure function of the step
+    in training, fixed in evaluation). For classifier-free guidance a share
+    `label_dropout` of the labels becomes the null class, the last one.
+    """
+    from meshwork.diffusion import diffusion_loss
+
+    dcfg, n_classes = cfg.model.diffusion, cfg.model.unet.num_class_embeds
+
+    def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
+        model = nnx.merge(graphdef, params, buffers)
+        key = noise_key if noise_key is not None else jax.random.key(0)
+        key, drop_key = jax.random.split(key)
+        labels = None
+        if n_classes is not None:
+            drop = jax.random.bernoulli(drop_key, dcfg.label_dropout, batch["labels"].shape)
+            labels = jnp.where(drop & (noise_key is not None), n_classes - 1, batch["labels"])
+        loss, metrics = diffusion_loss(model, batch["images"], key, labels, dcfg)
+        return loss, {**metrics, "loss": loss}
+    return loss_fn
+
+
+def make_objective(graphdef: nnx.GraphDef, cfg: Config) -> Callable[..., tuple[jax.Array, dict]]:
+    """The training objective of `cfg`'s task."""
+    return make_diffusion_loss_fn(graphdef, cfg) if cfg.model.kind == "unet" else make_loss_fn(graphdef)
 
 
 def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches: int) -> Callable:
@@ -82,7 +112,8 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     microbatches: int = 1, grad_shardings: Any = None,
-                    pipeline: str = "none", seed: int = 0) -> Callable[[dict, Batch], tuple[dict, dict]]:
+                    pipeline: str = "none", seed: int = 0, loss_fn: Callable | None = None,
+                    ema_decay: float | None = None) -> Callable[[dict, Batch], tuple[dict, dict]]:
     """Returns step(state, batch) -> (state, metrics); jit it with shardings and donation.
 
     `pipeline` ("gpipe" or "1f1b") runs the blocks as a pipeline over the mesh
@@ -96,7 +127,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     summed in float32 inside a scan (gradient accumulation), so activation
     memory is that of B/M sequences while the update equals the full batch's.
     """
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef), has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn or make_loss_fn(graphdef), has_aux=True)
     pipelined = make_pipeline_value_and_grad(graphdef, pipeline, microbatches) if pipeline != "none" else None
 
     def accumulate(params, buffers, batch: Batch, noise_key):
@@ -135,12 +166,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         params = optax.apply_updates(state["params"], updates)
         buffers = nnx.merge(graphdef, params, state["buffers"]).updated_buffers(state["buffers"], metrics)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "buffers": buffers, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "buffers": buffers, "opt_state": opt_state}
+        if ema_decay:  # weights averaged over steps: what diffusion samples with
+            new_state["ema"] = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
+        return new_state, metrics
 
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Any, Any, Batch], jax.Array]:
-    """(params, buffers, batch) -> cross-entropy, without auxiliary terms or noise."""
-    loss_fn = make_loss_fn(graphdef)
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable | None = None) -> Callable[[Any, Any, Batch], jax.Array]:
+    """(params, buffers, batch) -> the task's loss (for an LM the cross-entropy alone),
+    without training noise: fixed timesteps and noise for diffusion, no router noise."""
+    loss_fn = loss_fn or make_loss_fn(graphdef)
     return lambda params, buffers, batch: loss_fn(params, buffers, batch)[1]["loss"]

@@ -155,9 +155,12 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["stdlib", "tokens"] = "stdlib"
+    source: Literal["stdlib", "tokens", "digits", "images"] = "stdlib"
     """`stdlib`: this Python's own standard-library sources, byte-tokenized.
-    `tokens`: nanoGPT-style uint16 files `train_path` and `val_path`."""
+    `tokens`: nanoGPT-style uint16 files `train_path` and `val_path`.
+    `digits`: scikit-learn's handwritten digits (for model.kind=unet).
+    `images`: the PNG/JPEG files under `image_dir` (subfolders are classes)."""
+    image_dir: str | None = None
     train_path: str | None = None
     val_path: str | None = None
     seq_len: int = pydantic.Field(128, gt=0)

@@ -1,0 +1,139 @@
+"""What is being learned: the one place where language modelling and diffusion differ.
+
+The training loop, checkpoints, meshes and metrics are shared; a task says
+what a batch looks like, where batches come from, what the loss is, and how
+throughput is counted. `make_task(cfg)` picks one from `model.kind`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from meshwork import data as data_lib
+from meshwork.config import Config, ConfigError
+from meshwork.flops import train_flops_per_token
+
+
+@dataclass
+class LMTask:
+    """Next-token prediction on a token file (the stdlib corpus or the user's .bin)."""
+
+    cfg: Config
+    train: pathlib.Path
+    val: pathlib.Path
+    name = "lm"
+    unit = "tokens"
+    batch_axes = ("act_batch", "act_seq")
+
+    def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        L = self.cfg.data.seq_len
+        return {"inputs": ((L,), np.int32), "targets": ((L,), np.int32)}
+
+    def train_iterator(self):
+        c = self.cfg
+        return data_lib.train_iterator(str(self.train), c.data.seq_len, c.train.global_batch, c.run.seed)
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        c = self.cfg
+        return data_lib.eval_batches(str(self.val), c.data.seq_len, c.train.global_batch, c.log.eval_batches)
+
+    def items_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.data.seq_len
+
+    def flops_per_step(self, compiled_step: Any) -> float:
+        del compiled_step  # the 6N + attention formula counts useful work only
+        return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step()
+
+
+@dataclass
+class DiffusionTask:
+    """Denoising images (scikit-learn's digits, or a folder of the user's images)."""
+
+    cfg: Config
+    train_set: tuple[np.ndarray, np.ndarray]
+    val_set: tuple[np.ndarray, np.ndarray]
+    name = "diffusion"
+    unit = "samples"
+    batch_axes = ("act_batch",)
+
+    def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        u = self.cfg.model.unet
+        return {"images": ((u.sample_size, u.sample_size, u.in_channels), np.float32), "labels": ((), np.int32)}
+
+    def train_iterator(self):
+        from meshwork.images import image_train_iterator
+
+        return image_train_iterator(*self.train_set, self.cfg.train.global_batch, self.cfg.run.seed)
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        from meshwork.images import image_eval_batches
+
+        return image_eval_batches(*self.val_set, self.cfg.train.global_batch, self.cfg.log.eval_batches)
+
+    def items_per_step(self) -> int:
+        return self.cfg.train.global_batch
+
+    def flops_per_step(self, compiled_step: Any) -> float:
+        # No closed form for a UNet's convolutions: take XLA's count of the
+        # compiled step (it has no scan, so nothing is counted once for many).
+        cost = compiled_step.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        return float((cost or {}).get("flops", 0.0)) * jax.device_count()
+
+
+def make_task(cfg: Config) -> LMTask | DiffusionTask:
+    """The task of `cfg`, with its data located and checked (raises ConfigError)."""
+    if cfg.model.kind == "unet":
+        return _diffusion_task(cfg)
+    return _lm_task(cfg)
+
+
+def _lm_task(cfg: Config) -> LMTask:
+    if cfg.data.source == "stdlib":
+        if cfg.model.vocab_size < data_lib.ByteTokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is below the byte tokenizer's 256; set 256")
+        return LMTask(cfg, *data_lib.stdlib_corpus(cfg.data.val_fraction, cfg.data.cache_dir))
+    if cfg.data.source != "tokens":
+        raise ConfigError(f"data.source: {cfg.data.source} is image data; a language model reads stdlib or tokens")
+    files = {}
+    for key in ("train_path", "val_path"):
+        path = pathlib.Path(getattr(cfg.data, key)).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"data.{key}: file not found: {path}; point it to a uint16 token file (.bin)")
+        if path.stat().st_size < 2 * (cfg.data.seq_len + 1):
+            raise ConfigError(f"data.{key}: {path} holds fewer than {cfg.data.seq_len + 1} tokens; "
+                              f"use a larger file or a smaller data.seq_len")
+        head = np.memmap(path, dtype=data_lib.TOKEN_DTYPE, mode="r")[: 1 << 20]
+        if int(head.max()) >= cfg.model.vocab_size:
+            raise ConfigError(f"data.{key}: token id {int(head.max())} in {path} is out of range for "
+                              f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
+        files[key] = path
+    return LMTask(cfg, files["train_path"], files["val_path"])
+
+
+def _diffusion_task(cfg: Config) -> DiffusionTask:
+    from meshwork import images as images_lib
+
+    u = cfg.model.unet
+    if cfg.data.source == "digits":
+        if u.in_channels != 1:
+            raise ConfigError(f"model.unet.in_channels: digits are grayscale; set 1, not {u.in_channels}")
+        images, labels = images_lib.digits(u.sample_size)
+    elif cfg.data.source == "images":
+        if not cfg.data.image_dir or not pathlib.Path(cfg.data.image_dir).expanduser().is_dir():
+            raise ConfigError(f"data.image_dir: {cfg.data.image_dir!r} is not a folder; point it to your images")
+        try:
+            images, labels = images_lib.image_folder(cfg.data.image_dir, u.sample_size, u.in_channels)
+        except FileNotFoundError as e:
+            raise ConfigError(f"data.image_dir: {e}; add PNG or JPEG files") from None
+    else:
+        raise ConfigError(f"data.source: {cfg.data.source} is text; a UNet reads digits or images")
+    if u.num_class_embeds is not None and labels.max() >= u.num_class_embeds:
+        raise ConfigError(f"model.unet.num_class_embeds: {u.num_class_embeds} classes, but the data has label "
+                          f"{labels.max()}; raise it")
+    return DiffusionTask(cfg, *images_lib.split(images, labels, cfg.data.val_fraction))
