@@ -146,6 +146,19 @@ class Trainer:
             losses = [self.eval_fn(state["params"], state["buffers"], self.to_device(b)) for b in batches]
         return float(np.mean([to_host(x) for x in losses]))
 
+    def write_samples(self, state: dict[str, Any], path: pathlib.Path, num: int = 16, steps: int = 25) -> None:
+        """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA)."""
+        from flax import nnx
+
+        from inference.diffusion_sampling import save_grid
+        from inference.generate_images import sample_images
+
+        model = nnx.merge(self.graphdef, state.get("ema", state["params"]), state["buffers"])
+        with self.context():
+            images, _ = sample_images(model, self.cfg, num=num, steps=steps)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_grid(images, path, nrow=4)
+
     def report_dict(self) -> dict[str, Any]:
         """Per-device state bytes, temp memory, FLOPs and collectives of the compiled step."""
         return compiled_report(self.step_fn, state_bytes(self.abstract, self.shardings, self.grad_shardings))
@@ -259,6 +272,8 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         if step % cfg.log.eval_every == 0 or step == steps:
             summary["val_loss"][step] = trainer.evaluate(state, val_set)
             logger.add(step, val_loss=summary["val_loss"][step])
+        if trainer.task.name == "diffusion" and cfg.log.sample_every and step % cfg.log.sample_every == 0 and is_main:
+            trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
         ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == last)
     logger.close()
     ckpt.close()

@@ -252,6 +252,8 @@ class LogConfig(Section):
     """Write a metrics line every this many steps."""
     eval_every: int = pydantic.Field(100, gt=0)
     eval_batches: int = pydantic.Field(4, gt=0)
+    sample_every: int | None = pydantic.Field(None, gt=0)
+    """Diffusion: write a grid of samples (EMA weights) to run.dir/samples/ every this many steps."""
     tensorboard: bool = True
     progress: bool = True
 
