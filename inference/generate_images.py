@@ -7,9 +7,14 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from meshwork.config import Config, ConfigError
 from inference.diffusion_sampling import ddim_sample, ddpm_sample, save_grid
+
+
+def _apply(graphdef, state, x_BHWC, t_B, labels_B):
+    return nnx.merge(graphdef, state)(x_BHWC, t_B, labels_B)
 
 
 def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "ddim", guidance: float | None = None,
@@ -26,10 +31,13 @@ def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "d
     kw = dict(labels=y, guidance_scale=guidance if y is not None else None,
               null_label=u.num_class_embeds - 1 if y is not None else None)
     key = jax.random.key(seed)
+    # The weights travel as arguments of the jitted sampler, not as constants.
+    graphdef, state = nnx.split(model)
+    model_fn = jax.tree_util.Partial(_apply, graphdef, state)
     if sampler == "ddim":
-        x = ddim_sample(model, shape, key, d, steps=steps, clip_sample=1.0, **kw)
+        x = ddim_sample(model_fn, shape, key, d, steps=steps, clip_sample=1.0, **kw)
     else:
-        x = ddpm_sample(model, shape, key, d, steps=steps, clip_sample=1.0, **kw)
+        x = ddpm_sample(model_fn, shape, key, d, steps=steps, clip_sample=1.0, **kw)
     return np.asarray(x), (np.asarray(y) if y is not None else None)
 
 
