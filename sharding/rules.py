@@ -71,6 +71,13 @@ _BASE: dict[str, MeshAxes] = {
     "layers": None,
     "expert": None,         # the stacked-experts dimension of MoE weights
     "router": None,         # the experts dimension of the router's weight and bias
+    # UNet weights: the output-channel dimension of a conv or dense layer is `embed`
+    # (what fsdp splits); these name the other dimensions.
+    "conv_kh": None,        # convolution kernel height
+    "conv_kw": None,        # convolution kernel width
+    "channels_in": None,    # input channels/features of a UNet conv or dense layer (and norms over them)
+    "image_channels": None, # the image's own channels (in/out of the first/last conv)
+    "classes": None,        # rows of the class-embedding table
     # activations
     "act_batch": ("data", "fsdp"),
     "act_seq": None,        # sequence inside attention and the MLP
@@ -82,6 +89,9 @@ _BASE: dict[str, MeshAxes] = {
     "act_mlp": None,
     "act_vocab": None,
     "act_expert": None,     # the experts dimension of dispatched tokens
+    "act_height": None,     # image rows (NHWC activations)
+    "act_width": None,      # image columns
+    "act_channels": None,   # image channels
 }
 
 _DATA_PARALLEL = ("data", "fsdp")

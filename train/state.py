@@ -40,7 +40,7 @@ def build_model(cfg: Config, seed: int | None = None) -> nnx.Module:
     if cfg.model.kind == "unet":
         from models.unet import UNet
 
-        return UNet(cfg.model.unet, **kw)
+        return UNet(cfg.model.unet, attention=cfg.model.attention, **kw)
     return Transformer(cfg.model, **kw)
 
 
