@@ -164,7 +164,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        buffers = nnx.merge(graphdef, params, state["buffers"]).updated_buffers(state["buffers"], metrics)
+        model = nnx.merge(graphdef, params, state["buffers"])
+        # Models with non-trained variables (MoE routers' biases) update them from the step's statistics.
+        buffers = model.updated_buffers(state["buffers"], metrics) if hasattr(model, "updated_buffers") \
+            else state["buffers"]
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         new_state = {"step": state["step"] + 1, "params": params, "buffers": buffers, "opt_state": opt_state}
         if ema_decay:  # weights averaged over steps: what diffusion samples with

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 from models.layers.params import normal, param
 from models.layers.rope import apply_rope
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
+from meshwork.kernels.tuning import tuned_blocks
 from sharding.ring_attention import ring_attention
 from sharding.rules import axes_of, current_rules, split_axes, with_logical_constraint
 
@@ -53,7 +54,10 @@ def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL
     if impl == "reference":
         return flash_attention_reference(q_BLHK, k_BSGK, v_BSGK, causal=causal, scale=scale)
     if impl == "pallas":
-        return _per_device(functools.partial(flash_attention, causal=causal, scale=scale), q_BLHK, k_BSGK, v_BSGK)
+        # Block sizes from the autotuner's cache (benchmarks/autotune_attention.py), if it has this shape.
+        blocks = tuned_blocks(q_BLHK, k_BSGK, causal)
+        return _per_device(functools.partial(flash_attention, causal=causal, scale=scale, **blocks),
+                           q_BLHK, k_BSGK, v_BSGK)
     raise ValueError(f"attention impl {impl!r}; choose xla, pallas, cudnn or reference")
 
 
