@@ -33,9 +33,8 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so bf16 checkpoints read as numpy
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
-from inference.hf import apply_params
+from inference.hf import TensorReader, apply_params
 from meshwork.config import UNetConfig
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -104,25 +103,8 @@ def config_from_diffusers(d: dict[str, Any]) -> UNetConfig:
 # ---------------------------------------------------------------- weights
 
 
-class _Tensors:
-    """The checkpoint's named tensors, each read once with its shape checked."""
-
-    def __init__(self, files: list[pathlib.Path], stack: contextlib.ExitStack):
-        self.where: dict[str, Any] = {}
-        for f in files:
-            handle = stack.enter_context(safe_open(f, framework="numpy"))
-            self.where.update(dict.fromkeys(handle.keys(), handle))
-        self.used: set[str] = set()
-
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.where:
-            raise ValueError(f"checkpoint has no tensor {name!r}, which config.json implies; "
-                             "is config.json the one that belongs to these weights?")
-        x = np.array(self.where[name].get_tensor(name))  # a copy: the mapping closes with the file
-        if x.shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {x.shape}, but config.json implies {shape}")
-        self.used.add(name)
-        return x
+class _Tensors(TensorReader):
+    """The diffusers layout: convolutions, linears and norms with biases."""
 
     def conv(self, prefix: str, c_in: int, c_out: int, k: int = 3) -> dict[str, np.ndarray]:
         """nn.Conv2d (out, in, kh, kw) -> HWIO."""
@@ -136,8 +118,6 @@ class _Tensors:
     def norm(self, prefix: str, c: int) -> dict[str, np.ndarray]:
         return {"scale": self.get(prefix + ".weight", (c,)), "bias": self.get(prefix + ".bias", (c,))}
 
-    def unused(self) -> list[str]:
-        return sorted(set(self.where) - self.used)
 
 
 def _resnet(t: _Tensors, p: str, c_in: int, c_out: int, d_time: int) -> dict[str, Any]:

@@ -169,8 +169,9 @@ def _qwen2_moe_dense_layers(c: dict[str, Any], n_layers: int) -> list[int]:
 # ---------------------------------------------------------------- weights
 
 
-class _Tensors:
-    """Named tensors across a checkpoint's safetensors files, opened memory-mapped."""
+class TensorReader:
+    """Named tensors across a checkpoint's safetensors files, opened memory-mapped;
+    each read once, with its shape checked (also used by the diffusers import)."""
 
     def __init__(self, files: Iterable[pathlib.Path], stack: contextlib.ExitStack):
         self.where: dict[str, Any] = {}
@@ -190,12 +191,20 @@ class _Tensors:
         self.used.add(name)
         return x
 
+    def unused(self, ignored: re.Pattern | None = None) -> list[str]:
+        """Tensors never read (a mapping that dropped weights would otherwise go unnoticed)."""
+        return sorted(k for k in self.where if k not in self.used and not (ignored and ignored.fullmatch(k)))
+
+
+class _Tensors(TensorReader):
+    """The Hugging Face transformers layout."""
+
     def linear(self, name: str, d_out: int, d_in: int) -> np.ndarray:
         """An nn.Linear weight, stored (out, in), as meshwork's (in, out)."""
         return self.get(name, (d_out, d_in)).T
 
     def unused(self) -> list[str]:
-        return sorted(k for k in self.where if k not in self.used and not _IGNORED.fullmatch(k))
+        return super().unused(_IGNORED)
 
 
 def _checkpoint_files(path: pathlib.Path) -> tuple[dict[str, Any], list[pathlib.Path]]:
