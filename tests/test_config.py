@@ -36,10 +36,11 @@ def test_include_and_overrides(tmp_path):
     ("rules.preset=FSDP!", "rules.preset"),
     ("mesh.stage=2", "train.pipeline"),
     ("train.pipeline=1f1b", "train.pipeline"),
+    ("train.pipeline=1f1b mesh.stage=2 model.kind=moe", "train.pipeline"),
 ])
 def test_bad_values_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
-        load_config(ROOT / "configs/lm_tiny.yaml", [override])
+        load_config(ROOT / "configs/lm_tiny.yaml", override.split())
     assert "\n" not in str(e.value)
 
 

@@ -288,6 +288,9 @@ class Config(Section):
         if (self.mesh.stage != 1) != (t.pipeline != "none"):
             raise _KeyError("train.pipeline", f"train.pipeline={t.pipeline} with mesh.stage={self.mesh.stage}; "
                             "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe or 1f1b)")
+        if t.pipeline != "none" and m.kind != "transformer":
+            raise _KeyError("train.pipeline", f"pipelines are built for the dense transformer, not model.kind={m.kind}; "
+                            "set train.pipeline=none and mesh.stage=1")
         if t.pipeline != "none" and self.mesh.stage > 0 and m.n_layers % self.mesh.stage:
             raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
                             f"{self.mesh.stage} equal stages")
