@@ -22,14 +22,12 @@ it; otherwise it prints as "<=" the earlier mark. Configurations whose
 compiled footprint exceeds the device memory are skipped, not run.
 
 This file also holds the measuring helpers benchmarks/autotune_attention.py
-imports (timing, FLOP count, inputs, Triton warps/stages injection).
+imports (timing, FLOP count, inputs).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -81,34 +79,6 @@ def step(attn, backward: bool):
     return fwd_bwd if backward else fwd
 
 
-@contextlib.contextmanager
-def triton_params(num_warps: int | None = None, num_stages: int | None = None):
-    """Trace flash_attention's Triton kernels with these warps/stages (None: the kernel's choice).
-
-    flash_attention takes no warps/stages argument yet, so this swaps the
-    module's `compiler_params` while the caller traces; the values are baked
-    into the lowered kernels, so compiling may happen after the block exits.
-    Not thread-safe: trace in one thread.
-    """
-    original = fa.compiler_params
-    if num_warps is None and num_stages is None:
-        yield
-        return
-
-    def patched(backend, grid_rank, head_dim):
-        params = original(backend, grid_rank, head_dim)
-        if backend != "gpu":
-            return params
-        changes = {n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-        return dataclasses.replace(params, **changes)
-
-    fa.compiler_params = patched
-    try:
-        yield
-    finally:
-        fa.compiler_params = original
-
-
 def time_call(compiled, args, *, repeats: int = 10, min_sample_s: float = 0.02) -> float:
     """Median seconds per call of a compiled function; each sample runs enough calls to last min_sample_s."""
     t0 = time.perf_counter()
@@ -152,13 +122,6 @@ def peak_flops(dtype: str, device) -> tuple[float, str]:
     return float("nan"), "unknown device"
 
 
-def tuned_launch(q, k, causal: bool, backend: str) -> tuple[dict, int | None, int | None]:
-    """(flash_attention kwargs, num_warps, num_stages) from the tuning cache; ({}, None, None) when untuned."""
-    kwargs = tuning.tuned_blocks(q, k, causal, backend)
-    device = tuning.device_kind_for(backend)
-    key = tuning.shape_key(L=q.shape[1], S=k.shape[1], K=q.shape[3], dtype=q.dtype, causal=causal)
-    full = (tuning.lookup(device, key, nearest=True) if device else None) or {}
-    return kwargs, full.get("num_warps"), full.get("num_stages")
 
 
 # --------------------------------------------------------------------------
@@ -176,12 +139,12 @@ def attention_fn(impl: str, causal: bool, kwargs: dict):
 
 def measure(impl, causal, backward, args, *, backend, tuned, repeats, device) -> dict:
     """One cell: seconds (or why it was skipped), compiled temp bytes, device high-water mark."""
-    kwargs, warps, stages = tuned_launch(args[0], args[1], causal, backend) if impl == "pallas" and tuned \
-        else ({}, None, None)
-    cell = {"blocks": kwargs, "num_warps": warps, "num_stages": stages} if impl == "pallas" else {}
+    # Tuned flash_attention kwargs (blocks, and on GPU num_warps / num_stages); {} when untuned.
+    kwargs = tuning.tuned_blocks(args[0], args[1], causal, backend) if impl == "pallas" and tuned else {}
+    cell = {"blocks": {n: v for n, v in kwargs.items() if n in ("block_q", "block_kv")},
+            "num_warps": kwargs.get("num_warps"), "num_stages": kwargs.get("num_stages")} if impl == "pallas" else {}
     try:
-        with triton_params(warps, stages):
-            lowered = jax.jit(step(attention_fn(impl, causal, kwargs), backward)).trace(*args).lower()
+        lowered = jax.jit(step(attention_fn(impl, causal, kwargs), backward)).trace(*args).lower()
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 -- e.g. cuDNN rejecting a shape: report it and go on
         return {**cell, "skip": f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:150]}"}

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import attention_flops, make_inputs, step, time_call, triton_params  # noqa: E402
+from attention import attention_flops, make_inputs, step, time_call  # noqa: E402
 
 from meshwork.hardware import PEAK_FLOPS  # noqa: E402
 from meshwork.kernels import flash_attention as fa  # noqa: E402
@@ -438,9 +438,8 @@ def prepare(cands, shape, args, platform: str | None) -> list[Trial]:
     for cand in cands:
         def attn(q, k, v, c=cand):
             return fa.flash_attention(q, k, v, causal=shape["causal"], block_q=c.block_q, block_kv=c.block_kv,
-                                      backend=backend)
-        with triton_params(cand.num_warps, cand.num_stages):
-            traced = jax.jit(step(attn, args.objective == "fwd+bwd")).trace(*specs)
+                                      num_warps=c.num_warps, num_stages=c.num_stages, backend=backend)
+        traced = jax.jit(step(attn, args.objective == "fwd+bwd")).trace(*specs)
         try:
             kernels = kernels_of(traced, shape, cand, backend)
             launch = tuple((kn.kind, kn.blocks, kn.num_warps, kn.num_stages) for kn in kernels)
@@ -464,7 +463,7 @@ def prepare(cands, shape, args, platform: str | None) -> list[Trial]:
             wrong = [(w, st) for w, st in found if cand.num_warps not in (None, w) or cand.num_stages not in (None, st)]
             if not found or wrong:
                 raise RuntimeError(f"{cand.label()}: the lowered Triton calls run (warps, stages) {found}; the "
-                                   f"injection (attention.triton_params) no longer reaches the kernel")
+                                   f"flash_attention(num_warps=, num_stages=) no longer reach the kernel")
         if args.skip_infeasible and math.isinf(cost) and kernels:
             trial.lowered, trial.error = None, "not timed: statically infeasible"
         trials.append(trial)

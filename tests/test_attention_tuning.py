@@ -25,7 +25,7 @@ from meshwork.kernels.tuning import lookup, record, shape_key, tuned_blocks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import autotune_attention as at  # noqa: E402
-from attention import attention_flops, step, triton_params  # noqa: E402
+from attention import attention_flops, step  # noqa: E402
 
 DEV = "NVIDIA H100 80GB HBM3"
 
@@ -127,7 +127,8 @@ def test_tuned_blocks_keys_on_device_and_shape_not_batch_or_heads(cache):
     record(kind, key, {"block_q": 64, "block_kv": 32, "num_warps": 8, "num_stages": 3})
     for B, H in ((1, 2), (8, 16)):
         q = spec(B, 200, H, 32, jnp.float32)
-        assert tuned_blocks(q, spec(B, 256, 1, 32, jnp.float32), True, "cpu") == {"block_q": 64, "block_kv": 32}
+        assert tuned_blocks(q, spec(B, 256, 1, 32, jnp.float32), True, "cpu") == {
+            "block_q": 64, "block_kv": 32, "num_warps": 8, "num_stages": 3}
     assert tuned_blocks(spec(1, 256, 2, 32, jnp.float32), spec(1, 256, 2, 32, jnp.float32), False, "cpu") == {}
     # No GPU on this host: a kernel lowered for one (as test_flash_attention does) finds no entry.
     assert tuned_blocks(spec(1, 256, 2, 32, jnp.float32), spec(1, 256, 2, 32, jnp.float32), True, "gpu") == {}
@@ -136,9 +137,9 @@ def test_tuned_blocks_keys_on_device_and_shape_not_batch_or_heads(cache):
 def test_tuned_blocks_feed_flash_attention(cache):
     q = jax.random.normal(jax.random.key(0), (1, 96, 2, 32))
     record(jax.devices("cpu")[0].device_kind, shape_key(L=96, S=96, K=32, dtype=q.dtype, causal=True),
-           {"block_q": 32, "block_kv": 64})
+           {"block_q": 32, "block_kv": 64, "num_warps": 8, "num_stages": 3})
     kwargs = tuned_blocks(q, q, True)
-    assert kwargs == {"block_q": 32, "block_kv": 64}
+    assert kwargs == {"block_q": 32, "block_kv": 64, "num_warps": 8, "num_stages": 3}  # warps/stages: ignored on CPU
     np.testing.assert_allclose(fa.flash_attention(q, q, q, causal=True, **kwargs),
                                fa.flash_attention_reference(q, q, q, causal=True), atol=1e-5)
 
@@ -159,10 +160,10 @@ def test_doctests():
 def _kernels(shape, cand, backend, backward=True):
     B, L, S, H, G, K = (shape[k] for k in "BLSHGK")
     attn = lambda q, k, v: fa.flash_attention(q, k, v, causal=shape["causal"], block_q=cand.block_q,  # noqa: E731
-                                              block_kv=cand.block_kv, backend=backend)
+                                              block_kv=cand.block_kv, num_warps=cand.num_warps,
+                                              num_stages=cand.num_stages, backend=backend)
     specs = (spec(B, L, H, K), spec(B, S, G, K), spec(B, S, G, K), spec(B, L, H, K))
-    with triton_params(cand.num_warps, cand.num_stages):
-        traced = jax.jit(step(attn, backward)).trace(*specs)
+    traced = jax.jit(step(attn, backward)).trace(*specs)
     return traced, at.kernels_of(traced, shape, cand, backend)
 
 
@@ -187,7 +188,7 @@ def test_gpu_candidate_reaches_the_lowered_triton_calls():
     traced, kernels = _kernels(shape, cand, "gpu")
     assert {(kn.num_warps, kn.num_stages) for kn in kernels} == {(8, 3)}
     assert at.triton_launches(traced.lower(lowering_platforms=("cuda",)).as_text()) == [(8, 3)] * 3
-    assert fa.compiler_params("gpu", 3, 64).num_warps == 4, "the injection is undone on exit"
+    assert fa.compiler_params("gpu", 3, 64).num_warps == 4, "the defaults are unchanged"
     cost, facts = at.gpu_cost(kernels, "NVIDIA H100", "bfloat16")
     assert 0 < cost < math.inf and facts["smem_kib"] > 0
     _, big = _kernels(dict(shape, L=4096, S=4096, K=256), at.Candidate(block_q=256, block_kv=256, num_stages=4),

@@ -7,6 +7,7 @@ lowered for `cuda` and `tpu` without the hardware.
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +241,22 @@ def test_lowers_without_the_device(platform, backend, marker, what):
     }[what]
     text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == n_kernels
+
+
+def test_triton_launch_parameters_reach_the_lowered_calls():
+    """num_warps / num_stages go into every Triton call (forward, dQ, dK/dV); None keeps the defaults."""
+    B, L, H, G, K = LOWER_SHAPES
+    q, k = jnp.ones((B, L, H, K), jnp.bfloat16), jnp.ones((B, L, G, K), jnp.bfloat16)
+
+    def launches(**kw):
+        loss = lambda q, k, v: flash_attention(q, k, v, backend="gpu", **kw).astype(jnp.float32).sum()  # noqa: E731
+        text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+        return [(int(re.search(r"num_warps = (\d+)", c)[1]), int(re.search(r"num_stages = (\d+)", c)[1]))
+                for c in calls]
+
+    assert launches(num_warps=2, num_stages=3) == [(2, 3)] * 3
+    assert launches() == [(4, 2)] * 3  # head_dim 64: 4 warps, 2 stages
 
 
 # --------------------------------------------------------------------------

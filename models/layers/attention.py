@@ -54,7 +54,7 @@ def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL
     if impl == "reference":
         return flash_attention_reference(q_BLHK, k_BSGK, v_BSGK, causal=causal, scale=scale)
     if impl == "pallas":
-        # Block sizes from the autotuner's cache (benchmarks/autotune_attention.py), if it has this shape.
+        # Block sizes (and GPU launch parameters) from the autotuner's cache, if it has this shape.
         blocks = tuned_blocks(q_BLHK, k_BSGK, causal)
         return _per_device(functools.partial(flash_attention, causal=causal, scale=scale, **blocks),
                            q_BLHK, k_BSGK, v_BSGK)

@@ -93,10 +93,16 @@ def resolve_backend(backend: str | None, interpret=None) -> tuple[str, object]:
     return backend, interpret if not isinstance(interpret, (bool, int)) else bool(interpret)
 
 
-def compiler_params(backend: str, grid_rank: int, head_dim: int):
-    """Backend compiler parameters; they also select Triton, since jax>=0.10 defaults GPU to Mosaic GPU."""
+def compiler_params(backend: str, grid_rank: int, head_dim: int, *, num_warps: int | None = None,
+                    num_stages: int | None = None):
+    """Backend compiler parameters; they also select Triton, since jax>=0.10 defaults GPU to Mosaic GPU.
+
+    num_warps / num_stages: Triton launch parameters (None: 4 warps up to head_dim 64, else 8; 2 stages);
+    ignored on TPU and CPU.
+    """
     if backend == "gpu":
-        return pltr.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        return pltr.CompilerParams(num_warps=(4 if head_dim <= 64 else 8) if num_warps is None else num_warps,
+                                   num_stages=2 if num_stages is None else num_stages)
     if backend == "tpu":
         # Every program writes its own output block: no grid axis carries state.
         return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
@@ -141,7 +147,9 @@ def _run(kernel, cfg, *, grid, in_specs, out_specs, out_shape, args, name):
             body(*refs[:n_in], *refs[n_in + n_out:])
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           input_output_aliases=aliases, interpret=cfg.interpret, name=name,
-                          compiler_params=compiler_params(cfg.backend, len(grid), cfg.head_dim))(*args)
+                          compiler_params=compiler_params(cfg.backend, len(grid), cfg.head_dim,
+                                                          num_warps=getattr(cfg, "num_warps", None),
+                                                          num_stages=getattr(cfg, "num_stages", None)))(*args)
 
 
 # --------------------------------------------------------------------------
@@ -163,6 +171,8 @@ class _Config:
     heads_major: bool  # arrays in (B, H, L, K) (TPU) instead of (B, L, H, K)
     segmented: bool
     poison: bool = False
+    num_warps: int | None = None   # Triton launch parameters (GPU only; None: compiler_params' defaults)
+    num_stages: int | None = None
 
     @property
     def padded_q_len(self) -> int:  # whole blocks of both the forward and the backward
@@ -449,7 +459,8 @@ def _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, w
 def flash_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, causal: bool = True,
                     scale: float | None = None, segment_ids_q: jax.Array | None = None,
                     segment_ids_kv: jax.Array | None = None, window: int | None = None,
-                    block_q: int | None = None, block_kv: int | None = None, backend: str | None = None,
+                    block_q: int | None = None, block_kv: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None, backend: str | None = None,
                     interpret: bool | None = None) -> jax.Array:
     """softmax(q k^T * scale + mask) v without materializing the L x S scores; differentiable.
 
@@ -460,6 +471,9 @@ def flash_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, 
     scale: default 1/sqrt(K). block_q / block_kv: override DEFAULT_BLOCKS[backend]
     for all three kernels (rounded to what the backend accepts). Lengths need
     not be multiples of the blocks: the inputs are padded and the pad masked.
+    num_warps / num_stages: Triton launch parameters of all three kernels on
+    GPU (default: 4 warps for head_dim <= 64, else 8; 2 stages); ignored on
+    TPU and CPU.
     backend: "gpu" | "tpu" | "cpu" (default: jax.default_backend());
     interpret: run the Pallas interpreter (default: only on CPU).
 
@@ -470,8 +484,8 @@ def flash_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, 
     """
     _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window)
     cfg = _plan(q_BLHK.shape, k_BSGK.shape, causal=causal, scale=scale, window=window,
-                segmented=segment_ids_q is not None, block_q=block_q, block_kv=block_kv, backend=backend,
-                interpret=interpret)
+                segmented=segment_ids_q is not None, block_q=block_q, block_kv=block_kv, num_warps=num_warps,
+                num_stages=num_stages, backend=backend, interpret=interpret)
     q, k, v, seg_q, seg_kv = _pad_inputs(q_BLHK, k_BSGK, v_BSGK, segment_ids_q, segment_ids_kv, cfg)
     # Padding and transposes stay outside the custom_vjp: autodiff undoes them for free.
     o = _flash(q, k, v, seg_q, seg_kv, cfg)
@@ -479,7 +493,8 @@ def flash_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, 
     return o[:, :cfg.q_len, :, :q_BLHK.shape[3]]
 
 
-def _plan(q_shape, k_shape, *, causal, scale, window, segmented, block_q, block_kv, backend, interpret) -> _Config:
+def _plan(q_shape, k_shape, *, causal, scale, window, segmented, block_q, block_kv, backend, interpret,
+          num_warps=None, num_stages=None) -> _Config:
     """The static configuration: backend, legal block sizes, padded head dim."""
     backend, interpret = resolve_backend(backend, interpret)
     (_, L, H, K), (_, S, G, _) = q_shape, k_shape
@@ -490,7 +505,10 @@ def _plan(q_shape, k_shape, *, causal, scale, window, segmented, block_q, block_
     Kp = max(16, pl.next_power_of_2(K)) if backend == "gpu" else K
     return _Config(causal=causal, window=window, scale=float(K ** -0.5 if scale is None else scale), q_len=L,
                    kv_len=S, blocks=BlockSizes(bq_f, bk_f, bq_b, bk_b), rep=H // G, head_dim=Kp, backend=backend,
-                   interpret=interpret, heads_major=backend == "tpu", segmented=segmented)
+                   interpret=interpret, heads_major=backend == "tpu", segmented=segmented,
+                   # Triton-only: dropped elsewhere so TPU/CPU configs (and their traces) do not vary with them.
+                   num_warps=num_warps if backend == "gpu" else None,
+                   num_stages=num_stages if backend == "gpu" else None)
 
 
 def _pad_inputs(q, k, v, seg_q, seg_kv, cfg):

@@ -57,9 +57,9 @@ ENV_VAR = "MESHWORK_TUNING_CACHE"
 DEFAULT_PATH = pathlib.Path("~/.cache/meshwork/attention_tuning.json")
 # Every launch parameter a cache entry may hold.
 CONFIG_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
-# The subset `flash_attention` accepts today; `tuned_blocks` returns only these.
-# Add "num_warps", "num_stages" once the kernel takes them as arguments.
-KERNEL_KWARGS = ("block_q", "block_kv")
+# The subset `flash_attention` accepts; `tuned_blocks` returns only these
+# (num_warps / num_stages are Triton-only: the kernel ignores them on TPU/CPU).
+KERNEL_KWARGS = ("block_q", "block_kv", "num_warps", "num_stages")
 MIN_BUCKET = 128
 # lookup(nearest=True) accepts entries whose log2(L) and log2(S) distances sum to at most this.
 MAX_BUCKET_DISTANCE = 2
