@@ -17,10 +17,9 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
 from meshwork.config import load_config  # noqa: E402
 from train.loop import Trainer, check_runtime  # noqa: E402
+from train.state import param_count  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 8
@@ -49,7 +48,7 @@ def main() -> None:
             cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", f"rules.preset={preset}", *overrides])
             trainer = Trainer(cfg, check_runtime(cfg))
             rep = trainer.report_dict()
-        full_param_bytes = 4 * sum(x.size for x in jax.tree.leaves(trainer.abstract["params"]))
+        full_param_bytes = 4 * param_count(trainer.abstract)
         state = rep["state"]["total"] / full_param_bytes
         mesh = " x ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items() if v > 1)
         cells = [f"{c['count']} / {c['bytes'] / 2**20:.2f} MiB" if c["count"] else "-"

@@ -181,16 +181,23 @@ def _check_guidance(shape, labels, guidance_scale, null_label):
         raise ValueError(f"sampling: labels shape {jnp.shape(labels)} must be (batch,) = ({shape[0]},)")
 
 
-def _sample(model_fn, shape, key, cfg, steps, *, update, eta, labels, guidance_scale, null_label, x_T, clip_sample):
-    shape = tuple(int(s) for s in shape)
-    _check_guidance(shape, labels, guidance_scale, null_label)
+def _start(model_fn, shape, key, cfg, steps, x_T, who: str):
+    """What every sampler begins with: x_T (drawn from `key` unless given), the key for
+    the steps' noise, the timestep table, and the model split into static part and arrays."""
     k_init, k_steps = _noise_key(key)
     if x_T is None:
         x_T = jax.random.normal(k_init, shape, F32)
     elif tuple(x_T.shape) != shape:
-        raise ValueError(f"sampling: x_T shape {tuple(x_T.shape)} must equal shape {shape}")
+        raise ValueError(f"{who}: x_T shape {tuple(x_T.shape)} must equal shape {shape}")
     t_S, prev_S = _step_table(cfg, steps)
     static, arrays = _partition(model_fn)
+    return x_T, k_steps, t_S, prev_S, static, arrays
+
+
+def _sample(model_fn, shape, key, cfg, steps, *, update, eta, labels, guidance_scale, null_label, x_T, clip_sample):
+    shape = tuple(int(s) for s in shape)
+    _check_guidance(shape, labels, guidance_scale, null_label)
+    x_T, k_steps, t_S, prev_S, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "sampling")
     guided = guidance_scale is not None
     return _sample_loop(arrays, x_T, k_steps, t_S, prev_S, alphas_cumprod(cfg),
                         None if labels is None else jnp.asarray(labels, jnp.int32),
@@ -327,13 +334,8 @@ def _patch_parallel_setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", b
     if not 1 <= warmup <= len(sampling_timesteps(cfg, steps)):
         raise ValueError(f"patch_parallel_sample: warmup={warmup} must be in [1, steps]; the first step is "
                          f"always synchronous since no previous activations exist yet")
-    k_init, k_steps = _noise_key(key)
-    if x_T is None:
-        x_T = jax.random.normal(k_init, shape, F32)
-    elif tuple(x_T.shape) != shape:
-        raise ValueError(f"patch_parallel_sample: x_T shape {tuple(x_T.shape)} must equal shape {shape}")
-    t_S, prev_S = _step_table(cfg, steps)
-    static, arrays = _partition(model_fn)
+    x_T, k_steps, t_S, prev_S, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T,
+                                                       "patch_parallel_sample")
     guided = guidance_scale is not None
     labels = None if labels is None else jnp.asarray(labels, jnp.int32)
     f = _patch_parallel_program(static, len(arrays), labels is not None, mesh=mesh, axis=axis,

@@ -139,8 +139,3 @@ class Transformer(nnx.Module):
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""
         return {}
-
-    def updated_buffers(self, buffers: nnx.State, stats: dict[str, jax.Array]) -> nnx.State:
-        """Non-trainable variables after a step (a dense model has none to update)."""
-        del stats
-        return buffers

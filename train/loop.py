@@ -28,7 +28,7 @@ from sharding.report import compiled_report, format_report, state_bytes
 from sharding.ring_attention import zigzag_permutation
 from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
 from train.optim import make_optimizer
-from train.state import abstract_state, ema_decay, init_state, logical_specs, state_shardings
+from train.state import abstract_state, ema_decay, init_state, logical_specs, param_count, state_shardings
 from train.step import make_eval_step, make_objective, make_train_step
 from train.task import DiffusionTask, LMTask, make_task
 
@@ -231,7 +231,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     """
     trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
     if jax.process_index() == 0 and not dry_run == "json":
-        total = sum(x.size for x in jax.tree.leaves(trainer.abstract["params"]))
+        total = param_count(trainer.abstract)
         active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
         print(f"{cfg.model.kind} model: {total:,} parameters{active}")
     if dry_run:  # True: human-readable; "json": one JSON object

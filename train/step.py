@@ -28,7 +28,7 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]
         model = nnx.merge(graphdef, params, buffers)
         logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), noise_key=noise_key)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
-        objective = ce + sum(model.aux_coefficients()[k] * stats[k] for k in stats if k in model.aux_coefficients())
+        objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
         return objective, {"loss": ce, **stats}
     return loss_fn
 

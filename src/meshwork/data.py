@@ -14,7 +14,6 @@ is JSON), so a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import sys
@@ -88,10 +87,6 @@ def unigram_entropy(path: str | os.PathLike, vocab_size: int = 65536) -> float:
     counts = np.bincount(np.memmap(path, dtype=TOKEN_DTYPE, mode="r"), minlength=vocab_size)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------ grain pipeline
