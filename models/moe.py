@@ -20,8 +20,8 @@ from flax import nnx
 from meshwork.config import ModelConfig
 from models.layers.embed import Embed
 from models.layers.moe import MoE, RouterBias, updated_router_bias
-from models.transformer import (ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, residual_out_std,
-                                stack_layers)
+from models.transformer import (ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, decode_layers,
+                                residual_out_std, stack_layers)
 from sharding.rules import with_logical_constraint
 
 
@@ -39,6 +39,9 @@ class MoEBlock(Block):
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
         y_BLD, stats = self.moe(self.mlp_norm(x_BLD), noise_key=noise_key)
         return with_logical_constraint(x_BLD + y_BLD, ACT_BLD), stats
+
+    def feed_forward(self, x_BLD: jax.Array) -> jax.Array:
+        return self.moe(x_BLD)[0]  # inference (`Block.decode`): no routing statistics
 
 
 class MoETransformer(nnx.Module):
@@ -86,6 +89,15 @@ class MoETransformer(nnx.Module):
 
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         return self.apply(tokens_BL, positions_BL)[0]
+
+    def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache) -> tuple[jax.Array, object]:
+        """Inference with a KV cache, as `Transformer.decode`."""
+        x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
+        n_dense = self.cfg.moe.first_dense_layers
+        if n_dense:
+            x_BLD, cache = decode_layers(*nnx.split(self.dense_blocks), x_BLD, positions_BL, cache)
+        x_BLD, cache = decode_layers(*nnx.split(self.moe_blocks), x_BLD, positions_BL, cache, first_layer=n_dense)
+        return self.head(x_BLD, self.embed), cache
 
     def aux_coefficients(self) -> dict[str, float]:
         return {"aux_loss": self.cfg.moe.aux_loss_coef, "z_loss": self.cfg.moe.z_loss_coef}

@@ -20,7 +20,7 @@ from models.layers.attention import Attention
 from models.layers.embed import Embed
 from models.layers.mlp import SwiGLU
 from models.layers.norm import RMSNorm
-from models.layers.params import normal, param
+from models.layers.params import matmul, normal, param
 from sharding.rules import with_logical_constraint
 
 REMAT_POLICIES = {
@@ -54,8 +54,19 @@ class Block(nnx.Module):
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        x_BLD = x_BLD + self.feed_forward(self.mlp_norm(x_BLD))
         return with_logical_constraint(x_BLD, ACT_BLD)
+
+    def decode(self, x_BLD: jax.Array, positions_BL: jax.Array, kv) -> tuple[jax.Array, object]:
+        """The block over new tokens whose earlier keys/values are in a KV cache (inference):
+        (x, the cache with this layer's new keys/values written)."""
+        h_BLD, kv = self.attn.cached(self.attn_norm(x_BLD), positions_BL, kv)
+        x_BLD = with_logical_constraint(x_BLD + h_BLD, ACT_BLD)
+        x_BLD = x_BLD + self.feed_forward(self.mlp_norm(x_BLD))
+        return with_logical_constraint(x_BLD, ACT_BLD), kv
+
+    def feed_forward(self, x_BLD: jax.Array) -> jax.Array:
+        return self.mlp(x_BLD)
 
 
 def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -84,6 +95,26 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     return x_BLD
 
 
+def decode_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array, positions_BL: jax.Array,
+                  cache, first_layer: int = 0) -> tuple[jax.Array, object]:
+    """`apply_layers` for inference with a KV cache (inference/kv_cache.py).
+
+    The whole cache rides in the scan's carry and layer i writes only its own
+    slice, so with the cache donated XLA updates it in place; scanning the
+    cache as per-layer inputs/outputs instead would build a second copy.
+    """
+    n = jax.tree.leaves(stacked)[0].shape[0]
+
+    def layer(carry, xs):
+        x_BLD, cache = carry
+        layer_state, i = xs
+        x_BLD, kv = nnx.merge(graphdef, layer_state).decode(x_BLD, positions_BL, cache.layer(i))
+        return (x_BLD, kv.cache), None
+
+    (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache), (stacked, first_layer + jnp.arange(n)))
+    return x_BLD, cache
+
+
 class LMHead(nnx.Module):
     """Final RMSNorm and the projection to vocabulary logits (float32)."""
 
@@ -100,7 +131,7 @@ class LMHead(nnx.Module):
         if self.tied:
             logits_BLV = embed.attend(x_BLD)
         else:
-            logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.lm_head[...].astype(self.dtype))
+            logits_BLV = matmul("BLD,DV->BLV", x_BLD, self.lm_head, self.dtype)
         logits_BLV = with_logical_constraint(logits_BLV, ("act_batch", "act_seq", "act_vocab"))
         return logits_BLV.astype(jnp.float32)
 
@@ -139,3 +170,11 @@ class Transformer(nnx.Module):
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""
         return {}
+
+    def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache) -> tuple[jax.Array, object]:
+        """Inference: logits of new tokens at `positions_BL`, attending over the keys
+        and values `cache` holds for earlier positions; returns (logits, updated cache).
+        One call with a whole prompt is the prefill, calls with L=1 are decode steps."""
+        x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
+        x_BLD, cache = decode_layers(*nnx.split(self.blocks), x_BLD, positions_BL, cache)
+        return self.head(x_BLD, self.embed), cache

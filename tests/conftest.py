@@ -22,3 +22,40 @@ def tiny_overrides(run_dir) -> list[str]:
     return [f"run.dir={run_dir}", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
             "model.n_kv_heads=2", "model.d_ff=128", "data.seq_len=32", "train.global_batch=8",
             "log.progress=false", "log.tensorboard=false", "log.eval_batches=2"]
+
+
+# lm_tiny trained for 200 steps under three layouts: trained once per session,
+# each layout only when a test first asks for it (tests/test_training.py checks
+# the learning; inference and fine-tuning tests reuse the trained weights).
+LM_TINY_STEPS = 200
+LM_TINY_LAYOUTS = {
+    "1dev": dict(devices=1, overrides=["mesh.data=1"]),
+    "8dev_dp": dict(devices=8, overrides=["mesh.data=8", "rules.preset=dp"]),
+    "8dev_fsdp": dict(devices=8, overrides=["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]),
+}
+
+
+class _LazyRuns(dict):
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name):
+        import jax
+
+        from meshwork.config import load_config
+        from train.loop import train
+
+        layout = LM_TINY_LAYOUTS[name]
+        run_dir = self.tmp_path_factory.mktemp(f"lm_tiny_{name}")
+        cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
+            f"run.dir={run_dir}", f"train.steps={LM_TINY_STEPS}", "log.eval_every=100", "log.progress=false",
+            *layout["overrides"]])
+        self[name] = train(cfg, devices=jax.devices()[: layout["devices"]])
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def lm_tiny_runs(tmp_path_factory):
+    """name -> train() summary (with "run_dir", "state", "val_loss") of lm_tiny after 200 steps."""
+    return _LazyRuns(tmp_path_factory)

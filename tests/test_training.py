@@ -10,33 +10,20 @@ import pytest
 from meshwork.config import load_config
 from meshwork.data import stdlib_corpus, unigram_entropy
 from meshwork.metrics import read_metrics
-from train.loop import train
 from train.plot import plot_run
 
-from conftest import ROOT
+from conftest import LM_TINY_LAYOUTS, LM_TINY_STEPS, ROOT
 
-STEPS = 200
-LAYOUTS = {
-    "1dev": dict(devices=1, overrides=["mesh.data=1"]),
-    "8dev_dp": dict(devices=8, overrides=["mesh.data=8", "rules.preset=dp"]),
-    "8dev_fsdp": dict(devices=8, overrides=["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]),
-}
+STEPS = LM_TINY_STEPS
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """The three 200-step lm_tiny runs, trained once for the whole session."""
-    out = {}
-    for name, layout in LAYOUTS.items():
-        run_dir = tmp_path_factory.mktemp(name)
-        cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-            f"run.dir={run_dir}", f"train.steps={STEPS}", "log.eval_every=100", "log.progress=false",
-            *layout["overrides"]])
-        out[name] = train(cfg, devices=jax.devices()[: layout["devices"]])
-    return out
+def runs(lm_tiny_runs):
+    """The three 200-step lm_tiny runs (conftest), trained once for the whole session."""
+    return lm_tiny_runs
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(LM_TINY_LAYOUTS))
 def test_lm_tiny_learns_the_corpus(runs, name):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml")
     train_bin, _ = stdlib_corpus(cfg.data.val_fraction, cfg.data.cache_dir)

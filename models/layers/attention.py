@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from models.layers.params import normal, param
+from models.layers.params import matmul, normal, param
 from models.layers.rope import apply_rope
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from meshwork.kernels.tuning import tuned_blocks
@@ -121,17 +121,33 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag)."""
-        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
+        o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl)
+        return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype)
+
+    def cached(self, x_BLD: jax.Array, positions_BL: jax.Array, kv):
+        """Attention of new tokens at `positions_BL` over a KV cache: (output, updated cache).
+
+        `kv` is one layer's view of a cache (inference/kv_cache.py): it stores
+        this call's keys and values at their positions and attends the queries
+        over every key cached for the sequence so far, causally.
+        """
+        q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
+        o_BLHK, kv = kv.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, impl=self.impl)
+        return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), kv
+
+    def project_qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, ...]:
+        """Queries, keys and values of x, with RoPE applied at `positions_BL` (None: 0..L-1)."""
         B, L, _ = x_BLD.shape
         rope_pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
-        q_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD, w(self.wq))
-        k_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w(self.wk))
-        v_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w(self.wv))
+        q_BLHK = matmul("BLD,DHK->BLHK", x_BLD, self.wq, self.dtype)
+        k_BLGK = matmul("BLD,DGK->BLGK", x_BLD, self.wk, self.dtype)
+        v_BLGK = matmul("BLD,DGK->BLGK", x_BLD, self.wv, self.dtype)
         if self.qkv_bias:
+            w = lambda p: p[...].astype(self.dtype)  # noqa: E731
             q_BLHK, k_BLGK, v_BLGK = q_BLHK + w(self.bq), k_BLGK + w(self.bk), v_BLGK + w(self.bv)
         q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta),
                                          ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta),
                                          ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
-        o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl)
-        return jnp.einsum("BLHK,HKD->BLD", o_BLHK, w(self.wo))
+        return q_BLHK, k_BLGK, v_BLGK

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import normal, param
+from models.layers.params import matmul, normal, param
 from sharding.rules import with_logical_constraint
 
 
@@ -19,7 +19,7 @@ class SwiGLU(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        gate_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, self.w_gate[...].astype(self.dtype))
-        up_BLF = jnp.einsum("BLD,DF->BLF", x_BLD, self.w_up[...].astype(self.dtype))
+        gate_BLF = matmul("BLD,DF->BLF", x_BLD, self.w_gate, self.dtype)
+        up_BLF = matmul("BLD,DF->BLF", x_BLD, self.w_up, self.dtype)
         h_BLF = with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_seq", "act_mlp"))
-        return jnp.einsum("BLF,FD->BLD", h_BLF, self.w_down[...].astype(self.dtype))
+        return matmul("BLF,FD->BLD", h_BLF, self.w_down, self.dtype)

@@ -1,4 +1,4 @@
-"""Creating weights that carry their logical axis names."""
+"""Creating weights that carry their logical axis names, and multiplying by them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -25,3 +26,16 @@ def param(init: Initializer, key: jax.Array, shape: Sequence[int], dtype: jnp.dt
 
 def normal(std: float) -> Initializer:
     return nnx.initializers.normal(std)
+
+
+def matmul(spec: str, x: jax.Array, weight: nnx.Param, dtype: jnp.dtype) -> jax.Array:
+    """`einsum(spec, x, weight)` in `dtype`: the one place models read a projection's weight.
+
+    A weight may hold a quantized array instead (inference/quantize.py: int8 or
+    int4 values with scales); it then does its own product, dequantizing inside
+    the jitted matmul so the weights stay small in memory.
+    """
+    w = weight.get_value()
+    if isinstance(w, jax.Array | np.ndarray):
+        return jnp.einsum(spec, x, w.astype(dtype))
+    return w.matmul(spec, x, dtype)

@@ -1,0 +1,174 @@
+"""KV caches for autoregressive decoding: contiguous (one row per sequence) and paged.
+
+A decoder recomputes nothing for tokens it has seen: each layer's keys and
+values are stored once, and a new token's query attends over them. Both caches
+here are pytrees the model threads through its layer scan
+(`models/transformer.py: decode_layers`); `cache.layer(i)` is layer i's view,
+whose `attend` writes the new keys/values at their positions and attends the
+new queries over everything cached for the sequence so far (causally, by
+position), returning the updated cache.
+
+- `KVCache`: k and v of shape (layers, batch, max_len, kv_heads, head_dim),
+  preallocated for the longest sequence. Batch is split over the data axes and
+  kv heads over `tensor` by the same rules table as training (`shardings`).
+  The layout keeps `layers` leading (the scan indexes it) and (S, G, K)
+  trailing, the layout the flash-decoding kernel reads.
+- `PagedKVCache`: a pool of fixed-size pages (layers, pages, page_size,
+  kv_heads, head_dim) plus a page table per sequence (vLLM's PagedAttention
+  layout). Memory follows what the live sequences use, not
+  batch x longest; `serving.py` hands pages out and takes them back. Page 0 is
+  never handed out: unused page-table entries point at it, so writes of
+  padding or of idle slots land there and never in a live page.
+
+Positions drive everything: a token at position p is written at p and sees
+the keys at positions <= p. Right-padded prompts therefore need no mask of
+their own: padding sits after the real tokens, and the next real token
+overwrites the first padded slot before anything can attend to it.
+
+Reading a paged cache here gathers each sequence's pages into a contiguous
+(B, S, G, K) view per layer (one copy per step); a paged-attention kernel
+would read the pages in place. Kept simple on purpose: the masking and the
+bookkeeping are the parts worth reading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from meshwork.config import ModelConfig
+from meshwork.kernels.decode_attention import decode_attention
+from sharding.rules import Rules, logical_to_sharding
+
+# Logical names of a cache's (layers, batch, seq, kv_heads, head_dim) dimensions.
+CACHE_AXES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
+# The paged pool is shared by all sequences, so its page dimension is not split.
+POOL_AXES = ("layers", None, None, "act_kv_heads", "act_head_dim")
+NULL_PAGE = 0
+
+
+def cache_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype) -> int:
+    """2 (k and v) x layers x kv_heads x head_dim x bytes per element."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.resolved_head_dim * jnp.dtype(dtype).itemsize
+
+
+def cached_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array,
+                     impl: str = "xla") -> jax.Array:
+    """Queries at `positions_BL` over cached keys 0..S-1, key j visible to a query at p iff j <= p.
+
+    A single new token per sequence with impl "pallas" runs the flash-decoding
+    kernel (meshwork.kernels.decode_attention); everything else is XLA's
+    attention with the position mask (grouped heads without repeating K/V).
+    """
+    B, L = positions_BL.shape
+    if impl == "pallas" and L == 1:
+        return decode_attention(q_BLHK[:, 0], k_BSGK, v_BSGK, positions_BL[:, 0] + 1)[:, None]
+    S = k_BSGK.shape[1]
+    mask_B1LS = (jnp.arange(S)[None, None, None, :] <= positions_BL[:, None, :, None])
+    return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Contiguous cache: row b holds sequence b's keys/values at positions 0..max_len-1."""
+    k: jax.Array  # (layers, batch, max_len, kv_heads, head_dim)
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32,
+              sharding: NamedSharding | None = None) -> KVCache:
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return cls(make(), make())
+
+    @staticmethod
+    def shardings(mesh: Mesh, rules: Rules) -> KVCache:
+        s = logical_to_sharding(CACHE_AXES, mesh, rules)
+        return KVCache(s, s)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def layer(self, i: jax.Array) -> _ContiguousLayer:
+        return _ContiguousLayer(self, i)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _ContiguousLayer:
+    cache: KVCache
+    i: jax.Array
+
+    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla"):
+        B = positions_BL.shape[0]
+        rows_B1 = jnp.arange(B)[:, None]
+        # One scatter per array; positions past max_len are dropped, not clamped onto real data.
+        k = self.cache.k.at[self.i, rows_B1, positions_BL].set(k_BLGK.astype(self.cache.k.dtype), mode="drop")
+        v = self.cache.v.at[self.i, rows_B1, positions_BL].set(v_BLGK.astype(self.cache.v.dtype), mode="drop")
+        o_BLHK = cached_attention(q_BLHK, k[self.i].astype(q_BLHK.dtype), v[self.i].astype(q_BLHK.dtype),
+                                  positions_BL, impl)
+        return o_BLHK, _ContiguousLayer(KVCache(k, v), self.i)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    """Paged cache: sequence b's position p lives in page page_table[b, p // page_size]
+    at offset p % page_size of a pool shared by all sequences."""
+    k: jax.Array           # (layers, n_pages, page_size, kv_heads, head_dim)
+    v: jax.Array
+    page_table: jax.Array  # (batch, pages_per_seq) int32; NULL_PAGE where nothing is allocated
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, batch: int, pages_per_seq: int,
+              dtype: jnp.dtype = jnp.float32, sharding: NamedSharding | None = None) -> PagedKVCache:
+        shape = (cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.resolved_head_dim)
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return cls(make(), make(), jnp.full((batch, pages_per_seq), NULL_PAGE, jnp.int32))
+
+    @staticmethod
+    def shardings(mesh: Mesh, rules: Rules) -> PagedKVCache:
+        s = logical_to_sharding(POOL_AXES, mesh, rules)
+        return PagedKVCache(s, s, logical_to_sharding((), mesh, rules))
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    def layer(self, i: jax.Array) -> _PagedLayer:
+        return _PagedLayer(self, i)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _PagedLayer:
+    cache: PagedKVCache
+    i: jax.Array
+
+    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla"):
+        c = self.cache
+        T = c.page_size
+        B, P = c.page_table.shape
+        slot_BL = jnp.minimum(positions_BL // T, P - 1)
+        page_BL = jnp.take_along_axis(c.page_table, slot_BL, axis=1)
+        # Past the table's reach a write goes to the null page, never into the row's last live page.
+        page_BL = jnp.where(positions_BL < P * T, page_BL, NULL_PAGE)
+        offset_BL = positions_BL % T
+        k = c.k.at[self.i, page_BL, offset_BL].set(k_BLGK.astype(c.k.dtype))
+        v = c.v.at[self.i, page_BL, offset_BL].set(v_BLGK.astype(c.v.dtype))
+
+        def gather(pool):  # this layer's pages of every sequence, in order: (B, P * T, G, K)
+            pages = pool[self.i][c.page_table]  # (B, P, T, G, K)
+            return pages.reshape(B, P * T, *pages.shape[3:]).astype(q_BLHK.dtype)
+
+        o_BLHK = cached_attention(q_BLHK, gather(k), gather(v), positions_BL, impl="xla")
+        return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
