@@ -21,12 +21,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-ema", action="store_true", help="sample with the raw weights, not their EMA")
     d.add_argument("--out", default="grid.png")
+    from inference import lm
+
+    lm.add_arguments(sub.add_parser("lm", help="generate text from a trained LM run or a Hugging Face checkpoint"))
+    e = sub.add_parser("export-hf", help="write a trained LM run as a Hugging Face checkpoint (safetensors)")
+    e.add_argument("--checkpoint", required=True, help="the run.dir of a meshwork LM training run")
+    e.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
+        if args.command == "lm":
+            from inference import lm
+
+            return lm.run(args)
+        if args.command == "export-hf":
+            return export_hf(args.checkpoint, args.out)
         if args.num < 1 or args.steps < 1:
             raise ConfigError("--num and --steps must be positive")
         from inference.generate_images import generate_grid
@@ -39,4 +51,22 @@ def main(argv: list[str]) -> int:
         return 2
     acc = f"; a digit classifier reads {accuracy:.0%} of them as the class asked for" if accuracy is not None else ""
     print(f"wrote {out}{acc}")
+    return 0
+
+
+def export_hf(checkpoint: str, out: str) -> int:
+    import pathlib
+
+    from inference.hf_export import export_hf as write
+    from inference.runs import load_run
+
+    out_dir = pathlib.Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"--out: {out_dir} is not empty; pick a new directory (nothing is overwritten)")
+    cfg, model, step = load_run(checkpoint)
+    try:
+        path = write(cfg.model, model, out_dir)
+    except ValueError as e:
+        raise ConfigError(f"export-hf: {e}") from None
+    print(f"wrote step {step} of {checkpoint} to {path}")
     return 0

@@ -1,0 +1,161 @@
+"""`python -m inference lm`: text generation from a meshwork run or a Hugging Face checkpoint.
+
+One prompt streams its tokens to stdout as they are sampled (Generator);
+several (`--prompts-file`, or `--prompt` repeated) go through the
+continuous-batching server, each printed when it finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from typing import Any
+
+from meshwork.config import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="the run.dir of a meshwork LM training run")
+    src.add_argument("--hf", help="a Hugging Face Llama/Mixtral directory (config.json + *.safetensors)")
+    p.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
+    p.add_argument("--prompts-file", help="a text file, one prompt per line")
+    p.add_argument("--prompt-ids", action="append", default=[],
+                   help="a prompt as comma-separated token ids (for models without a tokenizer here)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop-id", type=int, action="append", default=[], help="a token id that ends a sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", choices=("none", "int8", "int4", "w8a8"), default="none",
+                   help="weight-only int8/int4, or int8 weights and activations in the MLPs")
+    p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: what the prompts need)")
+    p.add_argument("--slots", type=int, default=8, help="batch slots of the serving loop (several prompts)")
+
+
+def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
+    """(model, tokenizer or None, default stop ids) from a run dir or a Hugging Face directory."""
+    if checkpoint is not None:
+        from inference.runs import load_run
+        from meshwork.data import ByteTokenizer
+
+        cfg, model, _ = load_run(checkpoint)
+        if cfg.model.kind not in ("transformer", "moe"):
+            raise ConfigError(f"--checkpoint: {checkpoint} trained a {cfg.model.kind}; `lm` needs a language model")
+        tokenizer = ByteTokenizer() if cfg.data.source == "stdlib" else None
+        return model, tokenizer, []
+    path = pathlib.Path(hf).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"--hf: {path} is not a directory; pass a Hugging Face checkpoint directory")
+    from inference.hf import model_from_hf
+
+    try:
+        _, model = model_from_hf(path)
+    except ValueError as e:
+        raise ConfigError(f"--hf: {e}") from None
+    return model, _hf_tokenizer(path), _hf_eos(path)
+
+
+def _hf_tokenizer(path: pathlib.Path):
+    """The checkpoint's tokenizer.json through the `tokenizers` package, when both are there."""
+    if not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.vocab_size = tok.get_vocab_size()
+    tok.decode_ids = tok.decode
+    return tok
+
+
+def _hf_eos(path: pathlib.Path) -> list[int]:
+    import json
+
+    eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def encode_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[int]]:
+    texts = list(args.prompt)
+    if args.prompts_file:
+        f = pathlib.Path(args.prompts_file)
+        if not f.is_file():
+            raise ConfigError(f"--prompts-file: {f} does not exist")
+        texts += [line for line in f.read_text().splitlines() if line.strip()]
+    if texts and tokenizer is None:
+        raise ConfigError("this model has no tokenizer here (pre-tokenized training data, or no tokenizer.json "
+                          "with the `tokenizers` package); pass --prompt-ids 1,2,3")
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"tokenizer mismatch: the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                          f"{vocab_size}; use the tokenizer the model was trained with")
+    prompts = [[int(t) for t in _encode(tokenizer, text)] for text in texts]
+    for ids in args.prompt_ids:
+        try:
+            prompts.append([int(t) for t in ids.split(",") if t.strip()])
+        except ValueError:
+            raise ConfigError(f"--prompt-ids {ids!r}: give comma-separated integers") from None
+    if not prompts:
+        raise ConfigError("no prompt: pass --prompt TEXT, --prompts-file FILE or --prompt-ids IDS")
+    return prompts
+
+
+def _encode(tokenizer, text: str):
+    out = tokenizer.encode(text)
+    return out.ids if hasattr(out, "ids") else out
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return tokenizer.decode(ids)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads, generates, prints. ConfigError for anything the user can fix."""
+    from inference.sampling import SamplingParams
+
+    model, tokenizer, eos = load_lm(args.checkpoint, args.hf)
+    prompts = encode_prompts(args, tokenizer, model.cfg.vocab_size)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
+                            stop_tokens=tuple(args.stop_id or eos), seed=args.seed)
+    params.check(model.cfg.vocab_size)
+    if args.quantize != "none":
+        from inference.quantize import quantize_model
+
+        quantize_model(model, args.quantize)
+    if len(prompts) == 1:
+        from inference.generate import Generator
+
+        gen = Generator(model)
+        gen.check_prompt(prompts[0], params.max_new_tokens, args.max_len)
+        produced: list[int] = []
+        sys.stdout.write(_decode(tokenizer, prompts[0]))
+        for _, token in gen.stream(prompts, params, args.max_len):
+            # Bytes of one character can arrive in several tokens: print what decodes so far.
+            before = _decode(tokenizer, produced)
+            produced.append(token)
+            sys.stdout.write(_decode(tokenizer, produced)[len(before):] if tokenizer else f" {token}")
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+
+    from inference.serving import Request, Server
+
+    max_len = args.max_len or max(len(p) for p in prompts) + params.max_new_tokens + 1
+    server = Server(model, slots=args.slots, max_len=max_len)
+    results = server.run(Request(i, p, params) for i, p in enumerate(prompts))
+    failed = 0
+    for i, prompt in enumerate(prompts):
+        r = results[i]
+        if r.finish == "error":
+            failed += 1
+            print(f"[{i}] error: {r.error}")
+        else:
+            print(f"[{i}] {_decode(tokenizer, prompt)}{_decode(tokenizer, r.tokens)}")
+    return 0 if not failed else 2
