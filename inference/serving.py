@@ -144,7 +144,13 @@ class Server:
     # -- requests ---------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        """Queues a request, or records its error Result at once if it cannot be served."""
+        """Queues a request, or records its error Result at once if it cannot be served.
+
+        Ids key the results, so reusing one is the caller's bug: ValueError, nothing queued.
+        """
+        if request.id in self.results or any(r.id == request.id for r, _ in self.waiting) or \
+                any(s and s.request.id == request.id for s in self.slots):
+            raise ValueError(f"request id {request.id!r} is already in use")
         try:
             request.params.check(self.cfg.vocab_size)
             self.gen.check_prompt(request.prompt, request.params.max_new_tokens, self.max_len)
@@ -152,9 +158,6 @@ class Server:
             if worst > self.pages.n_pages - 1:
                 raise ConfigError(f"request needs up to {worst} pages of {self.page_size} tokens but the pool has "
                                   f"{self.pages.n_pages - 1}; raise n_pages or shorten the request")
-            if request.id in self.results or any(r.id == request.id for r, _ in self.waiting) or \
-                    any(s and s.request.id == request.id for s in self.slots):
-                raise ConfigError(f"request id {request.id!r} is already in use")
         except ConfigError as e:
             self.results[request.id] = Result(request.id, [], "error", str(e))
             return

@@ -58,7 +58,14 @@ def cached_logits(gen: Generator, sequences, cache) -> list[np.ndarray]:
 
 
 def full_logits(model, sequences) -> list[np.ndarray]:
-    return [np.asarray(model(jnp.asarray(s)[None]))[0] for s in sequences]
+    """One causal forward over the batch right-padded to the longest row (padding comes after
+    every position compared, so it cannot change them)."""
+    L = max(len(s) for s in sequences)
+    tokens = np.zeros((len(sequences), L), np.int32)
+    for b, s in enumerate(sequences):
+        tokens[b, :len(s)] = s
+    logits = np.asarray(model(jnp.asarray(tokens)))
+    return [logits[b, :len(s)] for b, s in enumerate(sequences)]
 
 
 def paged_cache(cfg, B: int, page_size: int = 4, pages_per_seq: int = 8) -> PagedKVCache:
