@@ -2,17 +2,21 @@
 
 Reads Llama (`model_type` "llama"), Mixtral ("mixtral") and Qwen2-MoE
 ("qwen2_moe") checkpoints in the hub's layout, memory-mapped with safetensors
-(numpy; no torch), into meshwork's parameter tree:
+(numpy; no torch), into meshwork models:
 
-    cfg, params = load_hf_checkpoint("path/to/checkpoint_dir")  # ModelConfig, nested dict of numpy
-    model = build_hf_model(cfg, params)                          # Transformer or MoETransformer
+    cfg, model = load_hf_model("path/to/checkpoint_dir")        # Transformer or MoETransformer
     logits_BLV = model(tokens_BL)
 
-`params` has the structure of `nnx.to_pure_dict(nnx.state(model, nnx.Param))`
-for the model `train.state.build_model` makes from `cfg` (layers stacked on a
-leading axis), so it can also be placed with shardings and written into an
-existing model with `nnx.replace_by_pure_dict`; `apply_params` does that with
-shape checks.
+    sh = hf_param_shardings(load_hf_config(path), mesh, rules_for("tp"))
+    cfg, model = load_hf_model(path, shardings=sh)               # each weight born sharded
+
+`load_hf_model` reads one layer at a time and moves it onto its devices before
+reading the next, so host memory holds about one layer, never the model.
+`load_hf_checkpoint` instead returns the whole parameter tree as numpy
+(`build_hf_model(cfg, params)` makes the model from it), with the structure of
+`nnx.to_pure_dict(nnx.state(model, nnx.Param))`; `apply_params` writes such a
+tree into an existing model with shape checks. Both follow one table,
+`hf_layout`, which `inference/hf_export.py` also uses to write checkpoints.
 
 Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.py):
 
@@ -42,24 +46,33 @@ raises a ValueError that names the key.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import gc
 import json
+import math
 import pathlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so bf16 checkpoints read as numpy
+import ml_dtypes  # registers bfloat16 with numpy, so bf16 checkpoints read as numpy
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 
 from meshwork.config import ModelConfig, MoEConfig
+from sharding.rules import Rules, tree_shardings
 
 SUPPORTED = ("llama", "mixtral", "qwen2_moe")
 # Tensors some checkpoints carry that hold no weights meshwork needs.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+# numpy dtype -> config.json's torch_dtype / dtype name.
+HF_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
+                  np.dtype(np.float16): "float16"}
 
 # ---------------------------------------------------------------- config
 
@@ -166,7 +179,141 @@ def _qwen2_moe_dense_layers(c: dict[str, Any], n_layers: int) -> list[int]:
     return [i for i in range(n_layers) if i in only or not (E > 0 and (i + 1) % step == 0)]
 
 
-# ---------------------------------------------------------------- weights
+# ---------------------------------------------------------------- where each weight lives
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One meshwork parameter of one layer and the checkpoint tensor(s) holding it.
+
+    `name` may contain "{e}": then the file has one tensor per expert (`experts`
+    of them), stacked on meshwork's leading expert axis. `read` and `write` are
+    each other's inverse, so the loader and `inference.hf_export` share this one
+    description of the layout.
+
+    >>> t = HFTensor("q_proj.weight", shape=(64, 4, 24), hf_shape=(96, 64), linear=True)
+    >>> t.write(np.zeros(t.shape, np.float32))["q_proj.weight"].shape
+    (96, 64)
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    """meshwork's shape (with the leading expert axis, if any; without the layers axis)."""
+    hf_shape: tuple[int, ...]
+    """The shape in the file (of one expert's tensor)."""
+    linear: bool = False
+    """An nn.Linear weight: (out, in) in the file, (in, ..., out) in meshwork."""
+    experts: int = 0
+
+    def names(self) -> list[str]:
+        return [self.name.format(e=e) for e in range(self.experts)] if self.experts else [self.name]
+
+    def read(self, t: TensorReader) -> np.ndarray:
+        """meshwork's array, from the tensor(s) in the file (a view of what `t` read, where possible)."""
+        parts = [t.get(n, self.hf_shape) for n in self.names()]
+        parts = [(x.T if self.linear else x).reshape(self.shape[1:] if self.experts else self.shape) for x in parts]
+        return np.stack(parts) if self.experts else parts[0]
+
+    def write(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """The file's tensor(s), contiguous, holding meshwork's array `x`."""
+        def one(x: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(x.reshape(self.hf_shape[::-1]).T if self.linear else x.reshape(self.hf_shape))
+        parts = [one(x[e]) for e in range(self.experts)] if self.experts else [one(x)]
+        return dict(zip(self.names(), parts, strict=True))
+
+
+def _linear(name: str, d_out: int, d_in: int, shape: tuple[int, ...] | None = None, experts: int = 0) -> HFTensor:
+    return HFTensor(name, (experts,) * bool(experts) + (shape or (d_in, d_out)), (d_out, d_in), True, experts)
+
+
+def _vector(name: str, shape: tuple[int, ...]) -> HFTensor:
+    return HFTensor(name, shape, (math.prod(shape),))
+
+
+def _swiglu(prefix: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj"), experts: int = 0) -> dict:
+    gate, up, down = names
+    return {"w_gate": _linear(f"{prefix}{gate}.weight", F, D, experts=experts),
+            "w_up": _linear(f"{prefix}{up}.weight", F, D, experts=experts),
+            "w_down": _linear(f"{prefix}{down}.weight", D, F, experts=experts)}
+
+
+def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str, Any]:
+    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
+    attn = {"wq": _linear(a + "q_proj.weight", H * K, D, (D, H, K)),
+            "wk": _linear(a + "k_proj.weight", G * K, D, (D, G, K)),
+            "wv": _linear(a + "v_proj.weight", G * K, D, (D, G, K)),
+            "wo": _linear(a + "o_proj.weight", D, H * K, (H, K, D))}
+    if cfg.qkv_bias:
+        attn |= {"bq": _vector(a + "q_proj.bias", (H, K)), "bk": _vector(a + "k_proj.bias", (G, K)),
+                 "bv": _vector(a + "v_proj.bias", (G, K))}
+    layer = {"attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))}, "attn": attn,
+             "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))}}
+    if not moe:
+        return layer | {"mlp": _swiglu(p + "mlp.", D, cfg.d_ff)}
+    m = cfg.moe
+    if model_type == "mixtral":
+        q, names = p + "block_sparse_moe.", ("w1", "w3", "w2")  # w1: gate, w3: up, w2: down
+    else:
+        q, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    experts = {"router": _linear(q + "gate.weight", m.n_experts, D)}
+    experts |= _swiglu(q + "experts.{e}.", D, m.d_expert, names, experts=m.n_experts)
+    if m.n_shared_experts:
+        experts["shared"] = _swiglu(q + "shared_expert.", D, m.d_shared or m.n_shared_experts * m.d_expert)
+    if m.shared_expert_gate:
+        experts["shared_gate"] = _linear(q + "shared_expert_gate.weight", 1, D)  # (D, 1)
+    return layer | {"moe": experts}
+
+
+def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    """Where each parameter of the model `cfg` describes lives in a `model_type` checkpoint.
+
+    A tree shaped like the model's parameters (`nnx.to_pure_dict(nnx.state(model,
+    nnx.Param))`) with `HFTensor` leaves, except that a stacked group of layers
+    ("blocks", "dense_blocks", "moe_blocks") is a list of per-layer trees. The
+    loaders here and `inference.hf_export.export_hf` all follow this one table.
+
+    >>> cfg = load_hf_config("tests/fixtures/hf/llama")
+    >>> hf_layout(cfg, "llama")["blocks"][1]["attn"]["wq"].name
+    'model.layers.1.self_attn.q_proj.weight'
+    """
+    D, V = cfg.d_model, cfg.vocab_size
+    layout: dict[str, Any] = {"embed": {"table": HFTensor("model.embed_tokens.weight", (V, D), (V, D))},
+                              "head": {"final_norm": {"scale": _vector("model.norm.weight", (D,))}}}
+    if not cfg.tie_embeddings:
+        layout["head"]["lm_head"] = _linear("lm_head.weight", V, D)
+    if cfg.kind == "transformer":
+        layout["blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(cfg.n_layers)]
+        return layout
+    k = cfg.moe.first_dense_layers
+    if k:
+        layout["dense_blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(k)]
+    layout["moe_blocks"] = [_layer(cfg, model_type, i, moe=True) for i in range(k, cfg.n_layers)]
+    return layout
+
+
+def layout_shapes(layout: dict[str, Any]) -> dict[str, Any]:
+    """The parameter shapes (ShapeDtypeStructs, float32) a layout implies, layers stacked."""
+    def shapes(part: Any) -> Any:
+        if isinstance(part, list):
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct((len(part), *s.shape), jnp.float32), part[0])
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), part)
+    return {key: shapes(part) for key, part in layout.items()}
+
+
+def _map(fn, tree: Any) -> Any:
+    """jax.tree.map over nested dicts, but in insertion order (so errors name the first tensor)."""
+    return {k: _map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
+def _leaves(tree: Any) -> list[HFTensor]:
+    out: list[HFTensor] = []
+    _map(out.append, {str(i): part for i, part in enumerate(tree)} if isinstance(tree, list) else tree)
+    return out
+
+
+# ---------------------------------------------------------------- reading
 
 
 class TensorReader:
@@ -180,31 +327,25 @@ class TensorReader:
             self.where.update(dict.fromkeys(handle.keys(), handle))
         self.used: set[str] = set()
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """Raises ValueError unless the files hold `name` with `shape` (reads only the header)."""
         if name not in self.where:
             raise ValueError(f"checkpoint has no tensor {name!r}, which the config implies; "
                              "is config.json the one that belongs to these weights?")
-        # A copy: the views safetensors returns point into the mapping, which closes.
-        x = np.array(self.where[name].get_tensor(name))
-        if x.shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {x.shape}, but config.json implies {shape}")
+        have = tuple(self.where[name].get_slice(name).get_shape())
+        if have != shape:
+            raise ValueError(f"tensor {name!r} has shape {have}, but config.json implies {shape}")
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        self.check(name, shape)
         self.used.add(name)
-        return x
+        # No copy needed: with framework="numpy" safetensors (0.4 to 0.8 at least) reads the
+        # bytes into a buffer the array owns, not a view of the mapping (tests/test_hf_loading.py).
+        return self.where[name].get_tensor(name)
 
     def unused(self, ignored: re.Pattern | None = None) -> list[str]:
         """Tensors never read (a mapping that dropped weights would otherwise go unnoticed)."""
         return sorted(k for k in self.where if k not in self.used and not (ignored and ignored.fullmatch(k)))
-
-
-class _Tensors(TensorReader):
-    """The Hugging Face transformers layout."""
-
-    def linear(self, name: str, d_out: int, d_in: int) -> np.ndarray:
-        """An nn.Linear weight, stored (out, in), as meshwork's (in, out)."""
-        return self.get(name, (d_out, d_in)).T
-
-    def unused(self) -> list[str]:
-        return super().unused(_IGNORED)
 
 
 def _checkpoint_files(path: pathlib.Path) -> tuple[dict[str, Any], list[pathlib.Path]]:
@@ -222,14 +363,129 @@ def _checkpoint_files(path: pathlib.Path) -> tuple[dict[str, Any], list[pathlib.
     return json.loads((path / "config.json").read_text()), files
 
 
+def load_hf_config(path: str | pathlib.Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory, from its config.json alone (e.g. to build
+    the shardings for `load_hf_model` before reading any weight)."""
+    return config_from_hf(_checkpoint_files(pathlib.Path(path))[0])
+
+
+def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, placer: Any) -> dict[str, Any]:
+    """Reads the checkpoint group by group, in stacked groups layer by layer, through `placer`:
+    `place(key, tree of HFTensors, read)` and `stack(key, list of per-layer trees, read)`, where
+    `read(spec)` returns one parameter of one layer as numpy, and decide where each piece goes."""
+    layout = hf_layout(cfg, model_type)
+    with contextlib.ExitStack() as stack:
+        t = TensorReader(files, stack)
+        # Check names and shapes against the files' headers first: a wrong config fails
+        # before gigabytes are read.
+        specs = [s for part in layout.values() for s in _leaves(part)]
+        for spec in specs:
+            for name in spec.names():
+                t.check(name, spec.hf_shape)
+        claimed = {n for s in specs for n in s.names()}
+        if cfg.tie_embeddings:
+            claimed.add("lm_head.weight")  # some exports keep the tied copy
+        if left := sorted(set(t.unused(_IGNORED)) - claimed):
+            raise ValueError(f"{len(left)} checkpoint tensors have no place in meshwork's {model_type} model, "
+                             f"e.g. {left[:3]}; the config may not describe these weights")
+        read = functools.partial(HFTensor.read, t=t)
+        return {key: placer.stack(key, part, read) if isinstance(part, list) else placer.place(key, part, read)
+                for key, part in layout.items()}
+
+
+class _Host:
+    """Keeps what is read as numpy; each stacked parameter is one array, preallocated and
+    filled layer by layer (so the model is in memory once, plus one tensor)."""
+
+    def place(self, key: str, part: dict[str, Any], read: Callable[[HFTensor], np.ndarray]) -> dict[str, Any]:
+        return _map(read, part)
+
+    def stack(self, key: str, layers: list[dict[str, Any]], read: Callable[[HFTensor], np.ndarray]) -> dict[str, Any]:
+        treedef = jax.tree.structure(layers[0])
+        out: list[np.ndarray | None] = [None] * treedef.num_leaves
+        for i, layer in enumerate(layers):
+            for j, spec in enumerate(jax.tree.leaves(layer)):
+                x = read(spec)
+                if out[j] is None:
+                    out[j] = np.empty((len(layers), *x.shape), x.dtype)
+                out[j][i] = x
+        return jax.tree.unflatten(treedef, out)
+
+
+def _layer_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """The sharding of one layer of a stacked parameter: its spec without the layers entry."""
+    return NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:])) if isinstance(s, NamedSharding) else s
+
+
+def _settle(tree: Any) -> Any:
+    """Waits for `tree`'s transfers, then frees their numpy sources before anything else is read.
+
+    XLA drops its reference to a transferred host array from a transfer thread, which cannot
+    take the GIL; jax applies such pending releases in a gc callback, so a (cheap, youngest
+    generation) collection frees them now rather than several layers later.
+    """
+    jax.block_until_ready(tree)
+    gc.collect(0)
+    return tree
+
+
+def _write_layer(stacked: Any, layer: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda buf, x: buf.at[i].set(x.astype(buf.dtype)), stacked, layer)
+
+
+class _Devices:
+    """Moves each tensor onto its devices as soon as it is read, cast there to the model's
+    dtypes: host memory holds about one tensor at a time (at most one layer), never the model.
+
+    A stacked parameter is allocated on its devices in `shardings`' layout; each
+    tensor of layer i is `device_put` with that layout less the layers entry, and
+    the layer is written into slice i by a jitted update that donates the stack
+    (updated in place: device memory peaks at the model plus one layer).
+    """
+
+    def __init__(self, target: dict[str, Any], shardings: dict[str, Any] | None):
+        self.target, self.shardings = target, shardings
+
+    def _put(self, part: dict[str, Any], read: Callable[[HFTensor], np.ndarray], shardings: Any) -> Any:
+        if shardings is None:
+            return jax.tree.map(lambda spec: jax.device_put(read(spec)), part)
+        return jax.tree.map(lambda spec, sh: jax.device_put(read(spec), sh), part, shardings)
+
+    def place(self, key: str, part: dict[str, Any], read: Callable[[HFTensor], np.ndarray]) -> dict[str, Any]:
+        shardings = self.shardings[key] if self.shardings is not None else None
+        placed = _settle(self._put(part, read, shardings))
+        # A fresh device copy in the model's dtypes: on CPU, device_put may alias an aligned
+        # numpy buffer, which would keep safetensors' host copy alive as the parameter.
+        target = self.target[key]
+        cast = jax.jit(lambda tree: jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, target),
+                       **({"out_shardings": shardings} if shardings is not None else {}))
+        out = cast(placed)
+        del placed
+        return _settle(out)
+
+    def stack(self, key: str, layers: list[dict[str, Any]], read: Callable[[HFTensor], np.ndarray]) -> dict[str, Any]:
+        target, full = self.target[key], self.shardings[key] if self.shardings is not None else None
+        kw = {"out_shardings": full} if full is not None else {}
+        out = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), target), **kw)()
+        write = jax.jit(_write_layer, donate_argnums=0, **kw)
+        layer_shardings = jax.tree.map(_layer_sharding, full) if full is not None else None
+        for i, layer in enumerate(layers):
+            out = _settle(write(out, self._put(layer, read, layer_shardings), i))
+        return out
+
+
+# ---------------------------------------------------------------- loading
+
+
 def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """(ModelConfig, params) from a checkpoint directory (config.json and *.safetensors).
+    """(ModelConfig, params) from a checkpoint directory (config.json and *.safetensors), in host memory.
 
     params is a nested dict of numpy arrays in the checkpoint's dtype, shaped
     like `nnx.to_pure_dict(nnx.state(model, nnx.Param))` of the model built
     from the ModelConfig. Every tensor in the files must be used (apart from
     cached rotary tables): a leftover tensor means a feature meshwork would
-    silently drop, so it raises ValueError.
+    silently drop, so it raises ValueError. Holds the whole model (plus one
+    layer) in host memory; `load_hf_model` does not.
 
     >>> cfg, params = load_hf_checkpoint("tests/fixtures/hf/llama")
     >>> params["blocks"]["attn"]["wq"].shape   # (layers, D, H, K)
@@ -237,89 +493,78 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str,
     """
     hf_config, files = _checkpoint_files(pathlib.Path(path))
     cfg = config_from_hf(hf_config)
-    kind = hf_config["model_type"]
-    with contextlib.ExitStack() as stack:
-        t = _Tensors(files, stack)
-        D, V = cfg.d_model, cfg.vocab_size
-        params: dict[str, Any] = {"embed": {"table": t.get("model.embed_tokens.weight", (V, D))},
-                                  "head": {"final_norm": {"scale": t.get("model.norm.weight", (D,))}}}
-        if cfg.tie_embeddings:
-            t.used.add("lm_head.weight")  # some exports keep the tied copy
-        else:
-            params["head"]["lm_head"] = t.linear("lm_head.weight", V, D)
-        if cfg.kind == "transformer":
-            params["blocks"] = _stack(_dense_layer(t, cfg, i) for i in range(cfg.n_layers))
-        else:
-            k = cfg.moe.first_dense_layers
-            if k:
-                params["dense_blocks"] = _stack(_dense_layer(t, cfg, i) for i in range(k))
-            moe_layer = _mixtral_layer if kind == "mixtral" else _qwen2_moe_layer
-            params["moe_blocks"] = _stack(moe_layer(t, cfg, i) for i in range(k, cfg.n_layers))
-        if left := t.unused():
-            raise ValueError(f"{len(left)} checkpoint tensors have no place in meshwork's {kind} model, "
-                             f"e.g. {left[:3]}; the config may not describe these weights")
-    return cfg, params
+    return cfg, _read_params(files, cfg, hf_config["model_type"], _Host())
 
 
-def _stack(layers: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Per-layer trees -> one tree with a leading layers axis (as nnx.vmap makes them)."""
-    return jax.tree.map(lambda *xs: np.stack(xs), *layers)
+def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp.dtype = jnp.float32,
+                  param_dtype: jnp.dtype | None = None, remat: str = "none") -> tuple[ModelConfig, nnx.Module]:
+    """(ModelConfig, model) from a checkpoint directory, read straight onto the devices.
+
+    The safetensors files are memory-mapped and read one layer at a time, each
+    tensor put on its devices (in its layer's sharding) as soon as it is read
+    and each layer written into its slot of the stacked parameters before the
+    next is read: host memory peaks at about the largest tensor (at most one
+    layer), never the whole model (tests/test_hf_loading.py measures about a
+    tenth of a 45 MB checkpoint).
+    `shardings`: None (everything on the default device), or NamedShardings
+    shaped like `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (a pure dict
+    or an nnx.State; `hf_param_shardings` makes them from the rules table).
+    `dtype` is the compute dtype, `param_dtype` (default: `dtype`) the
+    parameters'; a bf16 file is cast on the devices, not on the host.
+
+    >>> from sharding.mesh import make_mesh
+    >>> from sharding.rules import rules_for
+    >>> path = "tests/fixtures/hf/llama"
+    >>> mesh = make_mesh({"data": 4, "tensor": 2})
+    >>> sh = hf_param_shardings(load_hf_config(path), mesh, rules_for("tp"))
+    >>> cfg, model = load_hf_model(path, shardings=sh)
+    >>> model.blocks.attn.wq[...].sharding.spec
+    P(None, None, 'tensor', None)
+    """
+    hf_config, files = _checkpoint_files(pathlib.Path(path))
+    cfg = config_from_hf(hf_config)
+    make = functools.partial(_make_model, cfg, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, seed=0)
+    graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    target = nnx.to_pure_dict(abstract)
+    if shardings is not None:
+        shardings = as_pure_dict(shardings)
+        if jax.tree.structure(shardings) != jax.tree.structure(target):
+            raise ValueError("shardings do not match the model's parameters; build them with "
+                             "hf_param_shardings(load_hf_config(path), mesh, rules)")
+    check_tree(target, layout_shapes(hf_layout(cfg, hf_config["model_type"])))
+    params = _read_params(files, cfg, hf_config["model_type"], _Devices(target, shardings))
+    nnx.replace_by_pure_dict(abstract, params)
+    # Buffers (e.g. MoE selection biases) get their initial values, replicated; under jit the
+    # parameters' random init is dead code and compiles away.
+    replicated = {}
+    if shardings is not None:
+        mesh = next(s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding))
+        replicated = {"out_shardings": NamedSharding(mesh, PartitionSpec())}
+    buffers = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], **replicated)()
+    return cfg, nnx.merge(graphdef, abstract, buffers)
 
 
-def _attention(t: _Tensors, cfg: ModelConfig, i: int) -> dict[str, np.ndarray]:
-    p = f"model.layers.{i}.self_attn."
-    D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-    # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
-    attn = {"wq": t.linear(p + "q_proj.weight", H * K, D).reshape(D, H, K),
-            "wk": t.linear(p + "k_proj.weight", G * K, D).reshape(D, G, K),
-            "wv": t.linear(p + "v_proj.weight", G * K, D).reshape(D, G, K),
-            "wo": t.linear(p + "o_proj.weight", D, H * K).reshape(H, K, D)}
-    if cfg.qkv_bias:
-        attn |= {"bq": t.get(p + "q_proj.bias", (H * K,)).reshape(H, K),
-                 "bk": t.get(p + "k_proj.bias", (G * K,)).reshape(G, K),
-                 "bv": t.get(p + "v_proj.bias", (G * K,)).reshape(G, K)}
-    return attn
+def hf_param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict[str, Any]:
+    """NamedShardings for the parameters of the model `cfg` describes, laid out by the
+    logical names and `rules` (as training lays them out), as a pure dict for `load_hf_model`.
+
+    >>> from sharding.mesh import make_mesh
+    >>> from sharding.rules import rules_for
+    >>> sh = hf_param_shardings(load_hf_config("tests/fixtures/hf/llama"), make_mesh({"tensor": -1}),
+    ...                         rules_for("tp"))
+    >>> sh["blocks"]["mlp"]["w_up"].spec    # (layers, D, F): F split over tensor
+    P(None, None, 'tensor')
+    """
+    from train.state import logical_specs
+
+    make = functools.partial(_make_model, cfg, dtype=jnp.float32, param_dtype=jnp.float32, remat="none", seed=0)
+    abstract = nnx.state(nnx.eval_shape(make), nnx.Param)
+    return as_pure_dict(tree_shardings(logical_specs(abstract), mesh, rules))
 
 
-def _swiglu(t: _Tensors, prefix: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj")) -> dict:
-    gate, up, down = names
-    return {"w_gate": t.linear(f"{prefix}{gate}.weight", F, D), "w_up": t.linear(f"{prefix}{up}.weight", F, D),
-            "w_down": t.linear(f"{prefix}{down}.weight", D, F)}
-
-
-def _norms_and_attention(t: _Tensors, cfg: ModelConfig, i: int) -> dict[str, Any]:
-    p, D = f"model.layers.{i}.", cfg.d_model
-    return {"attn_norm": {"scale": t.get(p + "input_layernorm.weight", (D,))},
-            "attn": _attention(t, cfg, i),
-            "mlp_norm": {"scale": t.get(p + "post_attention_layernorm.weight", (D,))}}
-
-
-def _dense_layer(t: _Tensors, cfg: ModelConfig, i: int) -> dict[str, Any]:
-    return _norms_and_attention(t, cfg, i) | {"mlp": _swiglu(t, f"model.layers.{i}.mlp.", cfg.d_model, cfg.d_ff)}
-
-
-def _experts(t: _Tensors, prefix: str, cfg: ModelConfig, names: tuple[str, str, str]) -> dict[str, np.ndarray]:
-    """Per-expert SwiGLUs stacked on a leading expert axis: (E, D, F), (E, D, F), (E, F, D)."""
-    per_expert = [_swiglu(t, f"{prefix}experts.{e}.", cfg.d_model, cfg.moe.d_expert, names)
-                  for e in range(cfg.moe.n_experts)]
-    return jax.tree.map(lambda *xs: np.stack(xs), *per_expert)
-
-
-def _mixtral_layer(t: _Tensors, cfg: ModelConfig, i: int) -> dict[str, Any]:
-    p = f"model.layers.{i}.block_sparse_moe."
-    moe = {"router": t.linear(p + "gate.weight", cfg.moe.n_experts, cfg.d_model)}
-    moe |= _experts(t, p, cfg, ("w1", "w3", "w2"))  # w1: gate, w3: up, w2: down
-    return _norms_and_attention(t, cfg, i) | {"moe": moe}
-
-
-def _qwen2_moe_layer(t: _Tensors, cfg: ModelConfig, i: int) -> dict[str, Any]:
-    p, D = f"model.layers.{i}.mlp.", cfg.d_model
-    moe = {"router": t.linear(p + "gate.weight", cfg.moe.n_experts, D)}
-    moe |= _experts(t, p, cfg, ("gate_proj", "up_proj", "down_proj"))
-    if cfg.moe.n_shared_experts:
-        moe["shared"] = _swiglu(t, p + "shared_expert.", D, cfg.moe.d_shared)
-        moe["shared_gate"] = t.linear(p + "shared_expert_gate.weight", 1, D)  # (D, 1)
-    return _norms_and_attention(t, cfg, i) | {"moe": moe}
+def as_pure_dict(tree: Any) -> Any:
+    """Nested Mappings (e.g. an nnx.State of shardings) as plain nested dicts."""
+    return {k: as_pure_dict(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
 
 
 # ---------------------------------------------------------------- into a model
@@ -343,7 +588,7 @@ def apply_params(model: nnx.Module, params: dict[str, Any]) -> None:
     otherwise ValueError lists the differences.
     """
     state = nnx.state(model, nnx.Param)
-    _check_tree(nnx.to_pure_dict(state), params)
+    check_tree(nnx.to_pure_dict(state), params)
     cast = jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=ref.dtype), nnx.to_pure_dict(state), params)
     nnx.replace_by_pure_dict(state, cast)
     nnx.update(model, state)
@@ -361,24 +606,26 @@ def build_hf_model(cfg: ModelConfig, params: dict[str, Any], *, dtype: jnp.dtype
     graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     # Under jit the parameters' random init is dead code and compiles away.
     buffers = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
-    _check_tree(nnx.to_pure_dict(abstract), params)
+    check_tree(nnx.to_pure_dict(abstract), params)
     cast = jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=ref.dtype), nnx.to_pure_dict(abstract), params)
     nnx.replace_by_pure_dict(abstract, cast)
     return nnx.merge(graphdef, abstract, buffers)
 
 
 def model_from_hf(path: str | pathlib.Path, **kw: Any) -> tuple[ModelConfig, nnx.Module]:
-    """(ModelConfig, model) from a Hugging Face checkpoint directory; `kw` go to `build_hf_model`.
+    """(ModelConfig, model) from a Hugging Face checkpoint directory: `load_hf_model(path, **kw)`
+    (`shardings`, `dtype`, `param_dtype`, `remat`).
 
     >>> cfg, model = model_from_hf("tests/fixtures/hf/llama")
     >>> model(jnp.zeros((1, 4), jnp.int32)).shape
     (1, 4, 128)
     """
-    cfg, params = load_hf_checkpoint(path)
-    return cfg, build_hf_model(cfg, params, **kw)
+    return load_hf_model(path, **kw)
 
 
-def _check_tree(expected: dict[str, Any], got: dict[str, Any]) -> None:
+def check_tree(expected: dict[str, Any], got: dict[str, Any]) -> None:
+    """Raises ValueError listing how `got`'s leaf shapes differ from `expected`'s (missing,
+    unexpected and mis-shaped leaves), e.g. a parameter tree against a model's."""
     want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(expected)}
     have = {jax.tree_util.keystr(k): np.shape(v) for k, v in jax.tree_util.tree_leaves_with_path(got)}
     problems = [f"missing {k}" for k in want.keys() - have.keys()]

@@ -1,0 +1,159 @@
+"""meshwork language models as Hugging Face checkpoints (config.json + model.safetensors).
+
+The inverse of `inference.hf.load_hf_checkpoint`: a dense Transformer becomes a
+Llama checkpoint and a Mixtral-style MoE model a Mixtral one, in the hub's
+tensor names and layouts. Both directions follow one table,
+`inference.hf.hf_layout`, so export then load gives back the same parameters:
+
+    path = export_hf(cfg.model, model, "out/my_llama")
+    cfg2, model2 = load_hf_model(path)                  # the same weights
+    # transformers: AutoModelForCausalLM.from_pretrained("out/my_llama")
+
+What transformers computes from the export is checked (outside the test suite,
+which has no torch) by tests/fixtures/check_hf_export.py.
+
+A configuration that Llama or Mixtral cannot express (q/k/v biases, sigmoid or
+noisy routers, shared experts, leading dense layers, unnormalized top-k, scaled
+routing) raises ValueError naming each such setting. Training-only settings
+(auxiliary-loss coefficients other than Mixtral's router_aux_loss_coef, the
+z-loss, selection-bias updates) are dropped, and so is `moe.capacity_factor`:
+Mixtral is dropless, so the export computes what meshwork computes with
+capacity_factor null.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from inference.hf import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
+from meshwork.config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """"llama" (kind transformer) or "mixtral" (kind moe): the Hugging Face architecture that
+    computes what `cfg` computes. ValueError names every setting that it cannot express.
+
+    >>> from meshwork.config import MoEConfig
+    >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="softmax")))
+    'mixtral'
+    >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="sigmoid", first_dense_layers=1)))
+    Traceback (most recent call last):
+    ...
+    ValueError: cannot export to Mixtral: moe.router='sigmoid' (Mixtral routes by softmax top-k); \
+moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
+    """
+    if cfg.kind not in ("transformer", "moe"):
+        raise ValueError(f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama) and moe "
+                         "(as Mixtral) models have a Hugging Face form here")
+    model_type = "llama" if cfg.kind == "transformer" else "mixtral"
+    problems = []
+    if cfg.qkv_bias:
+        problems.append("qkv_bias=True (Llama's attention_bias would also bias o_proj, and Mixtral has "
+                        "no attention biases)")
+    if cfg.kind == "moe":
+        m = cfg.moe
+        problems += [why for ok, why in [
+            (m.router == "softmax", f"moe.router={m.router!r} (Mixtral routes by softmax top-k)"),
+            (m.norm_topk_prob, "moe.norm_topk_prob=False (Mixtral renormalizes the top-k weights)"),
+            (not m.n_shared_experts, f"moe.n_shared_experts={m.n_shared_experts} (Mixtral has no shared experts)"),
+            (not m.first_dense_layers,
+             f"moe.first_dense_layers={m.first_dense_layers} (every Mixtral layer is a MoE layer)"),
+            (m.routed_scaling_factor == 1.0,
+             f"moe.routed_scaling_factor={m.routed_scaling_factor} (Mixtral does not scale the experts' output)"),
+        ] if not ok]
+    if problems:
+        raise ValueError(f"cannot export to {model_type.capitalize()}: {'; '.join(problems)}")
+    return model_type
+
+
+def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddings: int = 2048) -> dict[str, Any]:
+    """The config.json dict transformers reads as the model `cfg` describes.
+
+    `max_position_embeddings` is only a declared limit (meshwork's RoPE has
+    none): pass the sequence length the model was trained on (`data.seq_len`).
+
+    >>> c = hf_config(ModelConfig())
+    >>> c["model_type"], c["architectures"], c["num_key_value_heads"], c["head_dim"]
+    ('llama', ['LlamaForCausalLM'], 2, 32)
+    """
+    model_type = hf_model_type(cfg)
+    c: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff if model_type == "llama" else cfg.moe.d_expert,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": max_position_embeddings,
+        # Both forms: transformers 5 reads rope_parameters, earlier versions rope_theta.
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
+        "torch_dtype": dtype, "dtype": dtype,
+    }
+    if model_type == "llama":
+        return c | {"attention_bias": False, "mlp_bias": False}
+    m = cfg.moe
+    return c | {"num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+                "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False,
+                "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any], out_dir: str | pathlib.Path, *,
+              max_position_embeddings: int = 2048) -> pathlib.Path:
+    """Writes `out_dir`/config.json and `out_dir`/model.safetensors; returns `out_dir`.
+
+    `model_or_params`: the meshwork model `cfg` describes, or its parameters
+    as `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (numpy or jax arrays,
+    sharded ones too). Tensors keep the parameters' dtype (config.json's
+    torch_dtype says which). Layers are fetched to the host one at a time, but
+    safetensors writes a file from one dict, so host memory peaks at the
+    whole model in its dtype (plus one tensor being transposed).
+
+    >>> import tempfile
+    >>> from inference.hf import load_hf_model
+    >>> cfg, model = load_hf_model("tests/fixtures/hf/mixtral")
+    >>> path = export_hf(cfg, model, tempfile.mkdtemp())
+    >>> sorted(p.name for p in path.iterdir()), json.loads((path / "config.json").read_text())["architectures"]
+    (['config.json', 'model.safetensors'], ['MixtralForCausalLM'])
+    """
+    model_type = hf_model_type(cfg)
+    if isinstance(model_or_params, nnx.Module):
+        params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
+    else:
+        params = as_pure_dict(model_or_params)
+    layout = hf_layout(cfg, model_type)
+    check_tree(layout_shapes(layout), params)
+    dtype = np.dtype(params["embed"]["table"].dtype)
+    if dtype not in HF_DTYPE_NAMES:
+        raise ValueError(f"parameters of dtype {dtype} have no Hugging Face torch_dtype; cast them to one of "
+                         f"{', '.join(HF_DTYPE_NAMES.values())}")
+
+    tensors: dict[str, np.ndarray] = {}
+    for key, part in layout.items():
+        for i, layer in enumerate(part) if isinstance(part, list) else [(None, part)]:
+            jax.tree.map(lambda spec, x: tensors.update(spec.write(np.asarray(x if i is None else x[i]))),
+                         layer, params[key])
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in out.iterdir() if p.name != "model.safetensors"
+                   and (p.suffix == ".safetensors" or p.name == "model.safetensors.index.json"))
+    if stale:
+        raise ValueError(f"{out} already holds {stale}, which a loader would read with the export; "
+                         "export into an empty directory")
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype=HF_DTYPE_NAMES[dtype],
+                                                          max_position_embeddings=max_position_embeddings),
+                                                indent=2) + "\n")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})  # transformers wants "pt"
+    return out
+
