@@ -54,3 +54,19 @@ def test_bad_input_is_one_line_and_status_2(run_dir, capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_export_hf_round_trip_generates_the_same_text(run_dir, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export-hf", "--checkpoint", run_dir, "--out", str(out)]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    capsys.readouterr()
+    prompt = list(ByteTokenizer().encode("for i in range("))
+    assert main(["lm", "--hf", str(out), "--prompt-ids", ",".join(map(str, prompt)), "--temperature", "0",
+                 "--max-new-tokens", "16"]) == 0
+    ids = [int(t) for t in capsys.readouterr().out.split()]
+    assert ByteTokenizer().decode(ids) == "for i in range(" + greedy_text(run_dir, "for i in range(", 16)
+    # Exporting again over it is refused, and nothing is touched.
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    assert main(["export-hf", "--checkpoint", run_dir, "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err and (out / "model.safetensors").stat().st_mtime_ns == before
