@@ -45,7 +45,7 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
         cfg, model, _ = load_run(checkpoint)
         if cfg.model.kind not in ("transformer", "moe"):
             raise ConfigError(f"--checkpoint: {checkpoint} trained a {cfg.model.kind}; `lm` needs a language model")
-        tokenizer = ByteTokenizer() if cfg.data.source == "stdlib" else None
+        tokenizer = ByteTokenizer() if cfg.data.source in ("stdlib", "stdlib_docs") else None
         return model, tokenizer, []
     path = pathlib.Path(hf).expanduser()
     if not path.is_dir():

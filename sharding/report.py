@@ -61,7 +61,13 @@ def state_bytes(abstract_state: dict[str, Any], shardings: dict[str, Any],
     grads = (params if grad_shardings is None
              else _tree_bytes(abstract_state["params"], grad_shardings))
     opt = _tree_bytes(abstract_state["opt_state"], shardings["opt_state"])
-    return {"params": params, "grads": grads, "opt_state": opt, "total": params + grads + opt}
+    out = {"params": params, "grads": grads, "opt_state": opt, "total": params + grads + opt}
+    # Untrained weights carried in the state (a fine-tuned model's frozen base), when there are any.
+    frozen = _tree_bytes(abstract_state["buffers"], shardings["buffers"]) if "buffers" in abstract_state else 0
+    if frozen:
+        out["frozen"] = frozen
+        out["total"] += frozen
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -116,6 +122,8 @@ def format_report(report: dict[str, Any], cfg: Any = None, mesh: Any = None) -> 
         lines += [f"per-device params:    {_mib(state['params'])}",
                   f"per-device grads:     {_mib(state['grads'])}",
                   f"per-device opt state: {_mib(state['opt_state'])}"]
+        if "frozen" in state:
+            lines.append(f"per-device frozen:    {_mib(state['frozen'])}")
     lines += [
         f"per-device arguments: {_mib(report['argument_bytes'])} (donated/aliased: {_mib(report['alias_bytes'])})",
         f"per-device outputs:   {_mib(report['output_bytes'])}",

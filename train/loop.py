@@ -28,6 +28,7 @@ from sharding.report import compiled_report, format_report, state_bytes
 from sharding.ring_attention import zigzag_permutation
 from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
 from train.optim import make_optimizer
+from train.finetune import base_data_config, check_base, describe, load_base_params
 from train.state import abstract_state, ema_decay, init_state, logical_specs, param_count, state_shardings
 from train.step import make_eval_step, make_objective, make_train_step
 from train.task import DiffusionTask, LMTask, make_task
@@ -58,6 +59,7 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
     if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
                           f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout")
+    check_base(cfg)
     return make_task(cfg)
 
 
@@ -128,8 +130,11 @@ class Trainer:
         return stack
 
     def init_state(self) -> dict[str, Any]:
+        """A fresh state; a fine-tuning run starts from its base run's trained weights."""
         with self.context():
-            return init_state(self.cfg, self.tx, self.shardings)
+            base = (load_base_params(self.cfg, self.mesh, self.rules_by_role)
+                    if self.cfg.finetune.method != "none" else None)
+            return init_state(self.cfg, self.tx, self.shardings, base)
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
@@ -233,7 +238,8 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     if jax.process_index() == 0 and not dry_run == "json":
         total = param_count(trainer.abstract)
         active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
-        print(f"{cfg.model.kind} model: {total:,} parameters{active}")
+        print(f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
+              else describe(cfg, trainer.abstract))
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
@@ -250,6 +256,9 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
 
     data_iter = trainer.task.train_iterator()
     val_set = trainer.task.eval_batches()
+    # Fine-tuning on new data: also track the loss on the base run's data (what may be forgotten).
+    base_data = base_data_config(cfg, check_base(cfg))
+    base_val_set = make_task(base_data).eval_batches() if base_data is not None else None
     if start is None:
         state = trainer.init_state()
     else:
@@ -260,7 +269,11 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     if start is None:
         start = 0
         summary["val_loss"][0] = trainer.evaluate(state, val_set)
-        writer.write(0, {"val_loss": summary["val_loss"][0]})
+        row = {"val_loss": summary["val_loss"][0]}
+        if base_val_set is not None:
+            row["val_loss_base_data"] = summary.setdefault("val_loss_base_data", {})[0] = \
+                trainer.evaluate(state, base_val_set)
+        writer.write(0, row)
 
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_after or steps)
@@ -272,6 +285,9 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         if step % cfg.log.eval_every == 0 or step == steps:
             summary["val_loss"][step] = trainer.evaluate(state, val_set)
             logger.add(step, val_loss=summary["val_loss"][step])
+            if base_val_set is not None:
+                loss = summary.setdefault("val_loss_base_data", {})[step] = trainer.evaluate(state, base_val_set)
+                logger.add(step, val_loss_base_data=loss)
         if trainer.task.name == "diffusion" and cfg.log.sample_every and step % cfg.log.sample_every == 0 and is_main:
             trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
         ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == last)

@@ -29,8 +29,25 @@ from sharding.rules import Rules, tree_shardings
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def build_model(cfg: Config, seed: int | None = None) -> nnx.Module:
-    """The model `cfg.model.kind` names, initialized from `run.seed` (or `seed`)."""
+def build_model(cfg: Config, seed: int | None = None, base_params: nnx.State | None = None) -> nnx.Module:
+    """The model `cfg.model.kind` names, initialized from `run.seed` (or `seed`).
+
+    With `finetune.method` set, the base model's weights are `base_params`
+    (when given: the trained run's) and the method's wrappers, adapters or
+    prefixes are added on top (models/lora.py); QLoRA quantizes the base
+    weights it finds, so they must be written in first.
+    """
+    model = _build_base_model(cfg, seed)
+    if base_params is not None:
+        nnx.update(model, base_params)
+    if cfg.finetune.method not in ("none", "full"):
+        from models.lora import apply_finetune
+
+        apply_finetune(model, cfg.finetune, nnx.Rngs(cfg.run.seed if seed is None else seed))
+    return model
+
+
+def _build_base_model(cfg: Config, seed: int | None) -> nnx.Module:
     kw = dict(dtype=DTYPES[cfg.train.compute_dtype], param_dtype=DTYPES[cfg.train.param_dtype],
               remat=cfg.train.remat, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
     if cfg.model.kind == "moe":
@@ -44,10 +61,20 @@ def build_model(cfg: Config, seed: int | None = None) -> nnx.Module:
     return Transformer(cfg.model, **kw)
 
 
-def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+def split_model(model: nnx.Module, cfg: Config | None = None) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """(graphdef, trainable params, buffers): buffers are the other variables
-    (e.g. MoE routers' selection biases), carried in the state but never trained."""
-    return nnx.split(model, nnx.Param, ...)
+    (e.g. MoE routers' selection biases, a fine-tuned model's frozen base),
+    carried in the state but never trained: no gradient, no optimizer state."""
+    return nnx.split(model, trainable_filter(cfg), ...)
+
+
+def trainable_filter(cfg: Config | None):
+    """The variables the optimizer trains: every nnx.Param, or only the fine-tuning method's own."""
+    if cfg is None or cfg.finetune.method in ("none", "full"):
+        return nnx.Param
+    from models.lora import trainable
+
+    return trainable(cfg.finetune)
 
 
 def ema_decay(cfg: Config) -> float | None:
@@ -55,8 +82,8 @@ def ema_decay(cfg: Config) -> float | None:
     return (cfg.model.diffusion.ema_decay or None) if cfg.model.kind == "unet" else None
 
 
-def _fresh_state(cfg: Config, tx: optax.GradientTransformation) -> dict[str, Any]:
-    _, params, buffers = split_model(build_model(cfg))
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None) -> dict[str, Any]:
+    _, params, buffers = split_model(build_model(cfg, base_params=base_params), cfg)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers, "opt_state": tx.init(params)}
     if ema_decay(cfg):
         state["ema"] = jax.tree.map(jnp.copy, params)
@@ -65,7 +92,7 @@ def _fresh_state(cfg: Config, tx: optax.GradientTransformation) -> dict[str, Any
 
 def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, dict[str, Any]]:
     """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched."""
-    graphdef = split_model(nnx.eval_shape(lambda: build_model(cfg)))[0]
+    graphdef = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)[0]
     return graphdef, jax.eval_shape(lambda: _fresh_state(cfg, tx))
 
 
@@ -77,6 +104,24 @@ def logical_specs(state: Any) -> Any:
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def variable_shardings(tree: Any, mesh: Mesh, rules: Rules) -> Any:
+    """A tree prefix of NamedShardings for a state of nnx Variables, by their logical names.
+
+    A variable holding a quantized weight (a frozen QLoRA base: int4 values and
+    scales of other shapes) gets one sharding per array from
+    `inference.quantize.param_shardings`.
+    """
+    plain = tree_shardings(logical_specs(tree), mesh, rules)
+
+    def one(var, sharding):
+        if isinstance(var, nnx.Variable) and not hasattr(var.get_value(), "shape"):
+            from inference.quantize import param_shardings
+
+            return param_shardings(var, mesh, rules)
+        return sharding
+    return jax.tree.map(one, tree, plain, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules]) -> Any:
     """NamedShardings for every state leaf (a tree prefix of the state).
 
@@ -84,17 +129,21 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules]) -> An
     follow "params", Adam's moments "opt_state" (they differ under ZeRO-1/2).
     """
     shardings = {"step": tree_shardings(None, mesh, rules["params"]),
-                 "params": tree_shardings(logical_specs(abstract["params"]), mesh, rules["params"]),
-                 "buffers": tree_shardings(logical_specs(abstract["buffers"]), mesh, rules["params"]),
+                 "params": variable_shardings(abstract["params"], mesh, rules["params"]),
+                 "buffers": variable_shardings(abstract["buffers"], mesh, rules["params"]),
                  "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"])}
     if "ema" in abstract:
         shardings["ema"] = shardings["params"]
     return shardings
 
 
-def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any) -> dict[str, Any]:
-    """Initializes directly into `shardings`: each device computes only its shards."""
-    return jax.jit(lambda: _fresh_state(cfg, tx), out_shardings=shardings)()
+def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any,
+               base_params: nnx.State | None = None) -> dict[str, Any]:
+    """Initializes directly into `shardings`: each device computes only its shards.
+
+    `base_params`: a trained run's weights to start from (fine-tuning), already placed.
+    """
+    return jax.jit(lambda base: _fresh_state(cfg, tx, base), out_shardings=shardings)(base_params)
 
 
 def param_count(state: dict[str, Any]) -> int:

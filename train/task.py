@@ -94,10 +94,11 @@ def make_task(cfg: Config) -> LMTask | DiffusionTask:
 
 
 def _lm_task(cfg: Config) -> LMTask:
-    if cfg.data.source == "stdlib":
+    if cfg.data.source in ("stdlib", "stdlib_docs"):
         if cfg.model.vocab_size < data_lib.ByteTokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is below the byte tokenizer's 256; set 256")
-        return LMTask(cfg, *data_lib.stdlib_corpus(cfg.data.val_fraction, cfg.data.cache_dir))
+        corpus = data_lib.stdlib_corpus if cfg.data.source == "stdlib" else data_lib.stdlib_docs_corpus
+        return LMTask(cfg, *corpus(cfg.data.val_fraction, cfg.data.cache_dir))
     if cfg.data.source != "tokens":
         raise ConfigError(f"data.source: {cfg.data.source} is image data; a language model reads stdlib or tokens")
     files = {}

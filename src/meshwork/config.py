@@ -155,8 +155,9 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["stdlib", "tokens", "digits", "images"] = "stdlib"
+    source: Literal["stdlib", "stdlib_docs", "tokens", "digits", "images"] = "stdlib"
     """`stdlib`: this Python's own standard-library sources, byte-tokenized.
+    `stdlib_docs`: English prose, the reference-manual topics pydoc ships (pydoc_data), byte-tokenized.
     `tokens`: nanoGPT-style uint16 files `train_path` and `val_path`.
     `digits`: scikit-learn's handwritten digits (for model.kind=unet).
     `images`: the PNG/JPEG files under `image_dir` (subfolders are classes)."""
@@ -258,6 +259,34 @@ class LogConfig(Section):
     progress: bool = True
 
 
+FINETUNE_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class FinetuneConfig(Section):
+    """Parameter-efficient fine-tuning of a trained run (models/lora.py, models/adapters.py)."""
+
+    method: Literal["none", "full", "lora", "qlora", "adapter", "prefix"] = "none"
+    """none: ordinary training; full: train every weight from `base`; lora: low-rank deltas on
+    `targets`, base frozen; qlora: the same over a 4-bit base; adapter: bottleneck MLPs after
+    attention and MLP; prefix: trainable per-layer key/value prefixes."""
+    base: str | None = None
+    """run.dir of the trained run whose latest checkpoint is the starting point."""
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = ["q", "v"]
+    """Projections that get LoRA deltas (q/k/v/o of attention, gate/up/down of the MLP)."""
+    rank: int = pydantic.Field(8, gt=0)
+    """LoRA rank r, adapter bottleneck width."""
+    alpha: float = pydantic.Field(16.0, gt=0)
+    """LoRA scaling: the delta is (alpha / rank) * B A."""
+    dropout: float = pydantic.Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA branch's input during training."""
+    prefix_len: int = pydantic.Field(8, gt=0)
+    """Prefix tuning: key/value positions per layer."""
+    prefix_hidden: int = pydantic.Field(0, ge=0)
+    """Prefix tuning: hidden width of the reparameterization MLP (0: train the prefixes directly)."""
+    group_size: int = pydantic.Field(32, gt=0)
+    """QLoRA: weights per 4-bit quantization group (along the input dimension)."""
+
+
 class Config(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -268,6 +297,7 @@ class Config(Section):
     rules: RulesConfig = RulesConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -294,6 +324,16 @@ class Config(Section):
         if t.pipeline != "none" and self.mesh.stage > 0 and m.n_layers % self.mesh.stage:
             raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
                             f"{self.mesh.stage} equal stages")
+        ft = self.finetune
+        if ft.method != "none" and not ft.base:
+            raise _KeyError("finetune.base", f"finetune.method={ft.method} starts from a trained run; "
+                            "set finetune.base to its run.dir")
+        if ft.method not in ("none", "full") and m.kind != "transformer":
+            raise _KeyError("finetune.method", f"{ft.method} is built for the dense transformer, not "
+                            f"model.kind={m.kind}; use full")
+        if ft.method in ("lora", "qlora", "adapter", "prefix") and t.pipeline != "none":
+            raise _KeyError("finetune.method", f"{ft.method} with train.pipeline={t.pipeline} is not supported; "
+                            "set train.pipeline=none")
         if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
         return self

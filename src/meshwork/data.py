@@ -56,19 +56,42 @@ def stdlib_corpus(val_fraction: float, cache_dir: str | None = None) -> tuple[pa
     named by the Python version and split, and written atomically, so parallel
     runs can share the cache.
     """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+    def documents():
+        for path in stdlib_sources():
+            rel = path.relative_to(root).as_posix()
+            # A file separator the model can learn: the path as a comment header.
+            yield rel, f"# file: {rel}\n".encode() + path.read_bytes() + b"\n"
+    return _cached_corpus("stdlib", documents, val_fraction, cache_dir)
+
+
+def stdlib_docs_corpus(val_fraction: float, cache_dir: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """(train.bin, val.bin) of English prose: the Python reference manual's topics as `pydoc`
+    ships them (pydoc_data.topics, ~0.5 MB), one document per topic.
+
+    The other part of the default corpus, for fine-tuning a model trained on
+    code: documentation text instead of source.
+    """
+    from pydoc_data.topics import topics
+
+    def documents():
+        for name in sorted(topics):
+            yield name, topics[name].encode() + b"\n"
+    return _cached_corpus("stdlib_docs", documents, val_fraction, cache_dir)
+
+
+def _cached_corpus(name: str, documents, val_fraction: float, cache_dir: str | None) -> tuple[pathlib.Path, pathlib.Path]:
+    """Byte-tokenizes (key, bytes) documents into train/val .bin files, split by a hash of the key."""
     base = pathlib.Path(cache_dir or os.environ.get("MESHWORK_CACHE", "~/.cache/meshwork")).expanduser()
-    tag = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-val{val_fraction:g}"
-    out = base / tag
+    out = base / f"{name}-py{sys.version_info.major}.{sys.version_info.minor}-val{val_fraction:g}"
     train, val = out / "train.bin", out / "val.bin"
     if train.exists() and val.exists():
         return train, val
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     parts: dict[str, list[bytes]] = {"train": [], "val": []}
-    for path in stdlib_sources():
-        rel = path.relative_to(root).as_posix()
-        split = "val" if zlib.crc32(rel.encode()) % 10_000 < val_fraction * 10_000 else "train"
-        # A file separator the model can learn: the path as a comment header.
-        parts[split].append(f"# file: {rel}\n".encode() + path.read_bytes() + b"\n")
+    for key, data in documents():
+        split = "val" if zlib.crc32(key.encode()) % 10_000 < val_fraction * 10_000 else "train"
+        parts[split].append(data)
     out.mkdir(parents=True, exist_ok=True)
     for split, dest in (("train", train), ("val", val)):
         tokens = np.frombuffer(b"".join(parts[split]), dtype=np.uint8).astype(TOKEN_DTYPE)
