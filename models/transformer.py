@@ -20,7 +20,7 @@ from models.layers.attention import Attention
 from models.layers.embed import Embed
 from models.layers.mlp import SwiGLU
 from models.layers.norm import RMSNorm
-from models.layers.params import matmul, normal, param
+from models.layers.params import matmul, normal, param, training_key
 from sharding.rules import with_logical_constraint
 
 REMAT_POLICIES = {
@@ -50,23 +50,30 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         if mlp:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)
+        # Bottleneck adapters on the sublayers' outputs (models/adapters.py, set by fine-tuning).
+        self.attn_adapter = nnx.data(None)
+        self.mlp_adapter = nnx.data(None)
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
+        x_BLD = x_BLD + self._adapt(self.attn_adapter, self.attn(self.attn_norm(x_BLD), positions_BL))
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
-        x_BLD = x_BLD + self.feed_forward(self.mlp_norm(x_BLD))
+        x_BLD = x_BLD + self._adapt(self.mlp_adapter, self.feed_forward(self.mlp_norm(x_BLD)))
         return with_logical_constraint(x_BLD, ACT_BLD)
 
     def decode(self, x_BLD: jax.Array, positions_BL: jax.Array, kv) -> tuple[jax.Array, object]:
         """The block over new tokens whose earlier keys/values are in a KV cache (inference):
         (x, the cache with this layer's new keys/values written)."""
         h_BLD, kv = self.attn.cached(self.attn_norm(x_BLD), positions_BL, kv)
-        x_BLD = with_logical_constraint(x_BLD + h_BLD, ACT_BLD)
-        x_BLD = x_BLD + self.feed_forward(self.mlp_norm(x_BLD))
+        x_BLD = with_logical_constraint(x_BLD + self._adapt(self.attn_adapter, h_BLD), ACT_BLD)
+        x_BLD = x_BLD + self._adapt(self.mlp_adapter, self.feed_forward(self.mlp_norm(x_BLD)))
         return with_logical_constraint(x_BLD, ACT_BLD), kv
 
     def feed_forward(self, x_BLD: jax.Array) -> jax.Array:
         return self.mlp(x_BLD)
+
+    @staticmethod
+    def _adapt(adapter: nnx.Module | None, h_BLD: jax.Array) -> jax.Array:
+        return h_BLD if adapter is None else adapter(h_BLD)
 
 
 def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -80,18 +87,24 @@ def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs)
 
 
 def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
-                 positions_BL: jax.Array | None, remat: str) -> jax.Array:
+                 positions_BL: jax.Array | None, remat: str, dropout_key: jax.Array | None = None) -> jax.Array:
     """Runs the blocks whose states are stacked on a leading axis, one after another (lax.scan).
 
     Shared by the model and by pipeline stages, which each run a slice of the stack.
+    `dropout_key` (training only) gives each layer its own key for the dropout of
+    LoRA branches (models/lora.py); None runs them deterministically.
     """
-    def layer(x_BLD, layer_state):
-        return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL), None
+    def layer(x_BLD, xs):
+        layer_state, key = xs
+        with training_key(key):
+            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL), None
 
     if remat != "none":
         # prevent_cse=False: inside scan there is nothing for CSE to undo.
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    keys = jax.random.split(dropout_key, n) if dropout_key is not None else None
+    x_BLD, _ = jax.lax.scan(layer, x_BLD, (stacked, keys))
     return x_BLD
 
 
@@ -151,21 +164,23 @@ class Transformer(nnx.Module):
                                    cfg.n_layers, rngs)
         self.head = LMHead(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
         """positions_BL: the position of each token when the sequence is laid out in another
-        order than 0..L-1 (context parallelism's zigzag); None means 0..L-1."""
+        order than 0..L-1 (context parallelism's zigzag); None means 0..L-1.
+        dropout_key: training randomness for LoRA dropout (models/lora.py); None: none."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
-        x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat)
+        x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat, dropout_key)
         return self.head(x_BLD, self.embed)
 
     def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
               noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The trainer's entry point, shared by all LMs: (logits, auxiliary statistics).
 
-        A dense model has no auxiliary terms; `noise_key` is for routers that use noise.
+        A dense model has no auxiliary terms; `noise_key` (the step's randomness, given
+        in training only) draws the dropout of LoRA branches when there are any.
         """
-        del noise_key
-        return self(tokens_BL, positions_BL), {}
+        return self(tokens_BL, positions_BL, dropout_key=noise_key), {}
 
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""

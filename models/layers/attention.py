@@ -118,11 +118,15 @@ class Attention(nnx.Module):
             self.bk = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
             self.bv = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
         self.qkv_bias, self.rope_theta, self.dtype, self.impl = qkv_bias, rope_theta, dtype, impl
+        self.prefix = nnx.data(None)  # trainable key/value prefixes (models/adapters.py, prefix tuning)
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag)."""
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
-        o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl)
+        if self.prefix is not None:
+            o_BLHK = self.prefix.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL)
+        else:
+            o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl)
         return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype)
 
     def cached(self, x_BLD: jax.Array, positions_BL: jax.Array, kv):
@@ -132,6 +136,9 @@ class Attention(nnx.Module):
         this call's keys and values at their positions and attends the queries
         over every key cached for the sequence so far, causally.
         """
+        if self.prefix is not None:
+            raise NotImplementedError("KV-cache decoding of a prefix-tuned model is not implemented; "
+                                      "generate with the full forward pass (model(tokens)) instead")
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
         o_BLHK, kv = kv.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, impl=self.impl)
         return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), kv

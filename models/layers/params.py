@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,29 +15,63 @@ Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
 
 def param(init: Initializer, key: jax.Array, shape: Sequence[int], dtype: jnp.dtype,
-          names: Sequence[str]) -> nnx.Param:
-    """An nnx.Param whose metadata `out_sharding` holds one logical name per dimension.
+          names: Sequence[str | None], kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
+    """An nnx.Param (or the subclass `kind`, e.g. models/lora.py's LoRAParam) whose metadata
+    `out_sharding` holds one logical name per dimension.
 
     Eager sharding is off per variable: placement is decided once, by the
     trainer, from these names and the rules table (abstract-first init), so a
     model can also be built on one device without any mesh.
     """
     assert len(names) == len(shape), (names, shape)
-    return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(names), eager_sharding=False)
+    return kind(init(key, tuple(shape), dtype), out_sharding=tuple(names), eager_sharding=False)
 
 
 def normal(std: float) -> Initializer:
     return nnx.initializers.normal(std)
 
 
-def matmul(spec: str, x: jax.Array, weight: nnx.Param, dtype: jnp.dtype) -> jax.Array:
+def matmul(spec: str, x: jax.Array, weight: nnx.Param | nnx.Module, dtype: jnp.dtype) -> jax.Array:
     """`einsum(spec, x, weight)` in `dtype`: the one place models read a projection's weight.
 
     A weight may hold a quantized array instead (inference/quantize.py: int8 or
     int4 values with scales); it then does its own product, dequantizing inside
-    the jitted matmul so the weights stay small in memory.
+    the jitted matmul so the weights stay small in memory. It may also be a
+    module wrapping a weight (models/lora.py: a frozen weight plus a trainable
+    low-rank delta), which likewise computes the product itself.
     """
+    if not isinstance(weight, nnx.Variable):
+        return weight.matmul(spec, x, dtype)
     w = weight.get_value()
     if isinstance(w, jax.Array | np.ndarray):
         return jnp.einsum(spec, x, w.astype(dtype))
     return w.matmul(spec, x, dtype)
+
+
+_TRAINING_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("meshwork_training_key",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def training_key(key: jax.Array | None) -> Iterator[None]:
+    """Makes `key` the randomness that weight wrappers read while tracing one layer
+    (models/lora.py's dropout on the LoRA branch); None (the default) means evaluation.
+
+    Set per layer inside the layer scan (models/transformer.py `apply_layers`), so
+    the projections need no key argument.
+
+    >>> with training_key(jax.random.key(0)):
+    ...     current_training_key() is not None
+    True
+    >>> current_training_key() is None
+    True
+    """
+    token = _TRAINING_KEY.set(key)
+    try:
+        yield
+    finally:
+        _TRAINING_KEY.reset(token)
+
+
+def current_training_key() -> jax.Array | None:
+    return _TRAINING_KEY.get()
