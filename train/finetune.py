@@ -37,7 +37,7 @@ def check_base(cfg: Config) -> Config | None:
     if base.finetune.method != "none":
         raise ConfigError(f"finetune.base: {base_dir} is itself a fine-tuning run; start from the run it tuned")
     if base.model != cfg.model:
-        key = next(k for k in cfg.model.model_fields if getattr(base.model, k) != getattr(cfg.model, k))
+        key = next(k for k in type(cfg.model).model_fields if getattr(base.model, k) != getattr(cfg.model, k))
         raise ConfigError(f"model.{key}: the base run {base_dir} has model.{key}={getattr(base.model, key)!r}, "
                           f"not {getattr(cfg.model, key)!r}; fine-tuning keeps the base architecture")
     if Checkpointer(base_dir / "checkpoints", every=1, keep=1, use_async=False).latest_step() is None:

@@ -131,9 +131,10 @@ class Trainer:
 
     def init_state(self) -> dict[str, Any]:
         """A fresh state; a fine-tuning run starts from its base run's trained weights."""
+        # Outside the mesh context, like the trainer's own abstract state (nnx.eval_shape).
+        base = (load_base_params(self.cfg, self.mesh, self.rules_by_role)
+                if self.cfg.finetune.method != "none" else None)
         with self.context():
-            base = (load_base_params(self.cfg, self.mesh, self.rules_by_role)
-                    if self.cfg.finetune.method != "none" else None)
             return init_state(self.cfg, self.tx, self.shardings, base)
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
