@@ -46,6 +46,13 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
         if cfg.model.kind not in ("transformer", "moe"):
             raise ConfigError(f"--checkpoint: {checkpoint} trained a {cfg.model.kind}; `lm` needs a language model")
         tokenizer = ByteTokenizer() if cfg.data.source in ("stdlib", "stdlib_docs") else None
+        if cfg.finetune.method == "prefix":
+            raise ConfigError(f"--checkpoint: {checkpoint} is prefix-tuned; generation with a KV cache does not "
+                              "support prefixes yet (models/adapters.py)")
+        if cfg.finetune.method == "lora":
+            from models.lora import merge_lora
+
+            merge_lora(model)  # W0 + (alpha/r) B A: inference at the base model's cost
         return model, tokenizer, []
     path = pathlib.Path(hf).expanduser()
     if not path.is_dir():

@@ -131,3 +131,19 @@ def test_bad_finetune_configs_exit_2(base, tmp_path, capsys, override, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "new").exists()
+
+
+def test_a_lora_run_generates_merged(tuned, capsys):
+    """`python -m inference lm` on a LoRA run merges the deltas into W0 (the base's cost) and
+    generates what the unmerged model generates."""
+    from inference.cli import main as inference_main
+    from inference.generate import Generator
+    from inference.runs import load_run
+    from inference.sampling import SamplingParams
+
+    run_dir = str(tuned["lora"]["run_dir"])
+    prompt = [int(b) for b in b"The return statement"]
+    unmerged = Generator(load_run(run_dir)[1]).generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=12))
+    assert inference_main(["lm", "--checkpoint", run_dir, "--prompt", "The return statement",
+                           "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == "The return statement" + bytes(unmerged[0]).decode(errors="replace") + "\n"
