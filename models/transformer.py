@@ -87,10 +87,13 @@ def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs)
 
 
 def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
-                 positions_BL: jax.Array | None, remat: str, dropout_key: jax.Array | None = None) -> jax.Array:
+                 positions_BL: jax.Array | None, remat: str, dropout_key: jax.Array | None = None,
+                 unroll: bool = False) -> jax.Array:
     """Runs the blocks whose states are stacked on a leading axis, one after another (lax.scan).
 
     Shared by the model and by pipeline stages, which each run a slice of the stack.
+    `unroll`: emit every layer into the program instead of a loop (longer
+    compiles; lets XLA fuse and schedule across layers, and undoes remat).
     `dropout_key` (training only) gives each layer its own key for the dropout of
     LoRA branches (models/lora.py); None runs them deterministically.
     """
@@ -104,7 +107,7 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     n = jax.tree.leaves(stacked)[0].shape[0]
     keys = jax.random.split(dropout_key, n) if dropout_key is not None else None
-    x_BLD, _ = jax.lax.scan(layer, x_BLD, (stacked, keys))
+    x_BLD, _ = jax.lax.scan(layer, x_BLD, (stacked, keys), unroll=n if unroll else 1)
     return x_BLD
 
 
@@ -153,10 +156,10 @@ class Transformer(nnx.Module):
     """tokens (B, L) int -> logits (B, L, V) float32."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
-                 remat: str = "none", rngs: nnx.Rngs):
+                 remat: str = "none", scan_layers: bool = True, rngs: nnx.Rngs):
         if remat not in ("none", *REMAT_POLICIES):
             raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
-        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+        self.cfg, self.dtype, self.remat, self.scan_layers = cfg, dtype, remat, scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype,
                            param_dtype=param_dtype, rngs=rngs)
 
@@ -170,7 +173,8 @@ class Transformer(nnx.Module):
         order than 0..L-1 (context parallelism's zigzag); None means 0..L-1.
         dropout_key: training randomness for LoRA dropout (models/lora.py); None: none."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
-        x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat, dropout_key)
+        x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat, dropout_key,
+                             unroll=not self.scan_layers)
         return self.head(x_BLD, self.embed)
 
     def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,

@@ -58,7 +58,7 @@ def _build_base_model(cfg: Config, seed: int | None) -> nnx.Module:
         from models.unet import UNet
 
         return UNet(cfg.model.unet, attention=cfg.model.attention, **kw)
-    return Transformer(cfg.model, **kw)
+    return Transformer(cfg.model, scan_layers=cfg.train.scan_layers, **kw)
 
 
 def split_model(model: nnx.Module, cfg: Config | None = None) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:

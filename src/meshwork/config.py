@@ -202,6 +202,9 @@ class TrainConfig(Section):
     """Pipeline schedule over mesh.stage > 1 stages, with `microbatches` microbatches."""
     remat: Literal["none", "full", "dots_saveable"] = "none"
     """What the scanned layers keep for the backward pass (jax.checkpoint policy)."""
+    scan_layers: bool = True
+    """Run the dense transformer's layers as one lax.scan loop (one compiled block); false
+    unrolls them (compile time grows with depth; XLA may fuse across layers)."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
 
