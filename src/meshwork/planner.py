@@ -1,0 +1,419 @@
+"""The parallelism planner: memory, communication, step time and MFU of a
+layout on N accelerators, and a search for the fastest layout that fits.
+
+Pure arithmetic on the config and a hardware data sheet
+(`meshwork.hardware`): no devices, nothing compiled. The parts:
+
+- `planner_memory`: the layout (mesh sizes + rules preset, as in a config),
+  per-device bytes of parameters, gradients, optimizer state, activations.
+- `planner_comm`: each collective of a step (count, bytes) and its time under
+  ring, tree or hierarchical algorithms.
+- here: FLOPs, step time, MFU, `plan`, `search`, and writing a layout back
+  as a config `python -m train` runs.
+
+Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
+
+    compute    = (model FLOPs + remat recompute) / devices / (peak x efficiency)
+    critical   = compute + exposed activation collectives (tp, sp, ep, pipeline)
+    bubble     = critical x (P-1)/M            GPipe: idle fraction (P-1)/(M+P-1)
+    hidden     = min(overlap x gradient/weight collectives, compute)
+    step       = critical + bubble + (gradient/weight collectives - hidden) + optimizer
+    MFU        = model FLOPs / (step x peak x devices)
+
+Model FLOPs are `meshwork.flops.train_flops_per_token` (6N + the PaLM
+attention term); remat "full" recomputes the layers' forward pass (+1/3 of
+their 6N), and a meshwork pipeline recomputes each stage's forward inside its
+backward. The optimizer update is memory-bound: it reads and writes the
+state once (bytes / HBM bandwidth).
+
+    >>> from meshwork.config import Config
+    >>> from meshwork.hardware import get_hardware
+    >>> p = plan(Config(), make_layout(data=8), get_hardware("h100"))
+    >>> p.fits, 0 < p.mfu < 1
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import yaml
+
+from meshwork.config import Config, ConfigError, validate
+from meshwork.flops import train_flops_per_token
+from meshwork.hardware import Accelerator
+from meshwork.planner_comm import (Collective, CommOptions, collective_time, placement, step_collectives,
+                                   summarize)
+from meshwork.planner_memory import (REMATS, Layout, StateBytes, activation_memory,
+                                     grad_accumulator_bytes, gathered_weight_bytes, indivisible, layout_from_config,
+                                     make_layout, model_weights, shard_size, state_memory)
+from sharding.mesh import MESH_AXES
+
+__all__ = ["Plan", "PlanOptions", "Layout", "make_layout", "layout_from_config", "layout_problem", "plan", "search",
+           "explain", "format_plan", "step_flops", "compiled_step_flops", "config_for", "write_config"]
+
+GB = 1e9
+# AdamW + global-norm clipping, per parameter element, as XLA:CPU's cost_analysis counts
+# them (measured on lm_tiny: the step's FLOPs minus 1.03 x the model's, over the parameters).
+OPTIMIZER_FLOPS_PER_PARAM = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The assumptions of a plan: change them with the CLI's flags."""
+
+    efficiency: float = 0.6
+    """Fraction of peak FLOP/s the matmuls reach (0.4-0.7 is typical of large runs)."""
+    overlap: float = 0.5
+    """Fraction of gradient and weight collectives that run under compute."""
+    algorithm: str = "auto"
+    """ring, tree, hierarchical, or auto (the fastest of the three per collective)."""
+    memory_fraction: float = 0.9
+    """Share of HBM usable for the train state and activations (the rest: runtime, fragmentation)."""
+    accounting: str = "meshwork"
+    """meshwork (state in train.param_dtype) or mixed (ZeRO's 2 + 2 + 12 bytes per parameter)."""
+    comm: CommOptions = CommOptions()
+
+    def state_bytes(self, cfg: Config) -> StateBytes:
+        from meshwork.planner_memory import MIXED_PRECISION_ADAM
+
+        if self.accounting not in ("meshwork", "mixed"):
+            raise ConfigError(f"accounting={self.accounting!r}; choose meshwork or mixed")
+        return StateBytes.meshwork(cfg) if self.accounting == "meshwork" else MIXED_PRECISION_ADAM
+
+
+@dataclasses.dataclass
+class Plan:
+    """One layout's predicted memory, collectives, time split and MFU."""
+
+    layout: Layout
+    hardware: Accelerator
+    devices_per_node: int
+    memory: dict[str, float]
+    collectives: list[tuple[Collective, float, str]]   # (collective, seconds per step, algorithm)
+    times: dict[str, float]
+    flops: dict[str, float]
+    step_time: float
+    mfu: float
+    tokens_per_s: float
+    fits: bool
+    hbm_usable: float
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Collectives per kind, in `sharding/report.py`'s format."""
+        return summarize([c for c, _, _ in self.collectives])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": {"mesh": self.layout.sizes, "preset": self.layout.preset,
+                           "microbatches": self.layout.microbatches, "pipeline": self.layout.pipeline,
+                           "remat": self.layout.remat},
+                "hardware": self.hardware.name, "memory": self.memory, "hbm_usable": self.hbm_usable,
+                "fits": self.fits, "collectives": self.summary(),
+                "collective_list": [{"kind": c.kind, "axes": list(c.axes), "group": c.group, "count": c.count,
+                                     "payload_bytes": c.payload_bytes, "bytes": c.sent_bytes, "what": c.what,
+                                     "time_s": t, "algorithm": a} for c, t, a in self.collectives],
+                "times": self.times, "flops": self.flops, "step_time_s": self.step_time, "mfu": self.mfu,
+                "tokens_per_s": self.tokens_per_s}
+
+
+# ---------------------------------------------------------------------------
+# FLOPs
+
+
+def _layer_flops_per_token(cfg: Config) -> float:
+    """The layers' share of train_flops_per_token: everything but the LM head's 6 V D."""
+    m = cfg.model
+    return train_flops_per_token(m, cfg.data.seq_len) - 6 * m.vocab_size * m.d_model
+
+
+def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
+    """FLOPs of one step, all devices together: `model` (useful work, MFU's
+    numerator), `recompute` (remat, pipeline), `padding` (MoE capacity slots),
+    and `per_device` (their sum over the devices).
+
+    >>> from meshwork.config import Config
+    >>> f = step_flops(Config(), make_layout(data=8, remat="full"))
+    >>> f["recompute"] > 0 and f["per_device"] * 8 == f["model"] + f["recompute"] + f["padding"]
+    True
+    """
+    m, tokens = cfg.model, cfg.train.global_batch * cfg.data.seq_len
+    model = train_flops_per_token(m, cfg.data.seq_len) * tokens
+    forwards = (layout.remat == "full") + (layout.pipeline != "none")
+    recompute = forwards * _layer_flops_per_token(cfg) / 3 * tokens
+    padding = 0.0
+    if m.kind == "moe" and m.moe.capacity_factor and m.moe.capacity_factor > 1:
+        e = m.moe
+        padding = (e.capacity_factor - 1) * 6 * e.top_k * 3 * m.d_model * e.d_expert * \
+            (m.n_layers - e.first_dense_layers) * tokens
+    return {"model": model, "recompute": recompute, "padding": padding,
+            "per_device": (model + recompute + padding) / layout.devices}
+
+
+def compiled_step_flops(cfg: Config, layout: Layout) -> float:
+    """What XLA's `cost_analysis()` should report per device for the step:
+    the scanned layer body counted once (as cost_analysis counts a while
+    body; likewise one microbatch of gradient accumulation), plus the
+    optimizer's elementwise work on this device's parameters. Elementwise
+    work inside the layers (norms, softmax, SwiGLU) is left out: about 3.5%
+    more on lm_tiny. Pipelines (nested loops) and MoE (XLA counts the padded
+    dispatch buffers) are not comparable this way.
+
+    >>> from meshwork.config import Config
+    >>> compiled_step_flops(Config(), make_layout(data=8)) < step_flops(Config(), make_layout(data=8))["per_device"]
+    True
+    """
+    one = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_layers": 1})})
+    f = step_flops(one, layout)["per_device"]
+    if layout.pipeline == "none":
+        f /= layout.microbatches  # the accumulation loop's body, one microbatch, is counted once too
+    local_params = sum(shard_size(w, layout, "opt_state") for w in model_weights(cfg.model))
+    return f + OPTIMIZER_FLOPS_PER_PARAM * local_params
+
+
+# ---------------------------------------------------------------------------
+# One plan
+
+
+def memory(cfg: Config, layout: Layout, accounting: StateBytes | None = None) -> dict[str, float]:
+    """Per-device bytes by kind (state, gradient accumulator, activations,
+    logits, gathered weights) and their "total"."""
+    mem = dict(state_memory(cfg, layout, accounting))
+    del mem["total"]
+    mem["grad_accumulator"] = grad_accumulator_bytes(cfg, layout)
+    mem.update(activation_memory(cfg, layout))
+    mem["gathered_weights"] = gathered_weight_bytes(cfg, layout, accounting)
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | None = None,
+         options: PlanOptions = PlanOptions()) -> Plan:
+    """Memory, collectives, time and MFU of `cfg` trained under `layout` on `hw`.
+
+    `devices_per_node` defaults to the hardware's (capped at the device count).
+    """
+    dpn = min(devices_per_node or hw.devices_per_node, layout.devices)
+    acc = options.state_bytes(cfg)
+    mem = memory(cfg, layout, acc)
+    usable = hw.hbm_bytes * options.memory_fraction
+
+    dtype = "bf16" if cfg.train.compute_dtype == "bfloat16" else "fp32"
+    peak = hw.flops(dtype)
+    flops = step_flops(cfg, layout)
+    compute = (flops["model"] + flops["padding"]) / layout.devices / (peak * options.efficiency)
+    recompute = flops["recompute"] / layout.devices / (peak * options.efficiency)
+    if layout.remat == "dots_saveable":
+        # Recomputing norms, softmax and activations is memory-bound: read the saved
+        # tensors and write what was not kept once more.
+        unsaved = activation_memory(cfg, dataclasses.replace(layout, remat="none"))["layers"] - mem["layers"]
+        recompute += 2 * unsaved / hw.hbm_bandwidth
+
+    timed = [(c, *collective_time(c, layout, hw, dpn, options.algorithm))
+             for c in step_collectives(cfg, layout, options.comm, acc)]
+    critical_comm = sum(t for c, t, _ in timed if not c.overlappable)
+    background = sum(t for c, t, _ in timed if c.overlappable)
+    work = compute + recompute + critical_comm
+    P, M = layout.sizes["stage"], layout.microbatches
+    bubble = work * (P - 1) / M if P > 1 else 0.0
+    hidden = min(options.overlap * background, compute + recompute)
+    state = mem["params"] + mem["grads"] + mem["opt_state"]
+    optimizer = 2 * state / hw.hbm_bandwidth
+    step = work + bubble + background - hidden + optimizer
+    times = {"compute": compute, "recompute": recompute, "activation_comm": critical_comm,
+             "bubble": bubble, "grad_weight_comm": background, "hidden_comm": hidden,
+             "exposed_grad_weight_comm": background - hidden, "optimizer": optimizer, "step": step}
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    return Plan(layout, hw, dpn, mem, timed, times, flops, step, flops["model"] / (step * peak * layout.devices),
+                tokens / step, mem["total"] <= usable, usable)
+
+
+# ---------------------------------------------------------------------------
+# Search
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, k: int):
+    """Ordered k-tuples of positive integers whose product is n."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorizations(n // d, k - 1):
+            yield (d, *rest)
+
+
+def layout_problem(cfg: Config, layout: Layout) -> str | None:
+    """Why meshwork cannot run `layout` for `cfg` (a sentence), or None."""
+    m, s = cfg.model, layout.sizes
+    if s["stage"] > 1 and (m.kind != "transformer" or m.n_layers % s["stage"]):
+        return "pipelines need a dense transformer whose layers divide into equal stages"
+    if s["sequence"] > 1 and (cfg.data.seq_len % (2 * s["sequence"]) or layout.pipeline != "none"):
+        return "context parallelism needs seq_len divisible by 2 x sequence and no pipeline"
+    if s["expert"] > 1 and (m.kind != "moe" or m.moe.n_experts % s["expert"]):
+        return "expert parallelism needs experts divisible by the expert axis"
+    heads = layout.ways("heads")
+    if m.n_heads % heads or m.n_kv_heads % layout.ways("kv_heads"):
+        return f"{m.n_heads} heads / {m.n_kv_heads} kv heads do not split {heads} ways"
+    batch = layout.ways("act_batch") * layout.microbatches
+    if cfg.train.global_batch % batch:
+        return f"global batch {cfg.train.global_batch} does not split into {batch} (batch shards x microbatches)"
+    bad = indivisible(model_weights(m), layout)
+    return f"{bad} does not divide evenly" if bad else None
+
+
+def candidate_layouts(cfg: Config, n_devices: int, devices_per_node: int):
+    """Every layout worth planning on `n_devices`: mesh factorizations (tensor
+    within a node), ZeRO stage, sequence parallelism, remat, microbatches."""
+    m = cfg.model
+    for stage, data, fsdp, expert, sequence, tensor in _factorizations(n_devices, len(MESH_AXES)):
+        if tensor > devices_per_node or (expert > 1 and m.kind != "moe"):
+            continue
+        if stage > 1 and m.kind != "transformer":
+            continue
+        zeros = (3,) if fsdp > 1 else ((0, 1, 2) if data > 1 else (0,))
+        for zero, sp, remat in itertools.product(zeros, (False, True) if tensor > 1 else (False,), REMATS):
+            base = dict(stage=stage, data=data, fsdp=fsdp, expert=expert, sequence=sequence, tensor=tensor,
+                        zero=zero, sequence_parallel=sp, remat=remat)
+            per_shard = cfg.train.global_batch // max(1, data * fsdp * (expert if expert > 1 else 1))
+            mbs = [mb for mb in _divisors(per_shard) if mb <= 64]
+            if stage > 1:
+                mbs = [mb for mb in mbs if mb >= stage][:4]
+            yield base, mbs
+
+
+def search(cfg: Config, hw: Accelerator, n_devices: int, devices_per_node: int | None = None,
+           options: PlanOptions = PlanOptions()) -> tuple[list[Plan], dict[str, int]]:
+    """All layouts that fit in HBM, fastest first, and counts of what was considered.
+
+    Without a pipeline more microbatches never make a step faster here (the
+    same FLOPs, as many or more collectives), so each layout keeps only the
+    fewest microbatches that fit; under a pipeline each of up to four
+    microbatch counts >= stages is planned (more shrink the bubble).
+    """
+    dpn = min(devices_per_node or hw.devices_per_node, n_devices)
+    accounting, usable = options.state_bytes(cfg), hw.hbm_bytes * options.memory_fraction
+    fitting: list[Plan] = []
+    stats = {"considered": 0, "invalid": 0, "too_big": 0}
+    for base, mbs in candidate_layouts(cfg, n_devices, dpn):
+        for mb in mbs:
+            layout = make_layout(**base, microbatches=mb)
+            stats["considered"] += 1
+            if layout_problem(cfg, layout):
+                stats["invalid"] += 1
+                continue
+            if memory(cfg, layout, accounting)["total"] > usable:
+                stats["too_big"] += 1
+                continue
+            fitting.append(plan(cfg, layout, hw, dpn, options))
+            if base["stage"] == 1:
+                break
+    # Ties (to 0.1%) go to less recomputation, fewer microbatches, less tensor parallelism.
+    fitting.sort(key=lambda p: (round(p.step_time, 3 - int(math.floor(math.log10(p.step_time)))),
+                                REMATS.index(p.layout.remat), p.layout.microbatches, p.layout.sizes["tensor"]))
+    stats["fit"] = len(fitting)
+    return fitting, stats
+
+
+_PARTS = {"compute": "compute", "recompute": "remat/pipeline recompute",
+          "activation_comm": "tp/sp/ep/pipeline communication", "bubble": "pipeline bubble",
+          "exposed_grad_weight_comm": "exposed gradient/weight communication", "optimizer": "optimizer update"}
+
+
+def explain(best: Plan, others: list[Plan]) -> list[str]:
+    """Sentences on why `best` wins: its time split against the runner-up's (and
+    the fastest layout with a different mesh, when the runner-up shares it)."""
+    lines = [f"best: {best.layout.describe()}: {_secs(best.step_time)}/step, MFU {best.mfu:.1%}, "
+             f"{_fmt_bytes(best.memory['total'])} of {_fmt_bytes(best.hbm_usable)} usable"]
+    rivals = others[:1]
+    other_mesh = next((o for o in others if o.layout.mesh != best.layout.mesh), None)
+    if other_mesh is not None and other_mesh not in rivals:
+        rivals.append(other_mesh)
+    for rival in rivals:
+        slower = rival.step_time / best.step_time - 1
+        if slower < 1e-3:
+            lines.append(f"ties (within 0.1%) with {rival.layout.describe()} ({_secs(rival.step_time)}); "
+                         "ties rank less recomputation, fewer microbatches, less tensor parallelism first")
+            continue
+        eps = 1e-3 * best.step_time
+        diffs = sorted(((rival.times[k] - best.times[k], k) for k in _PARTS), reverse=True)
+        part = lambda k: f"{_PARTS[k]} {_secs(best.times[k])} vs {_secs(rival.times[k])}"  # noqa: E731
+        gains = [part(k) for d, k in diffs if d > eps][:3]
+        losses = [part(k) for d, k in diffs if d < -eps][-2:]
+        line = (f"vs {rival.layout.describe()} ({_secs(rival.step_time)}, {slower:+.1%}): "
+                + (f"saves on {'; '.join(gains)}" if gains else "small savings everywhere"))
+        if losses:
+            line += f"; pays more for {'; '.join(losses)}"
+        lines.append(line)
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Output
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / GB:,.2f} GB" if b >= 0.01 * GB else f"{b / 2**20:,.2f} MiB"
+
+
+def _nodes(nodes: int, per_node: int) -> str:
+    return f"{nodes} node{'s' if nodes > 1 else ''} of {per_node}"
+
+
+def _secs(t: float) -> str:
+    if t == 0:
+        return "0 s"
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} us"
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as text: memory by kind, collectives, time split, MFU."""
+    lay = p.layout
+    nodes = math.ceil(lay.devices / p.devices_per_node)
+    lines = [f"layout: {lay.describe()} on {lay.devices} x {p.hardware.name} ({_nodes(nodes, p.devices_per_node)})",
+             "memory per device:"]
+    for k, v in p.memory.items():
+        if k != "total" and v:
+            lines.append(f"  {k:<18} {_fmt_bytes(v):>12}")
+    lines.append(f"  {'total':<18} {_fmt_bytes(p.memory['total']):>12}  of {_fmt_bytes(p.hbm_usable)} usable: "
+                 + ("fits" if p.fits else "DOES NOT FIT"))
+    lines.append("collectives per step (per device; bytes sent under ring algorithms):")
+    for c, t, algo in sorted(p.collectives, key=lambda x: -x[1]):
+        n_intra, n_nodes = placement(c.axes, lay.mesh, p.devices_per_node)
+        where = f"{'x'.join(c.axes)}={c.group}" + (f" over {n_nodes} nodes" if n_nodes > 1 else "")
+        lines.append(f"  {c.kind:<18} {where:<24} {c.count:>6g} x {_fmt_bytes(c.payload_bytes):>11}  "
+                     f"sent {_fmt_bytes(c.sent_bytes):>11}  {_secs(t):>9} {algo:<12} {c.what}")
+    t = p.times
+    names = {**_PARTS, "grad_weight_comm": "gradient/weight communication"}
+    lines.append("time per step: " + ", ".join(f"{names[k]} {_secs(t[k])}" for k in (
+        "compute", "recompute", "activation_comm", "bubble", "grad_weight_comm") if t[k])
+        + f" (of which hidden under compute {_secs(t['hidden_comm'])}), optimizer {_secs(t['optimizer'])}")
+    lines.append(f"step {_secs(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
+                 f"(model {p.flops['model']:.3e} FLOPs/step)")
+    return "\n".join(lines)
+
+
+def config_for(cfg: Config, layout: Layout) -> Config:
+    """`cfg` with its mesh, rules preset and train schedule set to `layout`."""
+    raw = cfg.to_dict()
+    raw["mesh"] = dict(layout.sizes)
+    raw["rules"] = {**raw["rules"], "preset": layout.preset}
+    raw["train"] = {**raw["train"], "microbatches": layout.microbatches, "pipeline": layout.pipeline,
+                    "remat": layout.remat}
+    return validate(raw, "planned layout")
+
+
+def write_config(cfg: Config, layout: Layout, path: str, header: list[str] = ()) -> Config:
+    """Writes `config_for(cfg, layout)` as YAML (`python -m train --config path` runs it)."""
+    import pathlib
+
+    out = config_for(cfg, layout)
+    text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(out.to_dict(), sort_keys=False)
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(text)
+    return out

@@ -1,0 +1,296 @@
+"""Planner, part 2: the collectives of one train step, and what they cost.
+
+`step_collectives` lists what a meshwork train step sends, per device, in the
+convention of `sharding/report.py` (so the two can be compared line by
+line): kinds are all-reduce, all-gather, reduce-scatter, all-to-all and
+collective-permute (send/recv); `payload_bytes` is the per-device buffer S
+(the output of an all-gather, the input otherwise) and `sent_bytes` what one
+device sends under ring algorithms, per step:
+
+    all-reduce 2(g-1)/g S    all-gather, reduce-scatter, all-to-all (g-1)/g S
+    collective-permute S
+
+Where each comes from (g: the devices of the mesh axes involved):
+
+- gradients (`grad sync`): a weight's gradient is summed over the axes that
+  feed it different tokens (`planner_memory.token_axes`). Over the axes that
+  split it (fsdp) or its gradient or moments (zero1, zero2) it is
+  reduce-scattered, over the rest all-reduced (on the 1/s shard: hybrid);
+  zero1/zero2 then all-gather the updated parameters. meshwork's gradient
+  accumulation reduces every microbatch's gradients (measured: the
+  collectives sit inside the accumulation loop; its pipeline executor even
+  inside the loop over schedule time steps); `grad_sync="per_step"` models
+  frameworks that reduce once.
+- weights (`fsdp gather`): weights split over token axes are all-gathered
+  before use, twice per scanned layer (forward, and again in the backward:
+  inside a scan the saved residual is the sharded weight), once for the
+  embedding and LM head.
+- tensor parallelism (Megatron, Shoeybi et al. 2019): per layer one
+  all-reduce of the (b, s, h) activation after attention and after the MLP in
+  the forward pass, and one per column-parallel input in the backward: 2 with
+  Megatron's fused QKV and fc1 matmuls (`fused_projections`), 3 + 2 with
+  meshwork's separate q, k, v and gate, up projections (as XLA compiles them).
+  Sequence parallelism (Korthikanti et al. 2022) turns them into 2
+  all-gathers + 2 reduce-scatters forward, and backward one reduce-scatter
+  per input gradient plus 4 all-gathers (saved sharded inputs, output
+  gradients). The vocab-parallel embedding and logits add two all-reduces.
+- context parallelism (ring attention): per layer the key and value blocks go
+  round the ring, 2(c-1) permutes forward and 4(c-1) + 2 backward.
+- expert parallelism: per MoE layer an all-to-all to dispatch and one to
+  combine, forward and backward; meshwork's dropless dispatch pads each
+  destination's buffer to the no-drop worst case (N x T k rows).
+- pipeline: meshwork's executor permutes an activation forward and a
+  cotangent backward at each of its 2(M + P - 1) time steps.
+
+Times follow the textbook algorithm costs (Thakur et al. 2005; Patarasuk &
+Yuan 2009; NCCL's trees), with the group's placement on nodes decided by the
+mesh order (`tensor` innermost, so on neighbouring devices):
+
+    ring          all-reduce 2(n-1)/n S/B + 2(n-1) a;  AG, RS, A2A (n-1)/n S/B + (n-1) a
+    tree          all-reduce 2 S/B + 2 log2(n) a;      AG, RS S/B + log2(n) a
+    hierarchical  inside each node over n_i (intra B, a), across n_o nodes on S/n_i
+                  (inter B, a), e.g. all-reduce 2(n_i-1)/n_i S/B_i + 2(n_o-1)/n_o S/(n_i B_o) + ...
+
+A ring that leaves the node runs at the inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from meshwork.config import Config
+from meshwork.hardware import Accelerator
+from meshwork.planner_memory import (ITEMSIZE, Layout, StateBytes, model_weights, shard_size, token_axes,
+                                     token_shape)
+from sharding.mesh import MESH_AXES
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+ALGORITHMS = ("ring", "tree", "hierarchical")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """`count` executions per step of one collective over mesh `axes` (`group`
+    devices), each with per-device buffer `payload_bytes` (hlo.py's S)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    payload_bytes: float
+    count: float
+    what: str
+    overlappable: bool = True
+    """Can run while other work computes (gradients, weight gathers, ring
+    attention); activations of tp/sp/ep and pipeline sends are on the critical path."""
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends per step under ring algorithms (sharding/hlo.py's convention)."""
+        return self.count * ring_sent(self.kind, self.group, self.payload_bytes)
+
+
+def ring_sent(kind: str, g: int, payload: float) -> float:
+    """Bytes one device sends in one ring collective over g devices of buffer `payload`."""
+    if kind == "collective-permute":
+        return payload
+    if g <= 1:
+        return 0.0
+    return (2.0 if kind == "all-reduce" else 1.0) * (g - 1) / g * payload
+
+
+@dataclasses.dataclass(frozen=True)
+class CommOptions:
+    fused_projections: bool = False
+    """Megatron's fused QKV and fc1 matmuls: one backward all-reduce per block
+    (2 per layer) instead of one per projection (q, k, v, gate, up: 5)."""
+    grad_sync: str = "per_microbatch"
+    """"per_microbatch": gradients reduced inside meshwork's accumulation loop;
+    "per_step": once per step after local accumulation (DeepSpeed, Megatron)."""
+
+
+def step_collectives(cfg: Config, layout: Layout, options: CommOptions = CommOptions(),
+                     accounting: StateBytes | None = None) -> list[Collective]:
+    """Every collective of one train step of `cfg` under `layout`, per device.
+
+    >>> from meshwork.planner_memory import make_layout
+    >>> cs = step_collectives(Config(), make_layout(data=8))
+    >>> sorted({c.kind for c in cs})
+    ['all-reduce']
+    """
+    acc = accounting or StateBytes.meshwork(cfg)
+    out: dict[tuple, list] = {}
+
+    def add(kind, axes, payload, count, what, overlappable=True):
+        axes = tuple(a for a in MESH_AXES if a in axes)
+        group = math.prod(layout.sizes[a] for a in axes)
+        if group <= 1 and kind != "collective-permute" or count == 0 or payload == 0:
+            return
+        key = (kind, axes, what, overlappable, count)
+        out.setdefault(key, [0.0])[0] += payload
+
+    _weight_collectives(cfg, layout, options, acc, add)
+    _activation_collectives(cfg, layout, options, add)
+    return [Collective(kind, axes, math.prod(layout.sizes[a] for a in axes), payload[0], count, what, ovl)
+            for (kind, axes, what, ovl, count), payload in out.items()]
+
+
+def _weight_collectives(cfg, layout, options, acc, add) -> None:
+    M, stages = layout.microbatches, layout.sizes["stage"]
+    reps = M if options.grad_sync == "per_microbatch" else 1
+    sizes = layout.sizes
+    for w in model_weights(cfg.model):
+        P = layout.weight_axes(w, "params")
+        G = layout.weight_axes(w, "grads")
+        O = layout.weight_axes(w, "opt_state")
+        R = token_axes(w, layout)
+        gather = [a for a in R if a in P]
+        shard = shard_size(w, layout, "params")
+        used = shard * math.prod(sizes[a] for a in gather)     # elements of the weight as a device uses it
+        # One collective per layer for scanned weights (XLA reduces a layer's gradients together).
+        layers = w.shape[0] // math.prod(sizes[a] for a in layout.split("layers")) if w.scanned else 1
+        stack = w.path.split(".")[0] if w.scanned else "rest"
+        per = 1 / layers
+        if gather:
+            add("all-gather", gather, used * acc.param * per, layers * (2 if w.scanned else 1) * M,
+                f"fsdp gather ({stack})")
+        scatter = [a for a in R if a in P or a in G or a in O]
+        rest = [a for a in R if a not in scatter]
+        grad = used * acc.grad * per
+        if layout.pipeline != "none" and options.grad_sync == "per_microbatch":
+            # Measured: the pipeline executor reduces gradients inside its loop over the
+            # 2(M+P-1) time steps, the stages' layers twice per step, the head once.
+            reps = 2 * (M + stages - 1) * (2 if w.scanned else 1)
+        if scatter:
+            add("reduce-scatter", scatter, grad, layers * reps, f"grad sync ({stack})")
+            grad /= math.prod(sizes[a] for a in scatter)
+        if rest:
+            add("all-reduce", rest, grad, layers * reps, f"grad sync ({stack})")
+        regather = [a for a in R if (a in G or a in O) and a not in P]
+        if regather:  # ZeRO-1/2: every device rebuilds the parameters from the updated shards
+            add("all-gather", regather, shard * acc.param, 1, "zero param gather")
+
+
+def _activation_collectives(cfg, layout, options, add) -> None:
+    m, p = cfg.model, ITEMSIZE[cfg.train.compute_dtype]
+    ts = token_shape(cfg, layout)
+    M, P = layout.microbatches, layout.sizes["stage"]
+    act = ts.tokens * m.d_model * p                      # one (b, s, h) activation, full hidden
+    layers = m.n_layers // P
+    n_moe = (m.n_layers - m.moe.first_dense_layers) if m.kind == "moe" else 0
+    moe_layers = n_moe // P if P > 1 else n_moe
+
+    tp = layout.split("act_heads")
+    if tp:
+        sp = set(layout.split("act_norm_seq")) & set(tp)
+        n_in = 2 if options.fused_projections else 5    # backward input-gradient reductions per layer
+        if sp:
+            add("all-gather", tp, act, 2 * layers * M, "tp/sp layers forward", False)
+            add("reduce-scatter", tp, act, 2 * layers * M, "tp/sp layers forward", False)
+            add("all-gather", tp, act, 4 * layers * M, "tp/sp layers backward", False)
+            add("reduce-scatter", tp, act, n_in * layers * M, "tp/sp layers backward", False)
+        else:
+            add("all-reduce", tp, act, 2 * layers * M, "tp layers forward", False)
+            add("all-reduce", tp, act, n_in * layers * M, "tp layers backward", False)
+    vocab = layout.split("act_vocab")
+    if vocab:  # vocab-parallel embedding (forward) and logits (input gradient, backward)
+        add("all-reduce", vocab, act, 2 * M, "vocab-parallel embedding and logits", False)
+        add("all-reduce", vocab, ts.tokens * 4, 3 * M, "vocab-parallel cross-entropy", False)
+
+    cp = layout.split("act_seq")
+    if cp:
+        c = layout.ways("act_seq")
+        kv_block = ts.tokens * m.n_kv_heads * m.resolved_head_dim / ts.t_kv * p
+        add("collective-permute", cp, kv_block, (6 * (c - 1) + 2) * layers * M, "ring attention k/v")
+
+    ep = layout.split("expert")
+    if ep and n_moe:
+        N, e = layout.ways("expert"), m.moe
+        if e.capacity_factor:
+            C = math.ceil(e.capacity_factor * ts.s * e.top_k / e.n_experts)
+            buf = e.n_experts * C * ts.b * m.d_model * p
+        else:
+            buf = N * ts.tokens * e.top_k * m.d_model * p
+        add("all-to-all", ep, buf, 4 * moe_layers * M, "expert dispatch/combine", False)
+
+    if P > 1:
+        steps = 2 * (M + P - 1)
+        add("collective-permute", ("stage",), act / ts.t_norm, 2 * steps, "pipeline sends", False)
+
+
+def summarize(collectives: list[Collective]) -> dict[str, dict[str, float]]:
+    """{kind: {"count", "bytes", "payload_bytes"}} per step, as `sharding.report.collective_summary`."""
+    out = {k: {"count": 0.0, "bytes": 0.0, "payload_bytes": 0.0} for k in KINDS}
+    for c in collectives:
+        out[c.kind]["count"] += c.count
+        out[c.kind]["bytes"] += c.sent_bytes
+        out[c.kind]["payload_bytes"] += c.payload_bytes * c.count
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Time
+
+
+@functools.lru_cache(maxsize=4096)
+def placement(axes: tuple[str, ...], mesh: tuple[tuple[str, int], ...], devices_per_node: int) -> tuple[int, int]:
+    """(devices per node, nodes) of a group over mesh `axes`, devices numbered
+    row-major over the mesh (the last axis, `tensor`, fastest).
+
+    >>> mesh = (("stage", 1), ("data", 8), ("fsdp", 1), ("expert", 1), ("sequence", 1), ("tensor", 8))
+    >>> placement(("tensor",), mesh, 8), placement(("data",), mesh, 8)
+    ((8, 1), (1, 8))
+    """
+    sizes = dict(mesh)
+    strides, s = {}, 1
+    for a in reversed(MESH_AXES):
+        strides[a] = s
+        s *= sizes[a]
+    members = [0]
+    for a in axes:
+        members = [m + i * strides[a] for m in members for i in range(sizes[a])]
+    nodes = len({m // devices_per_node for m in members})
+    return len(members) // nodes, nodes
+
+
+def algorithm_time(kind: str, S: float, n_intra: int, n_nodes: int, hw: Accelerator, algorithm: str) -> float:
+    """Seconds for one collective of per-device buffer S over n_intra x n_nodes devices."""
+    n = n_intra * n_nodes
+    if n <= 1 and kind != "collective-permute":
+        return 0.0
+    across = n_nodes > 1
+    bw = hw.inter_node_bandwidth if across else hw.intra_node_bandwidth
+    lat = hw.inter_node_latency if across else hw.intra_node_latency
+    if kind == "collective-permute":
+        return S / bw + lat
+    if algorithm == "hierarchical" and across and n_intra > 1:
+        ni, no = n_intra, n_nodes
+        bi, bo, li, lo = hw.intra_node_bandwidth, hw.inter_node_bandwidth, hw.intra_node_latency, hw.inter_node_latency
+        if kind == "all-reduce":
+            return 2 * (ni - 1) / ni * S / bi + 2 * (no - 1) / no * S / ni / bo + 2 * (ni - 1) * li + 2 * (no - 1) * lo
+        if kind == "all-to-all":
+            return (ni - 1) / ni * S / bi + (no - 1) / no * S / bo + (ni - 1) * li + (no - 1) * lo
+        return (ni - 1) / ni * S / bi + (no - 1) / no * S / ni / bo + (ni - 1) * li + (no - 1) * lo
+    if algorithm == "tree" and kind != "all-to-all":
+        hops = math.ceil(math.log2(n))
+        return (2 * S / bw + 2 * hops * lat) if kind == "all-reduce" else (S / bw + hops * lat)
+    factor = 2 if kind == "all-reduce" else 1
+    return factor * ((n - 1) / n * S / bw + (n - 1) * lat)
+
+
+def collective_time(c: Collective, layout: Layout, hw: Accelerator, devices_per_node: int,
+                    algorithm: str = "auto") -> tuple[float, str]:
+    """(seconds per step, algorithm used) for `c`; "auto" takes the fastest of
+    ring, tree and hierarchical, as NCCL picks per message size."""
+    n_intra, n_nodes = placement(c.axes, layout.mesh, devices_per_node)
+    if algorithm != "auto":
+        return algorithm_time(c.kind, c.payload_bytes, n_intra, n_nodes, hw, algorithm) * c.count, algorithm
+    options = ["ring"]
+    if c.kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        options.append("tree")
+    if n_nodes > 1 and n_intra > 1 and c.kind != "collective-permute":
+        options.append("hierarchical")
+    best_t, best_a = min((algorithm_time(c.kind, c.payload_bytes, n_intra, n_nodes, hw, a), i, a)
+                         for i, a in enumerate(options))[::2]
+    return best_t * c.count, best_a
