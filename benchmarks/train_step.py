@@ -62,21 +62,6 @@ def time_layout(n_devices: int, overrides: list[str], steps: int) -> tuple[float
         return statistics.median(times), flops
 
 
-def measure_bf16_peak(n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of an n x n bfloat16 matmul accumulating in float32, on the first device."""
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 # The two models of the MFU table: lm_tiny as configured, and a CPU-sized LM with long sequences.
 MFU_MODELS = {
     "lm_tiny (d128 x 4, seq 128, batch 16)": [],
@@ -94,7 +79,7 @@ MFU_VARIANTS = {
 def mfu_table(steps: int, overrides: list[str]) -> None:
     """Achieved model FLOP/s of one-device training steps over the measured matmul peak, next to
     the planner's predicted step time for the same config on this CPU."""
-    peak32, peak16 = measure_cpu_peak("float32", n=1024), measure_bf16_peak()
+    peak32, peak16 = measure_cpu_peak("float32"), measure_cpu_peak("bfloat16", accumulate="float32")
     print(f"measured matmul peak, one device: f32 {peak32 / 1e9:.1f} GFLOP/s, "
           f"bf16 x bf16 -> f32 {peak16 / 1e9:.1f} GFLOP/s")
     print("| model | variant | ms/step | model TFLOP/step | achieved GFLOP/s | MFU (f32 peak) | planner ms/step | measured / planned |")

@@ -277,18 +277,21 @@ def accelerator_for_device_kind(device_kind: str) -> Accelerator | None:
     return None
 
 
-def measure_cpu_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
+def measure_cpu_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5,
+                     accumulate: str | None = None) -> float:
     """FLOP/s of one n x n matmul on the first CPU device, best of `repeats`.
 
-    XLA's CPU devices share one thread pool, so with several (fake) devices in
-    a process the per-device peak is this figure divided by their number.
+    `accumulate`: the product's dtype when it differs from the inputs' (e.g.
+    bfloat16 inputs accumulated in float32). XLA's CPU devices share one
+    thread pool, so with several (fake) devices in a process the per-device
+    peak is this figure divided by their number.
     """
     import jax
     import jax.numpy as jnp
 
     cpu = jax.devices("cpu")[0]
     a = jax.device_put(jnp.ones((n, n), dtype), cpu)
-    f = jax.jit(lambda x: x @ x)
+    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=accumulate))
     f(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
