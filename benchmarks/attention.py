@@ -38,7 +38,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from meshwork.hardware import PEAK_FLOPS, measure_cpu_peak
+from meshwork.hardware import accelerator_for_device_kind, measure_cpu_peak, table_dtype
 from meshwork.kernels import flash_attention as fa
 from meshwork.kernels import tuning
 
@@ -116,10 +116,10 @@ def peak_flops(dtype: str, device) -> tuple[float, str]:
     """Peak FLOP/s of `device` for dtype: the hardware table, or a measured matmul on CPU."""
     if device.platform == "cpu":
         return measure_cpu_peak("float32", n=512), "measured f32 matmul"
-    for name, peaks in PEAK_FLOPS.items():
-        if name.lower() in device.device_kind.lower():
-            return peaks[dtype], f"{name} table"
-    return float("nan"), "unknown device"
+    acc = accelerator_for_device_kind(device.device_kind)
+    if acc is None:
+        return float("nan"), "unknown device"
+    return acc.peak_flops[table_dtype(dtype)], f"{acc.name} table"
 
 
 

@@ -66,7 +66,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import attention_flops, make_inputs, step, time_call  # noqa: E402
 
-from meshwork.hardware import PEAK_FLOPS  # noqa: E402
+from meshwork.hardware import accelerator_for_device_kind, table_dtype  # noqa: E402
 from meshwork.kernels import flash_attention as fa  # noqa: E402
 from meshwork.kernels import tuning  # noqa: E402
 
@@ -307,7 +307,8 @@ def gpu_spec(device_kind: str) -> tuple[str, dict]:
 def gpu_cost(kernels: list[Kernel], device_kind: str, dtype: str) -> tuple[float, dict]:
     """Estimated seconds on an NVIDIA GPU, and the resource figures behind it (of the costliest kernel)."""
     name, spec = gpu_spec(device_kind)
-    peak = PEAK_FLOPS[name].get(dtype, PEAK_FLOPS[name]["bfloat16"])
+    peaks = accelerator_for_device_kind(name).peak_flops
+    peak = peaks.get(table_dtype(dtype), peaks["bf16"])
     vector_rate = spec["sms"] * 128 * spec["clock"]  # FP32 lanes per SM x clock
     total, worst = 0.0, {}
     for kn in kernels:

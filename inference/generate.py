@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from inference.kv_cache import KVCache
 from inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.config import ConfigError
+from meshwork.kernels.flash_attention import round_up
 from sharding.rules import Rules, split_axes, use_rules
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this: one prefill compile per bucket, not per length
@@ -41,9 +42,9 @@ def place(model: nnx.Module, mesh: Mesh | None, rules: Rules | None) -> tuple[nn
     """(graphdef, state) of `model`, its state laid out on `mesh` by the rules (or left where it is)."""
     graphdef, state = nnx.split(model)
     if mesh is not None:
-        from inference.quantize import param_shardings  # knows the layout of quantized weights too
+        from train.state import variable_shardings  # the trainer's layout, quantized weights included
 
-        state = jax.device_put(state, param_shardings(state, mesh, rules))
+        state = jax.device_put(state, variable_shardings(state, mesh, rules))
     return graphdef, state
 
 
@@ -126,13 +127,13 @@ class Generator:
             p.check(self.vocab_size)
         budget = max(p.max_new_tokens for p in params)
         lengths = np.array([len(p) for p in prompts], np.int32)
-        max_len = max_len or _round_up(int(lengths.max()) + budget, 64)
+        max_len = max_len or round_up(int(lengths.max()) + budget, 64)
         for prompt, p in zip(prompts, params):
             self.check_prompt(prompt, p.max_new_tokens, max_len)
 
         n = len(prompts)
-        B = _round_up(n, self.batch_multiple)  # idle rows fill the data-parallel size
-        L = min(_round_up(int(lengths.max()), PROMPT_BUCKET), max_len)
+        B = round_up(n, self.batch_multiple)  # idle rows fill the data-parallel size
+        L = min(round_up(int(lengths.max()), PROMPT_BUCKET), max_len)
         tokens = np.zeros((B, L), np.int32)
         for i, prompt in enumerate(prompts):
             tokens[i, :len(prompt)] = prompt
@@ -163,7 +164,3 @@ class Generator:
         for row, token in self.stream(prompts, params, max_len):
             out[row].append(token)
         return out
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m

@@ -55,6 +55,12 @@ def cache_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.resolved_head_dim * jnp.dtype(dtype).itemsize
 
 
+def _zero_pair(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding | None) -> tuple[jax.Array, ...]:
+    """Zeroed k and v arrays, each created directly in its sharding (no host copy)."""
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return make(), make()
+
+
 def cached_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array,
                      impl: str = "xla") -> jax.Array:
     """Queries at `positions_BL` over cached keys 0..S-1, key j visible to a query at p iff j <= p.
@@ -81,9 +87,7 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32,
               sharding: NamedSharding | None = None) -> KVCache:
-        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return cls(make(), make())
+        return cls(*_zero_pair((cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim), dtype, sharding))
 
     @staticmethod
     def shardings(mesh: Mesh, rules: Rules) -> KVCache:
@@ -131,9 +135,8 @@ class PagedKVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, batch: int, pages_per_seq: int,
               dtype: jnp.dtype = jnp.float32, sharding: NamedSharding | None = None) -> PagedKVCache:
-        shape = (cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.resolved_head_dim)
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return cls(make(), make(), jnp.full((batch, pages_per_seq), NULL_PAGE, jnp.int32))
+        k, v = _zero_pair((cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.resolved_head_dim), dtype, sharding)
+        return cls(k, v, jnp.full((batch, pages_per_seq), NULL_PAGE, jnp.int32))
 
     @staticmethod
     def shardings(mesh: Mesh, rules: Rules) -> PagedKVCache:

@@ -66,18 +66,30 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
     return model, _hf_tokenizer(path), _hf_eos(path)
 
 
-def _hf_tokenizer(path: pathlib.Path):
-    """The checkpoint's tokenizer.json through the `tokenizers` package, when both are there."""
+class _HFTokenizer:
+    """A checkpoint's tokenizer.json through the `tokenizers` package, with ByteTokenizer's interface."""
+
+    def __init__(self, path: pathlib.Path):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def _hf_tokenizer(path: pathlib.Path) -> _HFTokenizer | None:
+    """The checkpoint's tokenizer, when it ships a tokenizer.json and `tokenizers` is installed."""
     if not (path / "tokenizer.json").is_file():
         return None
     try:
-        from tokenizers import Tokenizer
+        return _HFTokenizer(path / "tokenizer.json")
     except ImportError:
         return None
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.vocab_size = tok.get_vocab_size()
-    tok.decode_ids = tok.decode
-    return tok
 
 
 def _hf_eos(path: pathlib.Path) -> list[int]:
@@ -100,7 +112,7 @@ def encode_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list
     if tokenizer is not None and tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"tokenizer mismatch: the tokenizer has {tokenizer.vocab_size} ids but the model only "
                           f"{vocab_size}; use the tokenizer the model was trained with")
-    prompts = [[int(t) for t in _encode(tokenizer, text)] for text in texts]
+    prompts = [[int(t) for t in tokenizer.encode(text)] for text in texts]
     for ids in args.prompt_ids:
         try:
             prompts.append([int(t) for t in ids.split(",") if t.strip()])
@@ -109,11 +121,6 @@ def encode_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list
     if not prompts:
         raise ConfigError("no prompt: pass --prompt TEXT, --prompts-file FILE or --prompt-ids IDS")
     return prompts
-
-
-def _encode(tokenizer, text: str):
-    out = tokenizer.encode(text)
-    return out.ids if hasattr(out, "ids") else out
 
 
 def _decode(tokenizer, ids: list[int]) -> str:

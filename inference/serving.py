@@ -38,10 +38,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from inference.generate import PROMPT_BUCKET, Generator, _round_up
+from inference.generate import PROMPT_BUCKET, Generator
 from inference.kv_cache import NULL_PAGE, PagedKVCache
-from inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
+from inference.sampling import SamplingArrays, SamplingParams
 from meshwork.config import ConfigError
+from meshwork.kernels.flash_attention import round_up
 from sharding.rules import Rules
 
 
@@ -115,31 +116,7 @@ class Server:
         self.steps = self.preemptions = self.peak_pages = 0
         self._admitted = 0
         self._arrays: SamplingArrays | None = None
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(3, 4))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(3, 4, 7))
         self._set_seen = jax.jit(lambda seen, row, slot: seen.at[slot].set(row), donate_argnums=0)
-
-    # -- jitted ---------------------------------------------------------------
-
-    def _forward(self, state, tokens_BL, positions_BL, k, v, table_BP):
-        model = nnx.merge(self.gen.graphdef, state)
-        logits_BLV, cache = model.decode(tokens_BL, positions_BL, PagedKVCache(k, v, table_BP))
-        return logits_BLV, cache.k, cache.v
-
-    def _prefill_fn(self, state, tokens_1L, length_1, k, v, table_1P, arrays):
-        L = tokens_1L.shape[1]
-        logits_1LV, k, v = self._forward(state, tokens_1L, jnp.arange(L)[None], k, v, table_1P)
-        seen_1V = seen_tokens(tokens_1L, length_1, self.cfg.vocab_size)
-        token_1 = sample(logits_1LV[:, length_1[0] - 1], length_1, arrays, seen_1V)
-        return token_1, k, v, seen_1V[0]
-
-    def _decode_fn(self, state, tokens_B, positions_B, k, v, table_BP, arrays, seen_BV):
-        seen_BV = mark_seen(seen_BV, tokens_B)
-        logits_B1V, k, v = self._forward(state, tokens_B[:, None], positions_B[:, None], k, v, table_BP)
-        return sample(logits_B1V[:, 0], positions_B + 1, arrays, seen_BV), k, v, seen_BV
-
-    def _run(self, fn, *args):
-        return self.gen._in_context(fn, *args)
 
     # -- requests ---------------------------------------------------------------
 
@@ -195,9 +172,12 @@ class Server:
             s = self.slots[i]
             tokens[i], positions[i] = s.produced[-1], s.length
             table[i, :len(s.pages)] = s.pages
-        out, self.k, self.v, self.seen = self._run(self._decode, self.gen.state, jnp.asarray(tokens),
-                                                   jnp.asarray(positions), self.k, self.v, jnp.asarray(table),
-                                                   self._sampling_arrays(), self.seen)
+        # The Generator's jitted decode step, over the paged cache (built anew each step: the page
+        # table changes between steps; the pool arrays are donated and updated in place).
+        out, _, cache, self.seen = self.gen._in_context(
+            self.gen._decode, self.gen.state, jnp.asarray(tokens), jnp.asarray(positions),
+            PagedKVCache(self.k, self.v, jnp.asarray(table)), self._sampling_arrays(), self.seen)
+        self.k, self.v = cache.k, cache.v
         self.steps += 1
         out = np.asarray(out)
         for i in live:
@@ -221,15 +201,16 @@ class Server:
             self._admitted += 1
             self._arrays = None
             self.peak_pages = max(self.peak_pages, len(self.pages.owner))
-            L = min(_round_up(len(context), PROMPT_BUCKET), self.pages_per_seq * self.page_size)
+            L = min(round_up(len(context), PROMPT_BUCKET), self.pages_per_seq * self.page_size)
             tokens = np.zeros((1, L), np.int32)
             tokens[0, :len(context)] = context
             table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
             table[0, :len(pages)] = pages
-            token, self.k, self.v, seen_row = self._run(
-                self._prefill, self.gen.state, jnp.asarray(tokens), jnp.asarray([len(context)], np.int32),
-                self.k, self.v, jnp.asarray(table), SamplingArrays.stack([request.params]))
-            self.seen = self._set_seen(self.seen, seen_row, slot)
+            token, _, cache, seen_1V = self.gen._in_context(
+                self.gen._prefill, self.gen.state, jnp.asarray(tokens), jnp.asarray([len(context)], np.int32),
+                PagedKVCache(self.k, self.v, jnp.asarray(table)), SamplingArrays.stack([request.params]))
+            self.k, self.v = cache.k, cache.v
+            self.seen = self._set_seen(self.seen, seen_1V[0], slot)
             if not produced:  # a fresh request: the prefill sampled its first token
                 events += self._emit(slot, int(np.asarray(token)[0]))
         return events

@@ -71,8 +71,8 @@ def test_unknown_names_are_config_errors():
 
 
 def test_legacy_peak_table_still_serves_the_benchmarks():
-    assert hardware.PEAK_FLOPS["H100"]["bfloat16"] == 989e12
-    assert hardware.PEAK_FLOPS["A100"]["float32"] == 156e12
+    assert hardware.accelerator_for_device_kind("NVIDIA H100 80GB HBM3").flops(hardware.table_dtype("bfloat16")) == 989e12
+    assert hardware.accelerator_for_device_kind("NVIDIA A100-SXM4-80GB").flops(hardware.table_dtype("float32")) == 156e12
     assert hardware.accelerator_for_device_kind("NVIDIA H100 80GB HBM3").name == "h100"
     assert hardware.accelerator_for_device_kind("TPU v5 lite").name == "tpu_v5e"
     assert hardware.accelerator_for_device_kind("TPU v5").name == "tpu_v5p"

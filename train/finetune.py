@@ -78,9 +78,10 @@ def describe(cfg: Config, abstract: dict[str, Any]) -> str:
             f"gradients {mib(nbytes(abstract['params']))}, optimizer state {mib(nbytes(abstract['opt_state']))}")
 
 
-def base_data_config(cfg: Config, base: Config | None) -> Config | None:
-    """`cfg` reading the base run's data instead (to report the loss on what the base learned),
-    or None when the data is the same."""
-    if base is None or base.data == cfg.data:
+def base_data_config(cfg: Config) -> Config | None:
+    """`cfg` reading its base run's data instead (to report the loss on what the base learned),
+    or None when not fine-tuning or the data is the same. `check_base` has vetted the base."""
+    if cfg.finetune.method == "none":
         return None
-    return cfg.model_copy(update={"data": base.data})
+    base = load_config(pathlib.Path(cfg.finetune.base).expanduser() / "config.yaml")
+    return None if base.data == cfg.data else cfg.model_copy(update={"data": base.data})

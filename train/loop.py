@@ -258,7 +258,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     data_iter = trainer.task.train_iterator()
     val_set = trainer.task.eval_batches()
     # Fine-tuning on new data: also track the loss on the base run's data (what may be forgotten).
-    base_data = base_data_config(cfg, check_base(cfg))
+    base_data = base_data_config(cfg)
     base_val_set = make_task(base_data).eval_batches() if base_data is not None else None
     if start is None:
         state = trainer.init_state()

@@ -261,12 +261,9 @@ _DEVICE_KINDS = [
 ]
 _JAX_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
 
-# device_kind substring -> {jax dtype name: peak FLOP/s}; the older view of the
-# table above, kept for the benchmarks.
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    kind: {jd: HARDWARE[row].peak_flops[d] for jd, d in _JAX_DTYPES.items() if d in HARDWARE[row].peak_flops}
-    for kind, row in _DEVICE_KINDS
-}
+def table_dtype(dtype: str) -> str:
+    """The table's dtype key ("bf16", "fp32", "fp8") for a jax dtype name ("bfloat16", ...)."""
+    return _JAX_DTYPES.get(dtype, dtype)
 
 
 def accelerator_for_device_kind(device_kind: str) -> Accelerator | None:
@@ -311,4 +308,4 @@ def peak_flops_per_device(dtype: str = "float32") -> tuple[float, str]:
     acc = accelerator_for_device_kind(dev.device_kind)
     if acc is None:
         raise KeyError(f"no peak FLOP/s for device kind {dev.device_kind!r}; add it to meshwork/hardware.py")
-    return acc.peak_flops[_JAX_DTYPES.get(dtype, dtype)], f"{acc.name} table"
+    return acc.peak_flops[table_dtype(dtype)], f"{acc.name} table"
