@@ -178,6 +178,20 @@ def test_gpt3_175b_lora_counts_match_the_paper():
     assert peft_counts.millions(peft_counts.gpt3_175b_lora(8)) == "37.7M"
 
 
+def test_gpt3_175b_adapter_and_prefix_counts():
+    """Same shape (96 layers, d_model 12288, 96 heads of 128). Adapters (Houlsby, two per layer,
+    with biases): the LoRA paper's Table 4 lists Adapter^H at 7.1M (r=1) and 40.1M (r=8)."""
+    gpt3 = dict(n_layers=96, d_model=12288)
+    assert peft_counts.millions(peft_counts.adapter_params(**gpt3, rank=1)) == "7.1M"
+    assert peft_counts.millions(peft_counts.adapter_params(**gpt3, rank=8)) == "40.1M"
+    # Prefix tuning of keys and values, 16 positions per layer: 96 x 16 x 2 x 12288 = 37.7M;
+    # through a 512-wide reparameterization MLP it trains far more (the MLPs), 1.83B.
+    direct = peft_counts.prefix_params(**gpt3, n_kv_heads=96, head_dim=128, prefix_len=16)
+    assert direct == 96 * 16 * 2 * 12288
+    mlp = peft_counts.prefix_params(**gpt3, n_kv_heads=96, head_dim=128, prefix_len=16, prefix_hidden=512)
+    assert mlp == 96 * (16 * 12288 + 12288 * 512 + 512 + 512 * 2 * 12288 + 2 * 12288)
+
+
 def test_count_formulas_equal_the_built_models():
     for f in (ft("lora", targets=ALL_TARGETS, rank=3), ft("qlora", targets=["k", "o", "down"], rank=2),
               ft("adapter", rank=5), ft("prefix", prefix_len=3), ft("prefix", prefix_len=3, prefix_hidden=7)):
