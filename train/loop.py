@@ -10,18 +10,16 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
-import time
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-from tqdm import tqdm
 
 from meshwork.checkpoint import Checkpointer, abstract_with_shardings
-from meshwork.config import Config, ConfigError, dump_config
+from meshwork.config import Config, ConfigError
 from meshwork.flops import param_counts
-from meshwork.hardware import peak_flops_per_device
+from meshwork.goodput_clock import GoodputClock
 from meshwork.metrics import MetricsWriter
 from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
 from sharding.report import compiled_report, format_report, state_bytes
@@ -29,6 +27,9 @@ from sharding.ring_attention import zigzag_permutation
 from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
 from train.optim import make_optimizer
 from train.finetune import base_data_config, check_base, describe, load_base_params
+from train.logger import StepLogger, to_host
+from train.preemption import PreemptionGuard
+from train.run_dir import claim, write_config
 from train.state import abstract_state, ema_decay, init_state, logical_specs, param_count, state_shardings
 from train.step import make_eval_step, make_objective, make_train_step
 from train.task import DiffusionTask, LMTask, make_task
@@ -71,11 +72,6 @@ def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slic
     return slice(min(starts), max(stops))
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """A replicated value as numpy, also when other processes hold copies of it."""
-    return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
-
-
 class Trainer:
     """Everything compiled for one config on one mesh; `train()` drives it."""
 
@@ -115,10 +111,14 @@ class Trainer:
             # and moments in place instead of holding two copies.
             step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches,
                                            grad_shardings, cfg.train.pipeline, cfg.run.seed,
-                                           loss_fn=make_objective(self.graphdef, cfg), ema_decay=ema_decay(cfg)),
+                                           loss_fn=make_objective(self.graphdef, cfg), ema_decay=ema_decay(cfg),
+                                           inject_nan_at=tuple(cfg.train.inject_nan_at)),
                            in_shardings=(self.shardings, self.batch_sharding),
                            out_shardings=(self.shardings, replicated), donate_argnums=0)
             self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile()
+            # A batch thrown out by a rollback: only the step counter moves (the schedule and noise follow it).
+            self.skip_fn = jax.jit(lambda state: {**state, "step": state["step"] + 1},
+                                   out_shardings=self.shardings, donate_argnums=0)
             self.eval_fn = jax.jit(make_eval_step(self.graphdef, make_objective(self.graphdef, cfg)), in_shardings=(
                 self.shardings["params"], self.shardings["buffers"], self.batch_sharding), out_shardings=replicated)
 
@@ -173,127 +173,166 @@ class Trainer:
         return format_report(self.report_dict(), self.cfg, self.mesh)
 
 
-def _check_same_model(cfg: Config, saved: dict, run_dir: pathlib.Path) -> None:
-    """Resuming a different model would fail deep inside Orbax; say so plainly instead."""
-    for section in ("model", "data"):
-        now = cfg.to_dict()[section]
-        if saved.get(section) != now:
-            key = next((k for k in now if saved.get(section, {}).get(k) != now[k]), "")
-            raise ConfigError(f"{section}.{key}: {run_dir} holds a checkpoint of a run with {section}.{key}="
-                              f"{saved.get(section, {}).get(key)!r}, not {now[key]!r}; use a new run.dir "
-                              f"or the original value")
+class NonFiniteLoss(RuntimeError):
+    """train.on_nan=stop: a step's loss or gradient norm was not finite."""
+
+    exit_status = 3
 
 
-class StepLogger:
-    """Reads each step's metrics one step late (the next step is already queued,
-    so the host never stalls the device) and writes every `log.every`-th
-    step, every evaluated step and the last one, with throughput and MFU."""
+def _restore(trainer: Trainer, ckpt: Checkpointer, step: int | None, data_iter, first_position: dict):
+    """(state, progress) at checkpoint `step`, the data iterator moved there; a fresh state when None."""
+    if step is None:
+        data_iter.set_state(first_position)
+        return trainer.init_state(), {}
+    state, progress = ckpt.restore(step, abstract_with_shardings(trainer.abstract, trainer.shardings))
+    data_iter.set_state(progress["iterator"])
+    return state, progress
 
-    def __init__(self, cfg: Config, writer: MetricsWriter, trainer: Trainer, *, start: int, last: int,
-                 enabled: bool):
-        self.cfg, self.writer, self.last = cfg, writer, last
-        self.unit, self.items_per_step = trainer.task.unit, trainer.task.items_per_step()
-        self.flops_per_step = trainer.task.flops_per_step(trainer.step_fn)
-        self.peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
-        self.pbar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.log.progress and enabled),
-                         desc=cfg.run.name, dynamic_ncols=True)
-        self.pending: tuple[int, Any] | None = None
-        self.extra: dict[int, dict[str, float]] = {}
-        self.t_last, self.steps_since = time.perf_counter(), 0
 
-    def add(self, step: int, **values: float) -> None:
-        self.extra.setdefault(step, {}).update(values)
-
-    def step_dispatched(self, step: int, metrics: Any) -> None:
-        if self.pending is not None:
-            self._finish(*self.pending)
-        self.pending = (step, metrics)
-
-    def close(self) -> None:
-        if self.pending is not None:
-            self._finish(*self.pending)
-        self.pbar.close()
-
-    def _finish(self, step: int, metrics: Any) -> None:
-        m = {k: to_host(v).tolist() for k, v in metrics.items()}  # scalars, or per-expert lists
-        self.steps_since += 1
-        self.pbar.update(1)
-        self.pbar.set_postfix(loss=f"{m['loss']:.3f}")
-        if step % self.cfg.log.every and step not in self.extra and step != self.last:
-            return
-        now = time.perf_counter()
-        step_time = (now - self.t_last) / self.steps_since
-        self.t_last, self.steps_since = now, 0
-        tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
-        self.writer.write(step, {**m, "step_time_s": step_time, f"{self.unit}_per_s": self.items_per_step / step_time,
-                                 "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak,
-                                 **self.extra.pop(step, {})})
+def _open_checkpoints(cfg: Config, run_dir: pathlib.Path, is_main: bool, say) -> Checkpointer:
+    """The run's checkpoints, after checking the run dir is this config's and setting bad steps aside."""
+    claim(cfg, run_dir, is_main=is_main)
+    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        use_async=cfg.checkpoint.async_, warn=say)
+    steps, good = ckpt.step_dirs(), ckpt.latest_step()
+    if steps and good is None and not cfg.run.overwrite:
+        problems = "; ".join(f"step {s}: {ckpt.problem(s)}" for s in sorted(steps, reverse=True)[:3])
+        raise ConfigError(f"run.dir: no readable checkpoint in {run_dir / 'checkpoints'} ({problems}); move "
+                          f"them away to start over, or set run.overwrite=true to replace the run")
+    for message in ckpt.set_aside_unverified(run_dir):  # newer steps that failed verification
+        say(f"warning: {message}")
+    return ckpt
 
 
 def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = False) -> dict[str, Any]:
-    """Trains `cfg` to `cfg.train.steps`, resuming from `run.dir` if it holds a checkpoint.
+    """Trains `cfg` to `cfg.train.steps`, resuming from `run.dir`'s newest verified checkpoint.
 
-    Returns a summary: first and last validation loss, steps run, run dir.
+    Returns a summary: validation losses, the steps run, the run dir, the
+    final state, `goodput` (the time breakdown) and `preempted` (True when a
+    SIGTERM/SIGINT ended it early, after saving). Raises ConfigError for bad
+    input before anything in run.dir changes, NonFiniteLoss under on_nan=stop.
     """
-    trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
-    if jax.process_index() == 0 and not dry_run == "json":
+    clock = GoodputClock()
+    with clock.phase("compile"):
+        trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
+    is_main = jax.process_index() == 0
+    say = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
+    if dry_run != "json":
         total = param_count(trainer.abstract)
         active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
-        print(f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
-              else describe(cfg, trainer.abstract))
+        say(f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
+            else describe(cfg, trainer.abstract))
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
 
     run_dir = pathlib.Path(cfg.run.dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        use_async=cfg.checkpoint.async_)
+    ckpt = _open_checkpoints(cfg, run_dir, is_main, say)
     start = ckpt.latest_step()
-    if start is not None:
-        _check_same_model(cfg, ckpt.saved_config(start), run_dir)
-    is_main = jax.process_index() == 0
-    if is_main:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-
     data_iter = trainer.task.train_iterator()
+    first_position = data_iter.get_state()
     val_set = trainer.task.eval_batches()
     # Fine-tuning on new data: also track the loss on the base run's data (what may be forgotten).
     base_data = base_data_config(cfg)
     base_val_set = make_task(base_data).eval_batches() if base_data is not None else None
-    if start is None:
-        state = trainer.init_state()
-    else:
-        state, iter_state = ckpt.restore(start, abstract_with_shardings(trainer.abstract, trainer.shardings))
-        data_iter.set_state(iter_state)
+    if is_main:
+        write_config(cfg, run_dir)
+    with clock.phase("restore" if start is not None else "compile"):
+        state, progress = _restore(trainer, ckpt, start, data_iter, first_position)
+    clock.resume(progress.get("goodput"))
+    skipped = set(progress.get("skipped_steps", []))  # batches a rollback threw out, for good
     writer = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=is_main)
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}}
-    if start is None:
-        start = 0
-        summary["val_loss"][0] = trainer.evaluate(state, val_set)
-        row = {"val_loss": summary["val_loss"][0]}
-        if base_val_set is not None:
-            row["val_loss_base_data"] = summary.setdefault("val_loss_base_data", {})[0] = \
-                trainer.evaluate(state, base_val_set)
-        writer.write(0, row)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
+                               "nonfinite_steps": []}
 
+    def evaluate(step: int) -> dict[str, float]:
+        with clock.phase("eval"):
+            row = {"val_loss": trainer.evaluate(state, val_set)}
+            if base_val_set is not None:
+                row["val_loss_base_data"] = trainer.evaluate(state, base_val_set)
+        for k, v in row.items():
+            summary.setdefault(k, {})[step] = v
+        return row
+
+    if start is None:
+        writer.write(0, evaluate(0))
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_after or steps)
-    logger = StepLogger(cfg, writer, trainer, start=start, last=last, enabled=is_main)
-    for step in range(start + 1, last + 1):
-        batch = trainer.to_device(next(data_iter))
-        state, metrics = trainer.step_fn(state, batch)
-        logger.step_dispatched(step, metrics)
-        if step % cfg.log.eval_every == 0 or step == steps:
-            summary["val_loss"][step] = trainer.evaluate(state, val_set)
-            logger.add(step, val_loss=summary["val_loss"][step])
-            if base_val_set is not None:
-                loss = summary.setdefault("val_loss_base_data", {})[step] = trainer.evaluate(state, base_val_set)
-                logger.add(step, val_loss_base_data=loss)
-        if trainer.task.name == "diffusion" and cfg.log.sample_every and step % cfg.log.sample_every == 0 and is_main:
-            trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
-        ckpt.save(step, state, data_iter.get_state(), cfg.to_dict(), force=step == last)
-    logger.close()
-    ckpt.close()
+    logger = StepLogger(cfg, writer, trainer.task.flops_per_step(trainer.step_fn), trainer.task.items_per_step(),
+                        trainer.task.unit, start=start or 0, last=last, enabled=is_main,
+                        live=lambda: {"goodput": clock.goodput()})
+
+    def nonfinite(done: tuple[int, dict] | None) -> int | None:
+        """The step just read back, if its loss or gradient norm was not finite (skip: only counted)."""
+        if done is None or not done[1].get("nonfinite"):
+            return None
+        summary["nonfinite_steps"].append(done[0])
+        if cfg.train.on_nan == "stop":
+            raise NonFiniteLoss(
+                f"train.on_nan=stop: step {done[0]} has loss {done[1]['loss']} and gradient norm "
+                f"{done[1]['grad_norm']}; its update was not applied and the run stopped (last checkpoint: "
+                f"step {ckpt.latest_step()}); lower optimizer.lr, or set train.on_nan=skip or rollback")
+        return done[0] if cfg.train.on_nan == "rollback" else None
+
+    def roll_back(bad: int) -> int:
+        """on_nan=rollback: state and data back to the last checkpoint; the bad batch is skipped from now on."""
+        nonlocal state
+        logger.discard()
+        ckpt.wait()
+        good = ckpt.latest_step()
+        say(f"warning: step {bad} is not finite; rolling back to step {good or 0} and skipping its batch")
+        with clock.phase("restore"):
+            state, _ = _restore(trainer, ckpt, good, data_iter, first_position)
+        skipped.add(bad)
+        clock.rollback()
+        writer.truncate(good or 0)
+        logger.restart_timer()
+        return good or 0
+
+    with PreemptionGuard() as guard:
+        step = start or 0
+        while step < last:
+            step += 1
+            ckpt.poll()
+            position = data_iter.get_state().get("next_index")
+            with clock.phase("productive"):
+                batch = next(data_iter)
+                if step in skipped:  # a rollback threw this batch out: never train on it
+                    state = trainer.skip_fn(state)
+                    logger.add(step, skipped_batch=1)
+                    done = logger.step_dispatched(step, {}, data_index=position)
+                else:
+                    state, metrics = trainer.step_fn(state, trainer.to_device(batch))
+                    done = logger.step_dispatched(step, metrics, data_index=position)
+            if (bad := nonfinite(done)) is not None:
+                step = roll_back(bad)
+                continue
+            if step % cfg.log.eval_every == 0 or step == steps:
+                logger.add(step, **evaluate(step))
+            if trainer.task.name == "diffusion" and cfg.log.sample_every and step % cfg.log.sample_every == 0 \
+                    and is_main:
+                trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
+            preempted = guard.should_stop(step)
+            if step % cfg.checkpoint.every == 0 or step == last or preempted:
+                # The step's own row and finiteness are settled before its checkpoint exists.
+                if (bad := nonfinite(logger.flush())) is not None:
+                    step = roll_back(bad)
+                    continue
+                progress = {"iterator": data_iter.get_state(), "skipped_steps": sorted(skipped),
+                            "goodput": clock.snapshot()}
+                with clock.phase("checkpoint"):
+                    ckpt.save(step, state, progress, cfg.to_dict(), force=True)
+                clock.checkpointed()
+            if preempted:
+                summary["preempted"] = True
+                say(f"preempted: checkpoint of step {step} saved; run the same command to resume")
+                break
+        logger.close()
+        with clock.phase("checkpoint"):
+            ckpt.close()
+    summary["goodput"] = clock.breakdown()
+    if step > (summary["resumed_from"] or 0):  # the run's time account, as of its end
+        writer.write(step, {f"time_{k}" if k.endswith("_s") else k: v for k, v in summary["goodput"].items()})
     writer.close()
-    summary.update(state=state, last_step=max(last, start))
+    summary.update(state=state, last_step=step)
     return summary

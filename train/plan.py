@@ -65,7 +65,10 @@ def main(argv: list[str]) -> int:
         from meshwork.planner import PlanOptions
         from meshwork.planner_comm import CommOptions
 
-        hw = get_hardware(args.hardware)
+        try:
+            hw = get_hardware(args.hardware)
+        except ConfigError as e:  # name the flag, as every other error here does
+            raise ConfigError(f"--hardware: {e}") from None
         dpn = args.devices // args.nodes if args.nodes else None
         options = PlanOptions(efficiency=args.efficiency, overlap=args.overlap, algorithm=args.algorithm,
                               accounting=args.accounting, comm=CommOptions(grad_sync=args.grad_sync))

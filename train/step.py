@@ -113,7 +113,8 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     microbatches: int = 1, grad_shardings: Any = None,
                     pipeline: str = "none", seed: int = 0, loss_fn: Callable | None = None,
-                    ema_decay: float | None = None) -> Callable[[dict, Batch], tuple[dict, dict]]:
+                    ema_decay: float | None = None,
+                    inject_nan_at: tuple[int, ...] = ()) -> Callable[[dict, Batch], tuple[dict, dict]]:
     """Returns step(state, batch) -> (state, metrics); jit it with shardings and donation.
 
     `pipeline` ("gpipe" or "1f1b") runs the blocks as a pipeline over the mesh
@@ -126,6 +127,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     With `microbatches` = M > 1, gradients of M equal slices of the batch are
     summed in float32 inside a scan (gradient accumulation), so activation
     memory is that of B/M sequences while the update equals the full batch's.
+
+    A step whose loss or gradient norm is not finite changes nothing but the
+    step counter (metrics["nonfinite"] says so); the host decides what follows
+    (train.on_nan). `inject_nan_at` makes the loss and gradients of those
+    steps (1-based, as logged) NaN, to test that handling.
     """
     grad_fn = jax.value_and_grad(loss_fn or make_loss_fn(graphdef), has_aux=True)
     pipelined = make_pipeline_value_and_grad(graphdef, pipeline, microbatches) if pipeline != "none" else None
@@ -160,19 +166,28 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         # resumed run draws exactly what an uninterrupted one would.
         noise_key = jax.random.fold_in(jax.random.key(seed), state["step"])
         metrics, grads = accumulate(state["params"], state["buffers"], batch, noise_key)
+        if inject_nan_at:
+            poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(inject_nan_at)), jnp.nan, 1.0)
+            grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
+            metrics = {**metrics, "loss": metrics["loss"] * poison}
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         model = nnx.merge(graphdef, params, state["buffers"])
         # Models with non-trained variables (MoE routers' biases) update them from the step's statistics.
         buffers = model.updated_buffers(state["buffers"], metrics) if hasattr(model, "updated_buffers") \
             else state["buffers"]
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": schedule(state["step"]), "nonfinite": ~finite}
         new_state = {"step": state["step"] + 1, "params": params, "buffers": buffers, "opt_state": opt_state}
         if ema_decay:  # weights averaged over steps: what diffusion samples with
             new_state["ema"] = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
-        return new_state, metrics
+        # Selecting (not branching) keeps one program and no host sync: a NaN
+        # update is computed and thrown away, so the weights stay finite.
+        kept = {**state, "step": new_state["step"]}
+        return jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept), metrics
 
     return train_step
 

@@ -98,7 +98,9 @@ def _lm_task(cfg: Config) -> LMTask:
         if cfg.model.vocab_size < data_lib.ByteTokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is below the byte tokenizer's 256; set 256")
         corpus = data_lib.stdlib_corpus if cfg.data.source == "stdlib" else data_lib.stdlib_docs_corpus
-        return LMTask(cfg, *corpus(cfg.data.val_fraction, cfg.data.cache_dir))
+        train, val = corpus(cfg.data.val_fraction, cfg.data.cache_dir)
+        _check_eval_windows(cfg, val, "log.eval_batches")
+        return LMTask(cfg, train, val)
     if cfg.data.source != "tokens":
         raise ConfigError(f"data.source: {cfg.data.source} is image data; a language model reads stdlib or tokens")
     files = {}
@@ -106,6 +108,9 @@ def _lm_task(cfg: Config) -> LMTask:
         path = pathlib.Path(getattr(cfg.data, key)).expanduser()
         if not path.is_file():
             raise ConfigError(f"data.{key}: file not found: {path}; point it to a uint16 token file (.bin)")
+        if path.stat().st_size % np.dtype(data_lib.TOKEN_DTYPE).itemsize:
+            raise ConfigError(f"data.{key}: {path} has an odd number of bytes, so it is not a uint16 token file; "
+                              "write the token ids with np.asarray(ids, np.uint16).tofile(path)")
         if path.stat().st_size < 2 * (cfg.data.seq_len + 1):
             raise ConfigError(f"data.{key}: {path} holds fewer than {cfg.data.seq_len + 1} tokens; "
                               f"use a larger file or a smaller data.seq_len")
@@ -114,7 +119,19 @@ def _lm_task(cfg: Config) -> LMTask:
             raise ConfigError(f"data.{key}: token id {int(head.max())} in {path} is out of range for "
                               f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
         files[key] = path
+    _check_eval_windows(cfg, files["val_path"], "data.val_path")
     return LMTask(cfg, files["train_path"], files["val_path"])
+
+
+def _check_eval_windows(cfg: Config, val: pathlib.Path, key: str) -> None:
+    """Evaluation reads train.global_batch x log.eval_batches distinct windows of the validation
+    file; checked here, since `eval_batches` runs only once the run dir has been opened."""
+    have = len(data_lib.TokenWindows(str(val), cfg.data.seq_len))
+    need = cfg.train.global_batch * cfg.log.eval_batches
+    if have < need:
+        raise ConfigError(f"{key}: {val} holds {have} windows of data.seq_len+1={cfg.data.seq_len + 1} tokens, but "
+                          f"evaluation takes train.global_batch x log.eval_batches = {need}; use more validation "
+                          "data, or lower log.eval_batches or data.seq_len")
 
 
 def _diffusion_task(cfg: Config) -> DiffusionTask:
@@ -132,9 +149,17 @@ def _diffusion_task(cfg: Config) -> DiffusionTask:
             images, labels = images_lib.image_folder(cfg.data.image_dir, u.sample_size, u.in_channels)
         except FileNotFoundError as e:
             raise ConfigError(f"data.image_dir: {e}; add PNG or JPEG files") from None
+        except ValueError as e:  # a file that is not an image (images_lib names it)
+            raise ConfigError(f"data.image_dir: {e}") from None
     else:
         raise ConfigError(f"data.source: {cfg.data.source} is text; a UNet reads digits or images")
     if u.num_class_embeds is not None and labels.max() >= u.num_class_embeds:
         raise ConfigError(f"model.unet.num_class_embeds: {u.num_class_embeds} classes, but the data has label "
                           f"{labels.max()}; raise it")
-    return DiffusionTask(cfg, *images_lib.split(images, labels, cfg.data.val_fraction))
+    train_set, val_set = images_lib.split(images, labels, cfg.data.val_fraction)
+    if not len(train_set[0]) or not len(val_set[0]):
+        # Evaluation (or training) would index an empty array deep inside the run.
+        raise ConfigError(f"data.val_fraction: {cfg.data.val_fraction} of {len(images)} images leaves "
+                          f"{len(train_set[0])} for training and {len(val_set[0])} for validation; both need "
+                          "images: add images to data.image_dir or change data.val_fraction")
+    return DiffusionTask(cfg, train_set, val_set)

@@ -1,42 +1,147 @@
-"""Sharded, resumable checkpoints with Orbax.
+"""Sharded, resumable, crash-consistent checkpoints with Orbax.
 
 One checkpoint per saved step holds three items: the train state (each host
-writes its own shards), the data iterator's state, and the resolved config.
-Restoring takes an abstract state whose leaves carry the target shardings, so
-a checkpoint written on one mesh restores onto another.
+writes its own shards), the run's progress (data-iterator position, skipped
+steps, time accounting) and the resolved config. Restoring takes an abstract
+state whose leaves carry the target shardings, so a checkpoint written on one
+mesh restores onto another.
+
+A checkpoint counts only once it is complete and verified:
+1. Orbax writes it into a temporary folder and renames it into place when
+   every host has finished (its commit protocol), so a crash mid-write
+   leaves no folder that looks like a checkpoint;
+2. once that commit is seen (`poll`, between steps), a manifest (`meshwork_manifest.json`: the size and
+   CRC-32 of every file) is written beside it, atomically. A step without a
+   manifest, or whose files no longer match it (truncated, flipped byte), is
+   not a checkpoint;
+3. older checkpoints are deleted (down to `keep`) only after a newer one has
+   its manifest.
+Bad checkpoints are never deleted: `set_aside_unverified` moves them to
+`checkpoints_rejected/` with a warning naming them, so a later save of the
+same step cannot collide with them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import os
 import pathlib
-from typing import Any
+import shutil
+import time
+import warnings
+import zlib
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
+MANIFEST = "meshwork_manifest.json"
+
 
 class Checkpointer:
-    def __init__(self, directory: str | pathlib.Path, *, every: int, keep: int, use_async: bool):
+    """Saves and restores checkpoints under `directory`; opening one changes nothing on disk."""
+
+    def __init__(self, directory: str | pathlib.Path, *, every: int, keep: int, use_async: bool,
+                 warn: Callable[[str], None] | None = None):
+        self.directory = pathlib.Path(directory).absolute()
+        self.keep, self.use_async = keep, use_async
+        self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
+        self._saving: int | None = None  # the step Orbax is committing in the background
+        self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
+        self._verifying: concurrent.futures.Future | None = None
+        # Retention is ours (after verification), so Orbax keeps everything it writes.
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=use_async, create=True)
-        self.manager = ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=options)
+            save_interval_steps=every, max_to_keep=None, enable_async_checkpointing=use_async, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # ------------------------------------------------------------ which steps count
+
+    def step_dirs(self) -> dict[int, pathlib.Path]:
+        """Every committed step folder, verified or not (Orbax's temporary folders are not steps)."""
+        if not self.directory.is_dir():
+            return {}
+        return {int(p.name): p for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()}
+
+    def problem(self, step: int) -> str | None:
+        """Why checkpoint `step` cannot be trusted, or None when every file matches its manifest."""
+        return manifest_problem(self.directory / str(step))
+
+    def verified_steps(self) -> list[int]:
+        """Steps whose files all match their manifest, oldest first."""
+        return sorted(s for s in self.step_dirs() if self.problem(s) is None)
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.verified_steps()
+        return steps[-1] if steps else None
 
-    def save(self, step: int, state: Any, data_state: dict, config: dict, *, force: bool = False) -> bool:
+    def set_aside_unverified(self, run_dir: pathlib.Path) -> list[str]:
+        """Moves every step folder that fails verification to run_dir/checkpoints_rejected/; returns warnings.
+
+        Only the trainer calls this (readers such as inference leave the run as it is).
+        """
+        messages = []
+        for step, path in sorted(self.step_dirs().items()):
+            why = self.problem(step)
+            if why is None:
+                continue
+            dest = run_dir / "checkpoints_rejected" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            if jax.process_index() == 0:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, dest)
+            messages.append(f"checkpoint {step} skipped ({why}); moved to {dest}")
+        if messages:
+            _sync("meshwork_set_aside")
+            self.manager.reload()
+        return messages
+
+    # ------------------------------------------------------------ save and restore
+
+    def save(self, step: int, state: Any, progress: dict, config: dict, *, force: bool = False) -> bool:
         """Saves if `step` is on the interval (or `force`); returns whether it did.
 
         With async saving the device-to-host copy finishes before this returns,
-        so the caller may donate `state` to the next step right away.
+        so the caller may donate `state` to the next step right away; `poll`
+        then notices the commit and verifies it in a thread of its own.
         """
-        return self.manager.save(step, force=force, args=ocp.args.Composite(
+        if not (force or self.manager.should_save(step)):
+            return False
+        self.wait()  # one write in flight at a time (Orbax would wait here too)
+        self._saving = step
+        saved = self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
-            data_iter=ocp.args.JsonSave(data_state),
+            data_iter=ocp.args.JsonSave(progress),
             config=ocp.args.JsonSave(config)))
+        self.poll()
+        return saved
+
+    def poll(self) -> None:
+        """Call between steps: once Orbax has committed the pending step, writes its manifest (in a thread)."""
+        if self._saving is None or self.manager.is_saving_in_progress():
+            return
+        self.manager.check_for_errors()
+        step, self._saving = self._saving, None
+        if jax.process_index() == 0:
+            self._verifying = self._verifier.submit(self._verify_and_prune, step)
+
+    def _verify_and_prune(self, step: int) -> None:
+        write_manifest(self.directory / str(step))
+        # Only now may older checkpoints go: the newest verified ones are kept.
+        for old in self.verified_steps()[:-self.keep]:
+            _delete(self.directory / str(old))
+
+    def wait(self) -> None:
+        """Blocks until the pending save is committed and verified."""
+        if self._saving is not None:
+            self.manager.wait_until_finished()
+            self.poll()
+        if self._verifying is not None:
+            self._verifying.result()
+            self._verifying = None
+        _sync("meshwork_wait")
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """(state placed by `abstract_state`'s shardings, data-iterator state)."""
+        """(state placed by `abstract_state`'s shardings, progress dict)."""
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data_iter=ocp.args.JsonRestore()))
@@ -47,8 +152,66 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
+        self._verifier.shutdown()
+
+
+# ---------------------------------------------------------------- manifests
+
+
+def _files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _crc32(path: pathlib.Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(step_dir: pathlib.Path) -> None:
+    """Records size and CRC-32 of every file of a committed step; written to a temp name, then renamed."""
+    files = {str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+             for p in _files(step_dir)}
+    tmp = step_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": files}))
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def manifest_problem(step_dir: pathlib.Path) -> str | None:
+    """None if every file of `step_dir` matches its manifest, else the first mismatch in words."""
+    try:
+        files = json.loads((step_dir / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return "no manifest: the write did not finish"
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, want in files.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written"
+        if _crc32(path) != want["crc32"]:
+            return f"{name} fails its CRC-32 check"
+    return None
+
+
+def _delete(step_dir: pathlib.Path) -> None:
+    """Renames first, so a crash mid-delete leaves no half-deleted folder named like a step."""
+    doomed = step_dir.with_name(f".{step_dir.name}.deleting")
+    os.replace(step_dir, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:

@@ -14,6 +14,7 @@ This module does not import jax, so validation is instant.
 
 from __future__ import annotations
 
+import difflib
 import pathlib
 from typing import Any, Literal
 
@@ -37,6 +38,9 @@ class RunConfig(Section):
     seed: int = 0
     """Seeds parameter init and data order."""
     name: str = "lm_tiny"
+    overwrite: bool = False
+    """Replace what `dir` holds when it belongs to a run of another config (its checkpoints and
+    metrics are deleted); without it such a run.dir is refused and left untouched."""
 
 
 class MoEConfig(Section):
@@ -207,6 +211,12 @@ class TrainConfig(Section):
     unrolls them (compile time grows with depth; XLA may fuse across layers)."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    on_nan: Literal["skip", "rollback", "stop"] = "stop"
+    """A step whose loss or gradient norm is not finite never changes the weights; then
+    skip: go on with the next batch; rollback: reload the last checkpoint and replay without
+    the offending batch; stop: end the run with status 3, naming the step."""
+    inject_nan_at: list[int] = []
+    """Fault injection for testing on_nan: these steps' loss and gradients become NaN."""
 
 
 class MeshConfig(Section):
@@ -417,8 +427,10 @@ def _explain(e: pydantic.ValidationError, source: str) -> str:
     key = ".".join(loc) or "(top level)"
     if err["type"] == "extra_forbidden":
         section = _section_model(loc[:-1])
-        valid = ", ".join(f.alias or n for n, f in section.model_fields.items())
-        return f"{source}: {key}: unknown key; valid keys here are: {valid}"
+        names = [f.alias or n for n, f in section.model_fields.items()]
+        close = difflib.get_close_matches(loc[-1], names, n=1)
+        hint = f"did you mean {'.'.join([*loc[:-1], close[0]])}? " if close else ""
+        return f"{source}: {key}: unknown key; {hint}valid keys here are: {', '.join(names)}"
     if "ctx" in err and isinstance(err["ctx"].get("error"), _KeyError):
         ke = err["ctx"]["error"]
         return f"{source}: {ke.key}: {ke.msg}"

@@ -16,7 +16,7 @@ import zlib
 
 import grain
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 
@@ -41,7 +41,9 @@ def digits(image_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def image_folder(path: str | pathlib.Path, image_size: int, channels: int) -> tuple[np.ndarray, np.ndarray]:
     """Every PNG/JPEG under `path`, sorted; the names of first-level subfolders are the
-    classes (label = rank of the folder name), files directly in `path` get class 0."""
+    classes (label = rank of the folder name), files directly in `path` get class 0.
+
+    Raises FileNotFoundError when there is no such file, ValueError naming one that is not an image."""
     root = pathlib.Path(path).expanduser()
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
@@ -49,7 +51,12 @@ def image_folder(path: str | pathlib.Path, image_size: int, channels: int) -> tu
     classes = sorted({p.relative_to(root).parts[0] for p in files if len(p.relative_to(root).parts) > 1})
     images, labels = [], []
     for p in files:
-        img = Image.open(p).convert("L" if channels == 1 else "RGB")
+        try:
+            img = Image.open(p).convert("L" if channels == 1 else "RGB")
+        except OSError as e:  # PIL's UnidentifiedImageError, a truncated or corrupt file
+            why = "not an image format PIL knows" if isinstance(e, UnidentifiedImageError) else str(e)
+            raise ValueError(f"{p} is not a readable image ({why}); remove it or replace it "
+                             "with a PNG or JPEG file") from None
         arr = np.asarray(img, np.float32) / 255.0
         images.append(_resize(arr if channels > 1 else arr[..., None], image_size))
         parts = p.relative_to(root).parts

@@ -24,8 +24,7 @@ class MetricsWriter:
         if not enabled:
             return
         if resume_step is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            self._keep_until(resume_step)
         elif resume_step is None:
             self.path.write_text("")
         self._file = self.path.open("a")
@@ -45,6 +44,26 @@ class MetricsWriter:
             for k, v in row.items():
                 if k != "step" and isinstance(v, int | float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+
+    def truncate(self, step: int) -> None:
+        """Drops the rows past `step` (a rollback is about to train them again)."""
+        if self.enabled:
+            self._file.close()
+            self._keep_until(step)
+            self._file = self.path.open("a")
+
+    def _keep_until(self, step: int) -> None:
+        # A crash can leave a half-written last line; it is past the checkpoint, so it goes too.
+        kept = []
+        for ln in self.path.read_text().splitlines():
+            try:
+                if json.loads(ln)["step"] <= step:
+                    kept.append(ln)
+            except ValueError:
+                break
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept))
+        tmp.replace(self.path)
 
     def close(self) -> None:
         if self.enabled:

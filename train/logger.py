@@ -1,0 +1,84 @@
+"""Per-step metrics: read one step late, written every `log.every` steps."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from meshwork.config import Config
+from meshwork.hardware import peak_flops_per_device
+from meshwork.metrics import MetricsWriter
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated value as numpy, also when other processes hold copies of it."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
+
+
+class StepLogger:
+    """Reads each step's metrics one step late (the next step is already queued,
+    so the host never stalls the device) and writes every `log.every`-th
+    step, every step with extra values (evaluation, a skipped batch) and the
+    last one, with throughput and MFU. Host-side values of a step (its data
+    position) join its row when the row is written."""
+
+    def __init__(self, cfg: Config, writer: MetricsWriter, flops_per_step: float, items_per_step: int, unit: str,
+                 *, start: int, last: int, enabled: bool, live: Callable[[], dict] = dict):
+        self.cfg, self.writer, self.last, self.live = cfg, writer, last, live
+        self.unit, self.items_per_step, self.flops_per_step = unit, items_per_step, flops_per_step
+        self.peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
+        self.pbar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.log.progress and enabled),
+                         desc=cfg.run.name, dynamic_ncols=True)
+        self.pending: tuple[int, Any, dict] | None = None
+        self.extra: dict[int, dict[str, Any]] = {}
+        self.restart_timer()
+
+    def restart_timer(self) -> None:
+        self.t_last, self.steps_since = time.perf_counter(), 0
+
+    def add(self, step: int, **values: Any) -> None:
+        """Values that force `step`'s row to be written (an evaluation, a skipped batch)."""
+        self.extra.setdefault(step, {}).update(values)
+
+    def step_dispatched(self, step: int, metrics: Any, **host: Any) -> tuple[int, dict] | None:
+        """Queues `step`; finishes the previous one and returns (its step, its metrics on the host)."""
+        done = self.flush()
+        self.pending = (step, metrics, host)
+        return done
+
+    def flush(self) -> tuple[int, dict] | None:
+        """Finishes the pending step now (before a checkpoint: its row must exist if the checkpoint does)."""
+        if self.pending is None:
+            return None
+        step, metrics, host = self.pending
+        self.pending = None
+        return step, self._finish(step, metrics, host)
+
+    def discard(self) -> None:
+        """Drops the pending step unlogged (a rollback throws it away)."""
+        self.pending = None
+
+    def close(self) -> None:
+        self.flush()
+        self.pbar.close()
+
+    def _finish(self, step: int, metrics: Any, host: dict) -> dict:
+        m = {k: to_host(v).tolist() for k, v in metrics.items()}  # scalars, or per-expert lists
+        self.steps_since += 1
+        self.pbar.update(1)
+        if "loss" in m:
+            self.pbar.set_postfix(loss=f"{m['loss']:.3f}")
+        if step % self.cfg.log.every and step not in self.extra and step != self.last and not m.get("nonfinite"):
+            return m
+        now = time.perf_counter()
+        step_time = (now - self.t_last) / self.steps_since
+        self.t_last, self.steps_since = now, 0
+        tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
+        self.writer.write(step, {**m, "step_time_s": step_time, f"{self.unit}_per_s": self.items_per_step / step_time,
+                                 "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak, **self.live(), **host,
+                                 **self.extra.pop(step, {})})
+        return m

@@ -1,0 +1,57 @@
+"""Preemption: SIGTERM or SIGINT asks for a checkpoint at the next step boundary.
+
+Schedulers (SLURM, Kubernetes, cloud spot VMs) send SIGTERM some seconds
+before they kill a job. The first signal only sets a flag; the loop sees it
+after the step in flight, saves that step, waits for the write to commit and
+returns, and the command line exits with PREEMPTED_EXIT_STATUS so a wrapper
+can tell "requeue me" from success or failure. A second signal means "now":
+the process exits at once, and the last committed checkpoint still holds.
+
+With several processes, every one must stop at the same step or the others
+hang in the step's collectives; there the decision is JAX's own: its
+distributed runtime catches SIGTERM on any host and agrees on a step
+(`reached_preemption_sync_point`), so no handler is installed here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import jax
+
+PREEMPTED_EXIT_STATUS = 75  # EX_TEMPFAIL: "try again later"
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class PreemptionGuard:
+    """Context manager: installs the handlers (main thread only) and restores the old ones on exit."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "PreemptionGuard":
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal is not None:  # the second signal: no more waiting
+            os._exit(128 + signum)
+        self.signal = signum
+        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after the current step "
+              f"(send it again to exit at once)", flush=True)
+
+    def should_stop(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signal is not None
