@@ -62,7 +62,7 @@ import ml_dtypes  # registers bfloat16 with numpy, so bf16 checkpoints read as n
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from meshwork.config import ModelConfig, MoEConfig
 from sharding.rules import Rules, tree_shardings
@@ -323,7 +323,11 @@ class TensorReader:
     def __init__(self, files: Iterable[pathlib.Path], stack: contextlib.ExitStack):
         self.where: dict[str, Any] = {}
         for f in files:
-            handle = stack.enter_context(safe_open(f, framework="numpy"))
+            try:
+                handle = stack.enter_context(safe_open(f, framework="numpy"))
+            except (SafetensorError, OSError) as e:  # a truncated or corrupt file, or one that is missing
+                raise ValueError(f"{f}: not a readable safetensors file ({e}); download or convert it "
+                                 "again") from None
             self.where.update(dict.fromkeys(handle.keys(), handle))
         self.used: set[str] = set()
 
@@ -353,14 +357,27 @@ def _checkpoint_files(path: pathlib.Path) -> tuple[dict[str, Any], list[pathlib.
         path = path.parent
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json; pass a Hugging Face checkpoint directory")
+    hf_config = _read_json(path / "config.json")
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{path / 'config.json'}: expected a JSON object of model settings")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = sorted({path / f for f in _read_json(index)["weight_map"].values()})
+        except (KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index}: expected {{\"weight_map\": {{tensor: file}}}}") from None
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files; convert .bin checkpoints to safetensors first")
-    return json.loads((path / "config.json").read_text()), files
+    return hf_config, files
+
+
+def _read_json(path: pathlib.Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:  # its message alone does not say which file
+        raise ValueError(f"{path}: not valid JSON ({e}); fix or download it again") from None
 
 
 def load_hf_config(path: str | pathlib.Path) -> ModelConfig:

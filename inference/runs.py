@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from meshwork.checkpoint import Checkpointer
-from meshwork.config import ConfigError, load_config
+from meshwork.config import Config, ConfigError, load_config
 from train.optim import make_optimizer
 from train.state import abstract_state
 
@@ -23,15 +23,36 @@ def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--checkpoint: {run_dir} has no config.yaml; pass the run.dir of a training run")
     cfg = load_config(run_dir / "config.yaml")
-    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=cfg.checkpoint.keep, use_async=False)
-    step = ckpt.latest_step()
+    # Orbax creates the folder it opens: look first, since reading a run must not change it.
+    ckpt = None
+    if (run_dir / "checkpoints").is_dir():
+        ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=cfg.checkpoint.keep, use_async=False)
+    step = ckpt.latest_step() if ckpt is not None else None
     if step is None:
-        raise ConfigError(f"--checkpoint: {run_dir}/checkpoints holds no checkpoint yet; train first")
+        raise ConfigError(f"--checkpoint: {run_dir}/checkpoints holds no complete checkpoint; train first")
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)
     graphdef, abstract = abstract_state(cfg, tx)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-    state, _ = ckpt.restore(step, target)
-    ckpt.close()
+    try:
+        _check_model(cfg, ckpt.saved_config(step), run_dir, step)
+        state, _ = ckpt.restore(step, target)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:  # truncated or corrupt files: Orbax raises from deep inside
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--checkpoint: checkpoint {step} in {run_dir}/checkpoints cannot be read ({first}); "
+                          "it is damaged: restore it from a copy or retrain") from None
+    finally:
+        ckpt.close()
     params = state["ema"] if ema and "ema" in state else state["params"]
     return cfg, nnx.merge(graphdef, params, state["buffers"]), step
+
+
+def _check_model(cfg: Config, saved: dict, run_dir: pathlib.Path, step: int) -> None:
+    """An edited config.yaml would fail deep inside Orbax on the first mis-shaped array; say which key instead."""
+    now = cfg.to_dict()["model"]
+    key = next((k for k in now if saved.get("model", {}).get(k) != now[k]), None)
+    if key is not None:
+        raise ConfigError(f"model.{key}: {run_dir}/config.yaml has model.{key}={now[key]!r} but checkpoint {step} was "
+                          f"trained with {saved.get('model', {}).get(key)!r}; put the original value back")

@@ -1,7 +1,10 @@
 """Command line for training: parse, validate, call `train()`.
 
-User errors (bad config, impossible mesh, missing files) print one line and
-exit with status 2 before anything is compiled or written.
+Exit status: 0 done (or stopped at train.stop_after); 2 a user error (bad
+config, impossible mesh, missing files, a run.dir of another run), printed
+as one line before anything is compiled or written; 3 a non-finite loss
+under train.on_nan=stop; 75 preempted by SIGTERM/SIGINT after saving a
+checkpoint (run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -54,14 +57,21 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         init_distributed(args)
-        from train.loop import train  # jax loads only once the config is known to be good
+        from train.loop import NonFiniteLoss, train  # jax loads only once the config is known to be good
+        from train.preemption import PREEMPTED_EXIT_STATUS
 
         summary = train(cfg, dry_run="json" if args.dry_run and args.json else args.dry_run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not args.dry_run:
-        vals = summary["val_loss"]
-        val = f", validation loss {vals[max(vals)]:.4f} at step {max(vals)}" if vals else ""
-        print(f"at step {summary['last_step']} of {cfg.train.steps}{val}; run dir {summary['run_dir']}")
-    return 0
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return NonFiniteLoss.exit_status
+    if args.dry_run:
+        return 0
+    vals, g = summary["val_loss"], summary["goodput"]
+    val = f", validation loss {vals[max(vals)]:.4f} at step {max(vals)}" if vals else ""
+    print(f"at step {summary['last_step']} of {cfg.train.steps}{val}; run dir {summary['run_dir']}")
+    print(f"goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s: " + ", ".join(
+        f"{k.removesuffix('_s')} {v:.1f} s" for k, v in g.items() if k.endswith("_s") and k != "wall_s"))
+    return PREEMPTED_EXIT_STATUS if summary["preempted"] else 0

@@ -213,10 +213,14 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     input before anything in run.dir changes, NonFiniteLoss under on_nan=stop.
     """
     clock = GoodputClock()
-    with clock.phase("compile"):
-        trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
+    task = check_runtime(cfg, devices)
     is_main = jax.process_index() == 0
     say = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
+    run_dir = pathlib.Path(cfg.run.dir)
+    # Every refusal (a run.dir of another run, unreadable checkpoints) comes before the compile.
+    ckpt = _open_checkpoints(cfg, run_dir, is_main, say) if not dry_run else None
+    with clock.phase("compile"):
+        trainer = Trainer(cfg, task, devices)
     if dry_run != "json":
         total = param_count(trainer.abstract)
         active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
@@ -226,8 +230,6 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
 
-    run_dir = pathlib.Path(cfg.run.dir)
-    ckpt = _open_checkpoints(cfg, run_dir, is_main, say)
     start = ckpt.latest_step()
     data_iter = trainer.task.train_iterator()
     first_position = data_iter.get_state()

@@ -1,0 +1,67 @@
+"""Shared pieces of the reliability tests (imported by them; fixtures too): a tiny lm_tiny run started as a real process.
+
+Runs that are killed, signalled or compared bit for bit all start as
+`python -m train` subprocesses on one CPU device with the same settings, so
+the compiled program is the same in every process (a persistent compilation
+cache shared by the session makes each start cost ~4 s instead of ~8 s).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STEPS = 60
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+        "data.seq_len=32", "train.global_batch=8", "log.progress=false", "log.tensorboard=false",
+        "log.eval_batches=1", "log.every=1", "log.eval_every=1000", "mesh.data=1", f"train.steps={STEPS}",
+        "checkpoint.every=5", "checkpoint.keep=2"]
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def launch(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, **popen) -> subprocess.Popen:
+    """`python -m train` of the tiny lm_tiny run into `run_dir`, on one CPU device."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1",
+           "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    cmd = [sys.executable, "-m", "train", "--config", str(ROOT / "configs/lm_tiny.yaml"),
+           f"run.dir={run_dir}", *TINY, *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+
+
+def run(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = launch(run_dir, cache, *extra)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def final_state(run_dir: pathlib.Path) -> tuple[int, list[np.ndarray]]:
+    """(step, leaves) of the newest verified checkpoint, read back as numpy."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from meshwork.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=1, use_async=False)
+    step = ckpt.latest_step()
+    restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    ckpt.close()
+    return step, [np.asarray(x) for x in jax.tree.leaves(restored["state"])]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, compile_cache) -> pathlib.Path:
+    """The uninterrupted 60-step run every interrupted one must match bit for bit."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    done = run(run_dir, compile_cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run_dir
