@@ -270,6 +270,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
             return None
         summary["nonfinite_steps"].append(done[0])
         if cfg.train.on_nan == "stop":
+            ckpt.close()  # the write in flight commits: it is where a rerun resumes
             raise NonFiniteLoss(
                 f"train.on_nan=stop: step {done[0]} has loss {done[1]['loss']} and gradient norm "
                 f"{done[1]['grad_norm']}; its update was not applied and the run stopped (last checkpoint: "
