@@ -80,19 +80,20 @@ class Checkpointer:
 
         Only the trainer calls this (readers such as inference leave the run as it is).
         """
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        bad = {step: why for step in sorted(self.step_dirs()) if (why := self.problem(step)) is not None}
+        if not bad:
+            return []
+        _sync("meshwork_set_aside_checked")  # every process has looked before any folder moves
         messages = []
-        for step, path in sorted(self.step_dirs().items()):
-            why = self.problem(step)
-            if why is None:
-                continue
-            dest = run_dir / "checkpoints_rejected" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for step, why in bad.items():
+            dest = run_dir / "checkpoints_rejected" / f"{step}-{stamp}"
             if jax.process_index() == 0:
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, dest)
+                os.replace(self.directory / str(step), dest)
             messages.append(f"checkpoint {step} skipped ({why}); moved to {dest}")
-        if messages:
-            _sync("meshwork_set_aside")
-            self.manager.reload()
+        _sync("meshwork_set_aside_moved")
+        self.manager.reload()
         return messages
 
     # ------------------------------------------------------------ save and restore
