@@ -245,6 +245,7 @@ def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Ru
     """
     rules = rules if rules is not None else current_rules()
     mesh = jax.sharding.get_abstract_mesh()
-    if rules is None or mesh.empty:
+    # Inside shard_map the axes are manual: each device already holds exactly its part.
+    if rules is None or mesh.empty or mesh.are_all_axes_manual:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -21,17 +21,21 @@ from meshwork.config import Config, ConfigError
 from meshwork.flops import param_counts
 from meshwork.goodput_clock import GoodputClock
 from meshwork.metrics import MetricsWriter
+from sharding.overlap import compiler_options
 from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
 from sharding.report import compiled_report, format_report, state_bytes
 from sharding.ring_attention import zigzag_permutation
 from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
+from models.layers.mlp import use_collective_matmul
 from train.optim import make_optimizer
 from train.finetune import base_data_config, check_base, describe, load_base_params
 from train.logger import StepLogger, to_host
 from train.preemption import PreemptionGuard
 from train.run_dir import claim, write_config
 from train.state import abstract_state, ema_decay, init_state, logical_specs, param_count, state_shardings
-from train.step import make_eval_step, make_objective, make_train_step
+from train.comm import (check_comm, comm_shardings, init_comm_state, make_comm_gradients, make_diloco_step,
+                        outer_optimizer, uses_comm)
+from train.step import make_accumulate, make_eval_step, make_objective, make_train_step
 from train.task import DiffusionTask, LMTask, make_task
 
 def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | DiffusionTask:
@@ -60,6 +64,7 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
     if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
                           f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout")
+    check_comm(cfg, mesh_shape)
     check_base(cfg)
     return make_task(cfg)
 
@@ -88,11 +93,18 @@ class Trainer:
         self.seq_perm = (zigzag_permutation(cfg.data.seq_len, self.mesh.shape[seq_axes[0]])
                          if len(seq_axes) == 1 else None)
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+        self.inner_tx = None
+        if cfg.comm.local_steps > 1:  # DiLoCo: AdamW runs inside each replica, the state's optimizer is the outer one
+            self.inner_tx, self.tx = self.tx, outer_optimizer(cfg)
         # Shapes first, outside the mesh: nnx.eval_shape would otherwise try to
         # place the logical names on the mesh itself.
         self.graphdef, self.abstract = abstract_state(cfg, self.tx)
+        if uses_comm(cfg):
+            self.abstract["comm"] = jax.eval_shape(self.init_comm, self.abstract["params"])
         with self.context():
             self.shardings = state_shardings(self.abstract, self.mesh, self.rules_by_role)
+            if uses_comm(cfg):
+                self.shardings["comm"] = comm_shardings(self.abstract["comm"], self.mesh)
             # Gradients get their own layout only when it differs from the
             # parameters' (ZeRO-2: reduce-scattered instead of all-reduced).
             grad_shardings = tree_shardings(logical_specs(self.abstract["params"]), self.mesh,
@@ -109,24 +121,37 @@ class Trainer:
                               for k, (shape, dtype) in shapes.items()}
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
-            step = jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches,
-                                           grad_shardings, cfg.train.pipeline, cfg.run.seed,
-                                           loss_fn=make_objective(self.graphdef, cfg), ema_decay=ema_decay(cfg),
-                                           inject_nan_at=tuple(cfg.train.inject_nan_at)),
-                           in_shardings=(self.shardings, self.batch_sharding),
+            step = jax.jit(self.make_step(grad_shardings), in_shardings=(self.shardings, self.batch_sharding),
                            out_shardings=(self.shardings, replicated), donate_argnums=0)
-            self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile()
+            self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile(
+                compiler_options=compiler_options(cfg.comm, self.mesh.devices.flat[0].platform))
             # A batch thrown out by a rollback: only the step counter moves (the schedule and noise follow it).
             self.skip_fn = jax.jit(lambda state: {**state, "step": state["step"] + 1},
                                    out_shardings=self.shardings, donate_argnums=0)
             self.eval_fn = jax.jit(make_eval_step(self.graphdef, make_objective(self.graphdef, cfg)), in_shardings=(
                 self.shardings["params"], self.shardings["buffers"], self.batch_sharding), out_shardings=replicated)
 
+    def make_step(self, grad_shardings: Any) -> Callable:
+        cfg, objective = self.cfg, make_objective(self.graphdef, self.cfg)
+        if cfg.comm.local_steps > 1:
+            accumulate = make_accumulate(self.graphdef, objective, cfg.train.microbatches)
+            return make_diloco_step(self.graphdef, accumulate, self.inner_tx, self.tx, self.schedule, cfg,
+                                    self.mesh, cfg.run.seed)
+        comm_grads = (make_comm_gradients(make_accumulate(self.graphdef, objective, cfg.train.microbatches),
+                                          cfg, self.mesh) if uses_comm(cfg) else None)
+        return make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches, grad_shardings,
+                               cfg.train.pipeline, cfg.run.seed, loss_fn=objective, ema_decay=ema_decay(cfg),
+                               inject_nan_at=tuple(cfg.train.inject_nan_at), comm_grads=comm_grads)
+
+    def init_comm(self, params: Any) -> dict[str, Any]:
+        return init_comm_state(self.cfg, params, self.mesh.shape["data"], self.inner_tx)
+
     def context(self):
         """Mesh and rules must both be current while tracing, so activation constraints apply."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(use_rules(self.rules))
+        stack.enter_context(use_collective_matmul(self.cfg.comm.collective_matmul))
         return stack
 
     def init_state(self) -> dict[str, Any]:
@@ -135,7 +160,11 @@ class Trainer:
         base = (load_base_params(self.cfg, self.mesh, self.rules_by_role)
                 if self.cfg.finetune.method != "none" else None)
         with self.context():
-            return init_state(self.cfg, self.tx, self.shardings, base)
+            if not uses_comm(self.cfg):
+                return init_state(self.cfg, self.tx, self.shardings, base)
+            plain = {k: v for k, v in self.shardings.items() if k != "comm"}
+            state = init_state(self.cfg, self.tx, plain, base)
+            return {**state, "comm": jax.jit(self.init_comm, out_shardings=self.shardings["comm"])(state["params"])}
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
@@ -316,6 +345,8 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
                     and is_main:
                 trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
             preempted = guard.should_stop(step)
+            if step == last or preempted:  # the invocation's time account joins its last row
+                logger.add(step, **{f"time_{k}" if k.endswith("_s") else k: v for k, v in clock.breakdown().items()})
             if step % cfg.checkpoint.every == 0 or step == last or preempted:
                 # The step's own row and finiteness are settled before its checkpoint exists.
                 if (bad := nonfinite(logger.flush())) is not None:
@@ -334,8 +365,6 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         with clock.phase("checkpoint"):
             ckpt.close()
     summary["goodput"] = clock.breakdown()
-    if step > (summary["resumed_from"] or 0):  # the run's time account, as of its end
-        writer.write(step, {f"time_{k}" if k.endswith("_s") else k: v for k, v in summary["goodput"].items()})
     writer.close()
     summary.update(state=state, last_step=step)
     return summary

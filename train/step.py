@@ -110,35 +110,19 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
     return value_and_grad
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int = 1, grad_shardings: Any = None,
-                    pipeline: str = "none", seed: int = 0, loss_fn: Callable | None = None,
-                    ema_decay: float | None = None,
-                    inject_nan_at: tuple[int, ...] = ()) -> Callable[[dict, Batch], tuple[dict, dict]]:
-    """Returns step(state, batch) -> (state, metrics); jit it with shardings and donation.
-
-    `pipeline` ("gpipe" or "1f1b") runs the blocks as a pipeline over the mesh
-    axis `stage` with `microbatches` microbatches.
-
-    `grad_shardings`, when given, pins the gradients' layout (ZeRO-2 splits
-    them over the data-parallel axes, so XLA reduce-scatters instead of
-    all-reducing); otherwise XLA lays them out like the parameters.
+def make_accumulate(graphdef: nnx.GraphDef, loss_fn: Callable | None, microbatches: int = 1,
+                    pipeline: str = "none") -> Callable:
+    """accumulate(params, buffers, batch, noise_key) -> (metrics, grads) of the whole batch.
 
     With `microbatches` = M > 1, gradients of M equal slices of the batch are
-    summed in float32 inside a scan (gradient accumulation), so activation
-    memory is that of B/M sequences while the update equals the full batch's.
-
-    A step whose loss or gradient norm is not finite changes nothing but the
-    step counter (metrics["nonfinite"] says so); the host decides what follows
-    (train.on_nan). `inject_nan_at` makes the loss and gradients of those
-    steps (1-based, as logged) NaN, to test that handling.
+    summed in float32 inside a scan (gradient accumulation); a pipeline
+    schedule does its own microbatching.
     """
     grad_fn = jax.value_and_grad(loss_fn or make_loss_fn(graphdef), has_aux=True)
     pipelined = make_pipeline_value_and_grad(graphdef, pipeline, microbatches) if pipeline != "none" else None
 
     def accumulate(params, buffers, batch: Batch, noise_key):
-        """(metrics, grads) of the batch, microbatched when asked to."""
-        if pipelined is not None:  # the pipeline schedule does the microbatching
+        if pipelined is not None:
             _, metrics, grads = pipelined(params, buffers, batch)
             return metrics, grads
         if microbatches == 1:
@@ -161,11 +145,46 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
         return jax.tree.map(lambda m: m.mean(axis=0), metrics), grads
 
+    return accumulate
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    microbatches: int = 1, grad_shardings: Any = None,
+                    pipeline: str = "none", seed: int = 0, loss_fn: Callable | None = None,
+                    ema_decay: float | None = None, inject_nan_at: tuple[int, ...] = (),
+                    comm_grads: Callable | None = None) -> Callable[[dict, Batch], tuple[dict, dict]]:
+    """Returns step(state, batch) -> (state, metrics); jit it with shardings and donation.
+
+    `pipeline` ("gpipe" or "1f1b") runs the blocks as a pipeline over the mesh
+    axis `stage` with `microbatches` microbatches.
+
+    `grad_shardings`, when given, pins the gradients' layout (ZeRO-2 splits
+    them over the data-parallel axes, so XLA reduce-scatters instead of
+    all-reducing); otherwise XLA lays them out like the parameters.
+
+    With `microbatches` = M > 1, gradients of M equal slices of the batch are
+    summed in float32 inside a scan (gradient accumulation), so activation
+    memory is that of B/M sequences while the update equals the full batch's.
+
+    A step whose loss or gradient norm is not finite changes nothing but the
+    step counter (metrics["nonfinite"] says so); the host decides what follows
+    (train.on_nan). `inject_nan_at` makes the loss and gradients of those
+    steps (1-based, as logged) NaN, to test that handling.
+
+    `comm_grads` (train/comm.py) replaces the implicit data-parallel gradient
+    all-reduce with an explicit one (compressed, or one step stale) whose
+    buffers live in state["comm"].
+    """
+    accumulate = make_accumulate(graphdef, loss_fn, microbatches, pipeline)
+
     def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
         # Noise (e.g. noisy top-k routing) is a pure function of the step, so a
         # resumed run draws exactly what an uninterrupted one would.
         noise_key = jax.random.fold_in(jax.random.key(seed), state["step"])
-        metrics, grads = accumulate(state["params"], state["buffers"], batch, noise_key)
+        if comm_grads is not None:
+            metrics, grads, comm = comm_grads(state["params"], state["buffers"], batch, noise_key, state["comm"])
+        else:
+            metrics, grads = accumulate(state["params"], state["buffers"], batch, noise_key)
         if inject_nan_at:
             poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(inject_nan_at)), jnp.nan, 1.0)
             grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
@@ -182,6 +201,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             else state["buffers"]
         metrics = {**metrics, "grad_norm": grad_norm, "lr": schedule(state["step"]), "nonfinite": ~finite}
         new_state = {"step": state["step"] + 1, "params": params, "buffers": buffers, "opt_state": opt_state}
+        if comm_grads is not None:
+            new_state["comm"] = comm
         if ema_decay:  # weights averaged over steps: what diffusion samples with
             new_state["ema"] = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
         # Selecting (not branching) keeps one program and no host sync: a NaN

@@ -272,6 +272,38 @@ class LogConfig(Section):
     progress: bool = True
 
 
+class CommConfig(Section):
+    """Communication optimizations (train/comm.py, sharding/overlap.py, sharding/collective_matmul.py)."""
+
+    overlap: bool = False
+    """Schedule collectives asynchronously so they overlap compute (XLA's latency-hiding
+    scheduler and async collectives, where the backend has them)."""
+    combine_threshold_bytes: int | None = pydantic.Field(None, gt=0)
+    """Combine small all-reduces / all-gathers / reduce-scatters up to this many bytes
+    (the analogue of DDP's gradient buckets); null: XLA's default."""
+    xla_options: dict[str, bool | int | float | str] = {}
+    """Further XLA options for compiling the train step, by name."""
+    collective_matmul: bool = False
+    """Tensor-parallel projections as ppermute rings overlapped with partial matmuls
+    instead of one all-gather / reduce-scatter."""
+    compression: Literal["none", "bf16", "int8", "powersgd"] = "none"
+    """Data-parallel gradient all-reduce in bf16, int8 (reduce-scatter + all-gather of
+    int8 blocks) or PowerSGD low rank; rules.preset dp or zero1."""
+    rank: int = pydantic.Field(4, gt=0)
+    """PowerSGD rank."""
+    error_feedback: bool = True
+    """Add each replica's compression error to its next gradient."""
+    local_steps: int = pydantic.Field(1, gt=0)
+    """Local SGD / DiLoCo: replicas take this many inner steps without synchronizing, then
+    average (1: ordinary synchronous data parallelism)."""
+    outer_lr: float = pydantic.Field(0.7, gt=0)
+    """DiLoCo's outer learning rate on the averaged parameter change."""
+    outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1)
+    """DiLoCo's outer Nesterov momentum."""
+    stale_gradients: bool = False
+    """Apply step t-1's averaged gradient at step t, so its all-reduce can overlap step t's compute."""
+
+
 FINETUNE_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -311,6 +343,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    comm: CommConfig = CommConfig()
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> "Config":
