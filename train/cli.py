@@ -21,6 +21,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="YAML file (may `include:` others)")
     p.add_argument("--dry-run", action="store_true", help="compile the step, print the per-device report, exit")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the report as one JSON object")
+    p.add_argument("--graph", action="store_true", help="with --dry-run: print what XLA fused, scheduled and "
+                   "replaced in the compiled step (sharding/graph_report.py)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     dist = p.add_argument_group("multi-process (jax.distributed); omit all on a single host")
     dist.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
@@ -52,11 +54,44 @@ def init_distributed(args: argparse.Namespace) -> None:
     jax.distributed.initialize(*explicit) if not args.distributed else jax.distributed.initialize()
 
 
+def step_jaxpr(trainer):
+    """The jaxpr of a Trainer's train step, traced with the shapes it was compiled for."""
+    import jax
+
+    from meshwork.checkpoint import abstract_with_shardings
+
+    cfg, shapes = trainer.cfg, trainer.task.batch_shapes()
+    if trainer.seq_perm is not None:
+        shapes = {**shapes, "positions": shapes["inputs"]}
+    batch = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, *shape), dtype, sharding=trainer.batch_sharding)
+             for k, (shape, dtype) in shapes.items()}
+    with trainer.context():
+        return jax.make_jaxpr(trainer.make_step(trainer.grad_shardings))(
+            abstract_with_shardings(trainer.abstract, trainer.shardings), batch)
+
+
+def graph(cfg, as_json: bool) -> None:
+    """--dry-run --graph: compile the step and print its graph report."""
+    import json
+
+    from sharding.graph_report import format_graph_report, graph_report
+    from train.loop import Trainer, check_runtime
+
+    trainer = Trainer(cfg, check_runtime(cfg))
+    report = graph_report(trainer.step_fn, step_jaxpr(trainer))
+    print(json.dumps(report) if as_json else format_graph_report(report))
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         init_distributed(args)
+        if args.graph:
+            if not args.dry_run:
+                raise ConfigError("--graph goes with --dry-run: python -m train --config FILE --dry-run --graph")
+            graph(cfg, args.json)
+            return 0
         from train.loop import NonFiniteLoss, train  # jax loads only once the config is known to be good
         from train.preemption import PREEMPTED_EXIT_STATUS
 
