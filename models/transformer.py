@@ -26,6 +26,10 @@ from sharding.rules import with_logical_constraint
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    # Activation offload: the weight matmuls' outputs go to pinned host memory in the forward
+    # pass and come back for the backward pass, instead of staying on the device
+    # (dots_saveable) or being recomputed (full); attention's batched dots are recomputed.
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 ACT_BLD = ("act_batch", "act_norm_seq", "act_embed")  # the residual stream
 
@@ -99,6 +103,10 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     """
     def layer(x_BLD, xs):
         layer_state, key = xs
+        # Parameter offload: stacked weights that live in host memory are scanned there, and only
+        # this layer's slice is brought to the device, when this layer runs (XLA:GPU/TPU; on CPU,
+        # where host and device memory are one, jax lowers this device_put to nothing).
+        layer_state = jax.tree.map(to_device_memory, layer_state)
         with training_key(key):
             return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL), None
 
@@ -109,6 +117,17 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     keys = jax.random.split(dropout_key, n) if dropout_key is not None else None
     x_BLD, _ = jax.lax.scan(layer, x_BLD, (stacked, keys), unroll=n if unroll else 1)
     return x_BLD
+
+
+def to_device_memory(x: jax.Array) -> jax.Array:
+    """`x` moved to device memory if, in a traced function, it lives in host memory (an
+    input whose sharding has memory_kind="pinned_host"); anything else is returned as is.
+
+    >>> jax.jit(lambda w: to_device_memory(w) * 2)(w_on_host)   # doctest: +SKIP
+    """
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
 
 
 def decode_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array, positions_BL: jax.Array,

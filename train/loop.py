@@ -102,7 +102,7 @@ class Trainer:
         if uses_comm(cfg):
             self.abstract["comm"] = jax.eval_shape(self.init_comm, self.abstract["params"])
         with self.context():
-            self.shardings = state_shardings(self.abstract, self.mesh, self.rules_by_role)
+            self.shardings = state_shardings(self.abstract, self.mesh, self.rules_by_role, cfg.train.offload)
             if uses_comm(cfg):
                 self.shardings["comm"] = comm_shardings(self.abstract["comm"], self.mesh)
             # Gradients get their own layout only when it differs from the

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from meshwork.config import Config
+from meshwork.config import Config, OffloadConfig
 from models.transformer import Transformer
 from sharding.rules import Rules, tree_shardings
 
@@ -122,11 +122,28 @@ def variable_shardings(tree: Any, mesh: Mesh, rules: Rules) -> Any:
     return jax.tree.map(one, tree, plain, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules]) -> Any:
+HOST = "pinned_host"
+
+
+def on_host(shardings: Any) -> Any:
+    """The same shardings (same partition specs) with memory_kind="pinned_host": arrays laid
+    out by them live in host memory, one shard per device's host.
+
+    >>> on_host(NamedSharding(mesh, PartitionSpec("fsdp"))).memory_kind   # doctest: +SKIP
+    'pinned_host'
+    """
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+
+
+def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules], offload: OffloadConfig | None = None) -> Any:
     """NamedShardings for every state leaf (a tree prefix of the state).
 
     `rules` maps a role to its table (see `sharding.rules.ROLES`): parameters
     follow "params", Adam's moments "opt_state" (they differ under ZeRO-1/2).
+    `offload` (train.offload) moves the optimizer state and/or the scanned
+    layers' parameters ("blocks") to pinned host memory; only the memory kind
+    changes, so offload composes with every preset.
     """
     shardings = {"step": tree_shardings(None, mesh, rules["params"]),
                  "params": variable_shardings(abstract["params"], mesh, rules["params"]),
@@ -134,7 +151,20 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules]) -> An
                  "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"])}
     if "ema" in abstract:
         shardings["ema"] = shardings["params"]
+    if offload is not None and offload.optimizer:
+        # A prefix sharding may stand for a whole subtree: expand to one per leaf first.
+        shardings["opt_state"] = on_host(_per_leaf(shardings["opt_state"], abstract["opt_state"]))
+    if offload is not None and offload.params:
+        params = _per_leaf(shardings["params"], abstract["params"])
+        params["blocks"] = on_host(params["blocks"])
+        shardings["params"] = params
     return shardings
+
+
+def _per_leaf(prefix: Any, tree: Any) -> Any:
+    """A tree prefix of shardings broadcast to one sharding per leaf of `tree`, in `tree`'s structure."""
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any,

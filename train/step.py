@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 from meshwork.config import Config
-from models.transformer import apply_layers
+from models.transformer import apply_layers, to_device_memory
 from sharding.pipeline import pipeline_value_and_grad
 
 Batch = dict[str, jax.Array]
@@ -136,6 +136,7 @@ def make_accumulate(graphdef: nnx.GraphDef, loss_fn: Callable | None, microbatch
         def body(grad_sum, mb_and_key):
             mb, key = mb_and_key
             (_, metrics), grads = grad_fn(params, buffers, mb, key)
+            grads = jax.tree.map(to_device_memory, grads)  # offloaded layers' gradients come out on the host
             grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
             return grad_sum, metrics
 
@@ -185,12 +186,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             metrics, grads, comm = comm_grads(state["params"], state["buffers"], batch, noise_key, state["comm"])
         else:
             metrics, grads = accumulate(state["params"], state["buffers"], batch, noise_key)
+        grads = jax.tree.map(to_device_memory, grads)  # offloaded layers' gradients leave the scan on the host
         if inject_nan_at:
             poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(inject_nan_at)), jnp.nan, 1.0)
             grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
             metrics = {**metrics, "loss": metrics["loss"] * poison}
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        # Host offload (train.offload): state that lives in pinned host memory is streamed to the
+        # device for the update (the forward pass streams offloaded layers itself, one at a time);
+        # the jit's host out_shardings stream the new values back out.
+        state = {**state, **{k: jax.tree.map(to_device_memory, state[k]) for k in ("params", "opt_state")}}
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])

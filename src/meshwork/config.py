@@ -192,6 +192,20 @@ class OptimizerConfig(Section):
     """Global-norm gradient clipping; null disables it."""
 
 
+class OffloadConfig(Section):
+    """Host offload through JAX memory kinds (train/state.py, train/step.py): state that lives in
+    `pinned_host` memory between steps and is streamed to the device when the step needs it."""
+
+    optimizer: bool = False
+    """ZeRO-Offload: Adam's moments live in pinned host memory (same partition spec as without
+    offload, so it composes with zero1/zero2/fsdp); the step streams them in, updates and
+    streams them back out."""
+    params: bool = False
+    """FSDP CPU offload: the scanned layers' parameters live in pinned host memory and each
+    layer's slice is brought to the device inside the scan, when that layer runs (dense
+    transformer, no pipeline; embedding and head stay on the device)."""
+
+
 class TrainConfig(Section):
     steps: int = pydantic.Field(300, gt=0)
     """Length of the run; the learning-rate schedule spans exactly this many steps."""
@@ -204,8 +218,11 @@ class TrainConfig(Section):
     """Gradient accumulation: the global batch is split into this many sequential parts."""
     pipeline: Literal["none", "gpipe", "1f1b"] = "none"
     """Pipeline schedule over mesh.stage > 1 stages, with `microbatches` microbatches."""
-    remat: Literal["none", "full", "dots_saveable"] = "none"
-    """What the scanned layers keep for the backward pass (jax.checkpoint policy)."""
+    remat: Literal["none", "full", "dots_saveable", "offload_dots"] = "none"
+    """What the scanned layers keep for the backward pass (jax.checkpoint policy); offload_dots
+    keeps every weight matmul's output in pinned host memory instead of recomputing it."""
+    offload: OffloadConfig = OffloadConfig()
+    """Which parts of the train state live in host memory between steps."""
     scan_layers: bool = True
     """Run the dense transformer's layers as one lax.scan loop (one compiled block); false
     unrolls them (compile time grows with depth; XLA may fuse across layers)."""
@@ -380,6 +397,20 @@ class Config(Section):
         if ft.method in ("lora", "qlora", "adapter", "prefix") and t.pipeline != "none":
             raise _KeyError("finetune.method", f"{ft.method} with train.pipeline={t.pipeline} is not supported; "
                             "set train.pipeline=none")
+        o, c = t.offload, self.comm
+        if (o.optimizer or o.params) and (c.compression != "none" or c.stale_gradients or c.local_steps > 1):
+            raise _KeyError("train.offload", "host offload with comm.compression, comm.stale_gradients or "
+                            "comm.local_steps > 1 is not supported; turn one of them off")
+        if o.params and (m.kind != "transformer" or t.pipeline != "none" or ft.method not in ("none", "full")):
+            raise _KeyError("train.offload.params", f"parameter offload streams the dense transformer's scanned "
+                            f"layers (model.kind={m.kind}, train.pipeline={t.pipeline}, finetune.method="
+                            f"{ft.method}); use model.kind=transformer, train.pipeline=none, finetune none or full")
+        if t.remat == "offload_dots" and m.kind == "unet":
+            raise _KeyError("train.remat", "offload_dots is a policy of the scanned transformer layers; "
+                            "use none, full or dots_saveable for model.kind=unet")
+        if o.params and not t.scan_layers:
+            raise _KeyError("train.offload.params", "parameter offload streams one layer per scan step; "
+                            "set train.scan_layers=true")
         if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
         return self

@@ -61,6 +61,9 @@ class Accelerator:
     """Seconds per collective hop between nodes (assumed)."""
     devices_per_node: int
     """Devices that share the intra-node interconnect."""
+    host_link_bandwidth: float = 0.0
+    """Bytes/s per device, one direction, between device and host memory (PCIe); 0: not in the
+    table. What host offload (train.offload) streams at."""
 
     def ridge_point(self, dtype: str = "bf16") -> float:
         """Arithmetic intensity (FLOPs per HBM byte) above which a kernel is compute-bound.
@@ -109,6 +112,7 @@ HARDWARE: dict[str, Accelerator] = {
         inter_node_bandwidth=50 * GB,
         inter_node_latency=_IB_LATENCY,
         devices_per_node=8,
+        host_link_bandwidth=64 * GB,  # PCIe 5.0 x16: 64 GB/s each way
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): the H100's compute
     # (BF16 1,979 / FP8 3,958 TFLOPS with sparsity), 141 GB HBM3e at 4.8 TB/s,
@@ -123,6 +127,7 @@ HARDWARE: dict[str, Accelerator] = {
         inter_node_bandwidth=50 * GB,
         inter_node_latency=_IB_LATENCY,
         devices_per_node=8,
+        host_link_bandwidth=64 * GB,  # PCIe 5.0 x16: 64 GB/s each way
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): BF16 312 TFLOPS
     # dense (624 sparse), TF32 156 dense; no FP8. 80 GB HBM2e at 2,039 GB/s.

@@ -49,7 +49,7 @@ from meshwork.planner_comm import (Collective, CommOptions, collective_time, pla
                                    summarize)
 from meshwork.planner_memory import (REMATS, Layout, StateBytes, activation_memory,
                                      grad_accumulator_bytes, gathered_weight_bytes, indivisible, layout_from_config,
-                                     make_layout, model_weights, shard_size, state_memory)
+                                     make_layout, model_weights, offload_memory, shard_size, state_memory)
 from sharding.mesh import MESH_AXES
 
 __all__ = ["Plan", "PlanOptions", "Layout", "make_layout", "layout_from_config", "layout_problem", "plan", "search",
@@ -186,6 +186,10 @@ def memory(cfg: Config, layout: Layout, accounting: StateBytes | None = None) ->
     mem.update(activation_memory(cfg, layout))
     mem["gathered_weights"] = gathered_weight_bytes(cfg, layout, accounting)
     mem["total"] = sum(mem.values())
+    off = cfg.train.offload
+    if off.optimizer or off.params:  # train.offload: those bytes live in host memory, not on the device
+        mem["host"] = offload_memory(cfg, layout, accounting)["host"]
+        mem["total"] -= mem["host"]
     return mem
 
 
@@ -225,6 +229,12 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
     times = {"compute": compute, "recompute": recompute, "activation_comm": critical_comm,
              "bubble": bubble, "grad_weight_comm": background, "hidden_comm": hidden,
              "exposed_grad_weight_comm": background - hidden, "optimizer": optimizer, "step": step}
+    if "host" in mem:
+        # Host offload streams its bytes over PCIe; counted as not overlapped (an upper bound).
+        link = hw.host_link_bandwidth or 64 * GB  # PCIe 5.0 x16 where the table has no figure
+        times["host_transfer"] = offload_memory(cfg, layout, acc)["transfer"] / link
+        step += times["host_transfer"]
+        times["step"] = step
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return Plan(layout, hw, dpn, mem, timed, times, flops, step, flops["model"] / (step * peak * layout.devices),
                 tokens / step, mem["total"] <= usable, usable)

@@ -359,6 +359,36 @@ def state_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = No
     return out
 
 
+def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = None) -> dict[str, float]:
+    """Per-device bytes that `cfg.train.offload` keeps in host memory instead of device memory,
+    and the bytes each step moves over the host link (both directions summed).
+
+    Optimizer offload keeps the moments on the host: they cross the link in and out once per
+    step. Parameter offload keeps the scanned layers' parameters there: each layer's slice comes
+    in for the forward pass and again for the backward pass, its gradient goes out, and the
+    update streams the parameters in and out once more. The embedding and head stay on device.
+
+    >>> from meshwork.config import Config
+    >>> cfg = Config.model_validate({"train": {"offload": {"optimizer": True}}})
+    >>> mem = offload_memory(cfg, make_layout(data=8))
+    >>> mem["host"] == state_memory(cfg, make_layout(data=8))["opt_state"] == mem["transfer"] / 2
+    True
+    """
+    acc = accounting or StateBytes.meshwork(cfg)
+    off = cfg.train.offload
+    host = transfer = 0.0
+    if off.optimizer:
+        opt = state_memory(cfg, layout, acc)["opt_state"]
+        host += opt
+        transfer += 2 * opt
+    if off.params:
+        layers = [w for w in model_weights(cfg.model) if "layers" in w.names]
+        params = sum(shard_size(w, layout, "params") for w in layers) * acc.param
+        host += params
+        transfer += 4 * params + sum(shard_size(w, layout, "grads") for w in layers) * acc.grad
+    return {"host": host, "transfer": transfer}
+
+
 def zero_memory(n_params: float, n_devices: int, stage: int, accounting: StateBytes = MIXED_PRECISION_ADAM) -> float:
     """Per-device model-state bytes of ZeRO-DP stage 0-3 (Rajbhandari et al. 2020, Figure 1):
 
