@@ -27,8 +27,8 @@ class StepLogger:
     position) join its row when the row is written."""
 
     def __init__(self, cfg: Config, writer: MetricsWriter, flops_per_step: float, items_per_step: int, unit: str,
-                 *, start: int, last: int, enabled: bool, live: Callable[[], dict] = dict):
-        self.cfg, self.writer, self.last, self.live = cfg, writer, last, live
+                 *, start: int, last: int, enabled: bool, n_devices: int, live: Callable[[], dict] = dict):
+        self.cfg, self.writer, self.last, self.live, self.n_devices = cfg, writer, last, live, n_devices
         self.unit, self.items_per_step, self.flops_per_step = unit, items_per_step, flops_per_step
         self.peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
         self.pbar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.log.progress and enabled),
@@ -77,7 +77,7 @@ class StepLogger:
         now = time.perf_counter()
         step_time = (now - self.t_last) / self.steps_since
         self.t_last, self.steps_since = now, 0
-        tflops = self.flops_per_step / step_time / jax.device_count() / 1e12
+        tflops = self.flops_per_step / step_time / self.n_devices / 1e12
         self.writer.write(step, {**m, "step_time_s": step_time, f"{self.unit}_per_s": self.items_per_step / step_time,
                                  "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak, **self.live(), **host,
                                  **self.extra.pop(step, {})})

@@ -289,8 +289,10 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         writer.write(0, evaluate(0))
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_after or steps)
-    logger = StepLogger(cfg, writer, trainer.task.flops_per_step(trainer.step_fn), trainer.task.items_per_step(),
-                        trainer.task.unit, start=start or 0, last=last, enabled=is_main,
+    n_devices = trainer.mesh.size
+    logger = StepLogger(cfg, writer, trainer.task.flops_per_step(trainer.step_fn, n_devices),
+                        trainer.task.items_per_step(), trainer.task.unit, start=start or 0, last=last,
+                        enabled=is_main, n_devices=n_devices,
                         live=lambda: {"goodput": clock.goodput()})
 
     def nonfinite(done: tuple[int, dict] | None) -> int | None:

@@ -45,8 +45,8 @@ class LMTask:
     def items_per_step(self) -> int:
         return self.cfg.train.global_batch * self.cfg.data.seq_len
 
-    def flops_per_step(self, compiled_step: Any) -> float:
-        del compiled_step  # the 6N + attention formula counts useful work only
+    def flops_per_step(self, compiled_step: Any, n_devices: int) -> float:
+        del compiled_step, n_devices  # the 6N + attention formula counts useful work only
         return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step()
 
 
@@ -78,12 +78,12 @@ class DiffusionTask:
     def items_per_step(self) -> int:
         return self.cfg.train.global_batch
 
-    def flops_per_step(self, compiled_step: Any) -> float:
+    def flops_per_step(self, compiled_step: Any, n_devices: int) -> float:
         # No closed form for a UNet's convolutions: take XLA's count of the
         # compiled step (it has no scan, so nothing is counted once for many).
         cost = compiled_step.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        return float((cost or {}).get("flops", 0.0)) * jax.device_count()
+        return float((cost or {}).get("flops", 0.0)) * n_devices  # per device, times the run's devices
 
 
 def make_task(cfg: Config) -> LMTask | DiffusionTask:
