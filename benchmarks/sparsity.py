@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -41,25 +40,10 @@ from meshwork import data as data_lib  # noqa: E402
 from meshwork.config import load_config  # noqa: E402
 from train.task import make_task  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from quantize import median_seconds, train_quick  # noqa: E402  (the same timing and base run)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def median_seconds(f, *args, repeats: int) -> float:
-    jax.block_until_ready(f(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def train_quick(run_dir: str, steps: int) -> None:
-    from train.loop import train
-
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={run_dir}", f"train.steps={steps}",
-                                                       "log.progress=false", "log.tensorboard=false"])
-    train(cfg, devices=jax.devices()[:1])
 
 
 def with_params(model: nnx.Module, params) -> nnx.Module:

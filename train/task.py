@@ -11,7 +11,6 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 
 from meshwork import data as data_lib
