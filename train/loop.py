@@ -222,7 +222,7 @@ def _open_checkpoints(cfg: Config, run_dir: pathlib.Path, is_main: bool, say) ->
     """The run's checkpoints, after checking the run dir is this config's and setting bad steps aside."""
     claim(cfg, run_dir, is_main=is_main)
     ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        use_async=cfg.checkpoint.async_, warn=say)
+                        use_async=cfg.checkpoint.async_)
     steps, good = ckpt.step_dirs(), ckpt.latest_step()
     if steps and good is None and not cfg.run.overwrite:
         problems = "; ".join(f"step {s}: {ckpt.problem(s)}" for s in sorted(steps, reverse=True)[:3])

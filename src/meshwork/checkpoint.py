@@ -29,9 +29,8 @@ import os
 import pathlib
 import shutil
 import time
-import warnings
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -42,11 +41,9 @@ MANIFEST = "meshwork_manifest.json"
 class Checkpointer:
     """Saves and restores checkpoints under `directory`; opening one changes nothing on disk."""
 
-    def __init__(self, directory: str | pathlib.Path, *, every: int, keep: int, use_async: bool,
-                 warn: Callable[[str], None] | None = None):
+    def __init__(self, directory: str | pathlib.Path, *, every: int, keep: int, use_async: bool):
         self.directory = pathlib.Path(directory).absolute()
         self.keep, self.use_async = keep, use_async
-        self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
         self._saving: int | None = None  # the step Orbax is committing in the background
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
         self._verifying: concurrent.futures.Future | None = None
