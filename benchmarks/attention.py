@@ -38,7 +38,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from meshwork.hardware import accelerator_for_device_kind, measure_cpu_peak, table_dtype
+from meshwork.perf.hardware import accelerator_for_device_kind, measure_cpu_peak, table_dtype
 from meshwork.kernels import flash_attention as fa
 from meshwork.kernels import tuning
 

@@ -66,7 +66,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention import attention_flops, make_inputs, step, time_call  # noqa: E402
 
-from meshwork.hardware import accelerator_for_device_kind, table_dtype  # noqa: E402
+from meshwork.perf.hardware import accelerator_for_device_kind, table_dtype  # noqa: E402
 from meshwork.kernels import flash_attention as fa  # noqa: E402
 from meshwork.kernels import tuning  # noqa: E402
 
@@ -279,7 +279,7 @@ def _runs(kernel: Kernel, depth: int) -> float:
 # Static measure: per-backend cost models
 # --------------------------------------------------------------------------
 
-# Data-sheet figures (dense bf16 peak comes from meshwork.hardware). clock is a
+# Data-sheet figures (dense bf16 peak comes from meshwork.perf.hardware). clock is a
 # sustained boost clock; ITER_CYCLES is a guess at one inner-loop step's fixed
 # cost (loop, barriers, pipeline bookkeeping) per program.
 GPU_SPECS = {

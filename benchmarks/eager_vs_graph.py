@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from meshwork.config import load_config  # noqa: E402
-from sharding.graph_report import hlo_kernels, jaxpr_op_counts  # noqa: E402
+from meshwork.sharding.graph_report import hlo_kernels, jaxpr_op_counts  # noqa: E402
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
         "data.seq_len=32", "train.global_batch=8"]
@@ -121,7 +121,7 @@ class EagerInterpreter:
 # The step, eager and compiled.
 
 def _trainer(overrides: list[str]):
-    from train.loop import Trainer, check_runtime
+    from meshwork.train.loop import Trainer, check_runtime
 
     tmp = tempfile.mkdtemp(prefix="eager_vs_graph_")
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", "mesh.data=1", "log.progress=false",
@@ -188,7 +188,7 @@ def naive_attention(q_BLHK, k_BSGK, v_BSGK, key, *, dropout: float = 0.1):
 
 def attention_variants(B: int = 2, L: int = 128, H: int = 4, G: int = 2, K: int = 32) -> list[dict[str, Any]]:
     """HLO kernels and temp bytes of attention forward + backward, per implementation (one device)."""
-    from models.layers.attention import attend
+    from meshwork.models.layers.attention import attend
 
     q = jax.ShapeDtypeStruct((B, L, H, K), jnp.float32)
     kv = jax.ShapeDtypeStruct((B, L, G, K), jnp.float32)

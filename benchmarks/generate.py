@@ -34,7 +34,7 @@ preallocated cache row (masked) rather than the current length. For an MoE
 model the ceiling counts all experts, an under-estimate at small batch.
 
 --quantize int8,int4 repeats decode at --quantize-batch with the projection
-weights quantized (`inference/quantize.py`) and prints their weight bytes and
+weights quantized (`models/quantize.py`) and prints their weight bytes and
 tokens/s against float.
 """
 
@@ -53,10 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.generate import Generator
-from inference.kv_cache import cache_bytes_per_token
-from inference.sampling import SamplingArrays, SamplingParams
-from inference.quantize import MODES, quantize_model, weight_bytes
+from meshwork.inference.generate import Generator
+from meshwork.inference.kv_cache import cache_bytes_per_token
+from meshwork.inference.sampling import SamplingArrays, SamplingParams
+from meshwork.models.quantize import MODES, quantize_model, weight_bytes
 from meshwork.config import ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -89,12 +89,12 @@ def load_model(args: argparse.Namespace):
         if args.overrides:
             raise ConfigError(f"overrides {args.overrides} apply to --config only; with --checkpoint the run's "
                               "own config.yaml is used")
-        from inference.runs import load_run
+        from meshwork.inference.runs import load_run
 
         cfg, model, step = load_run(args.checkpoint)
         source = f"{args.checkpoint} (step {step})"
     else:
-        from train.state import build_model
+        from meshwork.models.build import build_model
 
         cfg = load_config(args.config, args.overrides)
         model = build_model(cfg)

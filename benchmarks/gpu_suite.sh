@@ -226,7 +226,7 @@ sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp
 import train_step as ts  # time_layout: median s/step after 3 warm-up steps, and model FLOPs/step
 from meshwork.config import load_config
-from meshwork.hardware import accelerator_for_device_kind, get_hardware
+from meshwork.perf.hardware import accelerator_for_device_kind, get_hardware
 
 SMOKE = bool(os.environ.get("SMOKE"))
 dev = jax.devices()[0]
@@ -286,9 +286,9 @@ for name, ov, steps in ROWS:
         continue
     planned, nparams = None, None
     try:
-        from meshwork.planner import PlanOptions, plan
-        from meshwork.planner_memory import layout_from_config
-        from meshwork.flops import param_counts
+        from meshwork.perf.planner import PlanOptions, plan
+        from meshwork.perf.planner_memory import layout_from_config
+        from meshwork.perf.flops import param_counts
         cfg = load_config(ts.ROOT / "configs/lm_tiny.yaml", all_ov)
         nparams = param_counts(cfg.model).get("total")
         planned = plan(cfg, layout_from_config(cfg, 1), get_hardware("h200"), 1,

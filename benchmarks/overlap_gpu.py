@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from sharding.hlo import collective_summary
-from sharding.overlap import async_collective_schedule, compiler_options, gradients_issued_before_backward_end
+from meshwork.sharding.hlo import collective_summary
+from meshwork.sharding.overlap import async_collective_schedule, compiler_options, gradients_issued_before_backward_end
 
 OFF = {"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES", "xla_gpu_enable_latency_hiding_scheduler": False}
 

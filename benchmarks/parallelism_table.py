@@ -18,8 +18,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from meshwork.config import load_config  # noqa: E402
-from train.loop import Trainer, check_runtime  # noqa: E402
-from train.state import param_count  # noqa: E402
+from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.train.state import param_count  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 8

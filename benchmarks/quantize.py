@@ -1,5 +1,5 @@
 """What weight quantization saves and costs on a trained lm_tiny: bytes, validation loss,
-and the time of decode-shaped products, for each mode of `inference/quantize.py`.
+and the time of decode-shaped products, for each mode of `models/quantize.py`.
 
     python benchmarks/quantize.py [--run-dir RUN] [--group-size 32] [--matmul 2048 8192]
 
@@ -27,11 +27,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from inference.quantize import MODES, quantize_model, quantize_weight, validation_loss, weight_bytes  # noqa: E402
-from inference.runs import load_run  # noqa: E402
-from meshwork import data as data_lib  # noqa: E402
+from meshwork.models.quantize import MODES, quantize_model, weight_bytes
+from meshwork.models.layers.quantized import quantize_weight
+from meshwork.evaluation.lm_loss import validation_loss  # noqa: E402
+from meshwork.inference.runs import load_run  # noqa: E402
+from meshwork.data import text as data_lib  # noqa: E402
 from meshwork.config import load_config  # noqa: E402
-from train.task import make_task  # noqa: E402
+from meshwork.train.task import make_task  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -64,7 +66,7 @@ def projection_seconds(mode: str, d: int, f: int, batch: int, group_size: int, r
 
 
 def train_quick(run_dir: str, steps: int) -> None:
-    from train.loop import train
+    from meshwork.train.loop import train
 
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={run_dir}", f"train.steps={steps}",
                                                        "log.progress=false", "log.tensorboard=false"])

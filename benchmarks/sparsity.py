@@ -1,5 +1,5 @@
 """What magnitude pruning costs a trained lm_tiny, what masked fine-tuning wins back, and what the
-compact 2:4 format saves in bytes and costs in time (inference/sparsity.py).
+compact 2:4 format saves in bytes and costs in time (models/sparsity.py).
 
     python benchmarks/sparsity.py [--run-dir RUN] [--recover-steps 150] [--recover-lr 3e-4] [--matmul 2048 8192]
 
@@ -32,13 +32,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from inference.quantize import validation_loss, weight_bytes  # noqa: E402
-from inference.runs import load_run  # noqa: E402
-from inference.sparsity import (compact_24, compact_bytes, compact_model, matmul_24_gather, prune_model,  # noqa: E402
-                                recover, sparsity)
-from meshwork import data as data_lib  # noqa: E402
+from meshwork.models.quantize import weight_bytes
+from meshwork.evaluation.lm_loss import validation_loss  # noqa: E402
+from meshwork.inference.runs import load_run  # noqa: E402
+from meshwork.models.sparsity import (compact_24, compact_bytes, compact_model, matmul_24_gather,  # noqa: E402
+                                       prune_model, sparsity)
+from meshwork.train.sparse_recovery import recover  # noqa: E402
+from meshwork.data import text as data_lib  # noqa: E402
 from meshwork.config import load_config  # noqa: E402
-from train.task import make_task  # noqa: E402
+from meshwork.train.task import make_task  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from quantize import median_seconds, train_quick  # noqa: E402  (the same timing and base run)
@@ -170,7 +172,7 @@ def main(argv: list[str]) -> None:
 
 def _zeros(model: nnx.Module) -> float:
     """Fraction of the projection weights that are zero (size-weighted)."""
-    from inference.quantize import projection_sites
+    from meshwork.models.quantize import projection_sites
 
     sizes = {s.path: s.param.get_value().size for s in projection_sites(model)}
     z = sparsity(model)

@@ -27,10 +27,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
-from meshwork.data import train_iterator  # noqa: E402
-from meshwork.flops import train_flops_per_token  # noqa: E402
-from meshwork.hardware import measure_cpu_peak  # noqa: E402
-from train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.data.text import train_iterator  # noqa: E402
+from meshwork.perf.flops import train_flops_per_token  # noqa: E402
+from meshwork.perf.hardware import measure_cpu_peak  # noqa: E402
+from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUTS = {
@@ -97,9 +97,9 @@ def mfu_table(steps: int, overrides: list[str]) -> None:
 def planned_step_time(overrides: list[str], peak: float) -> float:
     """The planner's step time for the config on one device of this CPU, at its measured
     f32 matmul peak and efficiency 1 (the planner's compute term includes remat's recompute)."""
-    from meshwork.hardware import Accelerator
-    from meshwork.planner import PlanOptions, plan
-    from meshwork.planner_memory import layout_from_config
+    from meshwork.perf.hardware import Accelerator
+    from meshwork.perf.planner import PlanOptions, plan
+    from meshwork.perf.planner_memory import layout_from_config
 
     cpu = Accelerator(name="this cpu", peak_flops={"fp32": peak, "bf16": peak}, hbm_bytes=64e9,
                       hbm_bandwidth=20e9, intra_node_bandwidth=20e9, intra_node_latency=1e-6,

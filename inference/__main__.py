@@ -1,8 +1,5 @@
-"""python -m inference diffusion --checkpoint RUN_DIR [--num 64] [--steps 50] [--out grid.png]"""
-
-import sys
-
-from inference.cli import main
+"""python3 -m meshwork.inference {lm,diffusion,export} ... (python3 -m inference in a checkout)."""
+from meshwork.inference.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run()

@@ -21,7 +21,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-ema", action="store_true", help="sample with the raw weights, not their EMA")
     d.add_argument("--out", default="grid.png")
-    from inference import lm
+    from meshwork.inference import lm
 
     lm.add_arguments(sub.add_parser("lm", help="generate text from a trained LM run or a Hugging Face checkpoint"))
     e = sub.add_parser("export-hf", help="write a trained LM run as a Hugging Face checkpoint (safetensors)")
@@ -34,14 +34,14 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         if args.command == "lm":
-            from inference import lm
+            from meshwork.inference import lm
 
             return lm.run(args)
         if args.command == "export-hf":
             return export_hf(args.checkpoint, args.out)
         if args.num < 1 or args.steps < 1:
             raise ConfigError("--num and --steps must be positive")
-        from inference.generate_images import generate_grid
+        from meshwork.inference.generate_images import generate_grid
 
         out, accuracy = generate_grid(args.checkpoint, num=args.num, steps=args.steps, sampler=args.sampler,
                                       guidance=args.guidance, labels=args.labels, seed=args.seed,
@@ -57,8 +57,8 @@ def main(argv: list[str]) -> int:
 def export_hf(checkpoint: str, out: str) -> int:
     import pathlib
 
-    from inference.hf_export import export_hf as write
-    from inference.runs import load_run
+    from meshwork.inference.hf_export import export_hf as write
+    from meshwork.inference.runs import load_run
 
     out_dir = pathlib.Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -70,3 +70,12 @@ def export_hf(checkpoint: str, out: str) -> int:
         raise ConfigError(f"export-hf: {e}") from None
     print(f"wrote step {step} of {checkpoint} to {path}")
     return 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    run()

@@ -34,7 +34,7 @@ import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so bf16 checkpoin
 import numpy as np
 from flax import nnx
 
-from inference.hf import TensorReader, apply_params
+from meshwork.inference.hf import TensorReader, apply_params
 from meshwork.config import UNetConfig
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -251,7 +251,7 @@ def load_diffusers_unet(path: str | pathlib.Path) -> tuple[UNetConfig, dict[str,
 def build_unet(cfg: UNetConfig, params: dict[str, Any], *, dtype: jnp.dtype = jnp.float32,
                param_dtype: jnp.dtype = jnp.float32, remat: str = "none", attention: str = "xla") -> nnx.Module:
     """The UNet of `cfg` holding `params` (cast to param_dtype); no random weights are drawn."""
-    from models.unet import UNet
+    from meshwork.models.unet import UNet
 
     model = nnx.eval_shape(lambda: UNet(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention,
                                         rngs=nnx.Rngs(0)))

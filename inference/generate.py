@@ -29,11 +29,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from inference.kv_cache import KVCache
-from inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
+from meshwork.inference.kv_cache import KVCache
+from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.config import ConfigError
 from meshwork.kernels.flash_attention import round_up
-from sharding.rules import Rules, split_axes, use_rules
+from meshwork.sharding.rules import Rules, split_axes, use_rules
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this: one prefill compile per bucket, not per length
 
@@ -42,7 +42,7 @@ def place(model: nnx.Module, mesh: Mesh | None, rules: Rules | None) -> tuple[nn
     """(graphdef, state) of `model`, its state laid out on `mesh` by the rules (or left where it is)."""
     graphdef, state = nnx.split(model)
     if mesh is not None:
-        from train.state import variable_shardings  # the trainer's layout, quantized weights included
+        from meshwork.partitioning import variable_shardings  # the trainer's layout, quantized weights included
 
         state = jax.device_put(state, variable_shardings(state, mesh, rules))
     return graphdef, state

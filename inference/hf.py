@@ -65,7 +65,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from meshwork.config import ModelConfig, MoEConfig
-from sharding.rules import Rules, tree_shardings
+from meshwork.sharding.rules import Rules, tree_shardings
 
 SUPPORTED = ("llama", "mixtral", "qwen2_moe")
 # Tensors some checkpoints carry that hold no weights meshwork needs.
@@ -529,8 +529,8 @@ def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp
     `dtype` is the compute dtype, `param_dtype` (default: `dtype`) the
     parameters'; a bf16 file is cast on the devices, not on the host.
 
-    >>> from sharding.mesh import make_mesh
-    >>> from sharding.rules import rules_for
+    >>> from meshwork.sharding.mesh import make_mesh
+    >>> from meshwork.sharding.rules import rules_for
     >>> path = "tests/fixtures/hf/llama"
     >>> mesh = make_mesh({"data": 4, "tensor": 2})
     >>> sh = hf_param_shardings(load_hf_config(path), mesh, rules_for("tp"))
@@ -565,14 +565,14 @@ def hf_param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict[str, 
     """NamedShardings for the parameters of the model `cfg` describes, laid out by the
     logical names and `rules` (as training lays them out), as a pure dict for `load_hf_model`.
 
-    >>> from sharding.mesh import make_mesh
-    >>> from sharding.rules import rules_for
+    >>> from meshwork.sharding.mesh import make_mesh
+    >>> from meshwork.sharding.rules import rules_for
     >>> sh = hf_param_shardings(load_hf_config("tests/fixtures/hf/llama"), make_mesh({"tensor": -1}),
     ...                         rules_for("tp"))
     >>> sh["blocks"]["mlp"]["w_up"].spec    # (layers, D, F): F split over tensor
     P(None, None, 'tensor')
     """
-    from train.state import logical_specs
+    from meshwork.partitioning import logical_specs
 
     make = functools.partial(_make_model, cfg, dtype=jnp.float32, param_dtype=jnp.float32, remat="none", seed=0)
     abstract = nnx.state(nnx.eval_shape(make), nnx.Param)
@@ -590,10 +590,10 @@ def as_pure_dict(tree: Any) -> Any:
 def _make_model(cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, remat: str, seed: int) -> nnx.Module:
     kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=nnx.Rngs(seed))
     if cfg.kind == "moe":
-        from models.moe import MoETransformer
+        from meshwork.models.moe import MoETransformer
 
         return MoETransformer(cfg, **kw)
-    from models.transformer import Transformer
+    from meshwork.models.transformer import Transformer
 
     return Transformer(cfg, **kw)
 

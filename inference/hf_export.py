@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from inference.hf import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
+from meshwork.inference.hf import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
 from meshwork.config import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -120,7 +120,7 @@ def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any],
     whole model in its dtype (plus one tensor being transposed).
 
     >>> import tempfile
-    >>> from inference.hf import load_hf_model
+    >>> from meshwork.inference.hf import load_hf_model
     >>> cfg, model = load_hf_model("tests/fixtures/hf/mixtral")
     >>> path = export_hf(cfg, model, tempfile.mkdtemp())
     >>> sorted(p.name for p in path.iterdir()), json.loads((path / "config.json").read_text())["architectures"]

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshwork.config import ModelConfig
 from meshwork.kernels.decode_attention import decode_attention
-from sharding.rules import Rules, logical_to_sharding
+from meshwork.sharding.rules import Rules, logical_to_sharding
 
 # Logical names of a cache's (layers, batch, seq, kv_heads, head_dim) dimensions.
 CACHE_AXES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")

@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
     """(model, tokenizer or None, default stop ids) from a run dir or a Hugging Face directory."""
     if checkpoint is not None:
-        from inference.runs import load_run
-        from meshwork.data import ByteTokenizer
+        from meshwork.inference.runs import load_run
+        from meshwork.data.text import ByteTokenizer
 
         cfg, model, _ = load_run(checkpoint)
         if cfg.model.kind not in ("transformer", "moe"):
@@ -50,14 +50,14 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
             raise ConfigError(f"--checkpoint: {checkpoint} is prefix-tuned; generation with a KV cache does not "
                               "support prefixes yet (models/adapters.py)")
         if cfg.finetune.method == "lora":
-            from models.lora import merge_lora
+            from meshwork.models.lora import merge_lora
 
             merge_lora(model)  # W0 + (alpha/r) B A: inference at the base model's cost
         return model, tokenizer, []
     path = pathlib.Path(hf).expanduser()
     if not path.is_dir():
         raise ConfigError(f"--hf: {path} is not a directory; pass a Hugging Face checkpoint directory")
-    from inference.hf import model_from_hf
+    from meshwork.inference.hf import model_from_hf
 
     try:
         _, model = model_from_hf(path)
@@ -131,7 +131,7 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Loads, generates, prints. ConfigError for anything the user can fix."""
-    from inference.sampling import SamplingParams
+    from meshwork.inference.sampling import SamplingParams
 
     model, tokenizer, eos = load_lm(args.checkpoint, args.hf)
     prompts = encode_prompts(args, tokenizer, model.cfg.vocab_size)
@@ -140,11 +140,11 @@ def run(args: argparse.Namespace) -> int:
                             stop_tokens=tuple(args.stop_id or eos), seed=args.seed)
     params.check(model.cfg.vocab_size)
     if args.quantize != "none":
-        from inference.quantize import quantize_model
+        from meshwork.models.quantize import quantize_model
 
         quantize_model(model, args.quantize)
     if len(prompts) == 1:
-        from inference.generate import Generator
+        from meshwork.inference.generate import Generator
 
         gen = Generator(model)
         gen.check_prompt(prompts[0], params.max_new_tokens, args.max_len)
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
 
-    from inference.serving import Request, Server
+    from meshwork.inference.serving import Request, Server
 
     max_len = args.max_len or max(len(p) for p in prompts) + params.max_new_tokens + 1
     server = Server(model, slots=args.slots, max_len=max_len)

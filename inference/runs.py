@@ -7,10 +7,9 @@ import pathlib
 import jax
 from flax import nnx
 
-from meshwork.checkpoint import Checkpointer
 from meshwork.config import Config, ConfigError, load_config
-from train.optim import make_optimizer
-from train.state import abstract_state
+from meshwork.models.build import build_model, ema_decay, split_model
+from meshwork.run.checkpoint import Checkpointer
 
 
 def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
@@ -30,13 +29,15 @@ def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
     step = ckpt.latest_step() if ckpt is not None else None
     if step is None:
         raise ConfigError(f"--checkpoint: {run_dir}/checkpoints holds no complete checkpoint; train first")
-    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)
-    graphdef, abstract = abstract_state(cfg, tx)
+    # Only the weights are read (Orbax partial restore): no optimizer state is built or loaded.
+    graphdef, params, buffers = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)
+    weights = "ema" if ema and ema_decay(cfg) else "params"
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          {weights: params, "buffers": buffers})
     try:
         _check_model(cfg, ckpt.saved_config(step), run_dir, step)
-        state, _ = ckpt.restore(step, target)
+        state = ckpt.restore_parts(step, target)
     except ConfigError:
         raise
     except (ValueError, OSError) as e:  # truncated or corrupt files: Orbax raises from deep inside
@@ -45,8 +46,7 @@ def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
                           "it is damaged: restore it from a copy or retrain") from None
     finally:
         ckpt.close()
-    params = state["ema"] if ema and "ema" in state else state["params"]
-    return cfg, nnx.merge(graphdef, params, state["buffers"]), step
+    return cfg, nnx.merge(graphdef, state[weights], state["buffers"]), step
 
 
 def _check_model(cfg: Config, saved: dict, run_dir: pathlib.Path, step: int) -> None:

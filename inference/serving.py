@@ -38,12 +38,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from inference.generate import PROMPT_BUCKET, Generator
-from inference.kv_cache import NULL_PAGE, PagedKVCache
-from inference.sampling import SamplingArrays, SamplingParams
+from meshwork.inference.generate import PROMPT_BUCKET, Generator
+from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
+from meshwork.inference.sampling import SamplingArrays, SamplingParams
 from meshwork.config import ConfigError
 from meshwork.kernels.flash_attention import round_up
-from sharding.rules import Rules
+from meshwork.sharding.rules import Rules
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import matmul, normal, param
-from models.transformer import Transformer, stack_layers
+from meshwork.models.layers.params import matmul, normal, param
+from meshwork.models.transformer import Transformer, stack_layers
 
 
 class AdapterParam(nnx.Param):

@@ -5,7 +5,7 @@ low-rank delta, y = x W0 + (alpha / r) (x A) B, with A (inputs..., r) random and
 B (r, outputs...) zero, so the model is unchanged at step 0. The delta is
 computed as (x A) B: B A is never materialized in training. QLoRA (Dettmers et
 al., 2023) is the same over a 4-bit base: every projection of the model is
-quantized to inference/quantize.py's int4 format (group scales, dequantized on
+quantized to models/quantize.py's int4 format (group scales, dequantized on
 the fly inside the layer scan) and the LoRA factors stay in the model's dtypes.
 
     model = build_model(cfg)                    # then write the base run's weights into it
@@ -42,11 +42,11 @@ import numpy as np
 from flax import nnx
 
 from meshwork.config import FinetuneConfig
-from models.adapters import (AdapterParam, PrefixParam, add_adapters, add_prefixes, param_dtype_of,
+from meshwork.models.adapters import (AdapterParam, PrefixParam, add_adapters, add_prefixes, param_dtype_of,
                              require_dense)
-from models.layers import params
-from models.layers.params import current_training_key, param
-from models.transformer import Transformer, stack_layers
+from meshwork.models.layers import params
+from meshwork.models.layers.params import current_training_key, param
+from meshwork.models.transformer import Transformer, stack_layers
 
 __all__ = ["LoRA", "LoRAParam", "AdapterParam", "PrefixParam", "MergedLoRA", "TARGETS", "apply_finetune",
            "trainable", "add_lora", "merge_lora", "unmerge_lora", "lora_delta"]
@@ -92,7 +92,7 @@ class LoRA(nnx.Module):
     """A frozen weight plus a trainable low-rank delta: x W0 + (alpha / r) (x A) B.
 
     `base`: the frozen nnx.Param (its value a float array or a quantized weight of
-    inference/quantize.py). `lora_a` (inputs..., r), `lora_b` (r, outputs...): `LoRAParam`s.
+    models/quantize.py). `lora_a` (inputs..., r), `lora_b` (r, outputs...): `LoRAParam`s.
     Build with `LoRA.wrap`; `models.layers.params.matmul` calls `matmul`.
     """
 
@@ -232,7 +232,7 @@ def apply_finetune(model: nnx.Module, ft: FinetuneConfig, rngs: nnx.Rngs) -> Non
 def _quantize_base(model: Transformer, group_size: int) -> None:
     # inference/ sits above models/ in the layering; only QLoRA reaches up, for the one
     # int4 format the project has, so the import waits until it is needed.
-    from inference.quantize import quantize_model
+    from meshwork.models.quantize import quantize_model
 
     try:
         quantize_model(model, "int4", group_size)

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.config import ModelConfig
-from models.layers.embed import Embed
-from models.layers.moe import MoE, RouterBias, updated_router_bias
-from models.transformer import (ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, decode_layers,
+from meshwork.models.layers.embed import Embed
+from meshwork.models.layers.moe import MoE, RouterBias, updated_router_bias
+from meshwork.models.transformer import (ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, decode_layers,
                                 residual_out_std, stack_layers)
-from sharding.rules import with_logical_constraint
+from meshwork.sharding.rules import with_logical_constraint
 
 
 class MoEBlock(Block):

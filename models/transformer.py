@@ -16,12 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.config import ModelConfig
-from models.layers.attention import Attention
-from models.layers.embed import Embed
-from models.layers.mlp import SwiGLU
-from models.layers.norm import RMSNorm
-from models.layers.params import matmul, normal, param, training_key
-from sharding.rules import with_logical_constraint
+from meshwork.models.layers.attention import Attention
+from meshwork.models.layers.embed import Embed
+from meshwork.models.layers.mlp import SwiGLU
+from meshwork.models.layers.norm import RMSNorm
+from meshwork.models.layers.params import matmul, normal, param, training_key
+from meshwork.sharding.rules import with_logical_constraint
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

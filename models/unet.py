@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.config import UNetConfig
-from models.layers.attention import attend
-from models.layers.params import param
-from sharding.rules import with_logical_constraint
+from meshwork.models.layers.attention import attend
+from meshwork.models.layers.params import param
+from meshwork.sharding.rules import with_logical_constraint
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -2,11 +2,11 @@
 
 Depends on jax only, so research code can import it on its own:
 
-    from sharding import make_mesh, rules_for, logical_to_sharding
+    from meshwork.sharding import make_mesh, rules_for, logical_to_sharding
 """
 
-from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
-from sharding.rules import (
+from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
+from meshwork.sharding.rules import (
     PRESETS,
     current_rules,
     logical_to_sharding,

@@ -35,7 +35,7 @@ collective-permutes where the plain one has all-gathers and reduce-scatters.
 The overlap pays off where collectives run asynchronously (GPU, TPU); the CPU
 backend runs them synchronously, so there the rings only prove the structure.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": 2, "tensor": 4})
     >>> x = jnp.ones((2, 8, 16)); w_gate = w_up = jnp.ones((16, 32)); w_down = jnp.ones((32, 16))
     >>> y = jax.jit(lambda *a: tp_mlp(*a, mesh=mesh))(x, w_gate, w_up, w_down)
@@ -53,7 +53,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 # Ring attention's helper: marks arrays as varying over the manual axes another varies over.
-from sharding.ring_attention import _vary_like
+from meshwork.sharding.ring_attention import _vary_like
 
 
 def _ring(n: int) -> list[tuple[int, int]]:
@@ -69,7 +69,7 @@ def all_gather_matmul(x_BCD: jax.Array, w_DF, axis_name: str, *, collective: boo
     (SwiGLU's gate and up): one ring, one product per weight, a tuple back.
     `collective=False` is the plain all-gather, for reference.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"tensor": -1}); tensor = PartitionSpec(None, "tensor")
     >>> f = jax.shard_map(lambda x, w: all_gather_matmul(x, w, "tensor"), mesh=mesh,
     ...                   in_specs=(tensor, tensor), out_specs=PartitionSpec(None, None, "tensor"))
@@ -110,7 +110,7 @@ def matmul_reduce_scatter(h_BLF: jax.Array, w_FD: jax.Array, axis_name: str, *,
     Partial sums travel in the product's dtype, as psum_scatter's would.
     `collective=False` is the plain reduce-scatter, for reference.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"tensor": -1})
     >>> f = jax.shard_map(lambda h, w: matmul_reduce_scatter(h, w, "tensor"), mesh=mesh,
     ...                   in_specs=(PartitionSpec(None, None, "tensor"), PartitionSpec("tensor")),
@@ -149,7 +149,7 @@ def tp_mlp(x_BLD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD
     gathers x for both W_gate and W_up, as the plain version gathers it once;
     `collective=False` uses `all_gather` / `psum_scatter` instead.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"tensor": -1})
     >>> x, w = jnp.ones((1, 8, 4)), jnp.full((4, 8), 0.1)
     >>> a, b = (jax.jit(lambda *a: tp_mlp(*a, mesh, collective=c))(x, w, w, w.T) for c in (True, False))

@@ -14,7 +14,7 @@ the compiled HLO as `collective-permute` ops:
 Each takes a per-device buffer and a mesh axis name, so it runs inside your
 own `jax.shard_map`; `all_reduce` and `all_to_all` wrap it for a global array.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1})
     >>> x = jnp.arange(3.0 * mesh.size).reshape(mesh.size, 3)   # one row per device
     >>> y = all_reduce(x, mesh, "data", algorithm="ring")
@@ -111,7 +111,7 @@ def record_transfers() -> Iterator[TransferLog]:
     cache is not retraced and records nothing. `jax.eval_shape` traces
     without compiling.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1})
     >>> x = jnp.zeros((mesh.size, 4), jnp.float32)       # 16 bytes per device
     >>> with record_transfers() as log:
@@ -163,7 +163,7 @@ def naive_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
     (and send) only one buffer per round. Device 0 sends (P-1) N bytes, the
     others N each. Call inside `jax.shard_map`.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1})
     >>> f = jax.jit(jax.shard_map(lambda x: naive_all_reduce(x, "data"), mesh=mesh,
     ...                           in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")))
@@ -191,7 +191,7 @@ def ring_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
     chunks on around the ring. Every device sends 2(P-1) chunks: 2(P-1)/P * N
     bytes, independent of P for large P. Call inside `jax.shard_map`.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1})
     >>> f = jax.jit(jax.shard_map(lambda x: ring_all_reduce(x, "data"), mesh=mesh,
     ...                           in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")))
@@ -241,7 +241,7 @@ def tree_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
     commutative), so all devices end bitwise equal. P must be a power of two
     (ValueError otherwise). Call inside `jax.shard_map`.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1})
     >>> f = jax.jit(jax.shard_map(lambda x: tree_all_reduce(x, "data"), mesh=mesh,
     ...                           in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")))
@@ -273,7 +273,7 @@ def all_reduce(x: jax.Array, mesh: Mesh, axis_name: AxisName, *, algorithm: str 
     compiles on every call, so it can be counted with `record_transfers`;
     inside a real program call e.g. `ring_all_reduce` in your own shard_map.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1})
     >>> all_reduce(jnp.ones((mesh.size, 2)), mesh, "data", algorithm="naive")[0].tolist() == [mesh.size] * 2
     True
@@ -337,7 +337,7 @@ def direct_all_to_all(x: jax.Array, axis_name: AxisName, split_axis: int, concat
     The one-level baseline for `hierarchical_all_to_all`: every device sends
     P-1 messages of N/P bytes, (P-1)/P * N in all. Call inside `jax.shard_map`.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1}); p = mesh.size
     >>> spec = PartitionSpec("data")
     >>> mine = jax.jit(jax.shard_map(lambda x: direct_all_to_all(x, "data", 1, 0), mesh=mesh,
@@ -518,7 +518,7 @@ def compiled_traffic(hlo_text: str, n_devices: int) -> tuple[int, np.ndarray]:
     device assignment (`mesh.devices.flat` order for a shard_map over the
     whole mesh). This is what XLA will run, after its own optimizations.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1}); p = mesh.size
     >>> f = jax.jit(jax.shard_map(lambda x: ring_all_reduce(x, "data"), mesh=mesh,
     ...             in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")))

@@ -43,8 +43,8 @@ import re
 from collections import Counter, defaultdict
 from typing import Any
 
-from sharding.hlo import COLLECTIVES, _Instr, _multipliers, _nbytes, _parse_module
-from sharding.overlap import COMPUTE_OPS, async_collective_schedule
+from meshwork.sharding.hlo import COLLECTIVES, _Instr, _multipliers, _nbytes, _parse_module
+from meshwork.sharding.overlap import COMPUTE_OPS, async_collective_schedule
 
 __all__ = ["OP_CLASSES", "Kernel", "classify", "format_graph_report", "graph_report", "hlo_kernels",
            "jaxpr_op_counts"]

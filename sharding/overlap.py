@@ -110,7 +110,7 @@ import dataclasses
 import re
 from typing import Any
 
-from sharding.hlo import COLLECTIVES, _callees, _parse_module
+from meshwork.sharding.hlo import COLLECTIVES, _callees, _parse_module
 
 __all__ = ["COMPUTE_OPS", "ScheduledCollective", "async_collective_schedule", "compiler_options",
            "format_schedule", "gradients_issued_before_backward_end"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from sharding.hlo import COLLECTIVES, Collective, collective_counts, collective_summary, list_collectives
+from meshwork.sharding.hlo import COLLECTIVES, Collective, collective_counts, collective_summary, list_collectives
 
 __all__ = ["COLLECTIVES", "Collective", "collective_counts", "collective_summary", "compiled_report",
            "format_report", "list_collectives", "state_bytes"]

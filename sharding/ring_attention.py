@@ -14,7 +14,7 @@ speed only: with contiguous blocks the last device does n times the work of
 the first; `zigzag_permutation` gives every device one early and one late
 chunk so that each does the same work.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"sequence": 4, "data": -1})
     >>> B, L, H, G, K = 2, 32, 4, 2, 8
     >>> q = jnp.ones((B, L, H, K)); k = v = jnp.ones((B, L, G, K))
@@ -325,7 +325,7 @@ def ring_attention_shard(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Ar
     that many pieces per side so that masked pieces can be skipped; 2 matches
     the zigzag layout, and Lq, Lk must be multiples of it.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"sequence": -1})
     >>> f = jax.shard_map(lambda q, k, v, p: ring_attention_shard(q, k, v, p, p, axis_name="sequence"),
     ...                   mesh=mesh, in_specs=(PartitionSpec(None, "sequence"),) * 4,
@@ -373,7 +373,7 @@ def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, posi
     `mesh`, else the one set by `jax.set_mesh`. `positions_BL` are the tokens'
     positions in the layout the arrays are in (permuted ones for zigzag).
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": 2, "sequence": 4})
     >>> x = jnp.ones((2, 16, 2, 4)); pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
     >>> jax.jit(lambda x, pos: ring_attention(x, x, x, pos, mesh=mesh))(x, pos).shape

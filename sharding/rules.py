@@ -187,7 +187,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
 def logical_to_sharding(names: Sequence[str | None], mesh: Mesh, rules: Rules) -> NamedSharding:
     """NamedSharding on `mesh` for an array whose dimensions have logical `names`.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"fsdp": -1})
     >>> logical_to_sharding(("embed", "mlp"), mesh, rules_for("fsdp")).spec == PartitionSpec("fsdp", None)
     True
@@ -235,7 +235,7 @@ def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Ru
     A no-op outside a mesh (`jax.set_mesh`) or without rules, so model code can
     call it unconditionally and still run on one device.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"data": -1})
     >>> f = jax.jit(lambda x: with_logical_constraint(x * 2, ("act_batch", "act_embed")))
     >>> with jax.set_mesh(mesh), use_rules(rules_for("dp")):

@@ -52,7 +52,7 @@ class _LazyRuns(dict):
         import jax
 
         from meshwork.config import load_config
-        from train.loop import train
+        from meshwork.train.loop import train
 
         layout = LM_TINY_LAYOUTS[name]
         run_dir = self.tmp_path_factory.mktemp(f"lm_tiny_{name}")

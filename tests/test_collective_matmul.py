@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import sharding.collective_matmul as cm
-from sharding.hlo import collective_summary
-from sharding.mesh import make_mesh
+import meshwork.sharding.collective_matmul as cm
+from meshwork.sharding.hlo import collective_summary
+from meshwork.sharding.mesh import make_mesh
 
 from conftest import ROOT, tiny_overrides
 
@@ -158,8 +158,8 @@ def _train(tmp_path, collective: bool, steps: int = 2):
     """(last metrics, params, compiled step HLO) of `steps` steps of the tiny LM under
     `sp` on data=2 x tensor=4, its MLPs traced as collective matmuls or not."""
     from meshwork.config import load_config
-    from meshwork.data import train_iterator
-    from train.loop import Trainer, check_runtime
+    from meshwork.data.text import train_iterator
+    from meshwork.train.loop import Trainer, check_runtime
 
     # Nonzero lr at step 0 (a warmup from 0 makes step 1 a no-op); 4 K/V heads split over
     # tensor=4; one layer, since the compile is most of this test's time.

@@ -17,8 +17,8 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-import sharding.collectives as col
-from sharding.mesh import make_mesh
+import meshwork.sharding.collectives as col
+from meshwork.sharding.mesh import make_mesh
 
 RTOL, ATOL = 1e-6, 1e-6
 

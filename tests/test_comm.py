@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from meshwork.config import ConfigError, load_config
-from sharding.hlo import collective_summary
-from train.comm import compressed, matrix_view
-from train.loop import Trainer, check_runtime, train
+from meshwork.sharding.hlo import collective_summary
+from meshwork.train.comm import compressed, matrix_view
+from meshwork.train.loop import Trainer, check_runtime, train
 
 from conftest import ROOT, tiny_overrides
 
@@ -107,8 +107,8 @@ def test_compressed_and_local_runs_stay_close_to_exact_dp(losses):
 def test_error_feedback_keeps_the_sum_of_sent_gradients_on_track(compression, tmp_path):
     """Error feedback's promise: over T steps, what was applied sums to the true gradients' sum
     minus one step's error, instead of drifting away step after step."""
-    from sharding.mesh import make_mesh
-    from train.comm import init_comm_state, make_comm_gradients
+    from meshwork.sharding.mesh import make_mesh
+    from meshwork.train.comm import init_comm_state, make_comm_gradients
 
     mesh = make_mesh({"data": 8})
     rng = np.random.default_rng(0)

@@ -3,9 +3,9 @@
 import numpy as np
 
 from meshwork.config import load_config
-from meshwork.data import ByteTokenizer, eval_batches, stdlib_corpus, stdlib_sources, train_iterator
-from meshwork.metrics import read_metrics
-from train.loop import train
+from meshwork.data.text import ByteTokenizer, eval_batches, stdlib_corpus, stdlib_sources, train_iterator
+from meshwork.run.metrics import read_metrics
+from meshwork.train.loop import train
 
 from conftest import ROOT, tiny_overrides
 

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from inference import diffusion_sampling as ds
+from meshwork.diffusion import images
+from meshwork.diffusion import sampling as ds
 from meshwork.config import DiffusionConfig
-from meshwork.diffusion import alphas_cumprod
-from sharding.hlo import list_collectives
-from sharding.mesh import make_mesh
+from meshwork.diffusion.schedule import alphas_cumprod
+from meshwork.sharding.hlo import list_collectives
+from meshwork.sharding.mesh import make_mesh
 
 MU, SIGMA = 0.3, 0.5
 CFG = DiffusionConfig()
@@ -60,7 +61,9 @@ def key_and_xT(seed, shape):
 # --------------------------------------------------------------------------
 
 def test_docstring_examples():
-    assert doctest.testmod(ds, optionflags=doctest.ELLIPSIS).failed == 0
+    for module in (ds, images):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 def test_leading_timesteps_and_final_abar():
@@ -283,12 +286,12 @@ def test_patch_parallel_rejects_bad_arguments():
 
 def test_image_grid_and_png(tmp_path):
     gray = np.stack([np.full((4, 5, 1), v) for v in (-1.0, 0.0, 1.0)])
-    g = ds.image_grid(gray, nrow=2, padding=1)
+    g = images.image_grid(gray, nrow=2, padding=1)
     assert g.shape == (2 * 5 + 1, 2 * 6 + 1) and g.dtype == np.uint8
     assert g[1, 1] == 0 and g[1, 7] == 128 and g[6, 1] == 255 and g[6, 7] == 0  # last cell: padding
     rgb = np.random.default_rng(0).uniform(-1, 1, (5, 4, 4, 3))
-    path = ds.save_grid(rgb, tmp_path / "grid.png", nrow=3)
+    path = images.save_grid(rgb, tmp_path / "grid.png", nrow=3)
     with Image.open(path) as im:
         assert im.format == "PNG" and im.size == (3 * 6 + 2, 2 * 6 + 2) and im.mode == "RGB"
     with pytest.raises(ValueError, match="C = 1 or 3"):
-        ds.image_grid(np.zeros((1, 4, 4, 2)))
+        images.image_grid(np.zeros((1, 4, 4, 2)))

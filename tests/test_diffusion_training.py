@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from meshwork.config import load_config
-from meshwork.metrics import read_metrics
-from train.loop import Trainer, check_runtime, train
+from meshwork.run.metrics import read_metrics
+from meshwork.train.loop import Trainer, check_runtime, train
 
 from conftest import ROOT
 
@@ -78,9 +78,9 @@ PATCH_PARALLEL_BOUND = 0.25
 
 
 def check_patch_parallel_on(run):
-    from inference.diffusion_sampling import ddim_sample, patch_parallel_sample
-    from inference.runs import load_run
-    from sharding.mesh import make_mesh
+    from meshwork.diffusion.sampling import ddim_sample, patch_parallel_sample
+    from meshwork.inference.runs import load_run
+    from meshwork.sharding.mesh import make_mesh
 
     cfg, model, _ = load_run(run)
     mesh = make_mesh({"sequence": 4, "data": 2})

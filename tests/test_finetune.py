@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from meshwork.config import load_config
-from meshwork.metrics import read_metrics
-from train.cli import main as train_main
-from train.finetune import describe
-from train.loop import Trainer, check_runtime, train
-from train.optim import make_optimizer
-from train.state import abstract_state
+from meshwork.run.metrics import read_metrics
+from meshwork.train.cli import main as train_main
+from meshwork.train.finetune import describe
+from meshwork.train.loop import Trainer, check_runtime, train
+from meshwork.train.optim import make_optimizer
+from meshwork.train.state import abstract_state
 
 from conftest import ROOT
 
@@ -136,10 +136,10 @@ def test_bad_finetune_configs_exit_2(base, tmp_path, capsys, override, message):
 def test_a_lora_run_generates_merged(tuned, capsys):
     """`python -m inference lm` on a LoRA run merges the deltas into W0 (the base's cost) and
     generates what the unmerged model generates."""
-    from inference.cli import main as inference_main
-    from inference.generate import Generator
-    from inference.runs import load_run
-    from inference.sampling import SamplingParams
+    from meshwork.inference.cli import main as inference_main
+    from meshwork.inference.generate import Generator
+    from meshwork.inference.runs import load_run
+    from meshwork.inference.sampling import SamplingParams
 
     run_dir = str(tuned["lora"]["run_dir"])
     prompt = [int(b) for b in b"The return statement"]

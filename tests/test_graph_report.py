@@ -12,9 +12,9 @@ from conftest import ROOT, tiny_overrides
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     from meshwork.config import load_config
-    from sharding.graph_report import graph_report
-    from train.cli import step_jaxpr
-    from train.loop import Trainer, check_runtime
+    from meshwork.sharding.graph_report import graph_report
+    from meshwork.train.cli import step_jaxpr
+    from meshwork.train.loop import Trainer, check_runtime
 
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", tiny_overrides(tmp_path_factory.mktemp("graph")))
     trainer = Trainer(cfg, check_runtime(cfg))  # 8 devices, dp
@@ -64,7 +64,7 @@ def test_eager_vs_graph_benchmark_runs(capsys):
 
 
 def test_cli_dry_run_graph(tmp_path, capsys):
-    from train.cli import main
+    from meshwork.train.cli import main
 
     assert main(["--config", str(ROOT / "configs/lm_tiny.yaml"), "--dry-run", "--graph",
                  *tiny_overrides(tmp_path)]) == 0

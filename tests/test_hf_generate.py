@@ -3,10 +3,10 @@ in one batch of prompts of different lengths and through the CLI (golden from th
 
 import json
 
-from inference.cli import main
-from inference.generate import Generator
-from inference.hf import model_from_hf
-from inference.sampling import SamplingParams
+from meshwork.inference.cli import main
+from meshwork.inference.generate import Generator
+from meshwork.inference.hf import model_from_hf
+from meshwork.inference.sampling import SamplingParams
 
 from conftest import ROOT
 

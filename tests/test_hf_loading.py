@@ -19,16 +19,16 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-import inference.hf
-import inference.hf_export
-from inference.hf import (build_hf_model, hf_param_shardings, load_hf_checkpoint, load_hf_config,
+import meshwork.inference.hf
+import meshwork.inference.hf_export
+from meshwork.inference.hf import (build_hf_model, hf_param_shardings, load_hf_checkpoint, load_hf_config,
                           load_hf_model)
-from inference.hf_export import export_hf, hf_model_type
+from meshwork.inference.hf_export import export_hf, hf_model_type
 from meshwork.config import ModelConfig, MoEConfig, load_config
-from models.moe import MoETransformer
-from models.transformer import Transformer
-from sharding.mesh import make_mesh
-from sharding.rules import rules_for
+from meshwork.models.moe import MoETransformer
+from meshwork.models.transformer import Transformer
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.rules import rules_for
 
 from conftest import ROOT
 
@@ -252,7 +252,7 @@ def test_export_refuses_the_loaded_qwen2_moe_and_stale_files(tmp_path):
         export_hf(cfg, model, tmp_path)
 
 
-@pytest.mark.parametrize("module", [inference.hf, inference.hf_export])
+@pytest.mark.parametrize("module", [meshwork.inference.hf, meshwork.inference.hf_export])
 def test_doctests(module, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from inference.hf import build_hf_model, config_from_hf, load_hf_checkpoint, model_from_hf
+from meshwork.inference.hf import build_hf_model, config_from_hf, load_hf_checkpoint, model_from_hf
 
 from conftest import ROOT
 

@@ -4,9 +4,9 @@ import numpy as np
 from PIL import Image
 
 from meshwork.config import load_config
-from meshwork.digit_quality import DigitClassifier
-from meshwork.images import digits, image_folder, image_train_iterator
-from train.task import make_task
+from meshwork.evaluation.digit_quality import DigitClassifier
+from meshwork.data.images import digits, image_folder, image_train_iterator
+from meshwork.train.task import make_task
 
 from conftest import ROOT
 

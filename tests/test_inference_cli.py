@@ -3,11 +3,11 @@ answers bad input with one line and exit status 2."""
 
 import pytest
 
-from inference.cli import main
-from inference.generate import Generator
-from inference.runs import load_run
-from inference.sampling import SamplingParams
-from meshwork.data import ByteTokenizer
+from meshwork.inference.cli import main
+from meshwork.inference.generate import Generator
+from meshwork.inference.runs import load_run
+from meshwork.inference.sampling import SamplingParams
+from meshwork.data.text import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inference.generate import Generator
-from inference.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
-from inference.runs import load_run
-from inference.sampling import SamplingArrays, SamplingParams
+from meshwork.inference.generate import Generator
+from meshwork.inference.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
+from meshwork.inference.runs import load_run
+from meshwork.inference.sampling import SamplingArrays, SamplingParams
 from meshwork.config import load_config
-from sharding.mesh import make_mesh
-from sharding.rules import rules_for
-from train.state import build_model
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.rules import rules_for
+from meshwork.models.build import build_model
 
 from conftest import ROOT
 

@@ -1,6 +1,6 @@
 """Parameter-efficient fine-tuning, model side (models/lora.py, models/adapters.py):
 step-0 equality with the base, merge/unmerge, trainable filters and their gradients,
-hand parameter counts (src/meshwork/peft_counts.py), QLoRA's 4-bit base, sharding."""
+hand parameter counts (src/meshwork/perf/peft_counts.py), QLoRA's 4-bit base, sharding."""
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +10,17 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
-from inference.quantize import Int4Weight, param_shardings, quantize_model
-from meshwork import peft_counts
+from meshwork.models.quantize import quantize_model
+from meshwork.models.layers.quantized import Int4Weight
+from meshwork.partitioning import param_shardings
+from meshwork.perf import peft_counts
 from meshwork.config import FinetuneConfig, load_config
-from models.lora import (TARGETS, AdapterParam, LoRA, LoRAParam, PrefixParam, apply_finetune, merge_lora, trainable,
+from meshwork.models.lora import (TARGETS, AdapterParam, LoRA, LoRAParam, PrefixParam, apply_finetune, merge_lora, trainable,
                          unmerge_lora)
-from sharding.mesh import make_mesh
-from sharding.rules import rules_for, tree_shardings, use_rules
-from train.state import build_model, logical_specs
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.rules import rules_for, tree_shardings, use_rules
+from meshwork.models.build import build_model
+from meshwork.partitioning import logical_specs
 
 # head_dim 16: QLoRA groups (along wo's head_dim too) of 16.
 CFG = load_config(ROOT / "configs/lm_tiny.yaml", ["model.n_layers=2", "model.d_model=64", "model.n_heads=4",

@@ -7,12 +7,12 @@ import pytest
 from flax import nnx
 
 from meshwork.config import load_config
-from meshwork.flops import train_flops_per_token
-from models.layers.attention import attend
-from models.layers.rope import apply_rope
-from sharding.report import compiled_report
-from train.state import build_model, split_model
-from train.step import make_loss_fn
+from meshwork.perf.flops import train_flops_per_token
+from meshwork.models.layers.attention import attend
+from meshwork.models.layers.rope import apply_rope
+from meshwork.sharding.report import compiled_report
+from meshwork.models.build import build_model, split_model
+from meshwork.evaluation.lm_loss import make_loss_fn
 
 from conftest import ROOT, tiny_overrides
 

@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 
 from meshwork.config import load_config
-from meshwork.flops import gqa_attention_params, lm_param_counts, mla_attention_params, param_counts
-from meshwork.metrics import read_metrics
-from models.layers.moe import RouterBias
-from train.loop import train
-from train.state import build_model
+from meshwork.perf.flops import gqa_attention_params, lm_param_counts, mla_attention_params, param_counts
+from meshwork.run.metrics import read_metrics
+from meshwork.models.layers.moe import RouterBias
+from meshwork.train.loop import train
+from meshwork.models.build import build_model
 
 from conftest import ROOT, tiny_overrides
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from meshwork.metrics import read_metrics
+from meshwork.run.metrics import read_metrics
 
 from conftest import ROOT, tiny_overrides
 

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, tiny_overrides
-from meshwork.checkpoint import abstract_with_shardings
+from meshwork.run.checkpoint import abstract_with_shardings
 from meshwork.config import ConfigError, load_config
-from sharding.report import state_bytes
-from train.loop import Trainer, check_runtime
+from meshwork.sharding.report import state_bytes
+from meshwork.train.loop import Trainer, check_runtime
 
 STEPS = 3
 MESHES = {1: ["mesh.data=1"], 8: ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]}

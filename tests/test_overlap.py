@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from sharding.hlo import collective_summary
-from sharding.overlap import (
+from meshwork.sharding.hlo import collective_summary
+from meshwork.sharding.overlap import (
     async_collective_schedule,
     compiler_options,
     format_schedule,
@@ -151,7 +151,7 @@ def test_lm_train_step_reduces_layer_gradients_inside_the_backward_loop(tmp_path
     backward while body (once per layer), so before the backward pass ends."""
     from conftest import ROOT, tiny_overrides
     from meshwork.config import load_config
-    from train.loop import Trainer, check_runtime
+    from meshwork.train.loop import Trainer, check_runtime
 
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "mesh.data=8", "rules.preset=dp"])
     trainer = Trainer(cfg, check_runtime(cfg, None))

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from meshwork import hardware, reliability, roofline
+from meshwork.perf import hardware, reliability, roofline
 from meshwork.config import ConfigError, ModelConfig
-from meshwork.hardware import HARDWARE, get_hardware
-from meshwork.roofline import Op, attention, batched_matmul, bound, elementwise, layout, matmul, reduction
+from meshwork.perf.hardware import HARDWARE, get_hardware
+from meshwork.perf.roofline import Op, attention, batched_matmul, bound, elementwise, layout, matmul, reduction
 
 MINUTE, DAY = 60.0, 86400.0
 NAMES = ["h100", "h200", "a100", "b200", "tpu_v4", "tpu_v5e", "tpu_v5p", "tpu_v6e"]

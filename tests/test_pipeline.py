@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-import sharding.pipeline
-from sharding.mesh import make_mesh
-from sharding.pipeline import (BWD, FWD, IDLE, SCHEDULES, Schedule, check_schedule, idle_fraction,
+import meshwork.sharding.pipeline
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.pipeline import (BWD, FWD, IDLE, SCHEDULES, Schedule, check_schedule, idle_fraction,
                                pipeline_value_and_grad, schedule_table, stash_size)
 
 P, M = 4, 8
@@ -209,4 +209,4 @@ def test_1f1b_needs_less_temp_memory_than_gpipe(compiled):
 
 
 def test_docstring_examples():
-    assert doctest.testmod(sharding.pipeline, optionflags=doctest.ELLIPSIS).failed == 0
+    assert doctest.testmod(meshwork.sharding.pipeline, optionflags=doctest.ELLIPSIS).failed == 0

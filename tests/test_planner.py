@@ -16,13 +16,13 @@ import jax
 import pytest
 
 from meshwork.config import dump_config, load_config
-from meshwork.flops import matmul_params, param_counts, train_flops_per_token
-from meshwork.hardware import Accelerator, get_hardware
-from meshwork.planner import (PlanOptions, compiled_step_flops, layout_from_config, plan, search, step_flops)
-from meshwork.planner_comm import CommOptions, algorithm_time, placement, step_collectives, summarize
-from meshwork.planner_memory import (MIXED_PRECISION_ADAM, korthikanti_layer_bytes, layer_activation_bytes,
+from meshwork.perf.flops import matmul_params, param_counts, train_flops_per_token
+from meshwork.perf.hardware import Accelerator, get_hardware
+from meshwork.perf.planner import (PlanOptions, compiled_step_flops, layout_from_config, plan, search, step_flops)
+from meshwork.perf.planner_comm import CommOptions, algorithm_time, placement, step_collectives, summarize
+from meshwork.perf.planner_memory import (MIXED_PRECISION_ADAM, korthikanti_layer_bytes, layer_activation_bytes,
                                      make_layout, model_weights, state_memory, token_shape, zero_memory)
-from train import plan as plan_cli
+from meshwork.train import plan as plan_cli
 
 from conftest import ROOT, tiny_overrides
 
@@ -51,7 +51,7 @@ def tiny_cfg(run_dir, name, *extra):
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
     """name -> (config, what `python -m train --dry-run --json` reports), each compiled once, on first use."""
-    from train import cli
+    from meshwork.train import cli
 
     cache = {}
 
@@ -78,8 +78,8 @@ def compiled(tmp_path_factory):
 def test_weights_mirror_the_model(config, extra):
     from flax import nnx
 
-    from train.optim import make_optimizer
-    from train.state import abstract_state
+    from meshwork.train.optim import make_optimizer
+    from meshwork.train.state import abstract_state
 
     cfg = load_config(ROOT / "configs" / config, extra)
     _, abstract = abstract_state(cfg, make_optimizer(cfg.optimizer, 10)[0])
@@ -181,7 +181,7 @@ def test_megatron_two_all_reduces_forward_two_backward():
 @pytest.mark.parametrize("P, M", [(4, 4), (4, 16), (8, 8)])
 def test_gpipe_bubble(P, M):
     """GPipe (Huang et al. 2019): the idle fraction is (P-1)/(M+P-1), also in the schedule meshwork runs."""
-    from sharding.pipeline import idle_fraction, schedule_table
+    from meshwork.sharding.pipeline import idle_fraction, schedule_table
 
     cfg = load_config(ROOT / "configs/llama7b.yaml")
     p = plan(cfg, make_layout(stage=P, data=64 // P, microbatches=M, schedule="gpipe"), H100)
@@ -248,8 +248,8 @@ def test_search_on_64_h100s(config, tmp_path, capsys):
 
 def test_searched_layout_trains_on_the_cpu_mesh(tmp_path, capsys):
     """The best layout for lm_tiny on the 8 fake devices, written as a config, trains."""
-    from meshwork.planner import explain, write_config
-    from train.loop import train
+    from meshwork.perf.planner import explain, write_config
+    from meshwork.train.loop import train
 
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path / "run"), "train.steps=2"])
     plans, stats = search(cfg, CPU8, 8, options=PlanOptions())

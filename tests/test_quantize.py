@@ -1,4 +1,4 @@
-"""Quantized inference (inference/quantize.py): exact formats, exact bytes, small loss rises,
+"""Quantized inference (models/quantize.py): exact formats, exact bytes, small loss rises,
 an integer dot for w8a8, and a quantized model sharded like a float one."""
 
 import doctest
@@ -11,15 +11,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import inference.quantize as qz
-from inference.quantize import (Int4Weight, Int8Weight, W8A8Weight, pack_int4, param_shardings, quantize_model,
-                                quantize_weight, unpack_int4, validation_loss, weight_bytes)
-from meshwork import data as data_lib
+import meshwork.models.quantize as qz
+from meshwork.models.layers.quantized import parse_spec, quantize_activations
+from meshwork.models.quantize import quantize_model, weight_bytes
+from meshwork.models.layers.quantized import Int4Weight, Int8Weight, W8A8Weight, pack_int4, quantize_weight, unpack_int4
+from meshwork.partitioning import param_shardings
+from meshwork.evaluation.lm_loss import validation_loss
+from meshwork.data import text as data_lib
 from meshwork.config import ModelConfig, MoEConfig
-from models.layers.mlp import SwiGLU
-from sharding.mesh import make_mesh
-from sharding.rules import rules_for, use_rules
-from train.task import make_task
+from meshwork.models.layers.mlp import SwiGLU
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.rules import rules_for, use_rules
+from meshwork.train.task import make_task
 
 N_VAL_BATCHES = 4  # the trainer's default log.eval_batches: the same val_loss it logs
 # Measured on lm_tiny after 200 steps (val loss 2.0857): int8 -0.003%, int4 +0.16%, w8a8 -0.01%.
@@ -32,7 +35,7 @@ SPECS = sorted({*qz.ATTENTION_SPECS.values(), *qz.MLP_SPECS.values(), *qz.HEAD_S
 
 
 def operands(spec, seed=0, layers=None):
-    x_letters, w_letters, _ = qz._parse(spec)
+    x_letters, w_letters, _ = parse_spec(spec)
     kx, kw = jax.random.split(jax.random.key(seed))
     w_shape = ((layers,) if layers else ()) + tuple(SIZES[c] for c in w_letters)
     return (jax.random.normal(kx, [SIZES[c] for c in x_letters]),
@@ -65,7 +68,7 @@ def test_int4_packs_neighbours_into_one_byte():
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_matmul_equals_einsum_with_dequantized_weight(spec):
-    x_letters, _, out = qz._parse(spec)
+    x_letters, _, out = parse_spec(spec)
     contracted = tuple(i for i, c in enumerate(x_letters) if c not in out)
 
     @jax.jit
@@ -75,7 +78,7 @@ def test_matmul_equals_einsum_with_dequantized_weight(spec):
             q = quantize_weight(w, spec, fmt)
             x_hat = x
             if fmt == "w8a8":  # the activations are quantized too: dequantize them explicitly as well
-                x_q, x_s = qz.quantize_activations(x, contracted)
+                x_q, x_s = quantize_activations(x, contracted)
                 x_hat = x_q.astype(jnp.float32) * x_s
             w_hat = q.dequantize()
             # Rounding to the nearest step: the error is at most half a step, per scale.
@@ -150,8 +153,8 @@ def hlo_dots(hlo: str) -> list[tuple[str, str, str]]:
 
 
 def tiny_lm(**moe):
-    from models.moe import MoETransformer
-    from models.transformer import Transformer
+    from meshwork.models.moe import MoETransformer
+    from meshwork.models.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=96,
                       **({"kind": "moe", "moe": MoEConfig(**moe)} if moe else {}))
@@ -192,7 +195,7 @@ def test_moe_model_quantizes_attention_and_head_but_not_experts():
 
 @pytest.fixture(scope="module")
 def trained(lm_tiny_runs):
-    from inference.runs import load_run
+    from meshwork.inference.runs import load_run
 
     summary = lm_tiny_runs["1dev"]
     cfg, model, _ = load_run(summary["run_dir"])
@@ -235,7 +238,7 @@ def expected_projection_bytes(model, mode, group_size=32):
     total = 0
     for site in qz.projection_sites(model):
         shape = site.param.get_value().shape
-        _, w_letters, out = qz._parse(site.spec)
+        _, w_letters, out = parse_spec(site.spec)
         n = math.prod(shape)
         c = math.prod(shape[-len(w_letters) + i] for i, l in enumerate(w_letters) if l not in out)
         total += {"none": 4 * n, "int8": n + 4 * n // c, "w8a8": n + 4 * n // c,

@@ -14,13 +14,14 @@ import pytest
 from flax import nnx
 
 from meshwork.config import load_config
-from models.layers.mlp import SwiGLU
-from sharding.mesh import make_mesh
-from sharding.report import (COLLECTIVES, compiled_report, format_report, list_collectives, state_bytes)
-from sharding.rules import ROLES, rules_for, tree_shardings, use_rules, with_logical_constraint
-from train.loop import Trainer, check_runtime
-from train.optim import make_optimizer
-from train.state import abstract_state, logical_specs, param_count, state_shardings
+from meshwork.models.layers.mlp import SwiGLU
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.report import (COLLECTIVES, compiled_report, format_report, list_collectives, state_bytes)
+from meshwork.sharding.rules import ROLES, rules_for, tree_shardings, use_rules, with_logical_constraint
+from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.optim import make_optimizer
+from meshwork.train.state import abstract_state, param_count, state_shardings
+from meshwork.partitioning import logical_specs
 
 from conftest import ROOT, tiny_overrides
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from meshwork.config import ConfigError, load_config
-from meshwork.metrics import read_metrics
-from train.loop import train
+from meshwork.run.metrics import read_metrics
+from meshwork.train.loop import train
 
 from conftest import ROOT, tiny_overrides
 

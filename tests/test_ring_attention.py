@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sharding.ring_attention
-from sharding.mesh import make_mesh
-from sharding.ring_attention import (attention_reference, ring_attention, ring_attention_shard,
+import meshwork.sharding.ring_attention
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.ring_attention import (attention_reference, ring_attention, ring_attention_shard,
                                      zigzag_inverse, zigzag_permutation)
 
 B, L, H, G, K = 2, 64, 4, 2, 16
@@ -142,7 +142,7 @@ def test_errors_name_the_fix(qkv):
 
 
 def test_docstring_examples():
-    result = doctest.testmod(sharding.ring_attention, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(meshwork.sharding.ring_attention, optionflags=doctest.ELLIPSIS)
     assert result.attempted and result.failed == 0
 
 
@@ -174,7 +174,7 @@ def test_zigzag_skipping_balances_computed_blocks(monkeypatch):
     """
     import collections
 
-    import sharding.ring_attention as ra
+    import meshwork.sharding.ring_attention as ra
     counts = collections.Counter()
     fold = ra._fwd_block
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
+from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.config import ConfigError
 
 sample_jit = jax.jit(sample)

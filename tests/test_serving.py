@@ -4,11 +4,11 @@ always come back, and bad requests are answered with an error while the rest are
 import numpy as np
 import pytest
 
-from inference.generate import Generator
-from inference.kv_cache import NULL_PAGE
-from inference.runs import load_run
-from inference.sampling import SamplingParams
-from inference.serving import Request, Server
+from meshwork.inference.generate import Generator
+from meshwork.inference.kv_cache import NULL_PAGE
+from meshwork.inference.runs import load_run
+from meshwork.inference.sampling import SamplingParams
+from meshwork.inference.serving import Request, Server
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from meshwork.config import load_config
-from meshwork.data import train_iterator
-from train.loop import Trainer, check_runtime
+from meshwork.data.text import train_iterator
+from meshwork.train.loop import Trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
 

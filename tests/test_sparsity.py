@@ -1,4 +1,4 @@
-"""Pruning (inference/sparsity.py): exact 2:4 and unstructured masks, a compact 2:4 format whose
+"""Pruning (models/sparsity.py): exact 2:4 and unstructured masks, a compact 2:4 format whose
 bytes and products are exact, a model that runs on it, and masked fine-tuning that keeps the mask."""
 
 import doctest
@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import inference.quantize as qz
-import inference.sparsity as sp
-from inference.quantize import weight_bytes
-from inference.sparsity import (Sparse24Weight, compact_24, compact_bytes, compact_model, mask_24,
-                                matmul_24_gather, prune_model, prune_weight, recover, unstructured_mask)
+import meshwork.models.quantize as qz
+from meshwork.models.layers.quantized import parse_spec
+import meshwork.models.sparsity as sp
+from meshwork.models.quantize import weight_bytes
+from meshwork.models.sparsity import Sparse24Weight, compact_24, compact_bytes, compact_model, mask_24, matmul_24_gather, prune_model, prune_weight, unstructured_mask
+from meshwork.train.sparse_recovery import recover
 from meshwork.config import ModelConfig, load_config
-from models.transformer import Transformer
+from meshwork.models.transformer import Transformer
 from conftest import ROOT, tiny_overrides
 
 SIZES = dict(B=2, L=3, D=64, H=4, G=2, K=32, F=96, V=64)
@@ -24,7 +25,7 @@ SPECS = sorted({*qz.ATTENTION_SPECS.values(), *qz.MLP_SPECS.values(), *qz.HEAD_S
 
 
 def operands(spec, seed=0, layers=None):
-    x_letters, w_letters, _ = qz._parse(spec)
+    x_letters, w_letters, _ = parse_spec(spec)
     kx, kw = jax.random.split(jax.random.key(seed))
     w_shape = ((layers,) if layers else ()) + tuple(SIZES[c] for c in w_letters)
     return jax.random.normal(kx, [SIZES[c] for c in x_letters]), jax.random.normal(kw, w_shape) * 0.05
@@ -170,7 +171,7 @@ def test_prune_model_and_compact_model_run_the_same_pruned_model():
 def test_masked_finetuning_keeps_the_mask(tmp_path):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "mesh.data=1", "train.steps=3",
                                                        "optimizer.lr=1e-3", "optimizer.warmup_steps=0"])
-    from train.state import build_model
+    from meshwork.models.build import build_model
 
     model = build_model(cfg)
     params, masks = prune_model(model, "2:4")

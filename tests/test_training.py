@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from meshwork.config import load_config
-from meshwork.data import stdlib_corpus, unigram_entropy
-from meshwork.metrics import read_metrics
-from train.plot import plot_run
+from meshwork.data.text import stdlib_corpus, unigram_entropy
+from meshwork.run.metrics import read_metrics
+from meshwork.train.plot import plot_run
 
 from conftest import LM_TINY_LAYOUTS, LM_TINY_STEPS, ROOT
 

@@ -15,12 +15,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from inference.diffusers_import import build_unet, config_from_diffusers, load_diffusers_unet
-from meshwork import diffusion
+from meshwork.inference.diffusers_import import build_unet, config_from_diffusers, load_diffusers_unet
+from meshwork.diffusion import schedule as diffusion
 from meshwork.config import DiffusionConfig, UNetConfig
-from models.unet import UNet
-from sharding.mesh import make_mesh
-from sharding.rules import logical_to_sharding, rules_for, use_rules
+from meshwork.models.unet import UNet
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.rules import logical_to_sharding, rules_for, use_rules
 
 from conftest import ROOT
 

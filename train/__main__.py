@@ -1,8 +1,5 @@
-"""python -m train --config FILE [--dry-run] [section.key=value ...]"""
-
-import sys
-
-from train.cli import main
+"""python3 -m meshwork.train --config FILE [--dry-run] [section.key=value ...] (python3 -m train in a checkout)."""
+from meshwork.train.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run()

@@ -58,7 +58,7 @@ def step_jaxpr(trainer):
     """The jaxpr of a Trainer's train step, traced with the shapes it was compiled for."""
     import jax
 
-    from meshwork.checkpoint import abstract_with_shardings
+    from meshwork.run.checkpoint import abstract_with_shardings
 
     cfg, shapes = trainer.cfg, trainer.task.batch_shapes()
     if trainer.seq_perm is not None:
@@ -74,8 +74,8 @@ def graph(cfg, as_json: bool) -> None:
     """--dry-run --graph: compile the step and print its graph report."""
     import json
 
-    from sharding.graph_report import format_graph_report, graph_report
-    from train.loop import Trainer, check_runtime
+    from meshwork.sharding.graph_report import format_graph_report, graph_report
+    from meshwork.train.loop import Trainer, check_runtime
 
     trainer = Trainer(cfg, check_runtime(cfg))
     report = graph_report(trainer.step_fn, step_jaxpr(trainer))
@@ -92,8 +92,8 @@ def main(argv: list[str]) -> int:
                 raise ConfigError("--graph goes with --dry-run: python -m train --config FILE --dry-run --graph")
             graph(cfg, args.json)
             return 0
-        from train.loop import NonFiniteLoss, train  # jax loads only once the config is known to be good
-        from train.preemption import PREEMPTED_EXIT_STATUS
+        from meshwork.train.loop import NonFiniteLoss, train  # jax loads only once the config is known to be good
+        from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
 
         summary = train(cfg, dry_run="json" if args.dry_run and args.json else args.dry_run)
     except ConfigError as e:
@@ -110,3 +110,12 @@ def main(argv: list[str]) -> int:
     print(f"goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s: " + ", ".join(
         f"{k.removesuffix('_s')} {v:.1f} s" for k, v in g.items() if k.endswith("_s") and k != "wall_s"))
     return PREEMPTED_EXIT_STATUS if summary["preempted"] else 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    run()

@@ -1,7 +1,7 @@
 """Fine-tuning a trained run: its checks, its starting weights, its accounting.
 
 A `finetune` config trains a new run.dir from the latest checkpoint of
-`finetune.base`. What is trained is decided by `train.state.split_model`:
+`finetune.base`. What is trained is decided by `meshwork.models.build.split_model`:
 with LoRA/QLoRA/adapters/prefixes only the method's own variables are
 "params" (gradients, Adam moments); the base model's weights travel in the
 state as "buffers", sharded by the same rules but never differentiated, so
@@ -18,12 +18,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.checkpoint import Checkpointer, abstract_with_shardings
+from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.config import Config, ConfigError, load_config
-from meshwork.flops import param_counts
-from sharding.rules import Rules
-from train.optim import make_optimizer
-from train.state import abstract_state, state_shardings
+from meshwork.perf.flops import param_counts
+from meshwork.sharding.rules import Rules
+from meshwork.train.optim import make_optimizer
+from meshwork.train.state import abstract_state, state_shardings
 
 
 def check_base(cfg: Config) -> Config | None:

@@ -10,8 +10,8 @@ import numpy as np
 from tqdm import tqdm
 
 from meshwork.config import Config
-from meshwork.hardware import peak_flops_per_device
-from meshwork.metrics import MetricsWriter
+from meshwork.perf.hardware import peak_flops_per_device
+from meshwork.run.metrics import MetricsWriter
 
 
 def to_host(x: jax.Array) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The training loop: validate, build the mesh, init or resume, step, log, save.
 
     from meshwork.config import load_config
-    from train.loop import train
+    from meshwork.train.loop import train
     summary = train(load_config("configs/lm_tiny.yaml", ["train.steps=50"]))
 """
 
@@ -16,27 +16,29 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshwork.checkpoint import Checkpointer, abstract_with_shardings
+from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.config import Config, ConfigError
-from meshwork.flops import param_counts
-from meshwork.goodput_clock import GoodputClock
-from meshwork.metrics import MetricsWriter
-from sharding.overlap import compiler_options
-from sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
-from sharding.report import compiled_report, format_report, state_bytes
-from sharding.ring_attention import zigzag_permutation
-from sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
-from models.layers.mlp import use_collective_matmul
-from train.optim import make_optimizer
-from train.finetune import base_data_config, check_base, describe, load_base_params
-from train.logger import StepLogger, to_host
-from train.preemption import PreemptionGuard
-from train.run_dir import claim, write_config
-from train.state import abstract_state, ema_decay, init_state, logical_specs, param_count, state_shardings
-from train.comm import (check_comm, comm_shardings, init_comm_state, make_comm_gradients, make_diloco_step,
+from meshwork.perf.flops import param_counts
+from meshwork.run.goodput_clock import GoodputClock
+from meshwork.run.metrics import MetricsWriter
+from meshwork.sharding.overlap import compiler_options
+from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
+from meshwork.sharding.report import compiled_report, format_report, state_bytes
+from meshwork.sharding.ring_attention import zigzag_permutation
+from meshwork.sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
+from meshwork.models.layers.mlp import use_collective_matmul
+from meshwork.train.optim import make_optimizer
+from meshwork.train.finetune import base_data_config, check_base, describe, load_base_params
+from meshwork.train.logger import StepLogger, to_host
+from meshwork.train.preemption import PreemptionGuard
+from meshwork.train.run_dir import claim, write_config
+from meshwork.train.state import abstract_state, init_state, param_count, state_shardings
+from meshwork.models.build import ema_decay
+from meshwork.partitioning import logical_specs
+from meshwork.train.comm import (check_comm, comm_shardings, init_comm_state, make_comm_gradients, make_diloco_step,
                         outer_optimizer, uses_comm)
-from train.step import make_accumulate, make_eval_step, make_objective, make_train_step
-from train.task import DiffusionTask, LMTask, make_task
+from meshwork.train.step import make_accumulate, make_eval_step, make_objective, make_train_step
+from meshwork.train.task import DiffusionTask, LMTask, make_task
 
 def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | DiffusionTask:
     """The checks that need jax or the file system; raises ConfigError before anything is compiled or written."""
@@ -185,8 +187,7 @@ class Trainer:
         """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA)."""
         from flax import nnx
 
-        from inference.diffusion_sampling import save_grid
-        from inference.generate_images import sample_images
+        from meshwork.diffusion.images import sample_images, save_grid
 
         model = nnx.merge(self.graphdef, state.get("ema", state["params"]), state["buffers"])
         with self.context():

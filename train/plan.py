@@ -8,7 +8,7 @@ Without `--search` it plans the config's own mesh and preset (a -1 mesh axis
 takes the remaining devices). With `--search` it ranks every layout that fits
 in HBM by predicted step time, says why the best wins, and `--out` writes it
 as a config `python -m train --config` runs. The arithmetic is
-`meshwork.planner`; bad input prints one line "error: ..." and exits 2.
+`meshwork.perf.planner`; bad input prints one line "error: ..." and exits 2.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def main(argv: list[str]) -> int:
     try:
         _check(args)
         cfg = load_config(args.config, args.overrides)
-        from meshwork.hardware import get_hardware
-        from meshwork.planner import PlanOptions
-        from meshwork.planner_comm import CommOptions
+        from meshwork.perf.hardware import get_hardware
+        from meshwork.perf.planner import PlanOptions
+        from meshwork.perf.planner_comm import CommOptions
 
         try:
             hw = get_hardware(args.hardware)
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
 
 
 def _plan_one(cfg, hw, args, dpn, options) -> int:
-    from meshwork.planner import format_plan, layout_from_config, layout_problem, plan
+    from meshwork.perf.planner import format_plan, layout_from_config, layout_problem, plan
 
     layout = layout_from_config(cfg, args.devices)
     problem = layout_problem(cfg, layout)
@@ -91,7 +91,7 @@ def _plan_one(cfg, hw, args, dpn, options) -> int:
 
 
 def _search(cfg, hw, args, dpn, options) -> int:
-    from meshwork.planner import _nodes, explain, format_plan, search, write_config
+    from meshwork.perf.planner import _nodes, explain, format_plan, search, write_config
 
     plans, stats = search(cfg, hw, args.devices, dpn, options)
     if not plans:
@@ -121,5 +121,10 @@ def _search(cfg, hw, args, dpn, options) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Console-script entry point."""
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    run()

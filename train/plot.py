@@ -6,7 +6,7 @@ import argparse
 import pathlib
 import sys
 
-from meshwork.metrics import read_metrics
+from meshwork.run.metrics import read_metrics
 
 
 def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
@@ -70,5 +70,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Console-script entry point."""
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    run()

@@ -20,66 +20,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from meshwork.config import Config, OffloadConfig
-from models.transformer import Transformer
-from sharding.rules import Rules, tree_shardings
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def build_model(cfg: Config, seed: int | None = None, base_params: nnx.State | None = None) -> nnx.Module:
-    """The model `cfg.model.kind` names, initialized from `run.seed` (or `seed`).
-
-    With `finetune.method` set, the base model's weights are `base_params`
-    (when given: the trained run's) and the method's wrappers, adapters or
-    prefixes are added on top (models/lora.py); QLoRA quantizes the base
-    weights it finds, so they must be written in first.
-    """
-    model = _build_base_model(cfg, seed)
-    if base_params is not None:
-        nnx.update(model, base_params)
-    if cfg.finetune.method not in ("none", "full"):
-        from models.lora import apply_finetune
-
-        apply_finetune(model, cfg.finetune, nnx.Rngs(cfg.run.seed if seed is None else seed))
-    return model
-
-
-def _build_base_model(cfg: Config, seed: int | None) -> nnx.Module:
-    kw = dict(dtype=DTYPES[cfg.train.compute_dtype], param_dtype=DTYPES[cfg.train.param_dtype],
-              remat=cfg.train.remat, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
-    if cfg.model.kind == "moe":
-        from models.moe import MoETransformer
-
-        return MoETransformer(cfg.model, **kw)
-    if cfg.model.kind == "unet":
-        from models.unet import UNet
-
-        return UNet(cfg.model.unet, attention=cfg.model.attention, **kw)
-    return Transformer(cfg.model, scan_layers=cfg.train.scan_layers, **kw)
-
-
-def split_model(model: nnx.Module, cfg: Config | None = None) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """(graphdef, trainable params, buffers): buffers are the other variables
-    (e.g. MoE routers' selection biases, a fine-tuned model's frozen base),
-    carried in the state but never trained: no gradient, no optimizer state."""
-    return nnx.split(model, trainable_filter(cfg), ...)
-
-
-def trainable_filter(cfg: Config | None):
-    """The variables the optimizer trains: every nnx.Param, or only the fine-tuning method's own."""
-    if cfg is None or cfg.finetune.method in ("none", "full"):
-        return nnx.Param
-    from models.lora import trainable
-
-    return trainable(cfg.finetune)
-
-
-def ema_decay(cfg: Config) -> float | None:
-    """Decay of the weights' exponential moving average, when the model keeps one (diffusion)."""
-    return (cfg.model.diffusion.ema_decay or None) if cfg.model.kind == "unet" else None
+from meshwork.models.build import build_model, ema_decay, split_model
+from meshwork.partitioning import logical_specs, variable_shardings
+from meshwork.sharding.rules import Rules, tree_shardings
 
 
 def _fresh_state(cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None) -> dict[str, Any]:
@@ -94,32 +40,6 @@ def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.G
     """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched."""
     graphdef = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)[0]
     return graphdef, jax.eval_shape(lambda: _fresh_state(cfg, tx))
-
-
-def logical_specs(state: Any) -> Any:
-    """Tree prefix of `state`: a PartitionSpec of logical names per annotated variable, else None."""
-    def spec(leaf):
-        names = leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
-        return PartitionSpec(*names) if names else None
-    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def variable_shardings(tree: Any, mesh: Mesh, rules: Rules) -> Any:
-    """A tree prefix of NamedShardings for a state of nnx Variables, by their logical names.
-
-    A variable holding a quantized weight (a frozen QLoRA base: int4 values and
-    scales of other shapes) gets one sharding per array from
-    `inference.quantize.param_shardings`.
-    """
-    plain = tree_shardings(logical_specs(tree), mesh, rules)
-
-    def one(var, sharding):
-        if isinstance(var, nnx.Variable) and not hasattr(var.get_value(), "shape"):
-            from inference.quantize import param_shardings
-
-            return param_shardings(var, mesh, rules)
-        return sharding
-    return jax.tree.map(one, tree, plain, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 HOST = "pinned_host"

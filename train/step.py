@@ -10,27 +10,11 @@ import optax
 from flax import nnx
 
 from meshwork.config import Config
-from models.transformer import apply_layers, to_device_memory
-from sharding.pipeline import pipeline_value_and_grad
+from meshwork.evaluation.lm_loss import make_loss_fn
+from meshwork.models.transformer import apply_layers, to_device_memory
+from meshwork.sharding.pipeline import pipeline_value_and_grad
 
 Batch = dict[str, jax.Array]
-
-
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]]:
-    """loss_fn(params, buffers, batch, noise_key=None) -> (objective, metrics).
-
-    The objective is the next-token cross-entropy plus the model's auxiliary
-    terms (MoE load balancing and router z-loss, with the coefficients of its
-    config); metrics["loss"] is the cross-entropy alone, comparable with the
-    validation loss, beside the model's statistics (expert load, drops).
-    """
-    def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
-        model = nnx.merge(graphdef, params, buffers)
-        logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), noise_key=noise_key)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
-        objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
-        return objective, {"loss": ce, **stats}
-    return loss_fn
 
 
 def make_diffusion_loss_fn(graphdef: nnx.GraphDef, cfg: Config) -> Callable[..., tuple[jax.Array, dict]]:
@@ -40,7 +24,7 @@ def make_diffusion_loss_fn(graphdef: nnx.GraphDef, cfg: Config) -> Callable[...,
     in training, fixed in evaluation). For classifier-free guidance a share
     `label_dropout` of the labels becomes the null class, the last one.
     """
-    from meshwork.diffusion import diffusion_loss
+    from meshwork.diffusion.schedule import diffusion_loss
 
     dcfg, n_classes = cfg.model.diffusion, cfg.model.unet.num_class_embeds
 

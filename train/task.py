@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from meshwork import data as data_lib
+from meshwork.data import text as data_lib
 from meshwork.config import Config, ConfigError
-from meshwork.flops import train_flops_per_token
+from meshwork.perf.flops import train_flops_per_token
 
 
 @dataclass
@@ -65,12 +65,12 @@ class DiffusionTask:
         return {"images": ((u.sample_size, u.sample_size, u.in_channels), np.float32), "labels": ((), np.int32)}
 
     def train_iterator(self):
-        from meshwork.images import image_train_iterator
+        from meshwork.data.images import image_train_iterator
 
         return image_train_iterator(*self.train_set, self.cfg.train.global_batch, self.cfg.run.seed)
 
     def eval_batches(self) -> list[dict[str, np.ndarray]]:
-        from meshwork.images import image_eval_batches
+        from meshwork.data.images import image_eval_batches
 
         return image_eval_batches(*self.val_set, self.cfg.train.global_batch, self.cfg.log.eval_batches)
 
@@ -134,7 +134,7 @@ def _check_eval_windows(cfg: Config, val: pathlib.Path, key: str) -> None:
 
 
 def _diffusion_task(cfg: Config) -> DiffusionTask:
-    from meshwork import images as images_lib
+    from meshwork.data import images as images_lib
 
     u = cfg.model.unet
     if cfg.data.source == "digits":

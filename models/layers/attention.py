@@ -14,12 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from models.layers.params import matmul, normal, param
-from models.layers.rope import apply_rope
+from meshwork.models.layers.params import matmul, normal, param
+from meshwork.models.layers.rope import apply_rope
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from meshwork.kernels.tuning import tuned_blocks
-from sharding.ring_attention import ring_attention
-from sharding.rules import axes_of, current_rules, split_axes, with_logical_constraint
+from meshwork.sharding.ring_attention import ring_attention
+from meshwork.sharding.rules import axes_of, current_rules, split_axes, with_logical_constraint
 
 
 def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,

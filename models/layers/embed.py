@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import normal, param
-from sharding.rules import with_logical_constraint
+from meshwork.models.layers.params import normal, param
+from meshwork.sharding.rules import with_logical_constraint
 
 
 class Embed(nnx.Module):

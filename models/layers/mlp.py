@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import matmul, normal, param
-from sharding.collective_matmul import tp_mlp
-from sharding.rules import current_rules, split_axes, with_logical_constraint
+from meshwork.models.layers.params import matmul, normal, param
+from meshwork.sharding.collective_matmul import tp_mlp
+from meshwork.sharding.rules import current_rules, split_axes, with_logical_constraint
 
 _COLLECTIVE_MATMUL: contextvars.ContextVar[bool] = contextvars.ContextVar("meshwork_collective_matmul",
                                                                           default=False)

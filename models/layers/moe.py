@@ -49,10 +49,10 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from meshwork.config import MoEConfig
-from models.layers.mlp import SwiGLU
-from models.layers.params import normal, param
-from sharding.collectives import hierarchical_all_to_all
-from sharding.rules import current_rules, split_axes
+from meshwork.models.layers.mlp import SwiGLU
+from meshwork.models.layers.params import normal, param
+from meshwork.sharding.collectives import hierarchical_all_to_all
+from meshwork.sharding.rules import current_rules, split_axes
 
 F32 = jnp.float32
 ALL_TO_ALL_IMPLS = ("lax", "hierarchical")

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import param
+from meshwork.models.layers.params import param
 
 
 class RMSNorm(nnx.Module):

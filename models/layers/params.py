@@ -34,7 +34,7 @@ def normal(std: float) -> Initializer:
 def matmul(spec: str, x: jax.Array, weight: nnx.Param | nnx.Module, dtype: jnp.dtype) -> jax.Array:
     """`einsum(spec, x, weight)` in `dtype`: the one place models read a projection's weight.
 
-    A weight may hold a quantized array instead (inference/quantize.py: int8 or
+    A weight may hold a quantized array instead (models/quantize.py: int8 or
     int4 values with scales); it then does its own product, dequantizing inside
     the jitted matmul so the weights stay small in memory. It may also be a
     module wrapping a weight (models/lora.py: a frozen weight plus a trainable

@@ -49,7 +49,7 @@ def final_state(run_dir: pathlib.Path) -> tuple[int, list[np.ndarray]]:
     import jax
     import orbax.checkpoint as ocp
 
-    from meshwork.checkpoint import Checkpointer
+    from meshwork.run.checkpoint import Checkpointer
 
     ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=1, use_async=False)
     step = ckpt.latest_step()

@@ -42,7 +42,7 @@ FIXTURE_STEPS = ["train.steps=4", "checkpoint.every=2"]
 def trained_run(tmp_path_factory) -> pathlib.Path:
     """One tiny LM trained 4 steps: config.yaml, metrics.jsonl and checkpoints 2 and 4."""
     from meshwork.config import load_config
-    from train.loop import train
+    from meshwork.train.loop import train
 
     run = tmp_path_factory.mktemp("bad_inputs") / "run"
     train(load_config(LM, [*tiny_overrides(run), *FIXTURE_STEPS]))
@@ -99,11 +99,11 @@ def lm_argv(*extra: str):
 
 def _entry(name: str) -> Callable[[list[str]], int]:
     if name == "train":
-        from train.cli import main
+        from meshwork.train.cli import main
     elif name == "plan":
-        from train.plan import main
+        from meshwork.train.plan import main
     else:
-        from inference.cli import main
+        from meshwork.inference.cli import main
     return main
 
 
@@ -189,7 +189,7 @@ def finetune_base_missing(c):
                       run=c.tmp / "ft_run")(c)
 
 
-# Refusals of train/run_dir.py and meshwork/checkpoint.py: a run.dir of another config, one holding
+# Refusals of train/run_dir.py and meshwork/run/checkpoint.py: a run.dir of another config, one holding
 # something else, one whose every checkpoint is damaged.
 def run_dir_of_another_config(c):
     return train_argv("optimizer.lr=0.01", run=c.copy_run())(c)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from meshwork.metrics import read_metrics
+from meshwork.run.metrics import read_metrics
 
 from harness import STEPS, compile_cache, final_state, launch, reference_run, run  # noqa: F401 (fixtures)
 

@@ -5,8 +5,8 @@ import jax
 import numpy as np
 
 from meshwork.config import load_config
-from meshwork.metrics import read_metrics
-from train.loop import train
+from meshwork.run.metrics import read_metrics
+from meshwork.train.loop import train
 
 from harness import ROOT, TINY
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from meshwork.goodput_clock import GoodputClock
+from meshwork.run.goodput_clock import GoodputClock
 
 
 def test_restart_gap_and_rollback_are_lost_time():

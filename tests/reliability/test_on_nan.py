@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from meshwork.config import load_config
-from meshwork.metrics import read_metrics
-from train import cli
-from train.loop import NonFiniteLoss, train
+from meshwork.run.metrics import read_metrics
+from meshwork.train import cli
+from meshwork.train.loop import NonFiniteLoss, train
 
 from harness import ROOT, TINY
 

@@ -3,9 +3,9 @@
 import signal
 import time
 
-from meshwork.checkpoint import Checkpointer
-from meshwork.metrics import read_metrics
-from train.preemption import PREEMPTED_EXIT_STATUS
+from meshwork.run.checkpoint import Checkpointer
+from meshwork.run.metrics import read_metrics
+from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
 
 from harness import compile_cache, launch, run  # noqa: F401 (fixture)
 

@@ -9,7 +9,7 @@ whatever is left (data loading, logging, Python).
 The clock's totals travel inside each checkpoint, so a resumed process
 continues the account; the time between the checkpoint it resumes from and
 its own start is exactly the work the crash cost, and counts as lost.
-(`meshwork.reliability.goodput` is the planner's prediction of the same ratio.)
+(`meshwork.perf.reliability.goodput` is the planner's prediction of the same ratio.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Diffusion samplers: DDPM, DDIM, classifier-free guidance, and patch-parallel DDIM.
 
+(Image grids and sampling a trained run's UNet: meshwork.diffusion.images.)
+
 Every sampler drives a generic denoiser
 
     model_fn(x_t_BHWC, t_B, labels_B | None) -> prediction_BHWC
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import math
-import pathlib
 from collections.abc import Sequence
 
 import jax
@@ -46,13 +47,13 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from meshwork.config import DiffusionConfig
-from meshwork.diffusion import ModelFn, alphas_cumprod, ddpm_step, predicted_x0
+from meshwork.diffusion.schedule import ModelFn, alphas_cumprod, ddpm_step, predicted_x0
 
 F32 = jnp.float32
 
 
 # --------------------------------------------------------------------------
-# Schedule and one step (the schedule and the DDPM step are meshwork.diffusion's)
+# Schedule and one step (the schedule and the DDPM step are meshwork.diffusion.schedule's)
 # --------------------------------------------------------------------------
 
 def sampling_timesteps(cfg: DiffusionConfig, steps: int | None = None) -> np.ndarray:
@@ -81,7 +82,7 @@ def _abar_pair(abar_T, t, prev_t):
 
 def _ddpm_update(x_t, out, t, prev_t, abar_T, noise, *, prediction, clip, eta=None):
     """Ancestral step: the Gaussian posterior q(x_prev | x_t, x0_hat) with "fixed_small" variance
-    (`meshwork.diffusion.ddpm_step`). With a = abar_t, a' = abar_prev, beta = 1 - a / a':
+    (`meshwork.diffusion.schedule.ddpm_step`). With a = abar_t, a' = abar_prev, beta = 1 - a / a':
         mean = sqrt(a') beta / (1-a) x0_hat + sqrt(a / a') (1-a') / (1-a) x_t
         var  = (1-a') / (1-a) beta            (no noise on the last step)
     """
@@ -389,7 +390,7 @@ def patch_parallel_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Arra
     shows the staleness and communication pattern, not the 1/n compute, which needs
     a patch-aware UNet.
 
-    >>> from sharding.mesh import make_mesh
+    >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"sequence": 4, "data": -1})
     >>> cfg = DiffusionConfig(num_train_timesteps=100)
     >>> f = lambda x, t, y: x - x.mean(axis=(1, 2, 3), keepdims=True)
@@ -410,45 +411,3 @@ def patch_parallel_hlo(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, 
     are steps x `patch_parallel_comm_bytes(...)["sent_per_step"]`."""
     f, args = _patch_parallel_setup(model_fn, shape, key, cfg, **kwargs)
     return f.lower(*args).compile().as_text()
-
-
-# --------------------------------------------------------------------------
-# Image grids
-# --------------------------------------------------------------------------
-
-def image_grid(images_NHWC, nrow: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0),
-               padding: int = 2) -> np.ndarray:
-    """Tiles N images, `nrow` per row, into one uint8 image: (H', W') for 1 channel,
-    (H', W', 3) for 3. Values in `value_range` map to 0..255 (clipped); `padding`
-    black pixels separate and surround the tiles.
-
-    >>> image_grid(np.zeros((3, 4, 4, 1)), nrow=2).shape   # 2 rows of 2 tiles
-    (14, 14)
-    """
-    x = np.asarray(images_NHWC, np.float32)
-    if x.ndim != 4 or x.shape[-1] not in (1, 3):
-        raise ValueError(f"image_grid: images shape {x.shape} must be (N, H, W, C) with C = 1 or 3")
-    lo, hi = value_range
-    x = np.clip(np.rint((x - lo) / (hi - lo) * 255), 0, 255).astype(np.uint8)
-    N, H, W, C = x.shape
-    cols = max(1, min(nrow, N))
-    rows = -(-N // cols)
-    grid = np.zeros((rows * (H + padding) + padding, cols * (W + padding) + padding, C), np.uint8)
-    for i in range(N):
-        r, c = divmod(i, cols)
-        y0, x0 = padding + r * (H + padding), padding + c * (W + padding)
-        grid[y0:y0 + H, x0:x0 + W] = x[i]
-    return grid[..., 0] if C == 1 else grid
-
-
-def save_grid(images_NHWC, path, nrow: int = 8, **kwargs) -> pathlib.Path:
-    """Writes `image_grid(images_NHWC, nrow, **kwargs)` as a PNG at `path`; returns the path.
-
-    >>> save_grid(np.zeros((4, 8, 8, 1)), "/tmp/grid.png")   # doctest: +SKIP
-    """
-    from PIL import Image  # Pillow ships with matplotlib; imported here so sampling does not need it
-
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(image_grid(images_NHWC, nrow, **kwargs)).save(path, format="PNG")
-    return path

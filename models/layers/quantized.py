@@ -1,19 +1,6 @@
-"""Post-training quantization of a language model's projection weights: int8, int4, w8a8.
+"""Quantized weight formats: what an `nnx.Param` holds in place of a float projection weight.
 
-    cfg, model, step = load_run("runs/lm_tiny")
-    quantize_model(model, "int4")           # in place; the model runs as before
-    weight_bytes(model)                     # {"projections": ..., "other": ..., "total": ...}
-
-What is quantized: the projections every model reads through
-`models.layers.params.matmul`: attention `wq`, `wk`, `wv`, `wo`, the dense
-SwiGLU's `w_gate`, `w_up`, `w_down` and the untied `lm_head`. The embedding
-table (also the output projection when tied), norms, biases, and in MoE models
-(models/moe.py) the routers and all experts, routed and shared, stay in their
-float dtype; an MoE model's attention and head are quantized like a dense one's.
-Stacked layers keep their leading `layers` axis in every quantized array
-(the layer scan slices each leaf), and every scale is per layer.
-
-Formats (each an `nnx.Param` value: a pytree dataclass with `matmul(spec, x, dtype)`):
+Each format is an `nnx.Param` value: a pytree dataclass with `matmul(spec, x, dtype)`):
 
 - `Int8Weight` ("int8"): int8 values, symmetric, one float32 scale per output
   channel (absmax over the contracted dims / 127). `scales` has the weight's
@@ -49,37 +36,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from models.layers.attention import Attention
-from models.layers.mlp import SwiGLU
-from models.transformer import Block, LMHead
-from sharding.rules import Rules, logical_to_spec
 
 F32 = jnp.float32
-MODES = ("none", "int8", "int4", "w8a8")
 INT8_MAX, INT4_MAX = 127, 7
 
-# module type -> its projection weights and the einsum each is read with (models/layers/*.py).
-ATTENTION_SPECS = {"wq": "BLD,DHK->BLHK", "wk": "BLD,DGK->BLGK", "wv": "BLD,DGK->BLGK", "wo": "BLHK,HKD->BLD"}
-MLP_SPECS = {"w_gate": "BLD,DF->BLF", "w_up": "BLD,DF->BLF", "w_down": "BLF,FD->BLD"}
-HEAD_SPECS = {"lm_head": "BLD,DV->BLV"}
 
 
-def _parse(spec: str) -> tuple[str, str, str]:
+def parse_spec(spec: str) -> tuple[str, str, str]:
     """'BLD,DF->BLF' -> ('BLD', 'DF', 'BLF')."""
     inputs, out = spec.replace(" ", "").split("->")
     x, w = inputs.split(",")
     return x, w, out
 
 
-def _contracted_axes(w_letters: str, out: str, ndim: int) -> tuple[int, ...]:
+def contracted_axes(w_letters: str, out: str, ndim: int) -> tuple[int, ...]:
     """Axes of a weight (possibly with leading stacked axes) that the einsum contracts."""
     lead = ndim - len(w_letters)
     if lead < 0:
@@ -153,7 +126,7 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         """Stored bytes: values and scales."""
-        return _nbytes(self)
+        return nbytes(self)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -174,7 +147,7 @@ class Int8Weight(QuantizedWeight):
         return (self.values.astype(F32) * self.scales).astype(dtype)
 
     def matmul(self, spec: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        _, w_letters, out = _parse(spec)
+        _, w_letters, out = parse_spec(spec)
         _check_rank(self, w_letters)
         if any(c not in out and n != 1 for c, n in zip(w_letters, self.scales.shape)):
             return jnp.einsum(spec, x, self.dequantize(dtype))  # read along other dims than it was quantized for
@@ -214,7 +187,7 @@ class Int4Weight(QuantizedWeight):
         return w.reshape(v.shape).astype(dtype)
 
     def matmul(self, spec: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        _check_rank(self, _parse(spec)[1])
+        _check_rank(self, parse_spec(spec)[1])
         return jnp.einsum(spec, x, self.dequantize(dtype))
 
 
@@ -226,7 +199,7 @@ class W8A8Weight(Int8Weight):
     format = "w8a8"
 
     def matmul(self, spec: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        x_letters, w_letters, out = _parse(spec)
+        x_letters, w_letters, out = parse_spec(spec)
         _check_rank(self, w_letters)
         x_q, x_scales = quantize_activations(x, tuple(i for i, c in enumerate(x_letters) if c not in out))
         y = jnp.einsum(spec, x_q, self.values, preferred_element_type=jnp.int32)
@@ -238,10 +211,10 @@ class W8A8Weight(Int8Weight):
 FORMATS = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": W8A8Weight}
 
 
-def _int4_axis(spec: str, shape: tuple[int, ...], group_size: int, name: str = "weight") -> int:
+def int4_axis(spec: str, shape: tuple[int, ...], group_size: int, name: str = "weight") -> int:
     """The dim int4 groups and packs (the weight's last contracted one); checks `group_size` fits it."""
-    _, w_letters, out = _parse(spec)
-    ax = _contracted_axes(w_letters, out, len(shape))[-1]
+    _, w_letters, out = parse_spec(spec)
+    ax = contracted_axes(w_letters, out, len(shape))[-1]
     n = shape[ax]
     if group_size < 2 or n % group_size or group_size % 2:
         letter = w_letters[ax - (len(shape) - len(w_letters))]
@@ -271,15 +244,15 @@ def quantize_weight(w: jax.Array, spec: str, fmt: str, group_size: int = 32) -> 
     """
     if fmt not in FORMATS:
         raise ValueError(f"weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    _, w_letters, out = _parse(spec)
-    contracted = _contracted_axes(w_letters, out, w.ndim)
+    _, w_letters, out = parse_spec(spec)
+    contracted = contracted_axes(w_letters, out, w.ndim)
     w = w.astype(F32)
     if fmt != "int4":
         scales = jnp.max(jnp.abs(w), axis=contracted, keepdims=True) / INT8_MAX
         scales = jnp.where(scales == 0, 1.0, scales)
         values = jnp.clip(jnp.round(w / scales), -INT8_MAX, INT8_MAX).astype(jnp.int8)
         return FORMATS[fmt](values, scales)
-    ax = _int4_axis(spec, w.shape, group_size)
+    ax = int4_axis(spec, w.shape, group_size)
     n = w.shape[ax]
     groups = w.reshape(*w.shape[:ax], n // group_size, group_size, *w.shape[ax + 1:])
     scales = jnp.max(jnp.abs(groups), axis=ax + 1, keepdims=True) / INT4_MAX
@@ -288,166 +261,6 @@ def quantize_weight(w: jax.Array, spec: str, fmt: str, group_size: int = 32) -> 
     return Int4Weight(pack_int4(values, ax), jnp.squeeze(scales, ax + 1), ax - w.ndim)
 
 
-# ---------------------------------------------------------------- models
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """One projection weight of a model: where it is, how it is read, and its role."""
-
-    path: str
-    param: nnx.Param
-    spec: str
-    kind: str  # "attention", "mlp" or "head"
-
-
-def projection_sites(model: nnx.Module) -> Iterator[Site]:
-    """The projection weights `quantize_model` handles (see the module docstring for the choice)."""
-    for path, node in nnx.iter_graph(model):
-        prefix = "/".join(map(str, path))
-        groups = []
-        if isinstance(node, Attention):
-            groups.append(("attention", node, ATTENTION_SPECS))
-        if isinstance(node, Block) and isinstance(getattr(node, "mlp", None), SwiGLU):
-            groups.append(("mlp", node.mlp, MLP_SPECS))  # MoE shared experts are SwiGLUs too: not these
-        if isinstance(node, LMHead) and not node.tied:
-            groups.append(("head", node, HEAD_SPECS))
-        for kind, module, specs in groups:
-            sub = prefix + ("/mlp" if kind == "mlp" else "")
-            for name, spec in specs.items():
-                yield Site(f"{sub}/{name}".lstrip("/"), getattr(module, name), spec, kind)
-
-
-def _format_of(mode: str, kind: str) -> str:
-    if mode == "w8a8":
-        return "w8a8" if kind == "mlp" else "int8"
-    return mode
-
-
-def quantize_model(model: nnx.Module, mode: str, group_size: int = 32) -> None:
-    """Replaces the projection weights of `model` (in place) by their `mode` quantization.
-
-    mode: "none" (leave as is), "int8", "int4" (groups of `group_size` inputs) or "w8a8"
-    (MLP weights and activations int8, other projections int8 weight-only). The
-    quantization runs as one jitted program.
-
-    >>> from meshwork.config import ModelConfig
-    >>> from models.transformer import Transformer
-    >>> model = Transformer(ModelConfig(vocab_size=16, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
-    ...                                 d_ff=64), rngs=nnx.Rngs(0))
-    >>> before = weight_bytes(model)
-    >>> quantize_model(model, "int4")
-    >>> q = model.blocks.attn.wq.get_value()      # (layers, D, H, K) = (2, 64, 2, 32)
-    >>> type(q).__name__, q.values.shape, q.scales.shape
-    ('Int4Weight', (2, 32, 2, 32), (2, 2, 2, 32))
-    >>> weight_bytes(model)["projections"] == before["projections"] // 8 + before["projections"] // 32
-    True
-    """
-    if mode not in MODES:
-        raise ValueError(f"quantization mode {mode!r}; choose one of {', '.join(MODES)}")
-    if mode == "none":
-        return
-    sites = list(projection_sites(model))
-    for site in sites:
-        if isinstance(site.param.get_value(), QuantizedWeight):
-            raise ValueError(f"{site.path} is already quantized; quantize a model with float weights "
-                             f"(load the run again)")
-    fmts = [_format_of(mode, s.kind) for s in sites]
-
-    if mode == "int4":
-        for s in sites:  # checked here, where the weight's path can be named
-            _int4_axis(s.spec, s.param.get_value().shape, group_size, s.path)
-
-    @jax.jit
-    def run(weights):
-        return [quantize_weight(w, s.spec, f, group_size) for w, s, f in zip(weights, sites, fmts)]
-
-    for site, q in zip(sites, run([s.param.get_value() for s in sites])):
-        site.param.set_value(q)
-
-
-def _nbytes(value) -> int:
+def nbytes(value) -> int:
     """Bytes of an array or of a quantized weight's arrays (abstract shapes work too)."""
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(value))
-
-
-def weight_bytes(model: nnx.Module) -> dict[str, int]:
-    """Bytes of the model's weights: `projections` (quantized or not, scales included),
-    `projections_f32` (what those would take in float32), `other` (every other variable:
-    embedding, norms, biases, experts, buffers) and `total` (projections + other).
-    See `quantize_model` for an example.
-    """
-    sites = {id(s.param): s for s in projection_sites(model)}
-    proj = proj_f32 = other = 0
-    for _, node in nnx.iter_graph(model):
-        if not isinstance(node, nnx.Variable):
-            continue
-        value = node.get_value()
-        if id(node) in sites:
-            proj += _nbytes(value)
-            proj_f32 += 4 * math.prod(value.shape)
-        else:
-            other += _nbytes(value)
-    return {"projections": proj, "projections_f32": proj_f32, "other": other, "total": proj + other}
-
-
-def validation_loss(model: nnx.Module, batches: list[dict[str, np.ndarray]]) -> float:
-    """Mean next-token cross-entropy over `batches`, computed as the trainer's val_loss is
-    (train/step.py's loss without auxiliary terms): how much a quantization costs.
-
-    `batches`: e.g. `train.task.make_task(cfg).eval_batches()`, the trainer's own set.
-    """
-    from train.step import make_loss_fn
-
-    graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-    loss_fn = jax.jit(make_loss_fn(graphdef))
-    return float(np.mean([loss_fn(params, buffers, b)[1]["loss"] for b in batches]))
-
-
-# ---------------------------------------------------------------- sharding
-
-
-def _fit_sharding(names, shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> NamedSharding:
-    """The sharding the logical `names` give, with every dim its mesh axes do not divide replicated."""
-    if not names:
-        return NamedSharding(mesh, PartitionSpec())
-    spec = []
-    for axes, n in zip(logical_to_spec(names, rules), shape):
-        axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        size = math.prod(mesh.shape[a] for a in axes_t)
-        spec.append(axes if axes_t and n % size == 0 else None)
-    return NamedSharding(mesh, PartitionSpec(*spec))
-
-
-def param_shardings(params_state, mesh: Mesh, rules: Rules):
-    """NamedShardings for a model's variables, plain or quantized: a tree like `params_state`
-    (from `nnx.split` / `nnx.state`) with a NamedSharding in place of every array.
-
-    Each array follows its Variable's logical names (`out_sharding`); the arrays
-    of a quantized weight have the float weight's rank, and each of their dims
-    inherits the name of the dim it comes from (the packed int4 dim, a dim of
-    groups of scales). A dim that its mesh axes do not divide (a scale dim of
-    size 1, say) is replicated instead.
-
-    >>> from sharding.mesh import make_mesh
-    >>> from sharding.rules import rules_for
-    >>> w = nnx.Param(quantize_weight(jnp.ones((2, 8, 4)), "BLD,DF->BLF", "int8"),
-    ...               out_sharding=("layers", "embed", "mlp"), eager_sharding=False)
-    >>> sh = param_shardings(w, make_mesh({"tensor": 2, "data": -1}), rules_for("tp"))
-    >>> sh.get_value().values.spec, sh.get_value().scales.spec
-    (P(None, None, 'tensor'), P(None, None, 'tensor'))
-    """
-    def for_variable(var):
-        names = var.get_metadata().get("out_sharding")
-        return jax.tree.map(lambda a: _fit_sharding(names, tuple(np.shape(a)), mesh, rules), var)
-
-    return jax.tree.map(for_variable, params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def describe(model: nnx.Module) -> Mapping[str, str]:
-    """path -> format ("float32", "int8", "int4", "w8a8") of each projection weight."""
-    out = {}
-    for s in projection_sites(model):
-        v = s.param.get_value()
-        out[s.path] = v.format if isinstance(v, QuantizedWeight) else str(jnp.dtype(v.dtype))
-    return out

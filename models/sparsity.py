@@ -4,9 +4,9 @@
     params, masks = prune_model(model, "2:4")        # dense params with zeros, and the masks
     nnx.update(model, params)                        # the pruned model (dense storage)
     compact_model(model)                             # in place: 2:4 weights stored compactly
-    weight_bytes(model)                              # inference/quantize.py's accounting
+    weight_bytes(model)                              # models/quantize.py's accounting
 
-What is pruned: the projections `inference/quantize.py` quantizes (attention
+What is pruned: the projections `models/quantize.py` quantizes (attention
 `wq wk wv wo`, the dense SwiGLU's `w_gate w_up w_down`, an untied `lm_head`),
 each matrix on its own: a stacked weight's leading `layers` axis is a batch of
 matrices, and each layer gets its own threshold.
@@ -36,7 +36,7 @@ timed by benchmarks/sparsity.py, not used by the model.
 Masked fine-tuning: `apply_masks(params, masks)` zeroes the pruned weights of
 a params tree (a model's `nnx.State` or the trainer's `state["params"]`);
 re-applied after every optimizer step it keeps the sparsity pattern fixed while
-the kept weights recover (benchmarks/sparsity.py, `recover`).
+the kept weights recover (`meshwork.train.sparse_recovery.recover`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inference.quantize import _contracted_axes, _nbytes, _parse, projection_sites
+from meshwork.models.layers.quantized import contracted_axes, nbytes, parse_spec
+from meshwork.models.quantize import projection_sites
 
 METHODS = ("unstructured", "2:4")
 GROUP, KEEP = 4, 2  # 2:4: keep 2 of every 4
@@ -63,8 +64,8 @@ def input_axis(spec: str, ndim: int) -> int:
     >>> input_axis("BLHK,HKD->BLD", 4)       # wo (layers, H, K, D): head_dim K
     -2
     """
-    _, w_letters, out = _parse(spec)
-    return _contracted_axes(w_letters, out, ndim)[-1] - ndim
+    _, w_letters, out = parse_spec(spec)
+    return contracted_axes(w_letters, out, ndim)[-1] - ndim
 
 
 # ---------------------------------------------------------------- masks
@@ -133,7 +134,7 @@ def prune_weight(w: jax.Array, spec: str, method: str, fraction: float = 0.5) ->
     """
     if method not in METHODS:
         raise ValueError(f"pruning method {method!r}; choose one of {', '.join(METHODS)}")
-    lead = w.ndim - len(_parse(spec)[1])
+    lead = w.ndim - len(parse_spec(spec)[1])
     mask = (unstructured_mask(w, fraction, lead) if method == "unstructured"
             else mask_24(w, input_axis(spec, w.ndim)))
     return jnp.where(mask, w, jnp.zeros((), w.dtype)), mask
@@ -148,7 +149,7 @@ def prune_model(model: nnx.Module, method: str = "2:4", fraction: float = 0.5) -
     `prune_model(nnx.merge(trainer.graphdef, state["params"], state["buffers"]), ...)`.
 
     >>> from meshwork.config import ModelConfig
-    >>> from models.transformer import Transformer
+    >>> from meshwork.models.transformer import Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
     ...                                 d_ff=64), rngs=nnx.Rngs(0))
     >>> params, masks = prune_model(model, "2:4")
@@ -250,7 +251,7 @@ class Sparse24Weight:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self)
+        return nbytes(self)
 
     def densify(self, dtype: jnp.dtype | None = None) -> jax.Array:
         """The dense weight, zeros included."""
@@ -271,7 +272,7 @@ class Sparse24Weight:
         return w if dtype is None else w.astype(dtype)
 
     def matmul(self, spec: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        if self.values.ndim != len(_parse(spec)[1]):
+        if self.values.ndim != len(parse_spec(spec)[1]):
             raise ValueError(f"a 2:4 weight of shape {self.shape} read as {spec!r}: a stacked weight must be sliced "
                              f"per layer (lax.scan over the layers) before its matmul")
         return jnp.einsum(spec, x, self.densify(dtype))
@@ -344,39 +345,3 @@ def matmul_24_gather(x_TD: jax.Array, w: Sparse24Weight) -> jax.Array:
     rows = pos + (jnp.arange(pos.shape[0]) // KEEP * GROUP)[:, None]  # the input each kept value reads
     x_TKF = jnp.take(x_TD, rows, axis=1)
     return jnp.einsum("TKF,KF->TF", x_TKF, w.values.astype(x_TD.dtype))
-
-
-# ---------------------------------------------------------------- recovery
-
-
-def recover(cfg, params: nnx.State, masks: dict, *, devices: list | None = None,
-            log=None) -> tuple[nnx.State, list[float]]:
-    """Fine-tunes pruned `params` for `cfg.train.steps` steps of `cfg`'s training (its data,
-    optimizer and schedule: set a small `optimizer.lr`), with the masks re-applied after every
-    optimizer step so the pruned weights stay zero. Returns (params, the training losses).
-
-    Built on the public trainer (train/loop.py `Trainer`): a fresh optimizer state, the pruned
-    weights put in place of the initial ones, the data from the start of the training stream.
-    `log(step, loss)` is called every step if given.
-    """
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from train.loop import Trainer, check_runtime
-
-    trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
-    state = trainer.init_state()
-    # A copy (may_alias=False): the step donates the state, which must not delete the caller's params.
-    state["params"] = jax.tree.map(
-        lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding, may_alias=False), params, state["params"])
-    masks = jax.device_put(masks, NamedSharding(trainer.mesh, PartitionSpec()))
-    mask_fn = jax.jit(apply_masks, donate_argnums=0)
-    state["params"] = mask_fn(state["params"], masks)
-    data = trainer.task.train_iterator()
-    losses = []
-    for i in range(cfg.train.steps):
-        state, metrics = trainer.step_fn(state, trainer.to_device(next(data)))
-        state["params"] = mask_fn(state["params"], masks)
-        losses.append(float(metrics["loss"]))
-        if log is not None:
-            log(i + 1, losses[-1])
-    return jax.device_get(state["params"]), losses

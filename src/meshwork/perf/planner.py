@@ -2,7 +2,7 @@
 layout on N accelerators, and a search for the fastest layout that fits.
 
 Pure arithmetic on the config and a hardware data sheet
-(`meshwork.hardware`): no devices, nothing compiled. The parts:
+(`meshwork.perf.hardware`): no devices, nothing compiled. The parts:
 
 - `planner_memory`: the layout (mesh sizes + rules preset, as in a config),
   per-device bytes of parameters, gradients, optimizer state, activations.
@@ -20,14 +20,14 @@ Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
     step       = critical + bubble + (gradient/weight collectives - hidden) + optimizer
     MFU        = model FLOPs / (step x peak x devices)
 
-Model FLOPs are `meshwork.flops.train_flops_per_token` (6N + the PaLM
+Model FLOPs are `meshwork.perf.flops.train_flops_per_token` (6N + the PaLM
 attention term); remat "full" recomputes the layers' forward pass (+1/3 of
 their 6N), and a meshwork pipeline recomputes each stage's forward inside its
 backward. The optimizer update is memory-bound: it reads and writes the
 state once (bytes / HBM bandwidth).
 
     >>> from meshwork.config import Config
-    >>> from meshwork.hardware import get_hardware
+    >>> from meshwork.perf.hardware import get_hardware
     >>> p = plan(Config(), make_layout(data=8), get_hardware("h100"))
     >>> p.fits, 0 < p.mfu < 1
     (True, True)
@@ -43,14 +43,14 @@ from typing import Any
 import yaml
 
 from meshwork.config import Config, ConfigError, validate
-from meshwork.flops import train_flops_per_token
-from meshwork.hardware import Accelerator
-from meshwork.planner_comm import (Collective, CommOptions, collective_time, placement, step_collectives,
+from meshwork.perf.flops import train_flops_per_token
+from meshwork.perf.hardware import Accelerator
+from meshwork.perf.planner_comm import (Collective, CommOptions, collective_time, placement, step_collectives,
                                    summarize)
-from meshwork.planner_memory import (REMATS, Layout, StateBytes, activation_memory,
+from meshwork.perf.planner_memory import (REMATS, Layout, StateBytes, activation_memory,
                                      grad_accumulator_bytes, gathered_weight_bytes, indivisible, layout_from_config,
                                      make_layout, model_weights, offload_memory, shard_size, state_memory)
-from sharding.mesh import MESH_AXES
+from meshwork.sharding.mesh import MESH_AXES
 
 __all__ = ["Plan", "PlanOptions", "Layout", "make_layout", "layout_from_config", "layout_problem", "plan", "search",
            "explain", "format_plan", "step_flops", "compiled_step_flops", "config_for", "write_config"]
@@ -78,7 +78,7 @@ class PlanOptions:
     comm: CommOptions = CommOptions()
 
     def state_bytes(self, cfg: Config) -> StateBytes:
-        from meshwork.planner_memory import MIXED_PRECISION_ADAM
+        from meshwork.perf.planner_memory import MIXED_PRECISION_ADAM
 
         if self.accounting not in ("meshwork", "mixed"):
             raise ConfigError(f"accounting={self.accounting!r}; choose meshwork or mixed")

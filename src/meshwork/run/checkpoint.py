@@ -145,6 +145,19 @@ class Checkpointer:
             data_iter=ocp.args.JsonRestore()))
         return out["state"], out["data_iter"]
 
+    def restore_parts(self, step: int, abstract_parts: dict[str, Any]) -> dict[str, Any]:
+        """Only the named parts of the stored state (e.g. {"params": ..., "buffers": ...}), placed by
+        the shardings their abstract leaves carry.
+
+        Orbax partial restore: the other parts (Adam's moments, the EMA when not asked
+        for) are neither read nor need a target, so inference restores a run's weights
+        without building its optimizer.
+        """
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_parts)
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=abstract_parts, restore_args=restore_args, partial_restore=True)))
+        return out["state"]
+
     def saved_config(self, step: int) -> dict:
         """The resolved config stored with checkpoint `step`."""
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]

@@ -3,7 +3,7 @@
 `HARDWARE` maps a short name to an `Accelerator`: per-device dense peak FLOP/s
 by dtype, memory size and bandwidth, and the two interconnect tiers (inside a
 node and between nodes). The planner (memory, communication, step time) and
-the roofline model (`meshwork.roofline`) read it; nothing here needs a device.
+the roofline model (`meshwork.perf.roofline`) read it; nothing here needs a device.
 
     >>> h100 = get_hardware("h100")
     >>> round(h100.ridge_point("bf16"))      # FLOPs per HBM byte
@@ -312,5 +312,5 @@ def peak_flops_per_device(dtype: str = "float32") -> tuple[float, str]:
         return measure_cpu_peak(dtype) / jax.local_device_count(), "cpu (measured matmul / local devices)"
     acc = accelerator_for_device_kind(dev.device_kind)
     if acc is None:
-        raise KeyError(f"no peak FLOP/s for device kind {dev.device_kind!r}; add it to meshwork/hardware.py")
+        raise KeyError(f"no peak FLOP/s for device kind {dev.device_kind!r}; add it to meshwork/perf/hardware.py")
     return acc.peak_flops[table_dtype(dtype)], f"{acc.name} table"

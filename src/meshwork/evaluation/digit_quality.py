@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshwork.images import digits, split
+from meshwork.data.images import digits, split
 
 
 class DigitClassifier:

@@ -17,7 +17,7 @@ reuse a well-tiled kernel achieves (a matmul does not re-read its inputs per
 output tile; flash attention never writes the scores to HBM). Real kernels move
 more, so these are lower bounds on time.
 
-    >>> from meshwork.hardware import get_hardware
+    >>> from meshwork.perf.hardware import get_hardware
     >>> h100 = get_hardware("h100")
     >>> bound(matmul(8192, 8192, 8192), h100)          # 2730 FLOPs/byte
     'compute'
@@ -37,7 +37,7 @@ from meshwork.config import ConfigError
 
 if TYPE_CHECKING:
     from meshwork.config import ModelConfig
-    from meshwork.hardware import Accelerator
+    from meshwork.perf.hardware import Accelerator
 
 # Bytes per element; jax dtype names are accepted too.
 DTYPE_BYTES: dict[str, int] = {

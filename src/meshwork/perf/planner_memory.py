@@ -42,8 +42,8 @@ import functools
 import math
 
 from meshwork.config import Config, ConfigError, ModelConfig
-from sharding.mesh import MESH_AXES
-from sharding.rules import axes_of, rules_for
+from meshwork.sharding.mesh import MESH_AXES
+from meshwork.sharding.rules import axes_of, rules_for
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 REMATS = ("none", "dots_saveable", "full")
@@ -180,7 +180,7 @@ def make_layout(*, data: int = 1, fsdp: int = 1, expert: int = 1, sequence: int 
 
 def layout_from_config(cfg: Config, n_devices: int) -> Layout:
     """The Layout a config asks for on `n_devices` (its one -1 mesh axis filled in)."""
-    from sharding.mesh import MeshSizeError, resolve_mesh_shape
+    from meshwork.sharding.mesh import MeshSizeError, resolve_mesh_shape
 
     try:
         shape = resolve_mesh_shape(cfg.mesh.sizes(), n_devices)

@@ -61,10 +61,10 @@ import functools
 import math
 
 from meshwork.config import Config
-from meshwork.hardware import Accelerator
-from meshwork.planner_memory import (ITEMSIZE, Layout, StateBytes, model_weights, shard_size, token_axes,
+from meshwork.perf.hardware import Accelerator
+from meshwork.perf.planner_memory import (ITEMSIZE, Layout, StateBytes, model_weights, shard_size, token_axes,
                                      token_shape)
-from sharding.mesh import MESH_AXES
+from meshwork.sharding.mesh import MESH_AXES
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 ALGORITHMS = ("ring", "tree", "hierarchical")
@@ -114,7 +114,7 @@ def step_collectives(cfg: Config, layout: Layout, options: CommOptions = CommOpt
                      accounting: StateBytes | None = None) -> list[Collective]:
     """Every collective of one train step of `cfg` under `layout`, per device.
 
-    >>> from meshwork.planner_memory import make_layout
+    >>> from meshwork.perf.planner_memory import make_layout
     >>> cs = step_collectives(Config(), make_layout(data=8))
     >>> sorted({c.kind for c in cs})
     ['all-reduce']

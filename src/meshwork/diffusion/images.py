@@ -1,0 +1,83 @@
+"""Images out of a diffusion model: sampling a UNet as its run's config says, and image grids.
+
+    images, labels = sample_images(model, cfg, num=64, steps=50)   # (N, H, W, C) in [-1, 1]
+    save_grid(images, "grid.png")
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshwork.config import Config, ConfigError
+from meshwork.diffusion.sampling import ddim_sample, ddpm_sample
+
+
+def _apply(graphdef, state, x_BHWC, t_B, labels_B):
+    return nnx.merge(graphdef, state)(x_BHWC, t_B, labels_B)
+
+
+def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "ddim", guidance: float | None = None,
+                  labels: str | int = "cycle", seed: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """(images (N, H, W, C) in [-1, 1], the labels asked for or None) from a UNet."""
+    u, d = cfg.model.unet, cfg.model.diffusion
+    shape = (num, u.sample_size, u.sample_size, u.in_channels)
+    y = None
+    if u.num_class_embeds is not None:
+        n_real = u.num_class_embeds - 1  # the last class is the null label of guidance
+        y = jnp.arange(num) % n_real if labels == "cycle" else jnp.full((num,), int(labels))
+        if int(y.max()) >= n_real:
+            raise ConfigError(f"--labels: class {int(y.max())} does not exist; the run has classes 0..{n_real - 1}")
+    kw = dict(labels=y, guidance_scale=guidance if y is not None else None,
+              null_label=u.num_class_embeds - 1 if y is not None else None)
+    key = jax.random.key(seed)
+    # The weights travel as arguments of the jitted sampler, not as constants.
+    graphdef, state = nnx.split(model)
+    model_fn = jax.tree_util.Partial(_apply, graphdef, state)
+    if sampler == "ddim":
+        x = ddim_sample(model_fn, shape, key, d, steps=steps, clip_sample=1.0, **kw)
+    else:
+        x = ddpm_sample(model_fn, shape, key, d, steps=steps, clip_sample=1.0, **kw)
+    return np.asarray(x), (np.asarray(y) if y is not None else None)
+
+
+def image_grid(images_NHWC, nrow: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0),
+               padding: int = 2) -> np.ndarray:
+    """Tiles N images, `nrow` per row, into one uint8 image: (H', W') for 1 channel,
+    (H', W', 3) for 3. Values in `value_range` map to 0..255 (clipped); `padding`
+    black pixels separate and surround the tiles.
+
+    >>> image_grid(np.zeros((3, 4, 4, 1)), nrow=2).shape   # 2 rows of 2 tiles
+    (14, 14)
+    """
+    x = np.asarray(images_NHWC, np.float32)
+    if x.ndim != 4 or x.shape[-1] not in (1, 3):
+        raise ValueError(f"image_grid: images shape {x.shape} must be (N, H, W, C) with C = 1 or 3")
+    lo, hi = value_range
+    x = np.clip(np.rint((x - lo) / (hi - lo) * 255), 0, 255).astype(np.uint8)
+    N, H, W, C = x.shape
+    cols = max(1, min(nrow, N))
+    rows = -(-N // cols)
+    grid = np.zeros((rows * (H + padding) + padding, cols * (W + padding) + padding, C), np.uint8)
+    for i in range(N):
+        r, c = divmod(i, cols)
+        y0, x0 = padding + r * (H + padding), padding + c * (W + padding)
+        grid[y0:y0 + H, x0:x0 + W] = x[i]
+    return grid[..., 0] if C == 1 else grid
+
+
+def save_grid(images_NHWC, path, nrow: int = 8, **kwargs) -> pathlib.Path:
+    """Writes `image_grid(images_NHWC, nrow, **kwargs)` as a PNG at `path`; returns the path.
+
+    >>> save_grid(np.zeros((4, 8, 8, 1)), "/tmp/grid.png")   # doctest: +SKIP
+    """
+    from PIL import Image  # Pillow ships with matplotlib; imported here so sampling does not need it
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image_grid(images_NHWC, nrow, **kwargs)).save(path, format="PNG")
+    return path

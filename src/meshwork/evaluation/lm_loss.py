@@ -1,0 +1,45 @@
+"""Next-token cross-entropy: the language models' training objective and their validation loss.
+
+One definition for the trainer (meshwork.train.step) and for inference-side
+measurements (what quantization or pruning costs), so the two always agree.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+Batch = dict[str, jax.Array]
+
+
+def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]]:
+    """loss_fn(params, buffers, batch, noise_key=None) -> (objective, metrics).
+
+    The objective is the next-token cross-entropy plus the model's auxiliary
+    terms (MoE load balancing and router z-loss, with the coefficients of its
+    config); metrics["loss"] is the cross-entropy alone, comparable with the
+    validation loss, beside the model's statistics (expert load, drops).
+    """
+    def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
+        model = nnx.merge(graphdef, params, buffers)
+        logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), noise_key=noise_key)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
+        objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
+        return objective, {"loss": ce, **stats}
+    return loss_fn
+
+
+def validation_loss(model: nnx.Module, batches: list[dict[str, np.ndarray]]) -> float:
+    """Mean next-token cross-entropy over `batches`, computed as the trainer's val_loss is
+    (`make_loss_fn`'s cross-entropy, without auxiliary terms): e.g. what a
+    quantization or pruning costs.
+
+    `batches`: e.g. `meshwork.train.task.make_task(cfg).eval_batches()`, the trainer's own set.
+    """
+    graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+    loss_fn = jax.jit(make_loss_fn(graphdef))
+    return float(np.mean([loss_fn(params, buffers, b)[1]["loss"] for b in batches]))

@@ -1,0 +1,1 @@
+"""Run plumbing: Orbax checkpoints (verified, resumable), the metrics file, the goodput clock."""
