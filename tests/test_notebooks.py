@@ -3,11 +3,10 @@
 Each notebook runs in a fresh `python3` kernel (its first cell sets up 8 simulated CPU
 devices before jax is imported; the kernel inherits conftest's JAX_PLATFORMS=cpu) with
 MESHWORK_NOTEBOOK_SMALL=1, so every size and step count is the toy one, and its runs go
-to a temporary folder. The repository comes first on the kernel's path, so it imports
-this checkout, as the rest of the tests do.
+to a temporary folder. The kernel imports meshwork as the rest of the tests do: from the
+editable install of this checkout (`pip install -e .`), as a user's notebook would.
 """
 
-import os
 import re
 import time
 
@@ -41,8 +40,6 @@ def test_committed_without_outputs(path):
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MESHWORK_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("MESHWORK_NOTEBOOK_RUNS", str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(ROOT), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
