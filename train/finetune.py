@@ -22,8 +22,8 @@ from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.config import Config, ConfigError, load_config
 from meshwork.perf.flops import param_counts
 from meshwork.sharding.rules import Rules
-from meshwork.train.optim import make_optimizer
-from meshwork.train.state import abstract_state, state_shardings
+from meshwork.models.build import build_model, split_model
+from meshwork.partitioning import variable_shardings
 
 
 def check_base(cfg: Config) -> Config | None:
@@ -53,11 +53,10 @@ def load_base_params(cfg: Config, mesh: Mesh, rules_by_role: dict[str, Rules]) -
     base_dir = pathlib.Path(cfg.finetune.base).expanduser()
     base = load_config(base_dir / "config.yaml")
     ckpt = Checkpointer(base_dir / "checkpoints", every=1, keep=base.checkpoint.keep, use_async=False)
-    tx, _ = make_optimizer(base.optimizer, base.train.steps)
-    _, abstract = abstract_state(base, tx)
-    # Orbax restores the whole saved state; only its parameters are kept.
-    state, _ = ckpt.restore(ckpt.latest_step(), abstract_with_shardings(abstract, state_shardings(abstract, mesh,
-                                                                                                    rules_by_role)))
+    _, params, _ = split_model(nnx.eval_shape(lambda: build_model(base)), base)
+    target = abstract_with_shardings(params, variable_shardings(params, mesh, rules_by_role["params"]))
+    # Only the weights are read (Orbax partial restore): the base's Adam moments stay on disk.
+    state = ckpt.restore_parts(ckpt.latest_step(), {"params": target})
     ckpt.close()
     return state["params"]
 
