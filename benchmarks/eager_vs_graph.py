@@ -9,7 +9,7 @@ dispatched on its own (`primitive.bind` on concrete arrays, so every op is its
 own small compiled kernel, as in PyTorch eager), through the bodies of `jit`,
 `custom_vjp`, `remat` and `cond`; a scan runs its body once per iteration in
 Python. Graph: `Trainer(cfg, ...).step_fn`, the whole step compiled by XLA;
-its kernels are counted by `sharding/graph_report.py` (per step: loop bodies
+its kernels are counted by `sharding/hlo_kernels.py` (per step: loop bodies
 times their trip counts). Both run on one device in one process, so the
 ratios compare like with like; the absolute times are this machine's.
 
@@ -38,7 +38,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from meshwork.config import load_config  # noqa: E402
-from meshwork.sharding.graph_report import hlo_kernels, jaxpr_op_counts  # noqa: E402
+from meshwork.sharding.hlo_kernels import hlo_kernels  # noqa: E402
+from meshwork.sharding.jaxpr_ops import jaxpr_op_counts  # noqa: E402
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
         "data.seq_len=32", "train.global_batch=8"]

@@ -91,6 +91,7 @@ import dataclasses, os
 import jax, jax.numpy as jnp, numpy as np
 from meshwork.kernels import decode_attention as da
 from meshwork.kernels import flash_attention as fa
+from meshwork.kernels import flash_attention_kernels as fk
 
 SMOKE = bool(os.environ.get("SMOKE"))
 backend = jax.default_backend()
@@ -171,12 +172,12 @@ k, v = (jax.random.normal(keys[i], (B, S, G, K), f32) for i in (1, 2))
 seg_q = np.stack([packed([L // 2, L - L // 2])] * B)
 seg_kv = np.stack([packed([S // 2, S - S // 2])] * B)
 try:
-    cfg = dataclasses.replace(fa._plan(q.shape, k.shape, causal=True, scale=None, window=None, segmented=True,
-                                       block_q=None, block_kv=None, backend=None, interpret=None), poison=True)
-    qp, kp, vp, sq, skv = fa._pad_inputs(q, k, v, seg_q, seg_kv, cfg)
-    dop = fa._pad_inputs(do, k, v, seg_q, seg_kv, cfg)[0]
-    o, lse = fa._forward(qp, kp, vp, sq, skv, cfg)
-    outs = [o, lse, *fa._backward(qp, kp, vp, sq, skv, o, lse, dop, cfg)]
+    cfg = dataclasses.replace(fa.plan(q.shape, k.shape, causal=True, scale=None, window=None, segmented=True,
+                                      block_q=None, block_kv=None, backend=None, interpret=None), poison=True)
+    qp, kp, vp, sq, skv = fa.pad_inputs(q, k, v, seg_q, seg_kv, cfg)
+    dop = fa.pad_inputs(do, k, v, seg_q, seg_kv, cfg)[0]
+    o, lse = fk.flash_forward(qp, kp, vp, sq, skv, cfg)
+    outs = [o, lse, *fk.flash_backward(qp, kp, vp, sq, skv, o, lse, dop, cfg)]
     d = da.DEFAULT_DECODE_BLOCKS[cfg.backend]
     dcfg = da._Config(scale=K ** -0.5, chunk=d.chunk if s else 32, kv=d.kv if s else 16,
                       rows=16 if cfg.backend == "gpu" else H // G, head_dim=cfg.head_dim, backend=cfg.backend,

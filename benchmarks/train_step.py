@@ -99,7 +99,7 @@ def planned_step_time(overrides: list[str], peak: float) -> float:
     f32 matmul peak and efficiency 1 (the planner's compute term includes remat's recompute)."""
     from meshwork.perf.hardware import Accelerator
     from meshwork.perf.planner import PlanOptions, plan
-    from meshwork.perf.planner_memory import layout_from_config
+    from meshwork.perf.planner_layout import layout_from_config
 
     cpu = Accelerator(name="this cpu", peak_flops={"fp32": peak, "bf16": peak}, hbm_bytes=64e9,
                       hbm_bandwidth=20e9, intra_node_bandwidth=20e9, intra_node_latency=1e-6,

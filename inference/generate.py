@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from meshwork.inference.kv_cache import KVCache
 from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.config import ConfigError
-from meshwork.kernels.flash_attention import round_up
+from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules, split_axes, use_rules
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this: one prefill compile per bucket, not per length

@@ -16,7 +16,9 @@ reading the next, so host memory holds about one layer, never the model.
 (`build_hf_model(cfg, params)` makes the model from it), with the structure of
 `nnx.to_pure_dict(nnx.state(model, nnx.Param))`; `apply_params` writes such a
 tree into an existing model with shape checks. Both follow one table,
-`hf_layout`, which `inference/hf_export.py` also uses to write checkpoints.
+`hf_layout` (inference/hf_layout.py), which `inference/hf_export.py` also uses
+to write checkpoints; inference/hf_files.py reads the directory's files and
+inference/hf_config.py maps config.json.
 
 Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.py):
 
@@ -37,353 +39,42 @@ Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.p
   `decoder_sparse_step` grid) use a dense SwiGLU of `intermediate_size`; meshwork
   can express that only when they are the leading layers (`first_dense_layers`).
 
-Training-only settings (dropout, Mixtral's router jitter, output_router_logits)
-are ignored; anything that changes the forward pass and that meshwork does not
-implement (rope scaling, sliding windows, other activations, extra biases)
-raises a ValueError that names the key.
+Which config.json settings are ignored and which are refused: inference/hf_config.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
-import json
-import math
 import pathlib
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # registers bfloat16 with numpy, so bf16 checkpoints read as numpy
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import SafetensorError, safe_open
 
-from meshwork.config import ModelConfig, MoEConfig
+from meshwork.config_sections import ModelConfig
+from meshwork.inference.hf_config import config_from_hf
+from meshwork.inference.hf_files import TensorReader, checkpoint_files
+from meshwork.inference.hf_layout import (HFTensor, as_pure_dict, check_tree, hf_layout, layout_leaves,
+                                          layout_shapes, map_in_order)
 from meshwork.sharding.rules import Rules, tree_shardings
 
-SUPPORTED = ("llama", "mixtral", "qwen2_moe")
 # Tensors some checkpoints carry that hold no weights meshwork needs.
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
-# numpy dtype -> config.json's torch_dtype / dtype name.
-HF_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
-                  np.dtype(np.float16): "float16"}
-
-# ---------------------------------------------------------------- config
-
-
-def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
-    """The meshwork ModelConfig for a Hugging Face config.json dict.
-
-    Reads both the transformers 5 form (`rope_parameters`) and the older one
-    (`rope_theta`, `rope_scaling`). Raises ValueError for a model type or a
-    setting meshwork cannot reproduce.
-
-    >>> cfg = config_from_hf({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
-    ...     "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-    ...     "rope_theta": 10000.0, "rms_norm_eps": 1e-6})
-    >>> cfg.n_kv_heads, cfg.resolved_head_dim, cfg.norm_eps
-    (32, 128, 1e-06)
-    """
-    c = dict(hf_config)
-    kind = c.get("model_type")
-    if kind not in SUPPORTED:
-        raise ValueError(f"model_type={kind!r} is not supported; meshwork reads {', '.join(SUPPORTED)} checkpoints")
-    defaults = {"llama": (1e-6, 10000.0), "mixtral": (1e-5, 1e6), "qwen2_moe": (1e-6, 10000.0)}[kind]
-
-    def need(key: str) -> Any:
-        if c.get(key) is None:
-            raise ValueError(f"{kind} config has no {key!r}; a complete config.json is needed")
-        return c[key]
-
-    def refuse(key: str, ok: bool, why: str) -> None:
-        if not ok:
-            raise ValueError(f"{kind} config {key}={c.get(key)!r}: {why}")
-
-    refuse("hidden_act", c.get("hidden_act", "silu") == "silu", "meshwork's MLP is SwiGLU (silu) only")
-    D, H = need("hidden_size"), need("num_attention_heads")
-    G = c.get("num_key_value_heads") or H
-    refuse("num_key_value_heads", H % G == 0, f"must divide num_attention_heads={H}")
-    head_dim = c.get("head_dim") or D // H
-    refuse("head_dim", head_dim % 2 == 0, "RoPE needs an even head_dim")
-    theta = _rope_theta(c, kind, defaults[1])
-    if kind == "llama":
-        refuse("attention_bias", not c.get("attention_bias", False),
-               "Llama's attention_bias also biases o_proj, which meshwork's attention does not have")
-        refuse("mlp_bias", not c.get("mlp_bias", False), "meshwork's MLP has no biases")
-    if kind == "mixtral":
-        refuse("sliding_window", c.get("sliding_window") is None,
-               "meshwork attends causally over the whole sequence; set it to null only if no sequence "
-               "you run is longer than the window")
-    if kind == "qwen2_moe":
-        refuse("use_sliding_window", not c.get("use_sliding_window", False),
-               "meshwork attends causally over the whole sequence (no sliding window)")
-        refuse("layer_types", all(t == "full_attention" for t in c.get("layer_types") or []),
-               "meshwork has full attention in every layer")
-
-    common = dict(vocab_size=need("vocab_size"), d_model=D, n_layers=need("num_hidden_layers"), n_heads=H,
-                  n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta,
-                  norm_eps=c.get("rms_norm_eps") or defaults[0],
-                  qkv_bias=kind == "qwen2_moe" and c.get("qkv_bias", True),
-                  tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                  init_std=c.get("initializer_range", 0.02))
-    if kind == "llama":
-        return ModelConfig(kind="transformer", **common)
-    if kind == "mixtral":
-        E, k = need("num_local_experts"), need("num_experts_per_tok")
-        refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_local_experts={E}")
-        moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("intermediate_size"), router="softmax",
-                        norm_topk_prob=True, aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0)
-        return ModelConfig(kind="moe", moe=moe, **common)
-
-    # qwen2_moe
-    dense = _qwen2_moe_dense_layers(c, common["n_layers"])
-    if len(dense) == common["n_layers"]:  # no MoE layer at all: a dense model with q/k/v biases
-        return ModelConfig(kind="transformer", **common)
-    refuse("mlp_only_layers", dense == list(range(len(dense))),
-           f"the dense layers {dense} must be the leading ones for meshwork (moe.first_dense_layers)")
-    E, k = need("num_experts"), need("num_experts_per_tok")
-    refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_experts={E}")
-    d_shared = c.get("shared_expert_intermediate_size", 0)
-    shared = dict(n_shared_experts=1, d_shared=d_shared, shared_expert_gate=True) if d_shared else {}
-    moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("moe_intermediate_size"), router="softmax",
-                    norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-                    aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0,
-                    first_dense_layers=len(dense), **shared)
-    return ModelConfig(kind="moe", moe=moe, **common)
-
-
-def _rope_theta(c: dict[str, Any], kind: str, default: float) -> float:
-    """rope_theta, refusing any scaled or partial rotary embedding."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    for key, p in (("rope_parameters", params), ("rope_scaling", scaling)):
-        rope_type = p.get("rope_type", p.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{kind} config {key}={p!r}: rope_type {rope_type!r} is not implemented; "
-                             "meshwork's RoPE is unscaled (rope_type 'default')")
-    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"{kind} config partial_rotary_factor={partial}: meshwork rotates the whole head_dim")
-    return float(params.get("rope_theta", c.get("rope_theta", default)))
-
-
-def _qwen2_moe_dense_layers(c: dict[str, Any], n_layers: int) -> list[int]:
-    """The layer indices Qwen2-MoE builds with a dense MLP instead of experts."""
-    only, step, E = set(c.get("mlp_only_layers") or []), c.get("decoder_sparse_step", 1), c.get("num_experts", 0)
-    return [i for i in range(n_layers) if i in only or not (E > 0 and (i + 1) % step == 0)]
-
-
-# ---------------------------------------------------------------- where each weight lives
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTensor:
-    """One meshwork parameter of one layer and the checkpoint tensor(s) holding it.
-
-    `name` may contain "{e}": then the file has one tensor per expert (`experts`
-    of them), stacked on meshwork's leading expert axis. `read` and `write` are
-    each other's inverse, so the loader and `inference.hf_export` share this one
-    description of the layout.
-
-    >>> t = HFTensor("q_proj.weight", shape=(64, 4, 24), hf_shape=(96, 64), linear=True)
-    >>> t.write(np.zeros(t.shape, np.float32))["q_proj.weight"].shape
-    (96, 64)
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    """meshwork's shape (with the leading expert axis, if any; without the layers axis)."""
-    hf_shape: tuple[int, ...]
-    """The shape in the file (of one expert's tensor)."""
-    linear: bool = False
-    """An nn.Linear weight: (out, in) in the file, (in, ..., out) in meshwork."""
-    experts: int = 0
-
-    def names(self) -> list[str]:
-        return [self.name.format(e=e) for e in range(self.experts)] if self.experts else [self.name]
-
-    def read(self, t: TensorReader) -> np.ndarray:
-        """meshwork's array, from the tensor(s) in the file (a view of what `t` read, where possible)."""
-        parts = [t.get(n, self.hf_shape) for n in self.names()]
-        parts = [(x.T if self.linear else x).reshape(self.shape[1:] if self.experts else self.shape) for x in parts]
-        return np.stack(parts) if self.experts else parts[0]
-
-    def write(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        """The file's tensor(s), contiguous, holding meshwork's array `x`."""
-        def one(x: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(x.reshape(self.hf_shape[::-1]).T if self.linear else x.reshape(self.hf_shape))
-        parts = [one(x[e]) for e in range(self.experts)] if self.experts else [one(x)]
-        return dict(zip(self.names(), parts, strict=True))
-
-
-def _linear(name: str, d_out: int, d_in: int, shape: tuple[int, ...] | None = None, experts: int = 0) -> HFTensor:
-    return HFTensor(name, (experts,) * bool(experts) + (shape or (d_in, d_out)), (d_out, d_in), True, experts)
-
-
-def _vector(name: str, shape: tuple[int, ...]) -> HFTensor:
-    return HFTensor(name, shape, (math.prod(shape),))
-
-
-def _swiglu(prefix: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj"), experts: int = 0) -> dict:
-    gate, up, down = names
-    return {"w_gate": _linear(f"{prefix}{gate}.weight", F, D, experts=experts),
-            "w_up": _linear(f"{prefix}{up}.weight", F, D, experts=experts),
-            "w_down": _linear(f"{prefix}{down}.weight", D, F, experts=experts)}
-
-
-def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str, Any]:
-    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-    D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-    # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
-    attn = {"wq": _linear(a + "q_proj.weight", H * K, D, (D, H, K)),
-            "wk": _linear(a + "k_proj.weight", G * K, D, (D, G, K)),
-            "wv": _linear(a + "v_proj.weight", G * K, D, (D, G, K)),
-            "wo": _linear(a + "o_proj.weight", D, H * K, (H, K, D))}
-    if cfg.qkv_bias:
-        attn |= {"bq": _vector(a + "q_proj.bias", (H, K)), "bk": _vector(a + "k_proj.bias", (G, K)),
-                 "bv": _vector(a + "v_proj.bias", (G, K))}
-    layer = {"attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))}, "attn": attn,
-             "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))}}
-    if not moe:
-        return layer | {"mlp": _swiglu(p + "mlp.", D, cfg.d_ff)}
-    m = cfg.moe
-    if model_type == "mixtral":
-        q, names = p + "block_sparse_moe.", ("w1", "w3", "w2")  # w1: gate, w3: up, w2: down
-    else:
-        q, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-    experts = {"router": _linear(q + "gate.weight", m.n_experts, D)}
-    experts |= _swiglu(q + "experts.{e}.", D, m.d_expert, names, experts=m.n_experts)
-    if m.n_shared_experts:
-        experts["shared"] = _swiglu(q + "shared_expert.", D, m.d_shared or m.n_shared_experts * m.d_expert)
-    if m.shared_expert_gate:
-        experts["shared_gate"] = _linear(q + "shared_expert_gate.weight", 1, D)  # (D, 1)
-    return layer | {"moe": experts}
-
-
-def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
-    """Where each parameter of the model `cfg` describes lives in a `model_type` checkpoint.
-
-    A tree shaped like the model's parameters (`nnx.to_pure_dict(nnx.state(model,
-    nnx.Param))`) with `HFTensor` leaves, except that a stacked group of layers
-    ("blocks", "dense_blocks", "moe_blocks") is a list of per-layer trees. The
-    loaders here and `inference.hf_export.export_hf` all follow this one table.
-
-    >>> cfg = load_hf_config("tests/fixtures/hf/llama")
-    >>> hf_layout(cfg, "llama")["blocks"][1]["attn"]["wq"].name
-    'model.layers.1.self_attn.q_proj.weight'
-    """
-    D, V = cfg.d_model, cfg.vocab_size
-    layout: dict[str, Any] = {"embed": {"table": HFTensor("model.embed_tokens.weight", (V, D), (V, D))},
-                              "head": {"final_norm": {"scale": _vector("model.norm.weight", (D,))}}}
-    if not cfg.tie_embeddings:
-        layout["head"]["lm_head"] = _linear("lm_head.weight", V, D)
-    if cfg.kind == "transformer":
-        layout["blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(cfg.n_layers)]
-        return layout
-    k = cfg.moe.first_dense_layers
-    if k:
-        layout["dense_blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(k)]
-    layout["moe_blocks"] = [_layer(cfg, model_type, i, moe=True) for i in range(k, cfg.n_layers)]
-    return layout
-
-
-def layout_shapes(layout: dict[str, Any]) -> dict[str, Any]:
-    """The parameter shapes (ShapeDtypeStructs, float32) a layout implies, layers stacked."""
-    def shapes(part: Any) -> Any:
-        if isinstance(part, list):
-            return jax.tree.map(lambda s: jax.ShapeDtypeStruct((len(part), *s.shape), jnp.float32), part[0])
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), part)
-    return {key: shapes(part) for key, part in layout.items()}
-
-
-def _map(fn, tree: Any) -> Any:
-    """jax.tree.map over nested dicts, but in insertion order (so errors name the first tensor)."""
-    return {k: _map(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
-
-
-def _leaves(tree: Any) -> list[HFTensor]:
-    out: list[HFTensor] = []
-    _map(out.append, {str(i): part for i, part in enumerate(tree)} if isinstance(tree, list) else tree)
-    return out
-
 
 # ---------------------------------------------------------------- reading
-
-
-class TensorReader:
-    """Named tensors across a checkpoint's safetensors files, opened memory-mapped;
-    each read once, with its shape checked (also used by the diffusers import)."""
-
-    def __init__(self, files: Iterable[pathlib.Path], stack: contextlib.ExitStack):
-        self.where: dict[str, Any] = {}
-        for f in files:
-            try:
-                handle = stack.enter_context(safe_open(f, framework="numpy"))
-            except (SafetensorError, OSError) as e:  # a truncated or corrupt file, or one that is missing
-                raise ValueError(f"{f}: not a readable safetensors file ({e}); download or convert it "
-                                 "again") from None
-            self.where.update(dict.fromkeys(handle.keys(), handle))
-        self.used: set[str] = set()
-
-    def check(self, name: str, shape: tuple[int, ...]) -> None:
-        """Raises ValueError unless the files hold `name` with `shape` (reads only the header)."""
-        if name not in self.where:
-            raise ValueError(f"checkpoint has no tensor {name!r}, which the config implies; "
-                             "is config.json the one that belongs to these weights?")
-        have = tuple(self.where[name].get_slice(name).get_shape())
-        if have != shape:
-            raise ValueError(f"tensor {name!r} has shape {have}, but config.json implies {shape}")
-
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        self.check(name, shape)
-        self.used.add(name)
-        # No copy needed: with framework="numpy" safetensors (0.4 to 0.8 at least) reads the
-        # bytes into a buffer the array owns, not a view of the mapping (tests/test_hf_loading.py).
-        return self.where[name].get_tensor(name)
-
-    def unused(self, ignored: re.Pattern | None = None) -> list[str]:
-        """Tensors never read (a mapping that dropped weights would otherwise go unnoticed)."""
-        return sorted(k for k in self.where if k not in self.used and not (ignored and ignored.fullmatch(k)))
-
-
-def _checkpoint_files(path: pathlib.Path) -> tuple[dict[str, Any], list[pathlib.Path]]:
-    if path.is_file():
-        path = path.parent
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json; pass a Hugging Face checkpoint directory")
-    hf_config = _read_json(path / "config.json")
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"{path / 'config.json'}: expected a JSON object of model settings")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted({path / f for f in _read_json(index)["weight_map"].values()})
-        except (KeyError, TypeError, AttributeError):
-            raise ValueError(f"{index}: expected {{\"weight_map\": {{tensor: file}}}}") from None
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors files; convert .bin checkpoints to safetensors first")
-    return hf_config, files
-
-
-def _read_json(path: pathlib.Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:  # its message alone does not say which file
-        raise ValueError(f"{path}: not valid JSON ({e}); fix or download it again") from None
 
 
 def load_hf_config(path: str | pathlib.Path) -> ModelConfig:
     """The ModelConfig of a checkpoint directory, from its config.json alone (e.g. to build
     the shardings for `load_hf_model` before reading any weight)."""
-    return config_from_hf(_checkpoint_files(pathlib.Path(path))[0])
+    return config_from_hf(checkpoint_files(pathlib.Path(path))[0])
 
 
 def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, placer: Any) -> dict[str, Any]:
@@ -395,7 +86,7 @@ def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, p
         t = TensorReader(files, stack)
         # Check names and shapes against the files' headers first: a wrong config fails
         # before gigabytes are read.
-        specs = [s for part in layout.values() for s in _leaves(part)]
+        specs = [s for part in layout.values() for s in layout_leaves(part)]
         for spec in specs:
             for name in spec.names():
                 t.check(name, spec.hf_shape)
@@ -415,7 +106,7 @@ class _Host:
     filled layer by layer (so the model is in memory once, plus one tensor)."""
 
     def place(self, key: str, part: dict[str, Any], read: Callable[[HFTensor], np.ndarray]) -> dict[str, Any]:
-        return _map(read, part)
+        return map_in_order(read, part)
 
     def stack(self, key: str, layers: list[dict[str, Any]], read: Callable[[HFTensor], np.ndarray]) -> dict[str, Any]:
         treedef = jax.tree.structure(layers[0])
@@ -508,7 +199,7 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str,
     >>> params["blocks"]["attn"]["wq"].shape   # (layers, D, H, K)
     (3, 64, 4, 24)
     """
-    hf_config, files = _checkpoint_files(pathlib.Path(path))
+    hf_config, files = checkpoint_files(pathlib.Path(path))
     cfg = config_from_hf(hf_config)
     return cfg, _read_params(files, cfg, hf_config["model_type"], _Host())
 
@@ -538,7 +229,7 @@ def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp
     >>> model.blocks.attn.wq[...].sharding.spec
     P(None, None, 'tensor', None)
     """
-    hf_config, files = _checkpoint_files(pathlib.Path(path))
+    hf_config, files = checkpoint_files(pathlib.Path(path))
     cfg = config_from_hf(hf_config)
     make = functools.partial(_make_model, cfg, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, seed=0)
     graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
@@ -578,10 +269,6 @@ def hf_param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict[str, 
     abstract = nnx.state(nnx.eval_shape(make), nnx.Param)
     return as_pure_dict(tree_shardings(logical_specs(abstract), mesh, rules))
 
-
-def as_pure_dict(tree: Any) -> Any:
-    """Nested Mappings (e.g. an nnx.State of shardings) as plain nested dicts."""
-    return {k: as_pure_dict(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
 
 
 # ---------------------------------------------------------------- into a model
@@ -638,15 +325,3 @@ def model_from_hf(path: str | pathlib.Path, **kw: Any) -> tuple[ModelConfig, nnx
     (1, 4, 128)
     """
     return load_hf_model(path, **kw)
-
-
-def check_tree(expected: dict[str, Any], got: dict[str, Any]) -> None:
-    """Raises ValueError listing how `got`'s leaf shapes differ from `expected`'s (missing,
-    unexpected and mis-shaped leaves), e.g. a parameter tree against a model's."""
-    want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(expected)}
-    have = {jax.tree_util.keystr(k): np.shape(v) for k, v in jax.tree_util.tree_leaves_with_path(got)}
-    problems = [f"missing {k}" for k in want.keys() - have.keys()]
-    problems += [f"unexpected {k}" for k in have.keys() - want.keys()]
-    problems += [f"{k}: {have[k]} vs model {want[k]}" for k in want.keys() & have.keys() if have[k] != want[k]]
-    if problems:
-        raise ValueError(f"parameters do not fit the model ({len(problems)} differences): {sorted(problems)[:5]}")

@@ -3,7 +3,7 @@
 The inverse of `inference.hf.load_hf_checkpoint`: a dense Transformer becomes a
 Llama checkpoint and a Mixtral-style MoE model a Mixtral one, in the hub's
 tensor names and layouts. Both directions follow one table,
-`inference.hf.hf_layout`, so export then load gives back the same parameters:
+`inference.hf_layout.hf_layout`, so export then load gives back the same parameters:
 
     path = export_hf(cfg.model, model, "out/my_llama")
     cfg2, model2 = load_hf_model(path)                  # the same weights
@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from meshwork.inference.hf import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
-from meshwork.config import ModelConfig
+from meshwork.inference.hf_layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
+from meshwork.config_sections import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
@@ -43,7 +43,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
     """"llama" (kind transformer) or "mixtral" (kind moe): the Hugging Face architecture that
     computes what `cfg` computes. ValueError names every setting that it cannot express.
 
-    >>> from meshwork.config import MoEConfig
+    >>> from meshwork.config_sections import MoEConfig
     >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="softmax")))
     'mixtral'
     >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="sigmoid", first_dense_layers=1)))

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from meshwork.config import ModelConfig
+from meshwork.config_sections import ModelConfig
 from meshwork.kernels.decode_attention import decode_attention
 from meshwork.sharding.rules import Rules, logical_to_sharding
 

@@ -42,7 +42,7 @@ from meshwork.inference.generate import PROMPT_BUCKET, Generator
 from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.inference.sampling import SamplingArrays, SamplingParams
 from meshwork.config import ConfigError
-from meshwork.kernels.flash_attention import round_up
+from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules
 
 

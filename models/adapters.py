@@ -137,7 +137,7 @@ def param_dtype_of(model: Transformer) -> jnp.dtype:
 def add_adapters(model: Transformer, rank: int, *, rngs: nnx.Rngs) -> None:
     """In place: a bottleneck adapter of width `rank` after every attention and every MLP.
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> m = Transformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64), rngs=nnx.Rngs(0))
     >>> add_adapters(m, 4, rngs=nnx.Rngs(1))
     >>> m.blocks.attn_adapter.w_down.shape     # (layers, D, r)
@@ -155,7 +155,7 @@ def add_prefixes(model: Transformer, prefix_len: int, hidden: int = 0, *, rngs: 
     """In place: `prefix_len` trainable key/value positions in every layer's attention
     (through a reparameterization MLP of width `hidden` when it is > 0).
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> m = Transformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64), rngs=nnx.Rngs(0))
     >>> add_prefixes(m, 5, rngs=nnx.Rngs(1))
     >>> m.blocks.attn.prefix.keys.shape        # (layers, P, G, K)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshwork.config import FinetuneConfig
+from meshwork.config_sections import FinetuneConfig
 from meshwork.models.adapters import (AdapterParam, PrefixParam, add_adapters, add_prefixes, param_dtype_of,
                              require_dense)
 from meshwork.models.layers import params
@@ -171,7 +171,7 @@ def add_lora(model: Transformer, targets: Sequence[str], *, rank: int, alpha: fl
              dropout: float = 0.0) -> None:
     """In place: wraps the `targets` projections (names of `TARGETS`) of every block in `LoRA`.
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> m = Transformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64), rngs=nnx.Rngs(0))
     >>> add_lora(m, ["q", "v"], rank=4, alpha=8.0, rngs=nnx.Rngs(1))
     >>> m.blocks.attn.wq.lora_a.shape, m.blocks.attn.wq.lora_b.shape    # (layers, D, r), (layers, r, H, K)
@@ -202,7 +202,7 @@ def apply_finetune(model: nnx.Module, ft: FinetuneConfig, rngs: nnx.Rngs) -> Non
     adapters of width `ft.rank`. prefix: `ft.prefix_len` prefixes per layer
     (reparameterized when `ft.prefix_hidden` > 0). `trainable(ft)` selects what to train.
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> m = Transformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64), rngs=nnx.Rngs(0))
     >>> apply_finetune(m, FinetuneConfig(method="lora", base="runs/x", rank=4), nnx.Rngs(1))
     >>> sum(x.size for x in jax.tree.leaves(nnx.state(m, trainable(FinetuneConfig(method="lora")))))
@@ -283,7 +283,7 @@ def merge_lora(model: nnx.Module) -> list[MergedLoRA]:
     A QLoRA base is dequantized first: the merged weight is float (param dtype of the
     factors); `unmerge_lora` puts the original 4-bit weight back.
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> m = Transformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64), rngs=nnx.Rngs(0))
     >>> add_lora(m, ["q"], rank=4, alpha=8.0, rngs=nnx.Rngs(1))
     >>> merged = merge_lora(m)

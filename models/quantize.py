@@ -82,7 +82,7 @@ def quantize_model(model: nnx.Module, mode: str, group_size: int = 32) -> None:
     (MLP weights and activations int8, other projections int8 weight-only). The
     quantization runs as one jitted program.
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> from meshwork.models.transformer import Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
     ...                                 d_ff=64), rngs=nnx.Rngs(0))

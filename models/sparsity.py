@@ -148,7 +148,7 @@ def prune_model(model: nnx.Module, method: str = "2:4", fraction: float = 0.5) -
     `nnx.update(model, params)` makes the model the pruned one. From a train state:
     `prune_model(nnx.merge(trainer.graphdef, state["params"], state["buffers"]), ...)`.
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> from meshwork.models.transformer import Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
     ...                                 d_ff=64), rngs=nnx.Rngs(0))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshwork.config import ModelConfig
+from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.attention import Attention
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.mlp import SwiGLU

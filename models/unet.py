@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshwork.config import UNetConfig
+from meshwork.config_sections import UNetConfig
 from meshwork.models.layers.attention import attend
 from meshwork.models.layers.params import param
 from meshwork.sharding.rules import with_logical_constraint

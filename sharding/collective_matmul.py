@@ -52,8 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-# Ring attention's helper: marks arrays as varying over the manual axes another varies over.
-from meshwork.sharding.ring_attention import _vary_like
+from meshwork.sharding.shard_map_util import vary_like
 
 
 def _ring(n: int) -> list[tuple[int, int]]:
@@ -86,7 +85,7 @@ def all_gather_matmul(x_BCD: jax.Array, w_DF, axis_name: str, *, collective: boo
     B, C, _ = x_BCD.shape
     # A weight replicated over the batch axes is used in n products; marking it
     # batch-varying once makes its gradient one sum over the batch, not n.
-    w_DF = _vary_like(w_DF, x_BCD)
+    w_DF = vary_like(w_DF, x_BCD)
     out = jax.tree.map(lambda w: jnp.zeros((B, n * C, w.shape[1]), jnp.result_type(x_BCD, w)), w_DF)
     chunk_BCD = x_BCD
     for s in range(n):
@@ -128,7 +127,7 @@ def matmul_reduce_scatter(h_BLF: jax.Array, w_FD: jax.Array, axis_name: str, *,
         return lax.psum_scatter(product(h_BLF, w_FD), axis_name, scatter_dimension=1, tiled=True)
     me = lax.axis_index(axis_name)
     C = h_BLF.shape[1] // n
-    w_FD = _vary_like(w_FD, h_BLF)  # one gradient sum over the batch axes (see all_gather_matmul)
+    w_FD = vary_like(w_FD, h_BLF)  # one gradient sum over the batch axes (see all_gather_matmul)
     sum_BCD = None
     for s in range(n):
         # The running sum is sent on before this step's product, which does not wait for it.

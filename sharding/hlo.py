@@ -39,139 +39,17 @@ import math
 import re
 from collections import defaultdict
 
+from meshwork.sharding.hlo_parse import Instr, callees, multipliers, param_index, parse_module, shape_bytes
+
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction `%name = type op(...)`; async pairs count once, by their -start.
 _OP = re.compile(r"=\s*[^=]*?\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _MATCHED_RS = "all-reduce + dynamic-slice"
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
-_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
-_OPERAND = re.compile(r"%([^\s,(){}]+)")
-_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([^\s,{}]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 # Ops that move or relabel a value without changing which elements it holds.
 _PASS_THROUGH = {"bitcast", "reshape", "copy", "transpose"}
 
-
-# ---------------------------------------------------------------------------
-# A small parser of optimized HLO text: computations of instructions.
-
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    type: str           # result type, e.g. "f32[8,64]{1,0}" or "(f32[8], s32[])"
-    op: str
-    operands: list[str]
-    args: str           # the raw operand text, e.g. "0" for `parameter(0)`
-    attrs: str          # everything after the operand list
-
-    @property
-    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        return _shapes(self.type)
-
-
-def _param_index(instr: _Instr) -> int:
-    """i of `parameter(i)`."""
-    return int(instr.args) if instr.args.strip().isdigit() else -1
-
-
-def _shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
-    """Array shapes in an HLO type, in order (a tuple type gives several)."""
-    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(type_str)
-            if dt in _ITEMSIZE]
-
-
-def _nbytes(shape: tuple[str, tuple[int, ...]]) -> int:
-    return int(math.prod(shape[1]) * _ITEMSIZE[shape[0]])
-
-
-def _closing(text: str, start: int) -> int:
-    """Index just past the parenthesis that closes the one at `start`."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i + 1
-    return len(text)
-
-
-def _parse_instr(line: str) -> _Instr | None:
-    m = _INSTR.match(line)
-    if not m:
-        return None
-    name, rest = m.groups()
-    if rest.startswith("("):        # tuple type; may hold `/*index=5*/` comments
-        end = _closing(rest, 0)
-    else:
-        end = rest.find(" ")
-    type_str, rest = rest[:end], rest[end:].lstrip()
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-        return None
-    close = _closing(rest, op.end() - 1)
-    args = rest[op.end():close - 1]
-    return _Instr(name, type_str, op.group(1), _OPERAND.findall(args), args, rest[close:])
-
-
-def _parse_module(hlo_text: str) -> tuple[dict[str, dict[str, _Instr]], str]:
-    """{computation: {instruction name: instruction}} (in order), and the ENTRY's name."""
-    comps: dict[str, dict[str, _Instr]] = {}
-    entry, current = "", None
-    for line in hlo_text.splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m and not line.startswith("HloModule"):
-                current = comps.setdefault(m.group(2), {})
-                entry = m.group(2) if m.group(1) else entry
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        instr = _parse_instr(line)
-        if instr:
-            current[instr.name] = instr
-    return comps, entry
-
-
-def _callees(instr: _Instr) -> list[str]:
-    names = _CALLEE.findall(instr.attrs)
-    for group in _BRANCHES.findall(instr.attrs):
-        names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
-    return names
-
-
-def _multipliers(comps: dict[str, dict[str, _Instr]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per execution of ENTRY.
-
-    A while body runs trip-count times per run of its caller; every other
-    callee once per call. Summed over call sites (HLO's call graph is a DAG).
-    """
-    mult: dict[str, int] = defaultdict(int)
-
-    def walk(comp: str, m: int, depth: int = 0) -> None:
-        mult[comp] += m
-        if depth > 64:
-            return
-        for instr in comps.get(comp, {}).values():
-            if instr.op in ("async-update", "async-done"):
-                continue  # the same wrapped computation as its async-start
-            trip = _TRIP.search(instr.attrs) if instr.op == "while" else None
-            for callee in _callees(instr):
-                if callee in comps:
-                    walk(callee, m * (int(trip.group(1)) if trip else 1), depth + 1)
-
-    if entry:
-        walk(entry, 1)
-    return dict(mult)
-
-
-# ---------------------------------------------------------------------------
-# Collectives.
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -224,24 +102,24 @@ def _group_size(attrs: str, n_devices: int) -> int:
 
 class _Module:
     def __init__(self, hlo_text: str):
-        self.comps, self.entry = _parse_module(hlo_text)
+        self.comps, self.entry = parse_module(hlo_text)
         m = re.search(r"num_partitions=(\d+)", hlo_text)
         self.n_devices = int(m.group(1)) if m else 1
-        self.mult = _multipliers(self.comps, self.entry)
-        self.users: dict[str, dict[str, list[_Instr]]] = {}
-        self.callers: dict[str, list[tuple[str, _Instr]]] = defaultdict(list)
+        self.mult = multipliers(self.comps, self.entry)
+        self.users: dict[str, dict[str, list[Instr]]] = {}
+        self.callers: dict[str, list[tuple[str, Instr]]] = defaultdict(list)
         for cname, instrs in self.comps.items():
-            users: dict[str, list[_Instr]] = defaultdict(list)
+            users: dict[str, list[Instr]] = defaultdict(list)
             for instr in instrs.values():
                 for o in instr.operands:
                     users[o].append(instr)
-                for callee in _callees(instr):
+                for callee in callees(instr):
                     self.callers[callee].append((cname, instr))
             self.users[cname] = users
         self._partition_memo: dict[tuple[str, str], bool] = {}
         self._visiting: set[tuple[str, str]] = set()
 
-    def operand_shapes(self, comp: str, instr: _Instr) -> list[tuple[str, tuple[int, ...]]]:
+    def operand_shapes(self, comp: str, instr: Instr) -> list[tuple[str, tuple[int, ...]]]:
         """The operands' shapes (a `-start` op's result also holds its output)."""
         instrs = self.comps[comp]
         if all(o in instrs for o in instr.operands):
@@ -267,7 +145,7 @@ class _Module:
         if instr.op in ("partition-id", "replica-id"):
             return True
         if instr.op == "parameter":  # a fusion's or call's parameter i: the caller's operand i
-            i = _param_index(instr)
+            i = param_index(instr)
             return any(i < len(call.operands) and self.from_partition(caller, call.operands[i], depth + 1)
                        for caller, call in self.callers.get(comp, ()) if call.op != "while")
         if instr.op == "get-tuple-element" and instr.operands:
@@ -303,7 +181,7 @@ class _Module:
                 if s and not any(self.from_partition(comp, o) for o in u.operands[1:]):
                     s = None  # a loop's or the user's own slice, not GSPMD's
             elif u.op == "fusion":
-                callee = next(iter(_callees(u)), None)
+                callee = next(iter(callees(u)), None)
                 param = self._param_named(callee, u.operands.index(name)) if callee in self.comps else None
                 s = self._slice_fraction(callee, param, elems, depth + 1) if param else None
             else:
@@ -315,11 +193,11 @@ class _Module:
 
     def _param_named(self, comp: str, index: int) -> str | None:
         for instr in self.comps[comp].values():
-            if instr.op == "parameter" and _param_index(instr) == index:
+            if instr.op == "parameter" and param_index(instr) == index:
                 return instr.name
         return None
 
-    def _results(self, comp: str, instr: _Instr) -> list[str | None]:
+    def _results(self, comp: str, instr: Instr) -> list[str | None]:
         """The value names holding each element of an op's result (tuple: its
         get-tuple-elements; None for an element nobody reads)."""
         shapes = instr.shapes
@@ -351,11 +229,11 @@ class _Module:
 
                 if kind == "all-gather":  # payload: the gathered output, g inputs' worth
                     out = instr.shapes if instr.op == kind else [sh for sh in shapes for _ in range(g)]
-                    found.append(make(kind, g, sum(map(_nbytes, out))))
+                    found.append(make(kind, g, sum(map(shape_bytes, out))))
                 elif kind == "all-reduce" and not instr.op.endswith("-start"):
                     found += self._split_all_reduce(comp, instr, g, shapes, make)
                 else:
-                    found.append(make(kind, g, sum(map(_nbytes, shapes))))
+                    found.append(make(kind, g, sum(map(shape_bytes, shapes))))
         return found
 
     def _split_all_reduce(self, comp, instr, g, shapes, make) -> list[Collective]:
@@ -365,7 +243,7 @@ class _Module:
         for shape, value in zip(shapes, self._results(comp, instr)):
             s = self._slice_fraction(comp, value, math.prod(shape[1])) if value else None
             # A slice finer than the group (s > g) or not dividing it is no reduce-scatter over it.
-            by_s[s if s and s > 1 and g % s == 0 else 1] += _nbytes(shape)
+            by_s[s if s and s > 1 and g % s == 0 else 1] += shape_bytes(shape)
         out = []
         for s, nbytes in sorted(by_s.items()):
             if s == 1:

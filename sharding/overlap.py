@@ -110,7 +110,8 @@ import dataclasses
 import re
 from typing import Any
 
-from meshwork.sharding.hlo import COLLECTIVES, _callees, _parse_module
+from meshwork.sharding.hlo import COLLECTIVES
+from meshwork.sharding.hlo_parse import callees, parse_module
 
 __all__ = ["COMPUTE_OPS", "ScheduledCollective", "async_collective_schedule", "compiler_options",
            "format_schedule", "gradients_issued_before_backward_end"]
@@ -240,10 +241,10 @@ def async_collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
     ...  for c in async_collective_schedule(hlo)]
     [('all-reduce', 1, 3, 1, True)]
     """
-    comps, _ = _parse_module(hlo_text)
+    comps, _ = parse_module(hlo_text)
     # Computations that are not sequences of their own: what async ops wrap.
     wrapped = {c for instrs in comps.values() for i in instrs.values()
-               if i.op.startswith("async-") for c in _callees(i)}
+               if i.op.startswith("async-") for c in callees(i)}
     trips: dict[str, int] = {}
     for instrs in comps.values():
         for i in instrs.values():
@@ -261,7 +262,7 @@ def async_collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
         backward = [k for k in compute if not any_backward or _BACKWARD in _op_name(seq[k])]
         dones = _done_positions(seq)
         for k, instr in enumerate(seq):
-            kind, is_async = _collective_kind(instr.op, comps, _callees(instr))
+            kind, is_async = _collective_kind(instr.op, comps, callees(instr))
             if kind is None:
                 continue
             done = dones.get(instr.name, k) if is_async else k

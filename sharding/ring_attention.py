@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from meshwork.sharding.shard_map_util import vary_like
+
 F32 = jnp.float32
 
 
@@ -117,29 +119,6 @@ def _split(x: jax.Array, n: int, axis: int) -> tuple[jax.Array, ...]:
     return tuple(jnp.split(x, n, axis=axis)) if n > 1 else (x,)
 
 
-def _varying_axes(x) -> frozenset:
-    # jax 0.10 keeps the varying manual axes in `aval.manual_axis_type.varying`
-    # (earlier versions: `aval.vma`).
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _vary_like(tree, *refs):
-    """Marks freshly made arrays as varying over the manual axes that `refs` vary over.
-
-    Under shard_map's check_vma, a loop carry or a cond branch must keep one
-    type; accumulators start as constants (invariant) but become varying after
-    the first update, so they are made varying up front.
-    """
-    axes = frozenset().union(*(_varying_axes(r) for r in refs))
-
-    def cast(x):
-        missing = tuple(sorted(axes - _varying_axes(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-    return jax.tree.map(cast, tree)
-
-
 def _skippable(causal: bool, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array | None:
     # A (query, key) block whose earliest key comes after the latest query is
     # all masked for every batch row: skipping it saves its two matmuls and the
@@ -214,7 +193,7 @@ def _ring_forward(q, k, v, q_pos, kv_pos, axis_name, scale, causal, sub_blocks):
 
     stats = tuple((jnp.full(qa.shape[:-1], -jnp.inf, F32), jnp.zeros(qa.shape[:-1], F32),
                    jnp.zeros(qa.shape, F32)) for qa in qs)
-    stats = _vary_like(stats, q, k, v, q_pos, kv_pos)
+    stats = vary_like(stats, q, k, v, q_pos, kv_pos)
 
     def fold(stats, kv):
         ks, vs, kps = kv
@@ -264,7 +243,7 @@ def _ring_backward(axis_name, scale, causal, sub_blocks, res, d_out):
     kv = (_split(k, sub_blocks, 2), _split(v, sub_blocks, 2), _split(kv_pos, sub_blocks, 1))
     dq = tuple(jnp.zeros(qa.shape, F32) for qa in qs)
     dkv = tuple(tuple(jnp.zeros(kb.shape, F32) for kb in ks) for ks in kv[:2])
-    dq, dkv = _vary_like((dq, dkv), q, k, v, q_pos, kv_pos, do)
+    dq, dkv = vary_like((dq, dkv), q, k, v, q_pos, kv_pos, do)
 
     def accumulate(dq, kv, dkv):
         ks, vs, kps = kv

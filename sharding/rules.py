@@ -24,7 +24,7 @@ combined with `+` (e.g. `fsdp+tp` on a 2 data x 2 fsdp x 2 tensor mesh):
 - `cp`: context parallelism: the sequence split over `sequence` everywhere;
   attention becomes ring attention (see `sharding/ring_attention.py`).
 - `ep`: expert parallelism: MoE experts split over `expert`, tokens sent to
-  their experts' devices by all-to-all (models/layers/moe.py); the batch is
+  their experts' devices by all-to-all (models/layers/moe_dispatch.py); the batch is
   split over `expert` too.
 - `pp`: pipeline parallelism: the stacked layers split over `stage`, so each
   stage holds its own layers (and their moments); the step then runs the

@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 
 from meshwork.kernels import flash_attention as fa
+from meshwork.kernels import pallas_backend as pb
 from meshwork.kernels import tuning
 from meshwork.kernels.tuning import lookup, record, shape_key, tuned_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import autotune_attention as at  # noqa: E402
+import autotune_cost_model as cm  # noqa: E402
+import autotune_kernel_counts as kc  # noqa: E402
+import autotune_search as search  # noqa: E402
 from attention import attention_flops, step  # noqa: E402
 
 DEV = "NVIDIA H100 80GB HBM3"
@@ -164,45 +167,45 @@ def _kernels(shape, cand, backend, backward=True):
                                               num_stages=cand.num_stages, backend=backend)
     specs = (spec(B, L, H, K), spec(B, S, G, K), spec(B, S, G, K), spec(B, L, H, K))
     traced = jax.jit(step(attn, backward)).trace(*specs)
-    return traced, at.kernels_of(traced, shape, cand, backend)
+    return traced, kc.kernels_of(traced, shape, cand, backend)
 
 
 def test_counted_flops_match_the_attention_flop_count():
     """Non-causal, blocks dividing the lengths: the jaxpr count is exactly 4BHLSK forward, 2x that dQ, 2x dK/dV."""
     shape = dict(B=2, L=256, S=128, H=4, G=2, K=32, causal=False)
-    _, kernels = _kernels(shape, at.Candidate(block_q=64, block_kv=32), "cpu")
-    flops = {kn.kind: sum(at._runs(kn, d) * lv.flops for d, lv in kn.levels.items()) for kn in kernels}
+    _, kernels = _kernels(shape, search.Candidate(block_q=64, block_kv=32), "cpu")
+    flops = {kn.kind: sum(kc.level_runs(kn, d) * lv.flops for d, lv in kn.levels.items()) for kn in kernels}
     fwd = attention_flops(2, 4, 256, 128, 32, causal=False, backward=False)
     assert flops == {"fwd": fwd, "dq": 1.5 * fwd, "dkdv": 2 * fwd}  # dQ: QK^T, dO V^T, dS K; dK/dV: four
     causal = dict(shape, L=256, S=256, causal=True)
-    _, kernels = _kernels(causal, at.Candidate(block_q=64, block_kv=64), "cpu", backward=False)
+    _, kernels = _kernels(causal, search.Candidate(block_q=64, block_kv=64), "cpu", backward=False)
     (fwd_kernel,) = kernels
-    counted = sum(at._runs(fwd_kernel, d) * lv.flops for d, lv in fwd_kernel.levels.items())
+    counted = sum(kc.level_runs(fwd_kernel, d) * lv.flops for d, lv in fwd_kernel.levels.items())
     useful = attention_flops(2, 4, 256, 256, 32, causal=True, backward=False)
     assert useful < counted <= useful * (1 + 64 / 256) + 1, "block skipping: only the diagonal blocks are waste"
 
 
 def test_gpu_candidate_reaches_the_lowered_triton_calls():
     shape = dict(B=1, L=256, S=256, H=2, G=2, K=64, causal=True)
-    cand = at.Candidate(block_q=64, block_kv=32, num_warps=8, num_stages=3)
+    cand = search.Candidate(block_q=64, block_kv=32, num_warps=8, num_stages=3)
     traced, kernels = _kernels(shape, cand, "gpu")
     assert {(kn.num_warps, kn.num_stages) for kn in kernels} == {(8, 3)}
-    assert at.triton_launches(traced.lower(lowering_platforms=("cuda",)).as_text()) == [(8, 3)] * 3
-    assert fa.compiler_params("gpu", 3, 64).num_warps == 4, "the defaults are unchanged"
-    cost, facts = at.gpu_cost(kernels, "NVIDIA H100", "bfloat16")
+    assert kc.triton_launches(traced.lower(lowering_platforms=("cuda",)).as_text()) == [(8, 3)] * 3
+    assert pb.compiler_params("gpu", 3, 64).num_warps == 4, "the defaults are unchanged"
+    cost, facts = cm.gpu_cost(kernels, "NVIDIA H100", "bfloat16")
     assert 0 < cost < math.inf and facts["smem_kib"] > 0
-    _, big = _kernels(dict(shape, L=4096, S=4096, K=256), at.Candidate(block_q=256, block_kv=256, num_stages=4),
+    _, big = _kernels(dict(shape, L=4096, S=4096, K=256), search.Candidate(block_q=256, block_kv=256, num_stages=4),
                       "gpu", backward=False)
-    cost, facts = at.gpu_cost(big, "NVIDIA H100", "bfloat16")
+    cost, facts = cm.gpu_cost(big, "NVIDIA H100", "bfloat16")
     assert cost == math.inf and "shared memory" in facts["infeasible"]
 
 
 def test_search_statistics():
     times = [5.0, 3.0, 1.0, 1.04, 2.0]
-    assert at.trials_to_reach([0, 1, 2, 3, 4], times) == 3
-    assert at.trials_to_reach([3, 2], times, tol=0.05) == 1
-    assert abs(at.random_trials(times, 0.0, 2000, seed=0) - 3.0) < 0.15  # (n + 1) / 2
-    assert at.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert search.trials_to_reach([0, 1, 2, 3, 4], times) == 3
+    assert search.trials_to_reach([3, 2], times, tol=0.05) == 1
+    assert abs(search.random_trials(times, 0.0, 2000, seed=0) - 3.0) < 0.15  # (n + 1) / 2
+    assert search.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
 
 
 # --------------------------------------------------------------------------

@@ -17,7 +17,10 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-import meshwork.sharding.collectives as col
+import meshwork.sharding.all_reduce_algorithms as ar
+import meshwork.sharding.all_to_all_algorithms as a2a
+import meshwork.sharding.collective_traffic as traffic
+import meshwork.sharding.point_to_point as p2p
 from meshwork.sharding.mesh import make_mesh
 
 RTOL, ATOL = 1e-6, 1e-6
@@ -36,7 +39,7 @@ def _random(shape, seed=0) -> np.ndarray:
 def _run(body, mesh, axes, x):
     """(output, TransferLog, optimized HLO text) of shard_map(body) with dim 0 split over `axes`."""
     spec = PartitionSpec(axes)
-    with col.record_transfers() as log:
+    with p2p.record_transfers() as log:
         traced = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).trace(x)
     compiled = traced.lower().compile()
     return np.asarray(compiled(x)), log, compiled.as_text()
@@ -46,7 +49,7 @@ def _run(body, mesh, axes, x):
 def _all_reduce_case(algorithm: str, n_devices: int, per_device: tuple[int, ...]):
     mesh = _mesh((n_devices,), ("ring",))
     x = _random((n_devices,) + per_device)
-    body = {"naive": col.naive_all_reduce, "ring": col.ring_all_reduce, "tree": col.tree_all_reduce,
+    body = {"naive": ar.naive_all_reduce, "ring": ar.ring_all_reduce, "tree": ar.tree_all_reduce,
             "psum": lax.psum}[algorithm]
     return (x, mesh) + _run(lambda b: body(b, "ring"), mesh, "ring", x)
 
@@ -81,38 +84,38 @@ def test_tree_and_naive_leave_every_device_bitwise_equal():
 def test_all_reduce_bytes_counted_compiled_and_formula_agree(algorithm, n_devices, per_device):
     x, mesh, _, log, hlo = _all_reduce_case(algorithm, n_devices, per_device)
     n_bytes = x[0].nbytes
-    formula = col.bytes_sent_formula(algorithm, n_bytes, n_devices, itemsize=x.itemsize)
+    formula = traffic.bytes_sent_formula(algorithm, n_bytes, n_devices, itemsize=x.itemsize)
     counted = log.bytes_sent(mesh).ravel()
-    n_permutes, compiled = col.compiled_traffic(hlo, n_devices)
+    n_permutes, compiled = traffic.compiled_traffic(hlo, n_devices)
     np.testing.assert_array_equal(counted, formula)
     np.testing.assert_array_equal(compiled, formula)
     assert len(log.transfers) == n_permutes == ROUNDS[algorithm](n_devices)
 
 
 def test_ring_formula_is_two_p_minus_one_over_p_n_and_naive_is_lopsided():
-    assert (col.bytes_sent_formula("ring", 8000, 8) == 2 * 7 * 8000 // 8).all()
-    naive = col.bytes_sent_formula("naive", 8000, 8)
+    assert (traffic.bytes_sent_formula("ring", 8000, 8) == 2 * 7 * 8000 // 8).all()
+    naive = traffic.bytes_sent_formula("naive", 8000, 8)
     assert naive.max() == 7 * 8000 and naive.mean() == 2 * 7 * 8000 / 8
-    assert naive.sum() == col.bytes_sent_formula("ring", 8000, 8).sum()  # same total, different spread
-    assert (col.bytes_sent_formula("tree", 8000, 8) == 3 * 8000).all()
+    assert naive.sum() == traffic.bytes_sent_formula("ring", 8000, 8).sum()  # same total, different spread
+    assert (traffic.bytes_sent_formula("tree", 8000, 8) == 3 * 8000).all()
 
 
 def test_tree_refuses_a_non_power_of_two_axis():
     mesh = _mesh((6,), ("ring",))
     with pytest.raises(ValueError, match="power-of-two number of devices, got 6"):
-        col.all_reduce(jnp.zeros((6, 4)), mesh, "ring", algorithm="tree")
+        ar.all_reduce(jnp.zeros((6, 4)), mesh, "ring", algorithm="tree")
     with pytest.raises(ValueError, match="got 6"):
-        col.bytes_sent_formula("tree", 64, 6)
+        traffic.bytes_sent_formula("tree", 64, 6)
 
 
 def test_all_reduce_wrapper_over_two_axes_of_the_project_mesh():
     mesh = make_mesh({"data": 2, "fsdp": -1})
     x = jnp.asarray(_random((8, 6), seed=1))
-    ref = col.all_reduce(x, mesh, ("data", "fsdp"), algorithm="psum")
-    out = col.all_reduce(x, mesh, ("data", "fsdp"), algorithm="ring")
+    ref = ar.all_reduce(x, mesh, ("data", "fsdp"), algorithm="psum")
+    out = ar.all_reduce(x, mesh, ("data", "fsdp"), algorithm="ring")
     np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL)
     with pytest.raises(ValueError, match="unknown algorithm 'butterfly'"):
-        col.all_reduce(x, mesh, "data", algorithm="butterfly")
+        ar.all_reduce(x, mesh, "data", algorithm="butterfly")
 
 
 # ---------------------------------------------------------------------------
@@ -137,9 +140,9 @@ def _a2a_case(algorithm: str, mesh_shape: tuple[int, int], split_axis: int, conc
 
     def body(b):
         if algorithm == "hierarchical":
-            return col.hierarchical_all_to_all(b, "node", "local", split_axis, concat_axis, tiled=tiled)
+            return a2a.hierarchical_all_to_all(b, "node", "local", split_axis, concat_axis, tiled=tiled)
         if algorithm == "direct":
-            return col.direct_all_to_all(b, axes, split_axis, concat_axis, tiled=tiled)
+            return a2a.direct_all_to_all(b, axes, split_axis, concat_axis, tiled=tiled)
         # lax.all_to_all in jax 0.10.2 lowers negative axes as-is and can segfault.
         return lax.all_to_all(b, axes, split_axis % b.ndim, concat_axis % b.ndim, tiled=tiled)
 
@@ -169,27 +172,28 @@ def test_all_to_all_bytes_counted_compiled_and_formula_agree(mesh_shape):
     for algorithm, rounds in (("hierarchical", (l - 1) + (m - 1)), ("direct", m * l - 1)):
         x, mesh, _, log, hlo = _a2a_case(algorithm, mesh_shape, 1, 2, True)
         n_bytes = x.nbytes // 8
-        formula = col.bytes_sent_formula(f"{algorithm}_all_to_all", n_bytes, 8, n_local=l)
-        n_permutes, compiled = col.compiled_traffic(hlo, 8)
+        formula = traffic.bytes_sent_formula(f"{algorithm}_all_to_all", n_bytes, 8, n_local=l)
+        n_permutes, compiled = traffic.compiled_traffic(hlo, 8)
         np.testing.assert_array_equal(log.bytes_sent(mesh).ravel(), formula)
         np.testing.assert_array_equal(compiled, formula)
         assert len(log.transfers) == n_permutes == rounds, algorithm
     # Hierarchical sends more in all, but the same bytes across nodes as direct.
     n = 8 * 128
-    assert col.bytes_sent_formula("hierarchical_all_to_all", n, 8, n_local=l)[0] == (l - 1) * n // l + (m - 1) * n // m
-    assert col.bytes_sent_formula("direct_all_to_all", n, 8)[0] == 7 * n // 8
+    assert traffic.bytes_sent_formula("hierarchical_all_to_all", n, 8, n_local=l)[0] == (l - 1) * n // l + (m - 1) * n // m
+    assert traffic.bytes_sent_formula("direct_all_to_all", n, 8)[0] == 7 * n // 8
 
 
 def test_all_to_all_errors_name_the_bad_value():
     mesh = _mesh((2, 4), ("node", "local"))
     with pytest.raises(ValueError, match="size 6, not divisible by the 8 devices"):
-        col.all_to_all(jnp.zeros((8, 6)), mesh, ("node", "local"), split_axis=1, concat_axis=1)
+        a2a.all_to_all(jnp.zeros((8, 6)), mesh, ("node", "local"), split_axis=1, concat_axis=1)
     with pytest.raises(ValueError, match="has size 6 but there are 8 devices"):
-        col.all_to_all(jnp.zeros((8, 6)), mesh, ("node", "local"), split_axis=1, concat_axis=1, tiled=False)
+        a2a.all_to_all(jnp.zeros((8, 6)), mesh, ("node", "local"), split_axis=1, concat_axis=1, tiled=False)
     with pytest.raises(ValueError, match="needs n_local"):
-        col.bytes_sent_formula("hierarchical_all_to_all", 64, 8)
+        traffic.bytes_sent_formula("hierarchical_all_to_all", 64, 8)
 
 
-def test_docstring_examples():
-    result = doctest.testmod(col, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", [p2p, ar, a2a, traffic], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

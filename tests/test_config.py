@@ -46,7 +46,7 @@ def test_bad_values_name_their_key(override, key):
 
 def _cli(*args, cwd):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "train", "--config", str(ROOT / "configs/lm_tiny.yaml"), *args],
+    return subprocess.run([sys.executable, "-m", "meshwork.train", "--config", str(ROOT / "configs/lm_tiny.yaml"), *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -18,7 +18,7 @@ from PIL import Image
 
 from meshwork.diffusion import images
 from meshwork.diffusion import sampling as ds
-from meshwork.config import DiffusionConfig
+from meshwork.config_sections import DiffusionConfig
 from meshwork.diffusion.schedule import alphas_cumprod
 from meshwork.sharding.hlo import list_collectives
 from meshwork.sharding.mesh import make_mesh

@@ -18,6 +18,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from meshwork.kernels import decode_attention as da
 from meshwork.kernels import flash_attention as fa
+from meshwork.kernels import flash_attention_kernels as fk
+from meshwork.kernels import pallas_backend as pb
 from meshwork.kernels.decode_attention import decode_attention, decode_attention_reference
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 
@@ -119,9 +121,10 @@ def test_rows_without_keys_output_zero():
     (True, 1, 64, 64, 16, 32), (False, None, 80, 48, 32, 16)])
 def test_block_ranges_are_exactly_the_visible_blocks(causal, window, L, S, bq, bk):
     """The kernels' loops visit exactly the blocks holding a visible (query, key) pair."""
-    cfg = fa._Config(causal=causal, window=window, scale=1.0, q_len=L, kv_len=S, blocks=fa.BlockSizes(bq, bk, bq, bk),
-                     rep=1, head_dim=8, backend="cpu", interpret=True, heads_major=False, segmented=False)
-    i, j = np.arange(fa.round_up(L, bq))[:, None], np.arange(fa.round_up(S, bk))[None, :]
+    cfg = fk.FlashConfig(causal=causal, window=window, scale=1.0, q_len=L, kv_len=S,
+                         blocks=fk.BlockSizes(bq, bk, bq, bk), rep=1, head_dim=8, backend="cpu", interpret=True,
+                         heads_major=False, segmented=False)
+    i, j = np.arange(pb.round_up(L, bq))[:, None], np.arange(pb.round_up(S, bk))[None, :]
     visible = (i < L) & (j < S) & ((j <= i) if causal else True) & ((j > i - window) if window else True)
     blocks = visible.reshape(i.size // bq, bq, j.size // bk, bk).any(axis=(1, 3))  # [q block, kv block]
 
@@ -129,9 +132,9 @@ def test_block_ranges_are_exactly_the_visible_blocks(causal, window, L, S, bq, b
         return set(range(int(lo), int(hi)))
 
     for qb in range(blocks.shape[0]):
-        assert as_set(*fa._kv_block_range(cfg, qb * bq, bq, bk)) == set(np.flatnonzero(blocks[qb])), qb
+        assert as_set(*fk.kv_block_range(cfg, qb * bq, bq, bk)) == set(np.flatnonzero(blocks[qb])), qb
     for kb in range(blocks.shape[1]):
-        assert as_set(*fa._q_block_range(cfg, kb * bk, bq, bk)) == set(np.flatnonzero(blocks[:, kb])), kb
+        assert as_set(*fk.q_block_range(cfg, kb * bk, bq, bk)) == set(np.flatnonzero(blocks[:, kb])), kb
 
 
 def test_masked_blocks_are_never_read():
@@ -154,16 +157,17 @@ def test_masked_blocks_are_never_read():
 
 def test_poisoned_outputs_catch_an_unwritten_tile():
     """The check itself: a kernel whose grid misses the last tile leaves NaN behind."""
-    cfg = fa._Config(causal=True, window=None, scale=1.0, q_len=64, kv_len=64, blocks=fa.BlockSizes(16, 16, 16, 16),
-                     rep=1, head_dim=8, backend="cpu", interpret=True, heads_major=False, segmented=False, poison=True)
+    cfg = fk.FlashConfig(causal=True, window=None, scale=1.0, q_len=64, kv_len=64,
+                         blocks=fk.BlockSizes(16, 16, 16, 16), rep=1, head_dim=8, backend="cpu", interpret=True,
+                         heads_major=False, segmented=False, poison=True)
 
     def copy(x_ref, o_ref):
         o_ref[...] = x_ref[...]
 
     x = jnp.ones((64, 8))
-    (out,) = fa._run(copy, cfg, grid=(3,), in_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
-                     out_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
-                     out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], args=(x,), name="misses_a_tile")
+    (out,) = pb.launch(copy, cfg, grid=(3,), in_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
+                       out_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
+                       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], args=(x,), name="misses_a_tile")
     assert np.isnan(np.asarray(out)[48:]).all() and not np.isnan(np.asarray(out)[:48]).any()
 
 
@@ -176,13 +180,13 @@ def test_every_output_element_is_written(backend):
     B, L, S, H, G, K = 2, 96, 80, 4, 2, 24
     q, k, v, do = qkv(B, L, S, H, G, K, jnp.float32)
     seg_q, seg_kv = np.stack([packed([50, 46])] * B), np.stack([packed([40, 40])] * B)
-    cfg = fa._plan(q.shape, k.shape, causal=True, scale=None, window=None, segmented=True, block_q=64,
-                   block_kv=32, backend=backend, interpret=True)
+    cfg = fa.plan(q.shape, k.shape, causal=True, scale=None, window=None, segmented=True, block_q=64,
+                  block_kv=32, backend=backend, interpret=True)
     cfg = dataclasses.replace(cfg, poison=True)
-    qp, kp, vp, sq, skv = fa._pad_inputs(q, k, v, seg_q, seg_kv, cfg)
-    dop = fa._pad_inputs(do, k, v, seg_q, seg_kv, cfg)[0]
-    o, lse = fa._forward(qp, kp, vp, sq, skv, cfg)
-    outputs = [o, lse, *fa._backward(qp, kp, vp, sq, skv, o, lse, dop, cfg)]
+    qp, kp, vp, sq, skv = fa.pad_inputs(q, k, v, seg_q, seg_kv, cfg)
+    dop = fa.pad_inputs(do, k, v, seg_q, seg_kv, cfg)[0]
+    o, lse = fk.flash_forward(qp, kp, vp, sq, skv, cfg)
+    outputs = [o, lse, *fk.flash_backward(qp, kp, vp, sq, skv, o, lse, dop, cfg)]
 
     dcfg = da._Config(scale=K ** -0.5, chunk=32, kv=16, rows=16 if backend == "gpu" else H // G,
                       head_dim=cfg.head_dim, backend=backend, interpret=True, heads_major=False, poison=True)

@@ -14,7 +14,8 @@ from meshwork.models.quantize import quantize_model
 from meshwork.models.layers.quantized import Int4Weight
 from meshwork.partitioning import param_shardings
 from meshwork.perf import peft_counts
-from meshwork.config import FinetuneConfig, load_config
+from meshwork.config import load_config
+from meshwork.config_sections import FinetuneConfig
 from meshwork.models.lora import (TARGETS, AdapterParam, LoRA, LoRAParam, PrefixParam, apply_finetune, merge_lora, trainable,
                          unmerge_lora)
 from meshwork.sharding.mesh import make_mesh

@@ -14,8 +14,12 @@ import pytest
 from flax import nnx
 
 import meshwork.models.layers.moe
-from meshwork.config import MoEConfig
-from meshwork.models.layers.moe import MoE, RouterBias, capacity_per_group, select_experts, updated_router_bias
+import meshwork.models.layers.moe_dispatch
+import meshwork.models.layers.moe_routing
+from meshwork.config_sections import MoEConfig
+from meshwork.models.layers.moe import MoE
+from meshwork.models.layers.moe_dispatch import capacity_per_group
+from meshwork.models.layers.moe_routing import RouterBias, select_experts, updated_router_bias
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import logical_to_sharding, rules_for, use_rules
 
@@ -251,9 +255,9 @@ def test_aux_loss_is_one_when_balanced_and_z_loss_formula():
     logits = jax.random.normal(jax.random.key(0), (1, 2 * E, E))
     experts = jnp.stack([jnp.arange(2 * E) % E, (jnp.arange(2 * E) + 1) % E], -1)[None]
     probs = jax.nn.softmax(logits, -1)
-    assert float(meshwork.models.layers.moe.load_balancing_loss(probs, experts)) == pytest.approx(1.0, abs=1e-6)
+    assert float(meshwork.models.layers.moe_routing.load_balancing_loss(probs, experts)) == pytest.approx(1.0, abs=1e-6)
     onehot = jnp.full((1, 4, E), 1e-9).at[..., 0].set(1.0)
-    assert float(meshwork.models.layers.moe.load_balancing_loss(onehot, jnp.zeros((1, 4, 2), jnp.int32))) == \
+    assert float(meshwork.models.layers.moe_routing.load_balancing_loss(onehot, jnp.zeros((1, 4, 2), jnp.int32))) == \
         pytest.approx(E, rel=1e-6)
 
     moe = make_moe()
@@ -292,7 +296,8 @@ def test_bfloat16_compute_keeps_router_in_float32():
 
 
 def test_docstring_examples():
-    assert doctest.testmod(meshwork.models.layers.moe, optionflags=doctest.ELLIPSIS).failed == 0
+    for module in (meshwork.models.layers.moe, meshwork.models.layers.moe_routing, meshwork.models.layers.moe_dispatch):
+        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 # ---------------------------------------------------------------- expert parallelism

@@ -9,7 +9,7 @@ from flax import nnx
 from meshwork.config import load_config
 from meshwork.perf.flops import gqa_attention_params, lm_param_counts, mla_attention_params, param_counts
 from meshwork.run.metrics import read_metrics
-from meshwork.models.layers.moe import RouterBias
+from meshwork.models.layers.moe_routing import RouterBias
 from meshwork.train.loop import train
 from meshwork.models.build import build_model
 

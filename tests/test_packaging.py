@@ -94,6 +94,14 @@ def test_cli_and_imports_work_beside_a_users_own_packages(user_folder):
     assert proc.stdout.split() == ["True", "[]"]  # nothing of the user's (or a stray top-level name) loaded
 
 
+@pytest.mark.parametrize("module", ["train", "train.plan", "train.plot", "inference"])
+def test_checkout_short_forms_run(module):
+    """In a checkout, `python3 -m train` (and the others) call the same code as `python3 -m meshwork.train`."""
+    proc = _run([sys.executable, "-m", module, "--help"], ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
+
+
 def test_console_scripts_run(user_folder):
     bindir = pathlib.Path(sys.executable).parent
     for script in SCRIPTS:

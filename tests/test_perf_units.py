@@ -9,7 +9,8 @@ import math
 import pytest
 
 from meshwork.perf import hardware, reliability, roofline
-from meshwork.config import ConfigError, ModelConfig
+from meshwork.config import ConfigError
+from meshwork.config_sections import ModelConfig
 from meshwork.perf.hardware import HARDWARE, get_hardware
 from meshwork.perf.roofline import Op, attention, batched_matmul, bound, elementwise, layout, matmul, reduction
 

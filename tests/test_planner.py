@@ -1,4 +1,4 @@
-"""The parallelism planner (src/meshwork/planner*.py, train/plan.py).
+"""The parallelism planner (src/meshwork/perf/planner*.py, train/plan.py).
 
 Three kinds of evidence: the planner's predictions against what XLA compiled
 for the same config on 8 fake CPU devices (state bytes from the shard shapes,
@@ -20,8 +20,10 @@ from meshwork.perf.flops import matmul_params, param_counts, train_flops_per_tok
 from meshwork.perf.hardware import Accelerator, get_hardware
 from meshwork.perf.planner import (PlanOptions, compiled_step_flops, layout_from_config, plan, search, step_flops)
 from meshwork.perf.planner_comm import CommOptions, algorithm_time, placement, step_collectives, summarize
+from meshwork.perf.planner_layout import make_layout
 from meshwork.perf.planner_memory import (MIXED_PRECISION_ADAM, korthikanti_layer_bytes, layer_activation_bytes,
-                                     make_layout, model_weights, state_memory, token_shape, zero_memory)
+                                          state_memory, token_shape, zero_memory)
+from meshwork.perf.planner_weights import model_weights
 from meshwork.train import plan as plan_cli
 
 from conftest import ROOT, tiny_overrides

@@ -18,7 +18,7 @@ from meshwork.models.layers.quantized import Int4Weight, Int8Weight, W8A8Weight,
 from meshwork.partitioning import param_shardings
 from meshwork.evaluation.lm_loss import validation_loss
 from meshwork.data import text as data_lib
-from meshwork.config import ModelConfig, MoEConfig
+from meshwork.config_sections import ModelConfig, MoEConfig
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import rules_for, use_rules

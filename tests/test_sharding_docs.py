@@ -5,12 +5,19 @@ import doctest
 import pytest
 
 import meshwork.sharding.hlo
+import meshwork.sharding.hlo_kernels
+import meshwork.sharding.hlo_parse
+import meshwork.sharding.jaxpr_ops
 import meshwork.sharding.mesh
 import meshwork.sharding.report
 import meshwork.sharding.rules
+import meshwork.sharding.shard_map_util
 
 
-@pytest.mark.parametrize("module", [meshwork.sharding.mesh, meshwork.sharding.rules, meshwork.sharding.report, meshwork.sharding.hlo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [meshwork.sharding.mesh, meshwork.sharding.rules, meshwork.sharding.report, meshwork.sharding.hlo,
+                                    meshwork.sharding.hlo_parse, meshwork.sharding.hlo_kernels,
+                                    meshwork.sharding.jaxpr_ops, meshwork.sharding.shard_map_util],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

@@ -16,7 +16,8 @@ import meshwork.models.sparsity as sp
 from meshwork.models.quantize import weight_bytes
 from meshwork.models.sparsity import Sparse24Weight, compact_24, compact_bytes, compact_model, mask_24, matmul_24_gather, prune_model, prune_weight, unstructured_mask
 from meshwork.train.sparse_recovery import recover
-from meshwork.config import ModelConfig, load_config
+from meshwork.config import load_config
+from meshwork.config_sections import ModelConfig
 from meshwork.models.transformer import Transformer
 from conftest import ROOT, tiny_overrides
 

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from meshwork.inference.diffusers_import import build_unet, config_from_diffusers, load_diffusers_unet
 from meshwork.diffusion import schedule as diffusion
-from meshwork.config import DiffusionConfig, UNetConfig
+from meshwork.config_sections import DiffusionConfig, UNetConfig
 from meshwork.models.unet import UNet
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import logical_to_sharding, rules_for, use_rules

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from meshwork.config import OptimizerConfig
+from meshwork.config_sections import OptimizerConfig
 
 
 def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

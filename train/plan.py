@@ -91,7 +91,7 @@ def _plan_one(cfg, hw, args, dpn, options) -> int:
 
 
 def _search(cfg, hw, args, dpn, options) -> int:
-    from meshwork.perf.planner import _nodes, explain, format_plan, search, write_config
+    from meshwork.perf.planner import describe_nodes, explain, format_plan, search, write_config
 
     plans, stats = search(cfg, hw, args.devices, dpn, options)
     if not plans:
@@ -104,7 +104,7 @@ def _search(cfg, hw, args, dpn, options) -> int:
     if args.json:
         print(json.dumps({"stats": stats, "reasons": reasons, "plans": [p.to_dict() for p in plans[:args.top]]}))
     else:
-        nodes = _nodes(-(-args.devices // best.devices_per_node), best.devices_per_node)
+        nodes = describe_nodes(-(-args.devices // best.devices_per_node), best.devices_per_node)
         print(f"{cfg.run.name} on {args.devices} x {hw.name} ({nodes}): "
               f"{stats['considered']:,} layouts, {stats['invalid']:,} impossible for this model, "
               f"{stats['too_big']:,} too big, {stats['fit']:,} fit")

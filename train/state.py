@@ -22,7 +22,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.config import Config, OffloadConfig
+from meshwork.config import Config
+from meshwork.config_sections import OffloadConfig
 from meshwork.models.build import build_model, ema_decay, split_model
 from meshwork.partitioning import logical_specs, variable_shardings
 from meshwork.sharding.rules import Rules, tree_shardings

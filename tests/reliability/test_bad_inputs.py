@@ -437,8 +437,9 @@ def test_bad_input_is_one_line_status_2_and_touches_nothing(entry, build, patter
 
 
 def _run(module: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    """`python3 -m meshwork.<module>` from `cwd` (a folder outside the checkout): the installed form."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", f"meshwork.{module}", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from meshwork.config import DiffusionConfig
+from meshwork.config_sections import DiffusionConfig
 from meshwork.diffusion.schedule import ModelFn, alphas_cumprod, ddpm_step, predicted_x0
 
 F32 = jnp.float32

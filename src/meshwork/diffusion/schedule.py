@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshwork.config import DiffusionConfig
+from meshwork.config_sections import DiffusionConfig
 
 ModelFn = Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
 F32 = jnp.float32

@@ -10,7 +10,7 @@ o = sum_c exp(lse_c - lse) o_c with lse = logsumexp_c lse_c.
 Keys at positions >= lengths_B[b] are ignored; inside a chunk the loop stops
 at the length, so a chunk past it does no work. Inference only: no gradient.
 
-The kernel body is shared by all backends (see flash_attention.py). GPU/CPU
+The kernel body is shared by all backends (see pallas_backend.py). GPU/CPU
 read the cache in its (B, S, G, K) layout; TPU reads (B, G, S, K), so there
 the cache is transposed here -- an inference engine on TPU should keep its
 cache in that layout and skip the copy. Likewise S should be a multiple of
@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from meshwork.kernels.flash_attention import F32, MASKED, _div, _dot, _precision, _run, fit_block, resolve_backend, \
-    round_up
+from meshwork.kernels.pallas_backend import F32, MASKED, dot, dot_precision, fit_block, floor_div, launch, \
+    resolve_backend, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,25 +69,25 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
     length = len_ref[pl.program_id(0)]
     chunk_start = pl.program_id(2) * cfg.chunk
     q = q_ref[...]
-    prec = _precision(q.dtype)
+    prec = dot_precision(q.dtype)
     n_valid = jnp.clip(length - chunk_start, 0, cfg.chunk)
 
     def step(j, carry):
         m, l, acc = carry
         start = pl.multiple_of(j * cfg.kv, cfg.kv)
         k, v = k_ref[pl.ds(start, cfg.kv), :], v_ref[pl.ds(start, cfg.kv), :]
-        s = _dot(q, k, (1, 1), prec) * cfg.scale
+        s = dot(q, k, (1, 1), prec) * cfg.scale
         mask = start + lax.broadcasted_iota(jnp.int32, s.shape, 1) < n_valid
         s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
         return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), \
-            alpha * acc + _dot(p.astype(v.dtype), v, (1, 0), prec)
+            alpha * acc + dot(p.astype(v.dtype), v, (1, 0), prec)
 
     rows = cfg.rows
     init = (jnp.full((rows, 1), MASKED, F32), jnp.zeros((rows, 1), F32), jnp.zeros((rows, cfg.head_dim), F32))
-    m, l, acc = lax.fori_loop(0, _div(n_valid + cfg.kv - 1, cfg.kv), step, init)
+    m, l, acc = lax.fori_loop(0, floor_div(n_valid + cfg.kv - 1, cfg.kv), step, init)
     empty = l == 0.0  # chunk wholly past the length: weight exp(-inf) = 0 in the merge
     l = jnp.where(empty, 1.0, l)
     o_ref[...] = acc / l
@@ -146,7 +146,7 @@ def _decode_chunks(q_BHK, k_BSGK, v_BSGK, lengths_B, cfg):
         kv_spec = pl.BlockSpec((None, cfg.chunk, None, cfg.head_dim), lambda b, g, c: (b, c, g, 0))
         len_spec = pl.BlockSpec((B,), lambda b, g, c: (0,))
     out_spec = lambda n: pl.BlockSpec((None, None, None, cfg.rows, n), lambda b, g, c: (b, g, c, 0, 0))  # noqa: E731
-    return _run(
+    return launch(
         functools.partial(_decode_kernel, cfg=cfg), cfg, grid=(B, G, C), name="decode_attention",
         in_specs=[len_spec, pl.BlockSpec((None, None, cfg.rows, cfg.head_dim), lambda b, g, c: (b, g, 0, 0)),
                   kv_spec, kv_spec],

@@ -8,7 +8,7 @@ For a Mixture of Experts only the activated parameters count: the router,
 the k chosen experts and the shared experts. Remat's recomputation is not
 counted: MFU measures useful work only.
 
-    >>> from meshwork.config import ModelConfig
+    >>> from meshwork.config_sections import ModelConfig
     >>> counts = param_counts(ModelConfig())
     >>> counts["total"] == counts["activated"]   # dense: every token uses every weight
     True
@@ -16,7 +16,7 @@ counted: MFU measures useful work only.
 
 from __future__ import annotations
 
-from meshwork.config import ModelConfig
+from meshwork.config_sections import ModelConfig
 
 
 def gqa_attention_params(d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False) -> int:

@@ -4,8 +4,10 @@ layout on N accelerators, and a search for the fastest layout that fits.
 Pure arithmetic on the config and a hardware data sheet
 (`meshwork.perf.hardware`): no devices, nothing compiled. The parts:
 
-- `planner_memory`: the layout (mesh sizes + rules preset, as in a config),
-  per-device bytes of parameters, gradients, optimizer state, activations.
+- `planner_layout`: the layout (mesh sizes + rules preset, as in a config).
+- `planner_weights`: the model's weights and each one's shard on a device.
+- `planner_memory`: per-device bytes of parameters, gradients, optimizer
+  state, activations.
 - `planner_comm`: each collective of a step (count, bytes) and its time under
   ring, tree or hierarchical algorithms.
 - here: FLOPs, step time, MFU, `plan`, `search`, and writing a layout back
@@ -47,13 +49,15 @@ from meshwork.perf.flops import train_flops_per_token
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_comm import (Collective, CommOptions, collective_time, placement, step_collectives,
                                    summarize)
-from meshwork.perf.planner_memory import (REMATS, Layout, StateBytes, activation_memory,
-                                     grad_accumulator_bytes, gathered_weight_bytes, indivisible, layout_from_config,
-                                     make_layout, model_weights, offload_memory, shard_size, state_memory)
+from meshwork.perf.planner_layout import REMATS, Layout, layout_from_config, make_layout
+from meshwork.perf.planner_memory import (StateBytes, activation_memory, grad_accumulator_bytes, gathered_weight_bytes,
+                                          offload_memory, state_memory)
+from meshwork.perf.planner_weights import indivisible, model_weights, shard_size
 from meshwork.sharding.mesh import MESH_AXES
 
 __all__ = ["Plan", "PlanOptions", "Layout", "make_layout", "layout_from_config", "layout_problem", "plan", "search",
-           "explain", "format_plan", "step_flops", "compiled_step_flops", "config_for", "write_config"]
+           "explain", "format_plan", "describe_nodes", "step_flops", "compiled_step_flops", "config_for",
+           "write_config"]
 
 GB = 1e9
 # AdamW + global-norm clipping, per parameter element, as XLA:CPU's cost_analysis counts
@@ -371,7 +375,8 @@ def _fmt_bytes(b: float) -> str:
     return f"{b / GB:,.2f} GB" if b >= 0.01 * GB else f"{b / 2**20:,.2f} MiB"
 
 
-def _nodes(nodes: int, per_node: int) -> str:
+def describe_nodes(nodes: int, per_node: int) -> str:
+    """e.g. `2 nodes of 8`."""
     return f"{nodes} node{'s' if nodes > 1 else ''} of {per_node}"
 
 
@@ -385,7 +390,8 @@ def format_plan(p: Plan) -> str:
     """The plan as text: memory by kind, collectives, time split, MFU."""
     lay = p.layout
     nodes = math.ceil(lay.devices / p.devices_per_node)
-    lines = [f"layout: {lay.describe()} on {lay.devices} x {p.hardware.name} ({_nodes(nodes, p.devices_per_node)})",
+    on_nodes = describe_nodes(nodes, p.devices_per_node)
+    lines = [f"layout: {lay.describe()} on {lay.devices} x {p.hardware.name} ({on_nodes})",
              "memory per device:"]
     for k, v in p.memory.items():
         if k != "total" and v:

@@ -13,7 +13,7 @@ device sends under ring algorithms, per step:
 Where each comes from (g: the devices of the mesh axes involved):
 
 - gradients (`grad sync`): a weight's gradient is summed over the axes that
-  feed it different tokens (`planner_memory.token_axes`). Over the axes that
+  feed it different tokens (`planner_weights.token_axes`). Over the axes that
   split it (fsdp) or its gradient or moments (zero1, zero2) it is
   reduce-scattered, over the rest all-reduced (on the 1/s shard: hybrid);
   zero1/zero2 then all-gather the updated parameters. meshwork's gradient
@@ -62,8 +62,9 @@ import math
 
 from meshwork.config import Config
 from meshwork.perf.hardware import Accelerator
-from meshwork.perf.planner_memory import (ITEMSIZE, Layout, StateBytes, model_weights, shard_size, token_axes,
-                                     token_shape)
+from meshwork.perf.planner_layout import Layout
+from meshwork.perf.planner_memory import ITEMSIZE, StateBytes, token_shape
+from meshwork.perf.planner_weights import model_weights, shard_size, token_axes
 from meshwork.sharding.mesh import MESH_AXES
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -114,7 +115,7 @@ def step_collectives(cfg: Config, layout: Layout, options: CommOptions = CommOpt
                      accounting: StateBytes | None = None) -> list[Collective]:
     """Every collective of one train step of `cfg` under `layout`, per device.
 
-    >>> from meshwork.perf.planner_memory import make_layout
+    >>> from meshwork.perf.planner_layout import make_layout
     >>> cs = step_collectives(Config(), make_layout(data=8))
     >>> sorted({c.kind for c in cs})
     ['all-reduce']

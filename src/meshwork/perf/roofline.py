@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 from meshwork.config import ConfigError
 
 if TYPE_CHECKING:
-    from meshwork.config import ModelConfig
+    from meshwork.config_sections import ModelConfig
     from meshwork.perf.hardware import Accelerator
 
 # Bytes per element; jax dtype names are accepted too.
@@ -183,7 +183,7 @@ def transformer_layer_ops(model: ModelConfig, batch: int, seq: int, *, dtype: st
     the attention core is `attention(...)`. Every tensor is in `dtype`. For
     decode, pass seq=1 and use `attention(..., q_len=1, kv_len=context)`.
 
-        >>> from meshwork.config import ModelConfig
+        >>> from meshwork.config_sections import ModelConfig
         >>> [op.name for op in transformer_layer_ops(ModelConfig(), 8, 128)][:3]
         ['attn_norm', 'q_proj', 'k_proj']
     """

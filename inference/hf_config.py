@@ -1,0 +1,118 @@
+"""Hugging Face config.json as meshwork's ModelConfig (and MoEConfig).
+
+`config_from_hf` reads Llama ("llama"), Mixtral ("mixtral") and Qwen2-MoE
+("qwen2_moe") configs. Training-only settings (dropout, Mixtral's router
+jitter, output_router_logits) are ignored; anything that changes the forward
+pass and that meshwork does not implement (rope scaling, sliding windows,
+other activations, extra biases) raises a ValueError that names the key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshwork.config_sections import ModelConfig, MoEConfig
+
+SUPPORTED = ("llama", "mixtral", "qwen2_moe")
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
+    """The meshwork ModelConfig for a Hugging Face config.json dict.
+
+    Reads both the transformers 5 form (`rope_parameters`) and the older one
+    (`rope_theta`, `rope_scaling`). Raises ValueError for a model type or a
+    setting meshwork cannot reproduce.
+
+    >>> cfg = config_from_hf({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+    ...     "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+    ...     "rope_theta": 10000.0, "rms_norm_eps": 1e-6})
+    >>> cfg.n_kv_heads, cfg.resolved_head_dim, cfg.norm_eps
+    (32, 128, 1e-06)
+    """
+    c = dict(hf_config)
+    kind = c.get("model_type")
+    if kind not in SUPPORTED:
+        raise ValueError(f"model_type={kind!r} is not supported; meshwork reads {', '.join(SUPPORTED)} checkpoints")
+    defaults = {"llama": (1e-6, 10000.0), "mixtral": (1e-5, 1e6), "qwen2_moe": (1e-6, 10000.0)}[kind]
+
+    def need(key: str) -> Any:
+        if c.get(key) is None:
+            raise ValueError(f"{kind} config has no {key!r}; a complete config.json is needed")
+        return c[key]
+
+    def refuse(key: str, ok: bool, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{kind} config {key}={c.get(key)!r}: {why}")
+
+    refuse("hidden_act", c.get("hidden_act", "silu") == "silu", "meshwork's MLP is SwiGLU (silu) only")
+    D, H = need("hidden_size"), need("num_attention_heads")
+    G = c.get("num_key_value_heads") or H
+    refuse("num_key_value_heads", H % G == 0, f"must divide num_attention_heads={H}")
+    head_dim = c.get("head_dim") or D // H
+    refuse("head_dim", head_dim % 2 == 0, "RoPE needs an even head_dim")
+    theta = _rope_theta(c, kind, defaults[1])
+    if kind == "llama":
+        refuse("attention_bias", not c.get("attention_bias", False),
+               "Llama's attention_bias also biases o_proj, which meshwork's attention does not have")
+        refuse("mlp_bias", not c.get("mlp_bias", False), "meshwork's MLP has no biases")
+    if kind == "mixtral":
+        refuse("sliding_window", c.get("sliding_window") is None,
+               "meshwork attends causally over the whole sequence; set it to null only if no sequence "
+               "you run is longer than the window")
+    if kind == "qwen2_moe":
+        refuse("use_sliding_window", not c.get("use_sliding_window", False),
+               "meshwork attends causally over the whole sequence (no sliding window)")
+        refuse("layer_types", all(t == "full_attention" for t in c.get("layer_types") or []),
+               "meshwork has full attention in every layer")
+
+    common = dict(vocab_size=need("vocab_size"), d_model=D, n_layers=need("num_hidden_layers"), n_heads=H,
+                  n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta,
+                  norm_eps=c.get("rms_norm_eps") or defaults[0],
+                  qkv_bias=kind == "qwen2_moe" and c.get("qkv_bias", True),
+                  tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                  init_std=c.get("initializer_range", 0.02))
+    if kind == "llama":
+        return ModelConfig(kind="transformer", **common)
+    if kind == "mixtral":
+        E, k = need("num_local_experts"), need("num_experts_per_tok")
+        refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_local_experts={E}")
+        moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("intermediate_size"), router="softmax",
+                        norm_topk_prob=True, aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0)
+        return ModelConfig(kind="moe", moe=moe, **common)
+
+    # qwen2_moe
+    dense = _qwen2_moe_dense_layers(c, common["n_layers"])
+    if len(dense) == common["n_layers"]:  # no MoE layer at all: a dense model with q/k/v biases
+        return ModelConfig(kind="transformer", **common)
+    refuse("mlp_only_layers", dense == list(range(len(dense))),
+           f"the dense layers {dense} must be the leading ones for meshwork (moe.first_dense_layers)")
+    E, k = need("num_experts"), need("num_experts_per_tok")
+    refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_experts={E}")
+    d_shared = c.get("shared_expert_intermediate_size", 0)
+    shared = dict(n_shared_experts=1, d_shared=d_shared, shared_expert_gate=True) if d_shared else {}
+    moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("moe_intermediate_size"), router="softmax",
+                    norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                    aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0,
+                    first_dense_layers=len(dense), **shared)
+    return ModelConfig(kind="moe", moe=moe, **common)
+
+
+def _rope_theta(c: dict[str, Any], kind: str, default: float) -> float:
+    """rope_theta, refusing any scaled or partial rotary embedding."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    for key, p in (("rope_parameters", params), ("rope_scaling", scaling)):
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"{kind} config {key}={p!r}: rope_type {rope_type!r} is not implemented; "
+                             "meshwork's RoPE is unscaled (rope_type 'default')")
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{kind} config partial_rotary_factor={partial}: meshwork rotates the whole head_dim")
+    return float(params.get("rope_theta", c.get("rope_theta", default)))
+
+
+def _qwen2_moe_dense_layers(c: dict[str, Any], n_layers: int) -> list[int]:
+    """The layer indices Qwen2-MoE builds with a dense MLP instead of experts."""
+    only, step, E = set(c.get("mlp_only_layers") or []), c.get("decoder_sparse_step", 1), c.get("num_experts", 0)
+    return [i for i in range(n_layers) if i in only or not (E > 0 and (i + 1) % step == 0)]

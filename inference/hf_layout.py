@@ -1,0 +1,178 @@
+"""Where each meshwork parameter lives in a Hugging Face checkpoint: names, shapes, layouts.
+
+`hf_layout` is the one table that the loaders (`inference.hf`) and the export
+(`inference.hf_export`) both follow; `HFTensor` turns one parameter from the
+file's layout into meshwork's and back. Also here: the dtype names config.json
+uses, and the shape checks and pure dicts of parameter trees both sides share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from meshwork.config_sections import ModelConfig
+
+if TYPE_CHECKING:
+    from meshwork.inference.hf_files import TensorReader
+
+# numpy dtype -> config.json's torch_dtype / dtype name.
+HF_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
+                  np.dtype(np.float16): "float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One meshwork parameter of one layer and the checkpoint tensor(s) holding it.
+
+    `name` may contain "{e}": then the file has one tensor per expert (`experts`
+    of them), stacked on meshwork's leading expert axis. `read` and `write` are
+    each other's inverse, so the loader and `inference.hf_export` share this one
+    description of the layout.
+
+    >>> t = HFTensor("q_proj.weight", shape=(64, 4, 24), hf_shape=(96, 64), linear=True)
+    >>> t.write(np.zeros(t.shape, np.float32))["q_proj.weight"].shape
+    (96, 64)
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    """meshwork's shape (with the leading expert axis, if any; without the layers axis)."""
+    hf_shape: tuple[int, ...]
+    """The shape in the file (of one expert's tensor)."""
+    linear: bool = False
+    """An nn.Linear weight: (out, in) in the file, (in, ..., out) in meshwork."""
+    experts: int = 0
+
+    def names(self) -> list[str]:
+        return [self.name.format(e=e) for e in range(self.experts)] if self.experts else [self.name]
+
+    def read(self, t: TensorReader) -> np.ndarray:
+        """meshwork's array, from the tensor(s) in the file (a view of what `t` read, where possible)."""
+        parts = [t.get(n, self.hf_shape) for n in self.names()]
+        parts = [(x.T if self.linear else x).reshape(self.shape[1:] if self.experts else self.shape) for x in parts]
+        return np.stack(parts) if self.experts else parts[0]
+
+    def write(self, x: np.ndarray) -> dict[str, np.ndarray]:
+        """The file's tensor(s), contiguous, holding meshwork's array `x`."""
+        def one(x: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(x.reshape(self.hf_shape[::-1]).T if self.linear else x.reshape(self.hf_shape))
+        parts = [one(x[e]) for e in range(self.experts)] if self.experts else [one(x)]
+        return dict(zip(self.names(), parts, strict=True))
+
+
+def _linear(name: str, d_out: int, d_in: int, shape: tuple[int, ...] | None = None, experts: int = 0) -> HFTensor:
+    return HFTensor(name, (experts,) * bool(experts) + (shape or (d_in, d_out)), (d_out, d_in), True, experts)
+
+
+def _vector(name: str, shape: tuple[int, ...]) -> HFTensor:
+    return HFTensor(name, shape, (math.prod(shape),))
+
+
+def _swiglu(prefix: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj"), experts: int = 0) -> dict:
+    gate, up, down = names
+    return {"w_gate": _linear(f"{prefix}{gate}.weight", F, D, experts=experts),
+            "w_up": _linear(f"{prefix}{up}.weight", F, D, experts=experts),
+            "w_down": _linear(f"{prefix}{down}.weight", D, F, experts=experts)}
+
+
+def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str, Any]:
+    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
+    attn = {"wq": _linear(a + "q_proj.weight", H * K, D, (D, H, K)),
+            "wk": _linear(a + "k_proj.weight", G * K, D, (D, G, K)),
+            "wv": _linear(a + "v_proj.weight", G * K, D, (D, G, K)),
+            "wo": _linear(a + "o_proj.weight", D, H * K, (H, K, D))}
+    if cfg.qkv_bias:
+        attn |= {"bq": _vector(a + "q_proj.bias", (H, K)), "bk": _vector(a + "k_proj.bias", (G, K)),
+                 "bv": _vector(a + "v_proj.bias", (G, K))}
+    layer = {"attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))}, "attn": attn,
+             "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))}}
+    if not moe:
+        return layer | {"mlp": _swiglu(p + "mlp.", D, cfg.d_ff)}
+    m = cfg.moe
+    if model_type == "mixtral":
+        q, names = p + "block_sparse_moe.", ("w1", "w3", "w2")  # w1: gate, w3: up, w2: down
+    else:
+        q, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    experts = {"router": _linear(q + "gate.weight", m.n_experts, D)}
+    experts |= _swiglu(q + "experts.{e}.", D, m.d_expert, names, experts=m.n_experts)
+    if m.n_shared_experts:
+        experts["shared"] = _swiglu(q + "shared_expert.", D, m.d_shared or m.n_shared_experts * m.d_expert)
+    if m.shared_expert_gate:
+        experts["shared_gate"] = _linear(q + "shared_expert_gate.weight", 1, D)  # (D, 1)
+    return layer | {"moe": experts}
+
+
+def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    """Where each parameter of the model `cfg` describes lives in a `model_type` checkpoint.
+
+    A tree shaped like the model's parameters (`nnx.to_pure_dict(nnx.state(model,
+    nnx.Param))`) with `HFTensor` leaves, except that a stacked group of layers
+    ("blocks", "dense_blocks", "moe_blocks") is a list of per-layer trees. The
+    loaders in `inference.hf` and `inference.hf_export.export_hf` all follow this one table.
+
+    >>> from meshwork.inference.hf import load_hf_config
+    >>> cfg = load_hf_config("tests/fixtures/hf/llama")
+    >>> hf_layout(cfg, "llama")["blocks"][1]["attn"]["wq"].name
+    'model.layers.1.self_attn.q_proj.weight'
+    """
+    D, V = cfg.d_model, cfg.vocab_size
+    layout: dict[str, Any] = {"embed": {"table": HFTensor("model.embed_tokens.weight", (V, D), (V, D))},
+                              "head": {"final_norm": {"scale": _vector("model.norm.weight", (D,))}}}
+    if not cfg.tie_embeddings:
+        layout["head"]["lm_head"] = _linear("lm_head.weight", V, D)
+    if cfg.kind == "transformer":
+        layout["blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(cfg.n_layers)]
+        return layout
+    k = cfg.moe.first_dense_layers
+    if k:
+        layout["dense_blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(k)]
+    layout["moe_blocks"] = [_layer(cfg, model_type, i, moe=True) for i in range(k, cfg.n_layers)]
+    return layout
+
+
+def layout_shapes(layout: dict[str, Any]) -> dict[str, Any]:
+    """The parameter shapes (ShapeDtypeStructs, float32) a layout implies, layers stacked."""
+    def shapes(part: Any) -> Any:
+        if isinstance(part, list):
+            return jax.tree.map(lambda s: jax.ShapeDtypeStruct((len(part), *s.shape), jnp.float32), part[0])
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), part)
+    return {key: shapes(part) for key, part in layout.items()}
+
+
+def map_in_order(fn, tree: Any) -> Any:
+    """jax.tree.map over nested dicts, but in insertion order (so errors name the first tensor)."""
+    return {k: map_in_order(fn, v) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
+def layout_leaves(tree: Any) -> list[HFTensor]:
+    """The HFTensors of one layout entry (a tree, or a list of per-layer trees), in order."""
+    out: list[HFTensor] = []
+    map_in_order(out.append, {str(i): part for i, part in enumerate(tree)} if isinstance(tree, list) else tree)
+    return out
+
+
+def as_pure_dict(tree: Any) -> Any:
+    """Nested Mappings (e.g. an nnx.State of shardings) as plain nested dicts."""
+    return {k: as_pure_dict(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
+
+
+def check_tree(expected: dict[str, Any], got: dict[str, Any]) -> None:
+    """Raises ValueError listing how `got`'s leaf shapes differ from `expected`'s (missing,
+    unexpected and mis-shaped leaves), e.g. a parameter tree against a model's."""
+    want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(expected)}
+    have = {jax.tree_util.keystr(k): np.shape(v) for k, v in jax.tree_util.tree_leaves_with_path(got)}
+    problems = [f"missing {k}" for k in want.keys() - have.keys()]
+    problems += [f"unexpected {k}" for k in have.keys() - want.keys()]
+    problems += [f"{k}: {have[k]} vs model {want[k]}" for k in want.keys() & have.keys() if have[k] != want[k]]
+    if problems:
+        raise ValueError(f"parameters do not fit the model ({len(problems)} differences): {sorted(problems)[:5]}")

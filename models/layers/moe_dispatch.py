@@ -1,0 +1,220 @@
+"""MoE dispatch and combine: sending each token's assignments to its experts and weighting the results back.
+
+- capacity (`cfg.capacity_factor` set): GShard token dropping. A group is one batch row (L
+  tokens); each expert takes C = ceil(capacity_factor * L * K / E) assignments per group, admitted
+  choice-major (all tokens' 1st choices in sequence order, then all 2nd choices, ...); the rest are
+  dropped (that expert's term is skipped; the residual outside the layer carries the token). The
+  experts run as one batched matmul over an (E, C) slot buffer.
+- dropless (`capacity_factor` null): the (token, choice) assignments are sorted by expert and the
+  experts run as one grouped matmul, `jax.lax.ragged_dot`.
+
+Expert parallelism: when the current mesh (`jax.set_mesh`) and rules (`sharding.rules.use_rules`)
+split logical `expert` over mesh axes of size > 1, the dispatch runs in `jax.shard_map`: each device
+routes its own batch rows, sends every assignment to the device owning its expert with an
+all-to-all over the expert axes, runs its E/N local experts, and sends the results back. Routing
+and the statistics are computed outside the shard_map on the global arrays, so the semantics (and
+the drops) are those of the single-device layer. See `MoE` for the buffer sizes. With the batch
+split but not the experts (dp, fsdp) the dispatch runs per device in the same shard_map, with
+no exchange, so the token sort stays local rather than being all-gathered by GSPMD.
+
+Dimension letters as in models/layers/moe.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from meshwork.sharding.all_to_all_algorithms import hierarchical_all_to_all
+from meshwork.sharding.rules import current_rules, split_axes
+
+ALL_TO_ALL_IMPLS = ("lax", "hierarchical")
+
+
+def capacity_per_group(capacity_factor: float, group_size: int, k: int, n_experts: int) -> int:
+    """Slots per expert and group: ceil(capacity_factor * group_size * k / n_experts), k choices per token.
+
+    >>> capacity_per_group(1.0, 16, 2, 8)
+    4
+    """
+    return math.ceil(capacity_factor * group_size * k / n_experts)
+
+
+def _rank_within(group_A: jax.Array, n_groups: int) -> jax.Array:
+    """Each item's rank among the items of its group, in array order: [2, 0, 2, 2] -> [0, 0, 1, 2]."""
+    order_A = jnp.argsort(group_A, stable=True)
+    counts = jnp.bincount(group_A, length=n_groups)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted_A = jnp.arange(group_A.shape[0]) - starts[group_A[order_A]]
+    return jnp.zeros_like(group_A).at[order_A].set(rank_sorted_A.astype(group_A.dtype))
+
+
+def capacity_slots(expert_BLK: jax.Array, n_experts: int, capacity: int) -> jax.Array:
+    """GShard capacity rule: each assignment's slot e * C + position, or E * C when dropped.
+
+    Groups are batch rows. Within a row, assignments are admitted choice-major: every token's
+    1st choice in sequence order, then every 2nd choice, ...; an expert's first C are kept.
+
+    >>> experts = jnp.array([[[0, 1], [0, 2], [0, 1]]])    # 3 tokens, 2 choices, all want expert 0
+    >>> capacity_slots(experts, 3, 2).tolist()             # E*C = 6 means dropped
+    [[[0, 2], [1, 4], [6, 3]]]
+    """
+    B, L, K = expert_BLK.shape
+    e_BA = expert_BLK.transpose(0, 2, 1).reshape(B, K * L)  # priority order
+    pos_BA = jax.vmap(_rank_within, in_axes=(0, None))(e_BA, n_experts)
+    slot_BA = jnp.where(pos_BA < capacity, e_BA * capacity + pos_BA, n_experts * capacity)
+    return slot_BA.reshape(B, K, L).transpose(0, 2, 1)
+
+
+# ---------------------------------------------------------------- expert compute
+
+
+def _swiglu_dense(x_ESD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array, w_down_EFD: jax.Array) -> jax.Array:
+    """Every expert on its own slot buffer: one batched matmul per projection."""
+    gate_ESF = jnp.einsum("ESD,EDF->ESF", x_ESD, w_gate_EDF)
+    up_ESF = jnp.einsum("ESD,EDF->ESF", x_ESD, w_up_EDF)
+    return jnp.einsum("ESF,EFD->ESD", jax.nn.silu(gate_ESF) * up_ESF, w_down_EFD)
+
+
+def _swiglu_grouped(x_RD: jax.Array, expert_R: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
+                    w_down_EFD: jax.Array) -> jax.Array:
+    """Row r through expert expert_R[r] by grouped matmuls; rows with expert >= E give zeros."""
+    E = w_gate_EDF.shape[0]
+    order_R = jnp.argsort(expert_R, stable=True)
+    # Rows past the last group (expert id >= E, padding) are outside every group: ragged_dot
+    # leaves them zero.
+    sizes_E = jnp.bincount(expert_R, length=E).astype(jnp.int32)
+    x_RD = x_RD[order_R]
+    h_RF = jax.nn.silu(lax.ragged_dot(x_RD, w_gate_EDF, sizes_E)) * lax.ragged_dot(x_RD, w_up_EDF, sizes_E)
+    y_RD = lax.ragged_dot(h_RF, w_down_EFD, sizes_E)
+    inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype))
+    return y_RD[inverse_R]
+
+
+def _exchange(x: jax.Array, axes: tuple[str, ...], split_axis: int, concat_axis: int, impl: str) -> jax.Array:
+    """All-to-all over the expert axes (linear device index, first axis major, as PartitionSpec)."""
+    if impl == "hierarchical" and len(axes) == 2:
+        return hierarchical_all_to_all(x, axes[0], axes[1], split_axis, concat_axis, tiled=True)
+    return lax.all_to_all(x, axes[0] if len(axes) == 1 else axes, split_axis, concat_axis, tiled=True)
+
+
+def capacity_experts(x_BLD, slot_BLK, weight_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
+                      capacity: int, axes: tuple[str, ...] | None, impl: str) -> jax.Array:
+    """Capacity dispatch on this device's rows: slot buffer (B, E, C, D) -> experts -> combine.
+
+    Under expert parallelism the buffer, expert-major (E, B, C, D), is cut along E into N
+    pieces of E/N experts, one per device; each device receives (E/N, N*B, C, D): its experts'
+    slots from every peer. Fixed size, so the exchange is one plain all-to-all each way.
+    """
+    B, L, D = x_BLD.shape
+    K = slot_BLK.shape[-1]
+    E, C = n_experts, capacity
+    rows_B11 = jnp.arange(B)[:, None, None]
+    # Which token fills each slot (L = none: the zero row appended below).
+    token_BS = jnp.full((B, E * C), L, jnp.int32).at[rows_B11, slot_BLK].set(
+        jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :, None], (B, L, K)), mode="drop")
+    x_BLD = jnp.concatenate([x_BLD, jnp.zeros((B, 1, D), x_BLD.dtype)], axis=1)
+    x_EBCD = x_BLD[jnp.arange(B)[:, None], token_BS].reshape(B, E, C, D).transpose(1, 0, 2, 3)
+    if axes:
+        x_EBCD = _exchange(x_EBCD, axes, 0, 1, impl)  # -> (E/N, N*B, C, D)
+    E_here, B_here = x_EBCD.shape[:2]
+    y_EBCD = _swiglu_dense(x_EBCD.reshape(E_here, B_here * C, D), w_gate_EDF, w_up_EDF,
+                           w_down_EFD).reshape(E_here, B_here, C, D)
+    if axes:
+        y_EBCD = _exchange(y_EBCD, axes, 1, 0, impl)  # -> (E, B, C, D)
+    y_BSD = y_EBCD.transpose(1, 0, 2, 3).reshape(B, E * C, D)
+    y_BSD = jnp.concatenate([y_BSD, jnp.zeros((B, 1, D), y_BSD.dtype)], axis=1)  # slot E*C: dropped
+    y_BLKD = y_BSD[jnp.arange(B)[:, None], slot_BLK.reshape(B, L * K)].reshape(B, L, K, D)
+    return jnp.einsum("BLKD,BLK->BLD", y_BLKD, weight_BLK)
+
+
+def dropless_experts(x_BLD, expert_BLK, weight_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
+                      axes: tuple[str, ...] | None, impl: str) -> jax.Array:
+    """Dropless dispatch on this device's tokens: sort by expert, grouped matmul, unsort, combine.
+
+    Under expert parallelism each device sends N buffers of A = T*K rows (its assignments for
+    the devices owning experts [0, E/N), [E/N, 2E/N), ...), each with the expert id of every row
+    (id E marks padding). A is the worst case (every local assignment bound for one device), so
+    nothing is ever dropped and the result equals the single-device layer, at the price of N
+    times the all-to-all bytes and receive memory (N*A rows) of a perfectly balanced exchange.
+    """
+    B, L, D = x_BLD.shape
+    K = expert_BLK.shape[-1]
+    T, A = B * L, B * L * K
+    x_TD = x_BLD.reshape(T, D)
+    expert_A = expert_BLK.reshape(A)
+    token_A = jnp.arange(A, dtype=jnp.int32) // K
+    if not axes:
+        y_AD = _swiglu_grouped(x_TD[token_A], expert_A, w_gate_EDF, w_up_EDF, w_down_EFD)
+    else:
+        E_here = w_gate_EDF.shape[0]
+        N = n_experts // E_here
+        dest_A = expert_A // E_here
+        slot_A = dest_A * A + _rank_within(dest_A, N)
+        token_S = jnp.full((N * A,), T, jnp.int32).at[slot_A].set(token_A)
+        expert_S = jnp.full((N * A,), n_experts, jnp.int32).at[slot_A].set(expert_A)
+        x_SD = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])[token_S]
+        x_SD = _exchange(x_SD.reshape(N, A, D), axes, 0, 0, impl).reshape(N * A, D)
+        expert_S = _exchange(expert_S.reshape(N, A), axes, 0, 0, impl).reshape(N * A)
+        # Local expert ids; padding (id E) maps to >= E_here, outside every group.
+        local_S = jnp.minimum(expert_S - lax.axis_index(axes) * E_here, E_here)
+        y_SD = _swiglu_grouped(x_SD, local_S, w_gate_EDF, w_up_EDF, w_down_EFD)
+        y_SD = _exchange(y_SD.reshape(N, A, D), axes, 0, 0, impl).reshape(N * A, D)
+        y_AD = y_SD[slot_A]
+    y_TD = jnp.einsum("TKD,TK->TD", y_AD.reshape(T, K, D), weight_BLK.reshape(T, K))
+    return y_TD.reshape(B, L, D)
+
+
+def _token_layout(n_experts: int) -> tuple[object, tuple[str, ...], tuple[str, ...]] | None:
+    """(mesh, batch axes, expert axes) splitting `act_batch` / `expert` in the current mesh and rules.
+
+    None without a mesh or rules, or when neither is split (one device's worth of work).
+    """
+    rules = current_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return None
+    shape = dict(mesh.shape)
+    batch_axes = split_axes("act_batch", rules, shape)
+    expert_axes = split_axes("expert", rules, shape)
+    if not set(expert_axes) <= set(batch_axes):
+        raise ValueError(f"expert parallelism: the experts are split over {expert_axes} but act_batch only over "
+                         f"{batch_axes}; map act_batch to the expert axes too (as the `ep` preset does)")
+    n = math.prod(shape[a] for a in expert_axes)
+    if n_experts % n:
+        raise ValueError(f"expert parallelism: {n_experts} experts cannot be split over mesh axes {expert_axes} "
+                         f"of {n} devices; use a number of experts divisible by {n}")
+    return (mesh, batch_axes, expert_axes) if batch_axes else None
+
+
+def _spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def run_experts(body: Callable, x_BLD, routes_BLK, weight_BLK, weights, *, n_experts: int, impl: str):
+    """`body` on the whole batch, or per device inside shard_map when the batch is split.
+
+    Data parallelism without expert parallelism goes through shard_map too: the dispatch sorts
+    and gathers along the token axis, which GSPMD would otherwise all-gather onto every device.
+    """
+    layout = _token_layout(n_experts)
+    if layout is None:
+        return body(x_BLD, routes_BLK, weight_BLK, *weights, axes=None, impl=impl)
+    mesh, batch_axes, expert_axes = layout
+    parts = math.prod(dict(mesh.shape)[a] for a in batch_axes)
+    if x_BLD.shape[0] % parts:
+        raise ValueError(f"MoE: batch {x_BLD.shape[0]} is not divisible by the {parts} devices of act_batch "
+                         f"axes {batch_axes}; use a batch that is a multiple of {parts}")
+    tokens = PartitionSpec(_spec_entry(batch_axes), None, None)
+    experts = PartitionSpec(_spec_entry(expert_axes), None, None)
+    # Manual over the batch and expert axes only; others (tensor, sequence, ...) stay automatic.
+    f = jax.shard_map(functools.partial(body, axes=expert_axes or None, impl=impl), mesh=mesh,
+                      in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens,
+                      axis_names=frozenset(batch_axes))
+    return f(x_BLD, routes_BLK, weight_BLK, *weights)

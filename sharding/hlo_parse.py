@@ -1,0 +1,150 @@
+"""A small parser of optimized HLO text: computations of instructions, the
+call graph between them, and how many times each one runs per execution.
+
+`sharding/hlo.py` (collectives), `sharding/hlo_kernels.py` (kernels, fusions)
+and `sharding/overlap.py` (the schedule) read compiled programs through it.
+
+    >>> comps, entry = parse_module('''HloModule m
+    ... ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %p = f32[8]{0} parameter(0)
+    ...   ROOT %n = f32[8]{0} negate(%p)
+    ... }''')
+    >>> entry, [(i.op, i.operands) for i in comps[entry].values()]
+    ('main', [('parameter', []), ('negate', ['p'])])
+    >>> shape_bytes(comps[entry]["n"].shapes[0])
+    32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+__all__ = ["Instr", "callees", "multipliers", "param_index", "parse_module", "shape_bytes"]
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_OPERAND = re.compile(r"%([^\s,(){}]+)")
+_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([^\s,{}]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclasses.dataclass
+class Instr:
+    """One instruction, `%name = type op(operands), attrs`."""
+    name: str
+    type: str           # result type, e.g. "f32[8,64]{1,0}" or "(f32[8], s32[])"
+    op: str
+    operands: list[str]
+    args: str           # the raw operand text, e.g. "0" for `parameter(0)`
+    attrs: str          # everything after the operand list
+
+    @property
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(element type, dims) of each array in the result type."""
+        return _shapes(self.type)
+
+
+def param_index(instr: Instr) -> int:
+    """i of `parameter(i)`."""
+    return int(instr.args) if instr.args.strip().isdigit() else -1
+
+
+def _shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Array shapes in an HLO type, in order (a tuple type gives several)."""
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(type_str)
+            if dt in _ITEMSIZE]
+
+
+def shape_bytes(shape: tuple[str, tuple[int, ...]]) -> int:
+    """Bytes of one (element type, dims) array shape."""
+    return int(math.prod(shape[1]) * _ITEMSIZE[shape[0]])
+
+
+def _closing(text: str, start: int) -> int:
+    """Index just past the parenthesis that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _parse_instr(line: str) -> Instr | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    name, rest = m.groups()
+    if rest.startswith("("):        # tuple type; may hold `/*index=5*/` comments
+        end = _closing(rest, 0)
+    else:
+        end = rest.find(" ")
+    type_str, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    close = _closing(rest, op.end() - 1)
+    args = rest[op.end():close - 1]
+    return Instr(name, type_str, op.group(1), _OPERAND.findall(args), args, rest[close:])
+
+
+def parse_module(hlo_text: str) -> tuple[dict[str, dict[str, Instr]], str]:
+    """{computation: {instruction name: instruction}} (in order), and the ENTRY's name."""
+    comps: dict[str, dict[str, Instr]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith("HloModule"):
+                current = comps.setdefault(m.group(2), {})
+                entry = m.group(2) if m.group(1) else entry
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        instr = _parse_instr(line)
+        if instr:
+            current[instr.name] = instr
+    return comps, entry
+
+
+def callees(instr: Instr) -> list[str]:
+    """The computations an instruction calls (loop body and condition, fusion,
+    reducer, conditional branches), by name."""
+    names = _CALLEE.findall(instr.attrs)
+    for group in _BRANCHES.findall(instr.attrs):
+        names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+    return names
+
+
+def multipliers(comps: dict[str, dict[str, Instr]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per execution of ENTRY.
+
+    A while body runs trip-count times per run of its caller; every other
+    callee once per call. Summed over call sites (HLO's call graph is a DAG).
+    """
+    mult: dict[str, int] = defaultdict(int)
+
+    def walk(comp: str, m: int, depth: int = 0) -> None:
+        mult[comp] += m
+        if depth > 64:
+            return
+        for instr in comps.get(comp, {}).values():
+            if instr.op in ("async-update", "async-done"):
+                continue  # the same wrapped computation as its async-start
+            trip = _TRIP.search(instr.attrs) if instr.op == "while" else None
+            for callee in callees(instr):
+                if callee in comps:
+                    walk(callee, m * (int(trip.group(1)) if trip else 1), depth + 1)
+
+    if entry:
+        walk(entry, 1)
+    return dict(mult)
+

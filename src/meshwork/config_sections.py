@@ -1,0 +1,338 @@
+"""The typed sections of a run's configuration, one frozen pydantic model each.
+
+`run`, `model` (with its `moe`, `unet` and `diffusion` parts), `data`,
+`optimizer`, `train` (with `offload`), `mesh`, `rules`, `checkpoint`, `log`,
+`comm` and `finetune`; the docstring under each field documents it. Unknown
+keys and wrong types are errors, so a typo never silently falls back to a
+default. `meshwork.config.Config` gathers the sections and checks the fields
+that depend on each other.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+
+MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+
+
+class Section(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class RunConfig(Section):
+    dir: str = "runs/lm_tiny"
+    """Output directory: resolved config, metrics.jsonl, TensorBoard events, checkpoints/."""
+    seed: int = 0
+    """Seeds parameter init and data order."""
+    name: str = "lm_tiny"
+    overwrite: bool = False
+    """Replace what `dir` holds when it belongs to a run of another config (its checkpoints and
+    metrics are deleted); without it such a run.dir is refused and left untouched."""
+
+
+class MoEConfig(Section):
+    """Mixture-of-Experts feed-forward layers (models/layers/moe.py, moe_routing.py, moe_dispatch.py); used when model.kind = moe."""
+
+    n_experts: int = pydantic.Field(8, gt=0)
+    """Routed experts per MoE layer."""
+    top_k: int = pydantic.Field(2, gt=0)
+    """Routed experts each token is sent to."""
+    d_expert: int = pydantic.Field(192, gt=0)
+    """Hidden size of one routed expert's SwiGLU (fine-grained experts: d_ff / m)."""
+    n_shared_experts: int = pydantic.Field(0, ge=0)
+    """Always-on experts every token passes through (DeepSeekMoE); their hidden size is d_expert each."""
+    d_shared: int | None = pydantic.Field(None, gt=0)
+    """Hidden size of the shared expert(s) SwiGLU; null: n_shared_experts * d_expert."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE: scale the shared experts' output by sigmoid(x . w_gate)."""
+    router: Literal["softmax", "noisy", "sigmoid"] = "softmax"
+    """softmax top-k (Mixtral); noisy top-k (Shazeer et al., noise in training only);
+    sigmoid scores with a selection-only bias (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalize the k selected weights to sum to 1."""
+    noise_std: float = pydantic.Field(1.0, ge=0)
+    """Noisy top-k: scale of the learned-softplus noise."""
+    n_groups: int = pydantic.Field(1, gt=0)
+    """DeepSeek-V3 group-limited routing: experts split into this many groups..."""
+    topk_groups: int = pydantic.Field(1, gt=0)
+    """...of which each token may use this many."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' combined output (DeepSeek-V3: 2.5)."""
+    bias_update_rate: float = pydantic.Field(0.0, ge=0)
+    """Auxiliary-loss-free balancing: after each step the selection bias moves by this
+    rate toward under-loaded experts (0 disables)."""
+    capacity_factor: float | None = pydantic.Field(None, gt=0)
+    """Tokens per expert = capacity_factor * tokens * top_k / n_experts; overflow tokens
+    skip the experts (GShard). null: dropless (grouped matmul over sorted tokens)."""
+    aux_loss_coef: float = pydantic.Field(0.01, ge=0)
+    """Switch/GShard load-balancing loss coefficient."""
+    z_loss_coef: float = pydantic.Field(0.001, ge=0)
+    """Router z-loss coefficient (ST-MoE)."""
+    first_dense_layers: int = pydantic.Field(0, ge=0)
+    """The first k layers use the dense MLP (d_ff), the rest MoE."""
+
+
+class UNetConfig(Section):
+    """An image UNet (models/unet.py) whose fields mirror diffusers' UNet2DModel config,
+    so its weights load; used when model.kind = unet."""
+
+    sample_size: int = pydantic.Field(16, gt=0)
+    in_channels: int = pydantic.Field(1, gt=0)
+    out_channels: int = pydantic.Field(1, gt=0)
+    block_out_channels: list[int] = [32, 64]
+    """Channels of each resolution level, from the input resolution down."""
+    down_block_types: list[Literal["DownBlock2D", "AttnDownBlock2D"]] = ["DownBlock2D", "AttnDownBlock2D"]
+    up_block_types: list[Literal["UpBlock2D", "AttnUpBlock2D"]] = ["AttnUpBlock2D", "UpBlock2D"]
+    layers_per_block: int = pydantic.Field(1, gt=0)
+    norm_num_groups: int = pydantic.Field(8, gt=0)
+    norm_eps: float = 1e-5
+    attention_head_dim: int = pydantic.Field(8, gt=0)
+    mid_block_attention: bool = True
+    num_class_embeds: int | None = pydantic.Field(None, gt=0)
+    """Class conditioning (digits: 10); an extra null class is not added: classifier-free
+    guidance drops labels to class `num_class_embeds - 1` only if you reserve one."""
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+
+
+class DiffusionConfig(Section):
+    """The denoising objective and its noise schedule; used when model.kind = unet."""
+
+    num_train_timesteps: int = pydantic.Field(1000, gt=0)
+    schedule: Literal["linear", "cosine"] = "linear"
+    beta_start: float = pydantic.Field(1e-4, gt=0)
+    beta_end: float = pydantic.Field(0.02, gt=0)
+    prediction: Literal["epsilon", "v"] = "epsilon"
+    ema_decay: float = pydantic.Field(0.999, ge=0, lt=1)
+    label_dropout: float = pydantic.Field(0.1, ge=0, le=1)
+    """Classifier-free guidance training: share of labels replaced by the null class."""
+
+
+class ModelConfig(Section):
+    kind: Literal["transformer", "moe", "unet"] = "transformer"
+    vocab_size: int = pydantic.Field(256, gt=0)
+    """256 for the byte-level tokenizer; larger for a user token file."""
+    d_model: int = pydantic.Field(128, gt=0)
+    n_layers: int = pydantic.Field(4, gt=0)
+    n_heads: int = pydantic.Field(4, gt=0)
+    n_kv_heads: int = pydantic.Field(2, gt=0)
+    """Grouped-query attention: n_heads must be a multiple of n_kv_heads."""
+    head_dim: int | None = None
+    """Defaults to d_model // n_heads."""
+    d_ff: int = pydantic.Field(384, gt=0)
+    """Hidden size of the SwiGLU MLP."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    attention: Literal["xla", "pallas", "cudnn", "reference"] = "xla"
+    """Attention kernel: XLA's fusion of jax.nn.dot_product_attention; meshwork's Pallas flash
+    attention (interpret mode on CPU: slow, for tests); cuDNN's (GPU only); or the plain
+    reference that materializes the scores. A sequence split by context parallelism always
+    uses ring attention."""
+    qkv_bias: bool = False
+    """Biases on the q, k, v projections (Qwen2)."""
+    tie_embeddings: bool = False
+    """Reuse the input embedding as the output projection."""
+    init_std: float = 0.02
+    moe: MoEConfig = MoEConfig()
+    """Used when kind = moe."""
+    unet: UNetConfig = UNetConfig()
+    """Used when kind = unet."""
+    diffusion: DiffusionConfig = DiffusionConfig()
+    """Used when kind = unet."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+class DataConfig(Section):
+    source: Literal["stdlib", "stdlib_docs", "tokens", "digits", "images"] = "stdlib"
+    """`stdlib`: this Python's own standard-library sources, byte-tokenized.
+    `stdlib_docs`: English prose, the reference-manual topics pydoc ships (pydoc_data), byte-tokenized.
+    `tokens`: nanoGPT-style uint16 files `train_path` and `val_path`.
+    `digits`: scikit-learn's handwritten digits (for model.kind=unet).
+    `images`: the PNG/JPEG files under `image_dir` (subfolders are classes)."""
+    image_dir: str | None = None
+    train_path: str | None = None
+    val_path: str | None = None
+    seq_len: int = pydantic.Field(128, gt=0)
+    val_fraction: float = pydantic.Field(0.02, gt=0, lt=1)
+    """Share of stdlib files (chosen by a hash of their path) held out for validation."""
+    cache_dir: str | None = None
+    """Where the tokenized stdlib corpus is cached; default ~/.cache/meshwork."""
+
+
+class OptimizerConfig(Section):
+    lr: float = pydantic.Field(3e-3, gt=0)
+    """Peak learning rate, reached after `warmup_steps`."""
+    init_lr_ratio: float = pydantic.Field(0.0, ge=0, le=1)
+    """Learning rate at step 0 as a fraction of `lr`."""
+    warmup_steps: int = pydantic.Field(20, ge=0)
+    min_lr_ratio: float = pydantic.Field(0.1, ge=0, le=1)
+    """Cosine decay ends at `lr * min_lr_ratio` on the last step."""
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = pydantic.Field(0.1, ge=0)
+    """Decoupled (AdamW) decay; norm scales are not decayed."""
+    clip_norm: float | None = 1.0
+    """Global-norm gradient clipping; null disables it."""
+
+
+class OffloadConfig(Section):
+    """Host offload through JAX memory kinds (train/state.py, train/step.py): state that lives in
+    `pinned_host` memory between steps and is streamed to the device when the step needs it."""
+
+    optimizer: bool = False
+    """ZeRO-Offload: Adam's moments live in pinned host memory (same partition spec as without
+    offload, so it composes with zero1/zero2/fsdp); the step streams them in, updates and
+    streams them back out."""
+    params: bool = False
+    """FSDP CPU offload: the scanned layers' parameters live in pinned host memory and each
+    layer's slice is brought to the device inside the scan, when that layer runs (dense
+    transformer, no pipeline; embedding and head stay on the device)."""
+
+
+class TrainConfig(Section):
+    steps: int = pydantic.Field(300, gt=0)
+    """Length of the run; the learning-rate schedule spans exactly this many steps."""
+    stop_after: int | None = pydantic.Field(None, gt=0)
+    """End this invocation after this step (checkpointing there), as a scheduler's
+    time limit would; re-running the same config resumes toward `steps`."""
+    global_batch: int = pydantic.Field(16, gt=0)
+    """Sequences per optimizer step, summed over all devices and microbatches."""
+    microbatches: int = pydantic.Field(1, gt=0)
+    """Gradient accumulation: the global batch is split into this many sequential parts."""
+    pipeline: Literal["none", "gpipe", "1f1b"] = "none"
+    """Pipeline schedule over mesh.stage > 1 stages, with `microbatches` microbatches."""
+    remat: Literal["none", "full", "dots_saveable", "offload_dots"] = "none"
+    """What the scanned layers keep for the backward pass (jax.checkpoint policy); offload_dots
+    keeps every weight matmul's output in pinned host memory instead of recomputing it."""
+    offload: OffloadConfig = OffloadConfig()
+    """Which parts of the train state live in host memory between steps."""
+    scan_layers: bool = True
+    """Run the dense transformer's layers as one lax.scan loop (one compiled block); false
+    unrolls them (compile time grows with depth; XLA may fuse across layers)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    on_nan: Literal["skip", "rollback", "stop"] = "stop"
+    """A step whose loss or gradient norm is not finite never changes the weights; then
+    skip: go on with the next batch; rollback: reload the last checkpoint and replay without
+    the offending batch; stop: end the run with status 3, naming the step."""
+    inject_nan_at: list[int] = []
+    """Fault injection for testing on_nan: these steps' loss and gradients become NaN."""
+
+
+class MeshConfig(Section):
+    """Device-mesh axis sizes; their product must equal the device count (one may be -1)."""
+
+    stage: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+    @pydantic.field_validator(*MESH_AXES)
+    @classmethod
+    def _positive_or_fill(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError("must be a positive size or -1 (fill with the remaining devices)")
+        return v
+
+    @pydantic.model_validator(mode="after")
+    def _one_fill(self) -> "MeshConfig":
+        if sum(getattr(self, a) == -1 for a in MESH_AXES) > 1:
+            raise ValueError("at most one mesh axis may be -1")
+        return self
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+
+class RulesConfig(Section):
+    preset: str = pydantic.Field("dp", pattern=r"^[a-z0-9]+(\+[a-z0-9]+)*$")
+    """A preset of sharding/rules.py (dp, zero1, zero2, fsdp, tp, sp, cp) or several joined by `+`."""
+    overrides: dict[str, str | list[str] | None] = {}
+    """logical axis -> mesh axis (or list of them, or null), applied over the preset."""
+
+
+class CheckpointConfig(Section):
+    every: int = pydantic.Field(100, gt=0)
+    """Save every this many steps (and always after the last step)."""
+    keep: int = pydantic.Field(2, gt=0)
+    async_: bool = pydantic.Field(True, alias="async")
+    """Write checkpoints in a background thread while training continues."""
+
+
+class LogConfig(Section):
+    every: int = pydantic.Field(10, gt=0)
+    """Write a metrics line every this many steps."""
+    eval_every: int = pydantic.Field(100, gt=0)
+    eval_batches: int = pydantic.Field(4, gt=0)
+    sample_every: int | None = pydantic.Field(None, gt=0)
+    """Diffusion: write a grid of samples (EMA weights) to run.dir/samples/ every this many steps."""
+    tensorboard: bool = True
+    progress: bool = True
+
+
+class CommConfig(Section):
+    """Communication optimizations (train/comm.py, sharding/overlap.py, sharding/collective_matmul.py)."""
+
+    overlap: bool = False
+    """Schedule collectives asynchronously so they overlap compute (XLA's latency-hiding
+    scheduler and async collectives, where the backend has them)."""
+    combine_threshold_bytes: int | None = pydantic.Field(None, gt=0)
+    """Combine small all-reduces / all-gathers / reduce-scatters up to this many bytes
+    (the analogue of DDP's gradient buckets); null: XLA's default."""
+    xla_options: dict[str, bool | int | float | str] = {}
+    """Further XLA options for compiling the train step, by name."""
+    collective_matmul: bool = False
+    """Tensor-parallel projections as ppermute rings overlapped with partial matmuls
+    instead of one all-gather / reduce-scatter."""
+    compression: Literal["none", "bf16", "int8", "powersgd"] = "none"
+    """Data-parallel gradient all-reduce in bf16, int8 (reduce-scatter + all-gather of
+    int8 blocks) or PowerSGD low rank; rules.preset dp or zero1."""
+    rank: int = pydantic.Field(4, gt=0)
+    """PowerSGD rank."""
+    error_feedback: bool = True
+    """Add each replica's compression error to its next gradient."""
+    local_steps: int = pydantic.Field(1, gt=0)
+    """Local SGD / DiLoCo: replicas take this many inner steps without synchronizing, then
+    average (1: ordinary synchronous data parallelism)."""
+    outer_lr: float = pydantic.Field(0.7, gt=0)
+    """DiLoCo's outer learning rate on the averaged parameter change."""
+    outer_momentum: float = pydantic.Field(0.9, ge=0, lt=1)
+    """DiLoCo's outer Nesterov momentum."""
+    stale_gradients: bool = False
+    """Apply step t-1's averaged gradient at step t, so its all-reduce can overlap step t's compute."""
+
+
+FINETUNE_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class FinetuneConfig(Section):
+    """Parameter-efficient fine-tuning of a trained run (models/lora.py, models/adapters.py)."""
+
+    method: Literal["none", "full", "lora", "qlora", "adapter", "prefix"] = "none"
+    """none: ordinary training; full: train every weight from `base`; lora: low-rank deltas on
+    `targets`, base frozen; qlora: the same over a 4-bit base; adapter: bottleneck MLPs after
+    attention and MLP; prefix: trainable per-layer key/value prefixes."""
+    base: str | None = None
+    """run.dir of the trained run whose latest checkpoint is the starting point."""
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = ["q", "v"]
+    """Projections that get LoRA deltas (q/k/v/o of attention, gate/up/down of the MLP)."""
+    rank: int = pydantic.Field(8, gt=0)
+    """LoRA rank r, adapter bottleneck width."""
+    alpha: float = pydantic.Field(16.0, gt=0)
+    """LoRA scaling: the delta is (alpha / rank) * B A."""
+    dropout: float = pydantic.Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA branch's input during training."""
+    prefix_len: int = pydantic.Field(8, gt=0)
+    """Prefix tuning: key/value positions per layer."""
+    prefix_hidden: int = pydantic.Field(0, ge=0)
+    """Prefix tuning: hidden width of the reparameterization MLP (0: train the prefixes directly)."""
+    group_size: int = pydantic.Field(32, gt=0)
+    """QLoRA: weights per 4-bit quantization group (along the input dimension)."""

@@ -1,0 +1,128 @@
+"""What every Pallas kernel here needs besides its algorithm: backend choice, block alignment, launch, dots.
+
+One kernel body serves every backend: Triton on GPU, Mosaic on TPU, the Pallas
+interpreter on CPU. This module holds what differs per backend (which one runs,
+its compiler parameters, the block lengths it accepts, the `pallas_call` that
+launches a kernel) and the arithmetic helpers the kernel bodies and the
+pure-JAX references share (float32-accumulating dots, the masked-score value).
+
+    >>> resolve_backend("cuda", None)
+    ('gpu', False)
+    >>> fit_block(100, 40, "gpu"), round_up(40, 16)
+    (64, 48)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltr
+
+F32 = jnp.float32
+# A finite "minus infinity" for masked scores: with -inf, a row that has not
+# yet seen a visible key would compute exp(-inf - -inf) = NaN when rescaling.
+MASKED = -1e30
+BACKENDS = ("gpu", "tpu", "cpu")
+
+
+def resolve_backend(backend: str | None, interpret=None) -> tuple[str, object]:
+    """("gpu" | "tpu" | "cpu", interpret) from the arguments and the default device.
+
+    >>> resolve_backend(None, None)   # on a CPU-only machine
+    ('cpu', True)
+    """
+    backend = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend) or jax.default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"Pallas backend {backend!r} is unknown; use 'gpu' (Triton), 'tpu' (Mosaic) or 'cpu'")
+    if interpret is None:
+        interpret = backend == "cpu"
+    if backend == "cpu" and not interpret:
+        raise ValueError("Pallas runs on CPU only in interpret mode; pass interpret=True (or None)")
+    # An interpreter object (pltpu.InterpretParams: NaN-filled memory, out-of-bounds
+    # checks, shuffled parallel grid) passes through to pallas_call as is.
+    return backend, interpret if not isinstance(interpret, (bool, int)) else bool(interpret)
+
+
+def compiler_params(backend: str, grid_rank: int, head_dim: int, *, num_warps: int | None = None,
+                    num_stages: int | None = None):
+    """Backend compiler parameters; they also select Triton, since jax>=0.10 defaults GPU to Mosaic GPU.
+
+    num_warps / num_stages: Triton launch parameters (None: 4 warps up to head_dim 64, else 8; 2 stages);
+    ignored on TPU and CPU.
+    """
+    if backend == "gpu":
+        return pltr.CompilerParams(num_warps=(4 if head_dim <= 64 else 8) if num_warps is None else num_warps,
+                                   num_stages=2 if num_stages is None else num_stages)
+    if backend == "tpu":
+        # Every program writes its own output block: no grid axis carries state.
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
+    return None
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def fit_block(block: int, n: int, backend: str, *, lanes: bool = False) -> int:
+    """A legal block length for a sequence of n: never longer than needed, aligned for the backend.
+
+    Triton tensors must have power-of-two sizes and tl.dot dims >= 16; Mosaic
+    wants sublane multiples of 16 (bf16 packs two rows per sublane) and, for
+    the lane dim of a tile, 128.
+    """
+    if block < 1:
+        raise ValueError(f"block size must be positive, got {block}")
+    if backend == "gpu":
+        return min(pl.next_power_of_2(max(block, 16)), pl.next_power_of_2(max(n, 16)))
+    align = (128 if lanes else 16) if backend == "tpu" else 8
+    return min(round_up(block, align), round_up(n, align))
+
+
+def launch(kernel, cfg, *, grid, in_specs, out_specs, out_shape, args, name):
+    """pl.pallas_call with the backend's parameters; with cfg.poison, outputs start as NaN.
+
+    cfg: the kernel's static configuration; read here are backend, interpret,
+    head_dim, poison and, when present, num_warps / num_stages.
+
+    Poisoning passes NaN-filled buffers aliased to the outputs, so a tile the
+    kernel never writes stays NaN on every backend (GPU/TPU memory is not
+    zeroed either); the tests use it to prove every output element is written.
+    """
+    aliases = {}
+    if cfg.poison:
+        n_in, n_out = len(args), len(out_shape)
+        args = (*args, *(jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape))
+        in_specs = [*in_specs, *out_specs]
+        aliases = {n_in + i: i for i in range(n_out)}
+        body = kernel
+
+        def kernel(*refs):  # the aliased inputs are never read
+            body(*refs[:n_in], *refs[n_in + n_out:])
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          input_output_aliases=aliases, interpret=cfg.interpret, name=name,
+                          compiler_params=compiler_params(cfg.backend, len(grid), cfg.head_dim,
+                                                          num_warps=getattr(cfg, "num_warps", None),
+                                                          num_stages=getattr(cfg, "num_stages", None)))(*args)
+
+
+def dot(a, b, contract, precision):
+    """a @ b with float32 accumulation; contract=(i, j) names the contracted dims of a and b."""
+    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
+                           preferred_element_type=F32, precision=precision)
+
+
+def dot_precision(dtype):
+    """The dot precision for inputs of `dtype`."""
+    # float32 inputs are compared to a float32 reference: keep Triton off TF32
+    # and TPU off single-pass bf16. bfloat16 inputs run at native precision.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def floor_div(a, b):
+    """a // b for non-negative int32 indices, in kernel bodies and BlockSpec index maps."""
+    # Operands are non-negative, so truncation is floor division; jnp's `//`
+    # lowers through sign(), which Mosaic can only lower on a real TPU.
+    return lax.div(a, jnp.int32(b))

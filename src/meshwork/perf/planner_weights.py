@@ -1,0 +1,148 @@
+"""Planner: the model's weights and the piece of each that one device holds.
+
+`model_weights` mirrors models/ (a test checks it against the real abstract
+state): every trainable array, its shape and the logical name of each
+dimension. Under a `Layout` a weight is cut by the mesh axes its logical names
+map to, per role: parameters by the "params" rules, gradients by "grads",
+Adam's two moments by "opt_state" (`shard_size`). `token_axes` names the axes
+over which its gradient is summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from meshwork.config import ConfigError
+from meshwork.config_sections import ModelConfig
+from meshwork.perf.planner_layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One trainable array: its shape, the logical name of each dimension, and
+    what kind of tokens reach it ("dense", "norm": the residual stream that
+    Megatron-SP splits, "expert": routed tokens, "embedding": a lookup)."""
+
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    kind: str = "dense"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def scanned(self) -> bool:
+        """Stacked along `layers` and applied by the layer scan."""
+        return "layers" in self.names
+
+
+def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weight]:
+    D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim
+    L = ("layers",)
+    w = [Weight(f"{prefix}.attn_norm.scale", (n, D), L + ("embed",), "norm"),
+         Weight(f"{prefix}.attn.wq", (n, D, H, K), L + ("embed", "heads", "head_dim")),
+         Weight(f"{prefix}.attn.wk", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
+         Weight(f"{prefix}.attn.wv", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
+         Weight(f"{prefix}.attn.wo", (n, H, K, D), L + ("heads", "head_dim", "embed"))]
+    if m.qkv_bias:
+        w += [Weight(f"{prefix}.attn.bq", (n, H, K), L + ("heads", "head_dim")),
+              Weight(f"{prefix}.attn.bk", (n, G, K), L + ("kv_heads", "head_dim")),
+              Weight(f"{prefix}.attn.bv", (n, G, K), L + ("kv_heads", "head_dim"))]
+    w.append(Weight(f"{prefix}.mlp_norm.scale", (n, D), L + ("embed",), "norm"))
+    if not moe:
+        F = m.d_ff
+        return w + [Weight(f"{prefix}.mlp.w_gate", (n, D, F), L + ("embed", "mlp")),
+                    Weight(f"{prefix}.mlp.w_up", (n, D, F), L + ("embed", "mlp")),
+                    Weight(f"{prefix}.mlp.w_down", (n, F, D), L + ("mlp", "embed"))]
+    e = m.moe
+    E, F = e.n_experts, e.d_expert
+    w.append(Weight(f"{prefix}.moe.router", (n, D, E), L + ("embed", "router")))
+    if e.router == "noisy":
+        w.append(Weight(f"{prefix}.moe.noise", (n, D, E), L + ("embed", "router")))
+    w += [Weight(f"{prefix}.moe.w_gate", (n, E, D, F), L + ("expert", "embed", "mlp"), "expert"),
+          Weight(f"{prefix}.moe.w_up", (n, E, D, F), L + ("expert", "embed", "mlp"), "expert"),
+          Weight(f"{prefix}.moe.w_down", (n, E, F, D), L + ("expert", "mlp", "embed"), "expert")]
+    if e.n_shared_experts:
+        S = e.d_shared or e.n_shared_experts * F
+        w += [Weight(f"{prefix}.moe.shared.w_gate", (n, D, S), L + ("embed", "mlp")),
+              Weight(f"{prefix}.moe.shared.w_up", (n, D, S), L + ("embed", "mlp")),
+              Weight(f"{prefix}.moe.shared.w_down", (n, S, D), L + ("mlp", "embed"))]
+    if e.shared_expert_gate:
+        w.append(Weight(f"{prefix}.moe.shared_gate", (n, D, 1), L + ("embed", None)))
+    return w
+
+
+def model_weights(m: ModelConfig) -> tuple[Weight, ...]:
+    """Every trainable weight of meshwork's Transformer / MoETransformer for `m`,
+    with the logical names models/ gives it (checked against the real model by
+    tests/test_planner.py).
+
+    >>> [w.path for w in model_weights(ModelConfig())][:3]
+    ['embed.table', 'blocks.attn_norm.scale', 'blocks.attn.wq']
+    """
+    if m.kind == "unet":
+        raise ConfigError("model.kind: the planner models language models (transformer, moe), not unet")
+    return _model_weights(m.model_dump_json())
+
+
+@functools.lru_cache(maxsize=64)
+def _model_weights(model_json: str) -> tuple[Weight, ...]:
+    m = ModelConfig.model_validate_json(model_json)
+    D, V = m.d_model, m.vocab_size
+    w = [Weight("embed.table", (V, D), ("vocab", "embed"), "embedding")]
+    if m.kind == "moe":
+        n_dense = m.moe.first_dense_layers
+        if n_dense:
+            w += _block_weights(m, "dense_blocks", n_dense, moe=False)
+        w += _block_weights(m, "moe_blocks", m.n_layers - n_dense, moe=True)
+    else:
+        w += _block_weights(m, "blocks", m.n_layers, moe=False)
+    w.append(Weight("head.final_norm.scale", (D,), ("embed",), "norm"))
+    if not m.tie_embeddings:
+        w.append(Weight("head.lm_head", (D, V), ("embed", "vocab")))
+    return tuple(w)
+
+
+def shard_size(weight: Weight, layout: Layout, role: str = "params") -> int:
+    """Elements of `weight` one device holds under `role`'s rules (uneven splits round up)."""
+    sizes = layout.sizes
+    return math.prod(-(-dim // math.prod(sizes[a] for a in axes))
+                     for dim, axes in zip(weight.shape, layout.weight_split(weight, role)))
+
+
+def indivisible(weights: tuple[Weight, ...], layout: Layout) -> str | None:
+    """The first weight dimension that its mesh axes do not divide evenly, described; else None."""
+    sizes = layout.sizes
+    for role in ("params", "grads", "opt_state"):
+        for w in weights:
+            for dim, name, axes in zip(w.shape, w.names, layout.weight_split(w, role)):
+                ways = math.prod(sizes[a] for a in axes)
+                if dim % ways:
+                    return f"{w.path} dimension {name}={dim} over {'x'.join(axes)}={ways}"
+    return None
+
+
+def token_axes(weight: Weight, layout: Layout) -> tuple[str, ...]:
+    """Mesh axes over which different tokens reach `weight`, so its gradient is
+    summed over them: the batch axes and context parallelism's sequence axes;
+    for norm scales also the axes Megatron-SP splits the residual stream over;
+    for experts not the axes that split the experts (tokens travel to them).
+
+    >>> from meshwork.perf.planner_layout import make_layout
+    >>> w = model_weights(ModelConfig())[2]          # blocks.attn.wq
+    >>> token_axes(w, make_layout(data=2, fsdp=2, tensor=2))
+    ('data', 'fsdp')
+    """
+    axes = list(layout.split("act_batch"))
+    axes += [a for a in layout.split("act_seq") if a not in axes]
+    if weight.kind == "norm":
+        axes += [a for a in layout.split("act_norm_seq") if a not in axes]
+    if weight.kind == "expert":
+        routed = layout.split("expert")
+        axes = [a for a in axes if a not in routed]
+    return tuple(axes)
+
