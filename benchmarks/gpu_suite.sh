@@ -7,8 +7,8 @@
 # Missing Python packages travel as wheels in .whl/ (ignored by git; see
 # /work/.library/device/README.md), and so does the project itself: a
 # meshwork wheel built from the last commit (`git archive HEAD`, then `pip wheel
-# --no-deps`), which /tmp/site puts ahead of the working tree's src/ and
-# packages, so uncommitted edits travelling with the tree do not enter the
+# --no-deps`), which /tmp/site puts ahead of the working tree's namespace
+# (laid out under /tmp/mw below), so uncommitted edits travelling with the tree do not enter the
 # figures (benchmarks/ and configs/ still come from the tree); grain + array-record + portpicker,
 # pydantic + pydantic-core + annotated-types + typing-inspection + typing_extensions,
 # tensorboardX; .whl/extra/ holds a protobuf wheel, installed only if grain
@@ -32,20 +32,27 @@ LOG="$OUT/suite.log"
 : >"$LOG"
 SUMMARY=()
 
+# The device machine runs from the working tree without `pip install`: lay the meshwork
+# namespace out as the wheel does (src/meshwork with models/, sharding/, train/ and
+# inference/ inside it) under /tmp/mw, and put that on PYTHONPATH.
+NS=/tmp/mw
+rm -rf "$NS" && mkdir -p "$NS" && cp -r src/meshwork "$NS/meshwork"
+for pkg in models sharding train inference; do ln -s "$PWD/$pkg" "$NS/meshwork/$pkg"; done
+
 if [ -n "${SMOKE:-}" ]; then
-  export JAX_PLATFORMS=cpu PYTHONPATH="${SMOKE_SITE:+$SMOKE_SITE:}src:.:${PYTHONPATH:-}"
+  export JAX_PLATFORMS=cpu PYTHONPATH="${SMOKE_SITE:+$SMOKE_SITE:}$NS:${PYTHONPATH:-}"
 else
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
-    export PYTHONPATH="/tmp/site:src:.:${PYTHONPATH:-}"
+    export PYTHONPATH="/tmp/site:$NS:${PYTHONPATH:-}"
     if ! python3 -c "import grain" >>"$LOG" 2>&1 && ls .whl/extra/*.whl >/dev/null 2>&1; then
       echo "grain does not import: adding .whl/extra (protobuf)" | tee -a "$LOG"
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/extra/*.whl 2>&1 | tail -3 | tee -a "$LOG"
     fi
   else
-    export PYTHONPATH="src:.:${PYTHONPATH:-}"
+    export PYTHONPATH="$NS:${PYTHONPATH:-}"
   fi
 fi
 
