@@ -34,9 +34,9 @@ import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so bf16 checkpoin
 import numpy as np
 from flax import nnx
 
+from meshwork.config_sections import UNetConfig
 from meshwork.inference.hf import apply_params
 from meshwork.inference.hf_files import TensorReader
-from meshwork.config_sections import UNetConfig
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 _DOWN = ("DownBlock2D", "AttnDownBlock2D")

@@ -29,10 +29,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.inference.kv_cache import KVCache
-from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.config import ConfigError
+from meshwork.inference.kv_cache import KVCache, cache_bytes
+from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.kernels.pallas_backend import round_up
+from meshwork.perf.hardware import device_memory_bytes
 from meshwork.sharding.rules import Rules, split_axes, use_rules
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this: one prefill compile per bucket, not per length
@@ -111,6 +112,12 @@ class Generator:
         if max_len is not None and len(prompt) + max_new_tokens > max_len:
             raise ConfigError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds the cache "
                               f"length {max_len}; shorten the prompt or lower max_new_tokens")
+        need, have = cache_bytes(self.cfg, 1, max_len or len(prompt) + max_new_tokens, self.cache_dtype), \
+            device_memory_bytes()
+        if need > have:
+            raise ConfigError(f"max_new_tokens={max_new_tokens}: a KV cache of {len(prompt) + max_new_tokens:,} "
+                              f"tokens needs {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} "
+                              f"GiB this device has; lower max_new_tokens (or max_len)")
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                max_len: int | None = None) -> Iterator[tuple[int, int]]:

@@ -61,8 +61,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshwork.config_sections import ModelConfig
 from meshwork.inference.hf_config import config_from_hf
 from meshwork.inference.hf_files import TensorReader, checkpoint_files
-from meshwork.inference.hf_layout import (HFTensor, as_pure_dict, check_tree, hf_layout, layout_leaves,
-                                          layout_shapes, map_in_order)
+from meshwork.inference.hf_layout import (
+    HFTensor,
+    as_pure_dict,
+    check_tree,
+    hf_layout,
+    layout_leaves,
+    layout_shapes,
+    map_in_order,
+)
 from meshwork.sharding.rules import Rules, tree_shardings
 
 # Tensors some checkpoints carry that hold no weights meshwork needs.

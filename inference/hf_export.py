@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from meshwork.inference.hf_layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
 from meshwork.config_sections import ModelConfig
+from meshwork.inference.hf_layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 

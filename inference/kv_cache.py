@@ -77,6 +77,11 @@ def cached_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, po
     return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS)
 
 
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> int:
+    """Bytes of a contiguous cache: keys and values of every layer, row and position."""
+    return 2 * cfg.n_layers * batch * max_len * cfg.n_kv_heads * cfg.resolved_head_dim * jnp.dtype(dtype).itemsize
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:

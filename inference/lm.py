@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
     """(model, tokenizer or None, default stop ids) from a run dir or a Hugging Face directory."""
     if checkpoint is not None:
-        from meshwork.inference.runs import load_run
         from meshwork.data.text import ByteTokenizer
+        from meshwork.inference.runs import load_run
 
         cfg, model, _ = load_run(checkpoint)
         if cfg.model.kind not in ("transformer", "moe"):
@@ -105,7 +105,10 @@ def encode_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list
         f = pathlib.Path(args.prompts_file)
         if not f.is_file():
             raise ConfigError(f"--prompts-file: {f} does not exist")
-        texts += [line for line in f.read_text().splitlines() if line.strip()]
+        try:
+            texts += [line for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError:
+            raise ConfigError(f"--prompts-file: {f} is not UTF-8 text; give a text file, one prompt per line") from None
     if texts and tokenizer is None:
         raise ConfigError("this model has no tokenizer here (pre-tokenized training data, or no tokenizer.json "
                           "with the `tokenizers` package); pass --prompt-ids 1,2,3")
@@ -133,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     """Loads, generates, prints. ConfigError for anything the user can fix."""
     from meshwork.inference.sampling import SamplingParams
 
+    if args.slots < 1:
+        raise ConfigError(f"--slots: {args.slots}; the serving loop needs at least 1 slot")
     model, tokenizer, eos = load_lm(args.checkpoint, args.hf)
     prompts = encode_prompts(args, tokenizer, model.cfg.vocab_size)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -38,10 +38,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from meshwork.config import ConfigError
 from meshwork.inference.generate import PROMPT_BUCKET, Generator
 from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.inference.sampling import SamplingArrays, SamplingParams
-from meshwork.config import ConfigError
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules
 

@@ -42,8 +42,14 @@ import numpy as np
 from flax import nnx
 
 from meshwork.config_sections import FinetuneConfig
-from meshwork.models.adapters import (AdapterParam, PrefixParam, add_adapters, add_prefixes, param_dtype_of,
-                             require_dense)
+from meshwork.models.adapters import (
+    AdapterParam,
+    PrefixParam,
+    add_adapters,
+    add_prefixes,
+    param_dtype_of,
+    require_dense,
+)
 from meshwork.models.layers import params
 from meshwork.models.layers.params import current_training_key, param
 from meshwork.models.transformer import Transformer, stack_layers

@@ -21,8 +21,16 @@ from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.moe import MoE
 from meshwork.models.layers.moe_routing import RouterBias, updated_router_bias
-from meshwork.models.transformer import (ACT_BLD, REMAT_POLICIES, Block, LMHead, apply_layers, decode_layers,
-                                residual_out_std, stack_layers)
+from meshwork.models.transformer import (
+    ACT_BLD,
+    REMAT_POLICIES,
+    Block,
+    LMHead,
+    apply_layers,
+    decode_layers,
+    residual_out_std,
+    stack_layers,
+)
 from meshwork.sharding.rules import with_logical_constraint
 
 

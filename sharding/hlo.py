@@ -41,7 +41,6 @@ from collections import defaultdict
 
 from meshwork.sharding.hlo_parse import Instr, callees, multipliers, param_index, parse_module, shape_bytes
 
-
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction `%name = type op(...)`; async pairs count once, by their -start.
 _OP = re.compile(r"=\s*[^=]*?\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")

@@ -14,6 +14,7 @@ import os
 import sys
 
 from meshwork.config import ConfigError, load_config
+from meshwork.train.stops import NonFiniteLoss
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError("--graph goes with --dry-run: python -m train --config FILE --dry-run --graph")
             graph(cfg, args.json)
             return 0
-        from meshwork.train.loop import NonFiniteLoss, train  # jax loads only once the config is known to be good
+        from meshwork.train.loop import train  # jax loads only once the config is known to be good
         from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
 
         summary = train(cfg, dry_run="json" if args.dry_run and args.json else args.dry_run)

@@ -54,7 +54,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshwork.config import Config, ConfigError
 

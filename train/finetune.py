@@ -18,12 +18,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.config import Config, ConfigError, load_config
-from meshwork.perf.flops import param_counts
-from meshwork.sharding.rules import Rules
 from meshwork.models.build import build_model, split_model
 from meshwork.partitioning import variable_shardings
+from meshwork.perf.flops import param_counts
+from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
+from meshwork.sharding.rules import Rules
 
 
 def check_base(cfg: Config) -> Config | None:

@@ -16,29 +16,40 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.config import Config, ConfigError
+from meshwork.models.build import ema_decay
+from meshwork.models.layers.mlp import use_collective_matmul
+from meshwork.partitioning import logical_specs
 from meshwork.perf.flops import param_counts
+from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.run.goodput_clock import GoodputClock
 from meshwork.run.metrics import MetricsWriter
-from meshwork.sharding.overlap import compiler_options
 from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
+from meshwork.sharding.overlap import compiler_options
 from meshwork.sharding.report import compiled_report, format_report, state_bytes
 from meshwork.sharding.ring_attention import zigzag_permutation
 from meshwork.sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
-from meshwork.models.layers.mlp import use_collective_matmul
-from meshwork.train.optim import make_optimizer
+from meshwork.train.comm import (
+    check_comm,
+    comm_shardings,
+    init_comm_state,
+    make_comm_gradients,
+    make_diloco_step,
+    outer_optimizer,
+    uses_comm,
+)
 from meshwork.train.finetune import base_data_config, check_base, describe, load_base_params
 from meshwork.train.logger import StepLogger, to_host
+from meshwork.train.optim import make_optimizer
 from meshwork.train.preemption import PreemptionGuard
-from meshwork.train.run_dir import claim, write_config
+from meshwork.train.run_dir import record_changes, write_config
+from meshwork.train.run_lock import RunDirLock
+from meshwork.train.startup import check_checkpoints, check_fits, open_checkpoints, take_run_dir
 from meshwork.train.state import abstract_state, init_state, param_count, state_shardings
-from meshwork.models.build import ema_decay
-from meshwork.partitioning import logical_specs
-from meshwork.train.comm import (check_comm, comm_shardings, init_comm_state, make_comm_gradients, make_diloco_step,
-                        outer_optimizer, uses_comm)
 from meshwork.train.step import make_accumulate, make_eval_step, make_objective, make_train_step
+from meshwork.train.stops import NonFiniteLoss
 from meshwork.train.task import DiffusionTask, LMTask, make_task
+
 
 def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | DiffusionTask:
     """The checks that need jax or the file system; raises ConfigError before anything is compiled or written."""
@@ -57,6 +68,11 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
         rules = rules_for(cfg.rules.preset, cfg.rules.overrides)
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
+    for name, axes in cfg.rules.overrides.items():
+        unknown = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in MESH_AXES]
+        if unknown:
+            raise ConfigError(f"rules.overrides: {name}: {unknown[0]!r} is not a mesh axis; use one of "
+                              f"{', '.join(MESH_AXES)} (or null for replicated)")
     seq_axes = split_axes("act_seq", rules, mesh_shape)
     if seq_axes and cfg.train.pipeline != "none":
         raise ConfigError("train.pipeline: context parallelism (cp) inside a pipeline is not supported; "
@@ -125,8 +141,15 @@ class Trainer:
             # and moments in place instead of holding two copies.
             step = jax.jit(self.make_step(grad_shardings), in_shardings=(self.shardings, self.batch_sharding),
                            out_shardings=(self.shardings, replicated), donate_argnums=0)
-            self.step_fn = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract).compile(
-                compiler_options=compiler_options(cfg.comm, self.mesh.devices.flat[0].platform))
+            lowered = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract)
+            try:
+                self.step_fn = lowered.compile(
+                    compiler_options=compiler_options(cfg.comm, self.mesh.devices.flat[0].platform))
+            except jax.errors.JaxRuntimeError as e:  # the installed jaxlib decides which options exist
+                if "No such compile option" not in str(e):
+                    raise
+                raise ConfigError(f"comm.xla_options: {str(e).split(': ', 1)[-1]} in this jaxlib "
+                                  f"({jax.__version__}); remove it or check its spelling") from None
             # A batch thrown out by a rollback: only the step counter moves (the schedule and noise follow it).
             self.skip_fn = jax.jit(lambda state: {**state, "step": state["step"] + 1},
                                    out_shardings=self.shardings, donate_argnums=0)
@@ -203,12 +226,6 @@ class Trainer:
         return format_report(self.report_dict(), self.cfg, self.mesh)
 
 
-class NonFiniteLoss(RuntimeError):
-    """train.on_nan=stop: a step's loss or gradient norm was not finite."""
-
-    exit_status = 3
-
-
 def _restore(trainer: Trainer, ckpt: Checkpointer, step: int | None, data_iter, first_position: dict):
     """(state, progress) at checkpoint `step`, the data iterator moved there; a fresh state when None."""
     if step is None:
@@ -217,21 +234,6 @@ def _restore(trainer: Trainer, ckpt: Checkpointer, step: int | None, data_iter, 
     state, progress = ckpt.restore(step, abstract_with_shardings(trainer.abstract, trainer.shardings))
     data_iter.set_state(progress["iterator"])
     return state, progress
-
-
-def _open_checkpoints(cfg: Config, run_dir: pathlib.Path, is_main: bool, say) -> Checkpointer:
-    """The run's checkpoints, after checking the run dir is this config's and setting bad steps aside."""
-    claim(cfg, run_dir, is_main=is_main)
-    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        use_async=cfg.checkpoint.async_)
-    steps, good = ckpt.step_dirs(), ckpt.latest_step()
-    if steps and good is None and not cfg.run.overwrite:
-        problems = "; ".join(f"step {s}: {ckpt.problem(s)}" for s in sorted(steps, reverse=True)[:3])
-        raise ConfigError(f"run.dir: no readable checkpoint in {run_dir / 'checkpoints'} ({problems}); move "
-                          f"them away to start over, or set run.overwrite=true to replace the run")
-    for message in ckpt.set_aside_unverified(run_dir):  # newer steps that failed verification
-        say(f"warning: {message}")
-    return ckpt
 
 
 def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = False) -> dict[str, Any]:
@@ -247,8 +249,31 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     is_main = jax.process_index() == 0
     say = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
     run_dir = pathlib.Path(cfg.run.dir)
-    # Every refusal (a run.dir of another run, unreadable checkpoints) comes before the compile.
-    ckpt = _open_checkpoints(cfg, run_dir, is_main, say) if not dry_run else None
+    lock = RunDirLock(run_dir)
+    # Signals are caught from here on, so SIGTERM or Ctrl-C during the compile or the restore ends
+    # with the documented status too (a dry run writes nothing and is simply interrupted).
+    with (contextlib.nullcontext() if dry_run else PreemptionGuard()) as guard:
+        try:
+            return _train(cfg, task, devices, dry_run, clock, run_dir, lock, is_main, say, guard)
+        finally:
+            lock.release()
+
+
+def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pathlib.Path, lock: RunDirLock,
+           is_main: bool, say, guard: PreemptionGuard | None) -> dict[str, Any]:
+    start, changes = None, {}
+    if not dry_run:
+        # Every refusal (another trainer, another run, unreadable checkpoints) comes before the compile,
+        # and nothing in the run dir changes until the compile is done: a kill during it leaves the
+        # run dir as it was, and a new run dir does not exist yet.
+        if run_dir.is_dir():
+            take_run_dir(lock, is_main, say)
+        start, changes = check_checkpoints(cfg, run_dir)
+        if start is not None and start >= cfg.train.steps:
+            say(f"already at step {start} of train.steps={cfg.train.steps}; nothing to train (raise train.steps "
+                f"to train further)")
+            return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
+                    "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start, "state": None}
     with clock.phase("compile"):
         trainer = Trainer(cfg, task, devices)
     if dry_run != "json":
@@ -259,7 +284,23 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
+    check_fits(trainer)
+    if guard.signal is not None:  # asked to stop while starting: nothing new exists yet, so nothing to save
+        say("preempted during start-up: nothing was written; run the same command to start")
+        return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": True,
+                "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start or 0, "state": None}
 
+    if not lock.held:  # a new run dir: create it and own it before writing into it
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        take_run_dir(lock, is_main, say)
+    if is_main:  # the run's identity first: config.yaml is a new run dir's first file
+        write_config(cfg, run_dir)
+        lock.record()
+        if changes:
+            record_changes(run_dir, start or 0, changes)
+            say(f"changed from step {start}: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+    ckpt = open_checkpoints(cfg, run_dir, say)
     start = ckpt.latest_step()
     data_iter = trainer.task.train_iterator()
     first_position = data_iter.get_state()
@@ -267,8 +308,6 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     # Fine-tuning on new data: also track the loss on the base run's data (what may be forgotten).
     base_data = base_data_config(cfg)
     base_val_set = make_task(base_data).eval_batches() if base_data is not None else None
-    if is_main:
-        write_config(cfg, run_dir)
     with clock.phase("restore" if start is not None else "compile"):
         state, progress = _restore(trainer, ckpt, start, data_iter, first_position)
     clock.resume(progress.get("goodput"))
@@ -324,49 +363,48 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         logger.restart_timer()
         return good or 0
 
-    with PreemptionGuard() as guard:
-        step = start or 0
-        while step < last:
-            step += 1
-            ckpt.poll()
-            position = data_iter.get_state().get("next_index")
-            with clock.phase("productive"):
-                batch = next(data_iter)
-                if step in skipped:  # a rollback threw this batch out: never train on it
-                    state = trainer.skip_fn(state)
-                    logger.add(step, skipped_batch=1)
-                    done = logger.step_dispatched(step, {}, data_index=position)
-                else:
-                    state, metrics = trainer.step_fn(state, trainer.to_device(batch))
-                    done = logger.step_dispatched(step, metrics, data_index=position)
-            if (bad := nonfinite(done)) is not None:
+    step = start or 0
+    while step < last:
+        step += 1
+        ckpt.poll()
+        position = data_iter.get_state().get("next_index")
+        with clock.phase("productive"):
+            batch = next(data_iter)
+            if step in skipped:  # a rollback threw this batch out: never train on it
+                state = trainer.skip_fn(state)
+                logger.add(step, skipped_batch=1)
+                done = logger.step_dispatched(step, {}, data_index=position)
+            else:
+                state, metrics = trainer.step_fn(state, trainer.to_device(batch))
+                done = logger.step_dispatched(step, metrics, data_index=position)
+        if (bad := nonfinite(done)) is not None:
+            step = roll_back(bad)
+            continue
+        if step % cfg.log.eval_every == 0 or step == steps:
+            logger.add(step, **evaluate(step))
+        if trainer.task.name == "diffusion" and cfg.log.sample_every and step % cfg.log.sample_every == 0 \
+                and is_main:
+            trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
+        preempted = guard.should_stop(step)
+        if step == last or preempted:  # the invocation's time account joins its last row
+            logger.add(step, **{f"time_{k}" if k.endswith("_s") else k: v for k, v in clock.breakdown().items()})
+        if step % cfg.checkpoint.every == 0 or step == last or preempted:
+            # The step's own row and finiteness are settled before its checkpoint exists.
+            if (bad := nonfinite(logger.flush())) is not None:
                 step = roll_back(bad)
                 continue
-            if step % cfg.log.eval_every == 0 or step == steps:
-                logger.add(step, **evaluate(step))
-            if trainer.task.name == "diffusion" and cfg.log.sample_every and step % cfg.log.sample_every == 0 \
-                    and is_main:
-                trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
-            preempted = guard.should_stop(step)
-            if step == last or preempted:  # the invocation's time account joins its last row
-                logger.add(step, **{f"time_{k}" if k.endswith("_s") else k: v for k, v in clock.breakdown().items()})
-            if step % cfg.checkpoint.every == 0 or step == last or preempted:
-                # The step's own row and finiteness are settled before its checkpoint exists.
-                if (bad := nonfinite(logger.flush())) is not None:
-                    step = roll_back(bad)
-                    continue
-                progress = {"iterator": data_iter.get_state(), "skipped_steps": sorted(skipped),
-                            "goodput": clock.snapshot()}
-                with clock.phase("checkpoint"):
-                    ckpt.save(step, state, progress, cfg.to_dict(), force=True)
-                clock.checkpointed()
-            if preempted:
-                summary["preempted"] = True
-                say(f"preempted: checkpoint of step {step} saved; run the same command to resume")
-                break
-        logger.close()
-        with clock.phase("checkpoint"):
-            ckpt.close()
+            progress = {"iterator": data_iter.get_state(), "skipped_steps": sorted(skipped),
+                        "goodput": clock.snapshot()}
+            with clock.phase("checkpoint"):
+                ckpt.save(step, state, progress, cfg.to_dict(), force=True)
+            clock.checkpointed()
+        if preempted:
+            summary["preempted"] = True
+            say(f"preempted: checkpoint of step {step} saved; run the same command to resume")
+            break
+    logger.close()
+    with clock.phase("checkpoint"):
+        ckpt.close()
     summary["goodput"] = clock.breakdown()
     writer.close()
     summary.update(state=state, last_step=step)

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from meshwork.data import text as data_lib
 from meshwork.config import Config, ConfigError
+from meshwork.data import text as data_lib
 from meshwork.perf.flops import train_flops_per_token
 
 

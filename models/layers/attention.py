@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from meshwork.models.layers.params import matmul, normal, param
-from meshwork.models.layers.rope import apply_rope
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from meshwork.kernels.tuning import tuned_blocks
+from meshwork.models.layers.params import matmul, normal, param
+from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.ring_attention import ring_attention
 from meshwork.sharding.rules import axes_of, current_rules, split_axes, with_logical_constraint
 

@@ -24,10 +24,22 @@ from jax import lax
 
 from meshwork.config_sections import MoEConfig
 from meshwork.models.layers.mlp import SwiGLU
-from meshwork.models.layers.moe_dispatch import (ALL_TO_ALL_IMPLS, capacity_experts, capacity_per_group,
-                                                 capacity_slots, dropless_experts, run_experts)
-from meshwork.models.layers.moe_routing import (F32, RouterBias, expert_load, load_balancing_loss, router_z_loss,
-                                                select_experts)
+from meshwork.models.layers.moe_dispatch import (
+    ALL_TO_ALL_IMPLS,
+    capacity_experts,
+    capacity_per_group,
+    capacity_slots,
+    dropless_experts,
+    run_experts,
+)
+from meshwork.models.layers.moe_routing import (
+    F32,
+    RouterBias,
+    expert_load,
+    load_balancing_loss,
+    router_z_loss,
+    select_experts,
+)
 from meshwork.models.layers.params import normal, param
 
 

@@ -21,9 +21,20 @@ from typing import Any
 import pydantic
 import yaml
 
-from meshwork.config_sections import (CheckpointConfig, CommConfig, DataConfig, FinetuneConfig, LogConfig,
-                                      MeshConfig, ModelConfig, OptimizerConfig, RulesConfig, RunConfig, Section,
-                                      TrainConfig)
+from meshwork.config_sections import (
+    CheckpointConfig,
+    CommConfig,
+    DataConfig,
+    FinetuneConfig,
+    LogConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RulesConfig,
+    RunConfig,
+    Section,
+    TrainConfig,
+)
 
 
 class ConfigError(ValueError):
@@ -111,6 +122,20 @@ class _KeyError(ValueError):
 # ---------------------------------------------------------------- loading
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one "
+                                  f"mapping; keep one of them")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict[str, Any]:
     """Reads a YAML file, resolving `include:` (a path or list, relative to the file)."""
     if not path.is_file():
@@ -118,14 +143,23 @@ def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict[
     if path.resolve() in seen:
         raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (not UTF-8); pass a YAML config file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror}); check the path and its permissions") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     includes = raw.pop("include", [])
+    includes = [includes] if isinstance(includes, str) else includes
+    if not isinstance(includes, list) or not all(isinstance(inc, str) and inc for inc in includes):
+        raise ConfigError(f"{path}: include: expected a file path or a list of file paths, got {includes!r}")
     merged: dict[str, Any] = {}
-    for inc in [includes] if isinstance(includes, str) else includes:
+    for inc in includes:
         merged = _deep_merge(merged, _read_yaml(path.parent / inc, seen + (path.resolve(),)))
     return _deep_merge(merged, raw)
 

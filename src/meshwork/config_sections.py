@@ -18,7 +18,18 @@ MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
 
 class Section(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    # allow_inf_nan=False: no float setting has a meaning at inf or nan (lr=.inf would train a NaN model).
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+    @pydantic.field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value, info):
+        """YAML reads `true` as a bool, which pydantic would take as the number 1 (train.steps=true)."""
+        annotation = cls.model_fields[info.field_name].annotation
+        numeric = annotation in (int, float) or annotation in (int | None, float | None)
+        if isinstance(value, bool) and numeric:
+            raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
+        return value
 
 
 class RunConfig(Section):
@@ -30,6 +41,22 @@ class RunConfig(Section):
     overwrite: bool = False
     """Replace what `dir` holds when it belongs to a run of another config (its checkpoints and
     metrics are deleted); without it such a run.dir is refused and left untouched."""
+    allow_changes: tuple[str, ...] = ()
+    """Optimizer settings (dotted keys under `optimizer.`, e.g. [optimizer.lr]) that may differ
+    from the run stored in `dir` when it resumes: the change applies from the resumed step on
+    and is recorded in `dir`/config_history.jsonl. Any other difference from the stored run is
+    refused (the checkpoints hold its shapes, data order and batch)."""
+
+    @pydantic.field_validator("allow_changes")
+    @classmethod
+    def _only_optimizer_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        fields = OptimizerConfig.model_fields
+        for key in keys:
+            section, _, name = key.partition(".")
+            if section != "optimizer" or name not in fields:
+                raise ValueError(f"{key!r} cannot change within a run; name optimizer keys only "
+                                 f"({', '.join('optimizer.' + f for f in fields)})")
+        return keys
 
 
 class MoEConfig(Section):
@@ -119,12 +146,12 @@ class ModelConfig(Section):
     n_heads: int = pydantic.Field(4, gt=0)
     n_kv_heads: int = pydantic.Field(2, gt=0)
     """Grouped-query attention: n_heads must be a multiple of n_kv_heads."""
-    head_dim: int | None = None
+    head_dim: int | None = pydantic.Field(None, gt=0)
     """Defaults to d_model // n_heads."""
     d_ff: int = pydantic.Field(384, gt=0)
     """Hidden size of the SwiGLU MLP."""
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    rope_theta: float = pydantic.Field(10000.0, gt=0)
+    norm_eps: float = pydantic.Field(1e-5, gt=0)
     attention: Literal["xla", "pallas", "cudnn", "reference"] = "xla"
     """Attention kernel: XLA's fusion of jax.nn.dot_product_attention; meshwork's Pallas flash
     attention (interpret mode on CPU: slow, for tests); cuDNN's (GPU only); or the plain
@@ -172,12 +199,12 @@ class OptimizerConfig(Section):
     warmup_steps: int = pydantic.Field(20, ge=0)
     min_lr_ratio: float = pydantic.Field(0.1, ge=0, le=1)
     """Cosine decay ends at `lr * min_lr_ratio` on the last step."""
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    b1: float = pydantic.Field(0.9, ge=0, lt=1)
+    b2: float = pydantic.Field(0.95, ge=0, lt=1)
+    eps: float = pydantic.Field(1e-8, gt=0)
     weight_decay: float = pydantic.Field(0.1, ge=0)
     """Decoupled (AdamW) decay; norm scales are not decayed."""
-    clip_norm: float | None = 1.0
+    clip_norm: float | None = pydantic.Field(1.0, ge=0)
     """Global-norm gradient clipping; null disables it."""
 
 
@@ -196,9 +223,10 @@ class OffloadConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = pydantic.Field(300, gt=0)
-    """Length of the run; the learning-rate schedule spans exactly this many steps."""
-    stop_after: int | None = pydantic.Field(None, gt=0)
+    steps: int = pydantic.Field(300, gt=0, lt=2**31)
+    """Length of the run; the learning-rate schedule spans exactly this many steps (the step
+    counter is an int32)."""
+    stop_after: int | None = pydantic.Field(None, gt=0, lt=2**31)
     """End this invocation after this step (checkpointing there), as a scheduler's
     time limit would; re-running the same config resumes toward `steps`."""
     global_batch: int = pydantic.Field(16, gt=0)

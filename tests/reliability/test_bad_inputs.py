@@ -10,29 +10,30 @@ bytes are hashed before and after.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 
 # tests/conftest.py, which pytest loads with tests/ on sys.path (so no conftest.py in this folder: it would shadow it)
-from conftest import ROOT, tiny_overrides
+from conftest import tiny_overrides
 
-LM = ROOT / "configs/lm_tiny.yaml"
-UNET = ROOT / "configs/unet_digits.yaml"
-HF_LLAMA = ROOT / "tests/fixtures/hf/llama"
-# Any train case that slipped through validation would resume the fixture run at its last step
-# (no training); the hash then catches a rewritten file.
-FIXTURE_STEPS = ["train.steps=4", "checkpoint.every=2"]
+from bad_input_builders import (LM, FIXTURE_STEPS, Ctx, train_argv, lm_argv, malformed_yaml, top_level_list,
+                                include_cycle, missing_include, tokens_out_of_vocab, tokens_empty,
+                                tokens_missing, tokens_odd_bytes, tokens_val_too_short_for_eval,
+                                image_dir_missing, image_not_an_image, image_folder_without_images,
+                                image_too_few_for_a_split, finetune_base_missing, run_dir_of_another_config,
+                                run_dir_unrelated_files, run_dir_all_checkpoints_corrupt,
+                                hf_unsupported_architecture, hf_truncated_safetensors, hf_garbage_safetensors,
+                                hf_malformed_config_json, hf_config_wrong_shape, export_out_not_empty,
+                                checkpoint_without_checkpoints, checkpoint_config_mismatch,
+                                checkpoint_all_corrupt, diffusion_on_lm_run)
+
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -61,42 +62,6 @@ def tree_digest(root: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-@dataclasses.dataclass
-class Ctx:
-    """What a case builds its argv from: the trained run, a scratch folder, and the
-    folders whose bytes must not change (the run, plus any a case registers)."""
-
-    run: pathlib.Path
-    tmp: pathlib.Path
-    guarded: list[pathlib.Path]
-
-    def guard(self, path: pathlib.Path) -> pathlib.Path:
-        self.guarded.append(path)
-        return path
-
-    def copy_run(self) -> pathlib.Path:
-        return self.guard(pathlib.Path(shutil.copytree(self.run, self.tmp / "run_copy")))
-
-    def write(self, name: str, content: str | bytes) -> pathlib.Path:
-        path = self.tmp / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content if isinstance(content, bytes) else content.encode())
-        return path
-
-    def tokens(self, name: str, ids) -> pathlib.Path:
-        return self.write(name, np.asarray(ids, np.uint16).tobytes())
-
-
-def train_argv(*extra: str, config: pathlib.Path | str = LM, run: pathlib.Path | None = None):
-    """A `python -m train` case: the tiny fixture config on run.dir (default: the trained run)."""
-    return lambda c: ["--config", str(config), *tiny_overrides(run or c.run), *FIXTURE_STEPS, *extra]
-
-
-def lm_argv(*extra: str):
-    """A `python -m inference lm` case on the trained run."""
-    return lambda c: ["lm", "--checkpoint", str(c.run), *extra]
-
-
 def _entry(name: str) -> Callable[[list[str]], int]:
     if name == "train":
         from meshwork.train.cli import main
@@ -105,193 +70,6 @@ def _entry(name: str) -> Callable[[list[str]], int]:
     else:
         from meshwork.inference.cli import main
     return main
-
-
-# ---------------------------------------------------------------- case builders (files)
-
-
-def malformed_yaml(c):
-    return ["--config", str(c.write("bad.yaml", "model: {d_model: 64\ntrain: [steps: 3\n")), f"run.dir={c.run}"]
-
-
-def top_level_list(c):
-    return ["--config", str(c.write("list.yaml", "- model\n- train\n")), f"run.dir={c.run}"]
-
-
-def include_cycle(c):
-    c.write("a.yaml", "include: b.yaml\ntrain: {steps: 3}\n")
-    c.write("b.yaml", "include: a.yaml\n")
-    return ["--config", str(c.tmp / "a.yaml"), f"run.dir={c.run}"]
-
-
-def missing_include(c):
-    return ["--config", str(c.write("child.yaml", "include: no_such_base.yaml\n")), f"run.dir={c.run}"]
-
-
-def tokens_out_of_vocab(c):
-    ids = np.arange(4096) % 300  # ids up to 299, model.vocab_size=256
-    return train_argv("data.source=tokens", f"data.train_path={c.tokens('train.bin', ids)}",
-                      f"data.val_path={c.tokens('val.bin', ids % 256)}")(c)
-
-
-def tokens_empty(c):
-    return train_argv("data.source=tokens", f"data.train_path={c.write('empty.bin', b'')}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}")(c)
-
-
-def tokens_missing(c):
-    return train_argv("data.source=tokens", f"data.train_path={c.tmp / 'missing.bin'}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}")(c)
-
-
-def tokens_odd_bytes(c):
-    # A text file passed as tokens: 4097 bytes cannot be uint16 ids.
-    return train_argv("data.source=tokens", f"data.train_path={c.write('train.txt', 'x' * 4097)}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}")(c)
-
-
-def tokens_val_too_short_for_eval(c):
-    # 200 tokens: enough for one 32-token window, far from the 8 x 2 windows evaluation takes.
-    return train_argv("data.source=tokens", f"data.train_path={c.tokens('train.bin', np.arange(4096) % 256)}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(200) % 256)}")(c)
-
-
-def image_dir_missing(c):
-    return train_argv("data.source=images", f"data.image_dir={c.tmp / 'no_images'}", config=UNET)(c)
-
-
-def _png(path: pathlib.Path, value: int) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.full((8, 8), value, np.uint8)).save(path)
-
-
-def image_not_an_image(c):
-    for i in range(40):
-        _png(c.tmp / "imgs" / f"{i}.png", i)
-    c.write("imgs/x.png", "this is a text file, not a PNG\n")
-    return train_argv("data.source=images", f"data.image_dir={c.tmp / 'imgs'}", config=UNET)(c)
-
-
-def image_folder_without_images(c):
-    c.write("imgs/readme.txt", "no images here\n")
-    return train_argv("data.source=images", f"data.image_dir={c.tmp / 'imgs'}", config=UNET)(c)
-
-
-def image_too_few_for_a_split(c):
-    _png(c.tmp / "imgs" / "only.png", 7)  # one image: the validation split is empty
-    return train_argv("data.source=images", f"data.image_dir={c.tmp / 'imgs'}", config=UNET)(c)
-
-
-def finetune_base_missing(c):
-    return train_argv("finetune.method=lora", f"finetune.base={c.tmp / 'no_base_run'}",
-                      run=c.tmp / "ft_run")(c)
-
-
-# Refusals of train/run_dir.py and meshwork/run/checkpoint.py: a run.dir of another config, one holding
-# something else, one whose every checkpoint is damaged.
-def run_dir_of_another_config(c):
-    return train_argv("optimizer.lr=0.01", run=c.copy_run())(c)
-
-
-def run_dir_unrelated_files(c):
-    d = c.guard(c.tmp / "not_a_run")
-    (d / "notes").mkdir(parents=True)
-    (d / "notes" / "todo.txt").write_text("my own files\n")
-    return train_argv(run=d)(c)
-
-
-def _corrupt_checkpoints(run: pathlib.Path) -> pathlib.Path:
-    """Truncates every non-empty file of every checkpoint (as a full disk or a killed copy would)."""
-    for step in (run / "checkpoints").iterdir():
-        if step.name.isdigit():
-            for f in step.rglob("*"):
-                if f.is_file() and f.stat().st_size > 0:
-                    os.truncate(f, f.stat().st_size // 2)
-    return run
-
-
-def run_dir_all_checkpoints_corrupt(c):
-    return train_argv(run=_corrupt_checkpoints(c.copy_run()))(c)
-
-
-# ---------------------------------------------------------------- case builders (inference, HF)
-
-
-def _hf_dir(c, config: dict | str, weights: bytes | None = None) -> pathlib.Path:
-    d = c.tmp / "hf"
-    d.mkdir()
-    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-    shutil.copy(HF_LLAMA / "model.safetensors", d / "model.safetensors")
-    if weights is not None:
-        (d / "model.safetensors").write_bytes(weights)
-    return d
-
-
-def hf_unsupported_architecture(c):
-    cfg = json.loads((HF_LLAMA / "config.json").read_text())
-    cfg |= {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
-    return ["lm", "--hf", str(_hf_dir(c, cfg)), "--prompt-ids", "1,2,3"]
-
-
-def hf_truncated_safetensors(c):
-    data = (HF_LLAMA / "model.safetensors").read_bytes()
-    return ["lm", "--hf", str(_hf_dir(c, (HF_LLAMA / "config.json").read_text(), data[: len(data) // 2])),
-            "--prompt-ids", "1,2,3"]
-
-
-def hf_garbage_safetensors(c):
-    return ["lm", "--hf", str(_hf_dir(c, (HF_LLAMA / "config.json").read_text(), b"\xff" * 64)),
-            "--prompt-ids", "1,2,3"]
-
-
-def hf_malformed_config_json(c):
-    return ["lm", "--hf", str(_hf_dir(c, '{"model_type": "llama", ')), "--prompt-ids", "1,2,3"]
-
-
-def hf_config_wrong_shape(c):
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-
-    d = _hf_dir(c, (HF_LLAMA / "config.json").read_text())
-    # The same names, the embedding one column short: config.json no longer describes the weights.
-    with safe_open(HF_LLAMA / "model.safetensors", framework="numpy") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:, :-1].copy()
-    save_file(tensors, d / "model.safetensors")
-    return ["lm", "--hf", str(d), "--prompt-ids", "1,2,3"]
-
-
-def export_out_not_empty(c):
-    out = c.guard(c.tmp / "export")
-    out.mkdir()
-    (out / "keep.txt").write_text("mine\n")
-    return ["export-hf", "--checkpoint", str(c.run), "--out", str(out)]
-
-
-def checkpoint_without_checkpoints(c):
-    d = c.guard(c.tmp / "config_only")
-    d.mkdir()
-    shutil.copy(c.run / "config.yaml", d / "config.yaml")
-    return ["lm", "--checkpoint", str(d), "--prompt", "x"]
-
-
-def checkpoint_config_mismatch(c):
-    # A run dir whose config.yaml no longer describes its checkpoint (an edited config).
-    run = c.copy_run()
-    text = (run / "config.yaml").read_text()
-    (run / "config.yaml").write_text(text.replace("d_ff: 128", "d_ff: 256"))
-    assert "d_ff: 256" in (run / "config.yaml").read_text()
-    return ["lm", "--checkpoint", str(run), "--prompt", "x"]
-
-
-def checkpoint_all_corrupt(c):
-    return ["lm", "--checkpoint", str(_corrupt_checkpoints(c.copy_run())), "--prompt", "x"]
-
-
-def diffusion_on_lm_run(c):
-    return ["diffusion", "--checkpoint", str(c.run), "--num", "4", "--steps", "2", "--out", str(c.tmp / "g.png")]
 
 
 # ---------------------------------------------------------------- the cases
@@ -305,11 +83,47 @@ CASES = [
     P("train", top_level_list, r"list\.yaml: expected a mapping", id="config-top-level-not-mapping"),
     P("train", include_cycle, r"a\.yaml: include cycle", id="config-include-cycle"),
     P("train", missing_include, r"no_such_base\.yaml: config file not found", id="config-include-missing"),
+    P("train", lambda c: ["--config", str(c.write("binary.yaml", bytes(range(256)) * 4)), f"run.dir={c.run}"],
+      r"binary\.yaml: not a text file", id="config-binary-file"),
+    P("train", lambda c: ["--config", str(c.write("inc.yaml", "include: 5\n")), f"run.dir={c.run}"],
+      r"inc\.yaml: include: expected a file path", id="config-include-not-a-path"),
+    P("train", lambda c: ["--config", str(c.write("inc.yaml", "include: [null]\n")), f"run.dir={c.run}"],
+      r"inc\.yaml: include: expected a file path", id="config-include-null"),
+    P("train", lambda c: ["--config", str(c.write("dup.yaml", "train:\n  steps: 3\n  steps: 4\n")), f"run.dir={c.run}"],
+      r"dup\.yaml: line 3: key 'steps' appears twice", id="config-duplicate-key"),
+    P("train", lambda c: ["--config", str(c.write("dup.yaml", "model: {d_model: 64}\nmodel: {d_model: 32}\n")),
+                          f"run.dir={c.run}"], r"dup\.yaml: line 2: key 'model' appears twice",
+      id="config-duplicate-section"),
     # --- overrides and values
     P("train", train_argv("trian.steps=3"), r"trian: unknown key; did you mean train\b", id="unknown-section"),
     P("train", train_argv("train.step=3"), r"train\.step: unknown key; did you mean train\.steps\?",
       id="misspelled-key"),
     P("train", train_argv("train.steps=abc"), r"train\.steps: .*integer", id="wrong-type"),
+    P("train", train_argv("train.steps=true"), r"train\.steps: expected a number, not the boolean true",
+      id="bool-for-int"),
+    P("train", train_argv("train.steps=4294967296"), r"train\.steps: .*less than 2147483648", id="steps-overflow"),
+    P("train", train_argv("optimizer.lr=.inf"), r"optimizer\.lr: .*finite", id="lr-infinite"),
+    P("train", train_argv("optimizer.lr=.nan"), r"optimizer\.lr: .*finite", id="lr-nan"),
+    P("train", train_argv("optimizer.b2=-1"), r"optimizer\.b2: .*greater than or equal to 0", id="beta-negative"),
+    P("train", train_argv("optimizer.b1=1"), r"optimizer\.b1: .*less than 1", id="beta-one"),
+    P("train", train_argv("optimizer.eps=0"), r"optimizer\.eps: .*greater than 0", id="eps-zero"),
+    P("train", train_argv("model.rope_theta=0"), r"model\.rope_theta: .*greater than 0", id="rope-theta-zero"),
+    P("train", train_argv("model.head_dim=-8"), r"model\.head_dim: .*greater than 0", id="head-dim-negative"),
+    P("train", train_argv("model.norm_eps=0"), r"model\.norm_eps: .*greater than 0", id="norm-eps-zero"),
+    P("train", train_argv("optimizer.clip_norm=-1"), r"optimizer\.clip_norm: .*greater than or equal to 0",
+      id="clip-norm-negative"),
+    P("train", train_argv("optimizer.weight_decay=-0.1"), r"optimizer\.weight_decay: .*greater than or equal to 0",
+      id="weight-decay-negative"),
+    P("train", train_argv("train.stop_after=4294967296"), r"train\.stop_after: .*less than 2147483648",
+      id="stop-after-overflow"),
+    P("train", train_argv("log.every=true"), r"log\.every: expected a number, not the boolean true",
+      id="bool-for-log-interval"),
+    P("train", train_argv("run.allow_changes=[optimizer.nosuch]"),
+      r"run\.allow_changes: 'optimizer\.nosuch' cannot change", id="allow-changes-unknown-key"),
+    P("train", train_argv("run.allow_changes=[model.d_ff]"), r"run\.allow_changes: 'model\.d_ff' cannot change",
+      id="allow-changes-shape-key"),
+    P("train", train_argv("optimizer.lr=0.01"), r"optimizer\.lr: .*use run\.allow_changes=\[optimizer\.lr\]",
+      id="drift-lr-not-allowed"),
     P("train", train_argv("model.d_model=-64"), r"model\.d_model: .*greater than 0", id="negative-size"),
     P("train", train_argv("train.global_batch=0"), r"train\.global_batch: .*greater than 0", id="zero-size"),
     P("train", train_argv("train.steps"), r"'train\.steps' is not of the form section\.key=value",
@@ -355,6 +169,16 @@ CASES = [
     P("train", finetune_base_missing, r"finetune\.base: .*no_base_run has no config\.yaml", id="finetune-base-missing"),
     P("train", run_dir_of_another_config, r"run\.dir.*run\.overwrite=true", id="run-dir-of-another-config"),
     P("train", run_dir_unrelated_files, r"run\.dir.*not_a_run", id="run-dir-not-a-meshwork-run"),
+    P("train", lambda c: train_argv(run=c.write("a_file", "x") / "run")(c),
+      r"run\.dir: .*a_file/run cannot be created: .*a_file is a file", id="run-dir-under-a-file"),
+    P("train", lambda c: train_argv(f"data.cache_dir={c.write('cache_file', 'x')}")(c),
+      r"data\.cache_dir: the corpus cache .*cache_file.* cannot be written", id="cache-dir-is-a-file"),
+    P("train", train_argv("rules.overrides={embed: nosuchaxis}"),
+      r"rules\.overrides: embed: 'nosuchaxis' is not a mesh axis", id="rules-override-unknown-mesh-axis"),
+    P("train", lambda c: train_argv("data.seq_len=16384", "log.eval_batches=1", run=c.tmp / "big")(c),
+      r"the compiled step needs .* GiB per device, more than", id="step-beyond-device-memory"),
+    P("train", train_argv("train.steps=6", "comm.xla_options={nosuch_flag: 1}"),
+      r"comm\.xla_options: No such compile option: 'nosuch_flag'", id="xla-option-unknown"),
     P("train", run_dir_all_checkpoints_corrupt, r"checkpoint", id="run-dir-all-checkpoints-corrupt"),
     # --- the planner
     P("plan", lambda c: ["--config", str(LM), "--hardware", "h1000", "--devices", "8"], r"--hardware.*'h1000'",
@@ -395,6 +219,12 @@ CASES = [
       r"--prompts-file: .*none\.txt does not exist", id="lm-prompts-file-missing"),
     P("inference", lm_argv("--prompt", "x", "--top-p", "high"), r"argument --top-p: invalid float value",
       id="lm-top-p-not-a-number"),
+    P("inference", lambda c: lm_argv("--prompts-file", str(c.write("prompts.bin", bytes(range(128, 256)))))(c),
+      r"--prompts-file: .*prompts\.bin is not UTF-8 text", id="lm-prompts-file-binary"),
+    P("inference", lm_argv("--prompt", "x", "--prompt", "y", "--slots", "0"), r"--slots: 0; .*at least 1",
+      id="lm-zero-slots"),
+    P("inference", lm_argv("--prompt", "x", "--max-new-tokens", "1000000000"),
+      r"max_new_tokens=1000000000: a KV cache of .* GiB, more than", id="lm-cache-beyond-memory"),
     P("inference", export_out_not_empty, r"--out: .*export is not empty", id="export-hf-out-not-empty"),
     P("inference", diffusion_on_lm_run, r"--checkpoint: .* trained a transformer", id="diffusion-on-an-lm-run"),
     P("inference", hf_unsupported_architecture, r"--hf: .*model_type='gpt2' is not supported",

@@ -9,7 +9,8 @@ import pytest
 from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
 from meshwork.train import cli
-from meshwork.train.loop import NonFiniteLoss, train
+from meshwork.train.loop import train
+from meshwork.train.stops import NonFiniteLoss
 
 from harness import ROOT, TINY
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
+from meshwork.config import ConfigError
+
 TOKEN_DTYPE = np.uint16
 
 
@@ -92,12 +94,16 @@ def _cached_corpus(name: str, documents, val_fraction: float, cache_dir: str | N
     for key, data in documents():
         split = "val" if zlib.crc32(key.encode()) % 10_000 < val_fraction * 10_000 else "train"
         parts[split].append(data)
-    out.mkdir(parents=True, exist_ok=True)
-    for split, dest in (("train", train), ("val", val)):
-        tokens = np.frombuffer(b"".join(parts[split]), dtype=np.uint8).astype(TOKEN_DTYPE)
-        tmp = dest.with_suffix(f".tmp{os.getpid()}")
-        tokens.tofile(tmp)
-        os.replace(tmp, dest)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for split, dest in (("train", train), ("val", val)):
+            tokens = np.frombuffer(b"".join(parts[split]), dtype=np.uint8).astype(TOKEN_DTYPE)
+            tmp = dest.with_suffix(f".tmp{os.getpid()}")
+            tokens.tofile(tmp)
+            os.replace(tmp, dest)
+    except OSError as e:
+        raise ConfigError(f"data.cache_dir: the corpus cache {out} cannot be written ({e.strerror}); point "
+                          f"data.cache_dir (or MESHWORK_CACHE) to a writable folder") from None
     return train, val
 
 

@@ -32,8 +32,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from meshwork.kernels.pallas_backend import F32, MASKED, dot, dot_precision, fit_block, floor_div, launch, \
-    resolve_backend, round_up
+from meshwork.kernels.pallas_backend import (
+    F32,
+    MASKED,
+    dot,
+    dot_precision,
+    fit_block,
+    floor_div,
+    launch,
+    resolve_backend,
+    round_up,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -314,3 +314,18 @@ def peak_flops_per_device(dtype: str = "float32") -> tuple[float, str]:
     if acc is None:
         raise KeyError(f"no peak FLOP/s for device kind {dev.device_kind!r}; add it to meshwork/perf/hardware.py")
     return acc.peak_flops[table_dtype(dtype)], f"{acc.name} table"
+
+
+def device_memory_bytes(device=None) -> int:
+    """Memory one device can use: what the runtime reports (GPU, TPU), else, on the CPU backend,
+    the host's physical memory shared by its local devices."""
+    import os
+
+    import jax
+
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, jax.local_device_count(device.platform))

@@ -47,11 +47,16 @@ import yaml
 from meshwork.config import Config, ConfigError, validate
 from meshwork.perf.flops import train_flops_per_token
 from meshwork.perf.hardware import Accelerator
-from meshwork.perf.planner_comm import (Collective, CommOptions, collective_time, placement, step_collectives,
-                                   summarize)
+from meshwork.perf.planner_comm import Collective, CommOptions, collective_time, placement, step_collectives, summarize
 from meshwork.perf.planner_layout import REMATS, Layout, layout_from_config, make_layout
-from meshwork.perf.planner_memory import (StateBytes, activation_memory, grad_accumulator_bytes, gathered_weight_bytes,
-                                          offload_memory, state_memory)
+from meshwork.perf.planner_memory import (
+    StateBytes,
+    activation_memory,
+    gathered_weight_bytes,
+    grad_accumulator_bytes,
+    offload_memory,
+    state_memory,
+)
 from meshwork.perf.planner_weights import indivisible, model_weights, shard_size
 from meshwork.sharding.mesh import MESH_AXES
 

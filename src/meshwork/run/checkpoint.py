@@ -35,6 +35,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from meshwork.run.durable import replace_file
+
 MANIFEST = "meshwork_manifest.json"
 
 
@@ -56,9 +58,7 @@ class Checkpointer:
 
     def step_dirs(self) -> dict[int, pathlib.Path]:
         """Every committed step folder, verified or not (Orbax's temporary folders are not steps)."""
-        if not self.directory.is_dir():
-            return {}
-        return {int(p.name): p for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()}
+        return committed_steps(self.directory)
 
     def problem(self, step: int) -> str | None:
         """Why checkpoint `step` cannot be trusted, or None when every file matches its manifest."""
@@ -168,6 +168,25 @@ class Checkpointer:
         self._verifier.shutdown()
 
 
+# ---------------------------------------------------------------- on disk, without Orbax
+
+
+def committed_steps(directory: pathlib.Path) -> dict[int, pathlib.Path]:
+    """Step folders Orbax has committed (renamed into place) under `directory`; reads only."""
+    if not directory.is_dir():
+        return {}
+    return {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()}
+
+
+def leftovers(directory: pathlib.Path) -> list[pathlib.Path]:
+    """What an interrupted write or delete leaves: Orbax's temporary step folders and our
+    `.N.deleting` folders (a kill while pruning). Neither is a checkpoint."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and (
+        ".orbax-checkpoint-tmp" in p.name or (p.name.startswith(".") and p.name.endswith(".deleting"))))
+
+
 # ---------------------------------------------------------------- manifests
 
 
@@ -187,9 +206,7 @@ def write_manifest(step_dir: pathlib.Path) -> None:
     """Records size and CRC-32 of every file of a committed step; written to a temp name, then renamed."""
     files = {str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
              for p in _files(step_dir)}
-    tmp = step_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"files": files}))
-    os.replace(tmp, step_dir / MANIFEST)
+    replace_file(step_dir / MANIFEST, json.dumps({"files": files}))
 
 
 def manifest_problem(step_dir: pathlib.Path) -> str | None:

@@ -7,6 +7,8 @@ import math
 import pathlib
 from typing import Any
 
+from meshwork.run.durable import replace_file
+
 
 class MetricsWriter:
     """Appends one JSON object per logged step to `run_dir/metrics.jsonl` and
@@ -61,9 +63,7 @@ class MetricsWriter:
                     kept.append(ln)
             except ValueError:
                 break
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in kept))
-        tmp.replace(self.path)
+        replace_file(self.path, "".join(ln + "\n" for ln in kept))
 
     def close(self) -> None:
         if self.enabled:

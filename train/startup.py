@@ -1,0 +1,83 @@
+"""Before the first step: owning the run dir, checking what it holds, and whether the step fits.
+
+The order is the point (train/loop.py `train`): every refusal comes before the compile, nothing
+in the run dir changes until the compiled step is known to fit, and a new run dir's first file
+is its config.yaml. A kill at any moment of the start therefore leaves a run dir that the same
+command starts or resumes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+
+from meshwork.config import Config, ConfigError
+from meshwork.perf.hardware import device_memory_bytes
+from meshwork.run.checkpoint import Checkpointer, committed_steps, leftovers, manifest_problem
+from meshwork.train.run_dir import claim
+from meshwork.train.run_lock import RunDirLock
+
+
+def check_fits(trainer) -> None:
+    """Refuses, before anything is written, a step whose compiled program (a `Trainer`'s) cannot fit one device."""
+    mem = trainer.step_fn.memory_analysis()
+    if mem is None:
+        return
+    need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    have = device_memory_bytes(trainer.mesh.devices.flat[0])
+    if need > have:
+        raise ConfigError(f"the compiled step needs {need / 2**30:,.1f} GiB per device, more than the "
+                          f"{have / 2**30:,.1f} GiB one device has; lower train.global_batch or data.seq_len, "
+                          f"raise train.microbatches, set train.remat=full, or shard more (rules.preset=fsdp)")
+
+
+def take_run_dir(lock: RunDirLock, is_main: bool, say) -> None:
+    """Process 0 locks the run dir for all processes; every process learns whether it could."""
+    error, warning = None, None
+    if is_main:
+        try:
+            warning = lock.acquire()
+        except ConfigError as e:
+            error = e
+    if jax.process_count() > 1:  # the others must not go on (and hang in a collective) without process 0
+        from jax.experimental import multihost_utils
+
+        if multihost_utils.broadcast_one_to_all(np.int32(error is not None)) and error is None:
+            error = ConfigError(f"run.dir: {lock.run_dir} is in use; process 0 could not lock it")
+    if error is not None:
+        raise error
+    if warning:
+        say(warning)
+
+
+def check_checkpoints(cfg: Config, run_dir: pathlib.Path) -> tuple[int | None, dict[str, list]]:
+    """(the newest verified step of the run or None for a fresh run, the changes run.allow_changes let
+    through); refuses, before the compile and without writing anything, a run dir of another config or
+    one whose checkpoints are all unreadable."""
+    changes = claim(cfg, run_dir, is_main=jax.process_index() == 0)
+    directory = run_dir / "checkpoints"
+    steps = committed_steps(directory)
+    good = [s for s in steps if manifest_problem(steps[s]) is None]
+    if steps and not good and not cfg.run.overwrite:
+        problems = "; ".join(f"step {s}: {manifest_problem(steps[s])}" for s in sorted(steps, reverse=True)[:3])
+        raise ConfigError(f"run.dir: no readable checkpoint in {directory} ({problems}); move "
+                          f"them away to start over, or set run.overwrite=true to replace the run")
+    return (max(good) if good else None), changes
+
+
+def open_checkpoints(cfg: Config, run_dir: pathlib.Path, say) -> Checkpointer:
+    """The run's checkpoints, with what interrupted writes and deletes left behind removed and
+    the steps that fail verification set aside (the trainer owns the run dir by now)."""
+    directory = run_dir / "checkpoints"
+    if jax.process_index() == 0:
+        for path in leftovers(directory):
+            shutil.rmtree(path, ignore_errors=True)
+            say(f"warning: removed {path}, left by an interrupted checkpoint write or delete")
+    ckpt = Checkpointer(directory, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        use_async=cfg.checkpoint.async_)
+    for message in ckpt.set_aside_unverified(run_dir):  # newer steps that failed verification
+        say(f"warning: {message}")
+    return ckpt
