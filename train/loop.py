@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshwork.config import Config, ConfigError
 from meshwork.models.build import ema_decay
 from meshwork.models.layers.mlp import use_collective_matmul
-from meshwork.partitioning import logical_specs
+from meshwork.partitioning import indivisible, logical_specs
 from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.run.goodput_clock import GoodputClock
@@ -121,6 +121,12 @@ class Trainer:
             self.abstract["comm"] = jax.eval_shape(self.init_comm, self.abstract["params"])
         with self.context():
             self.shardings = state_shardings(self.abstract, self.mesh, self.rules_by_role, cfg.train.offload)
+            # Parameters first: the message should name a weight, not one of its Adam moments.
+            placed = abstract_with_shardings(self.abstract, self.shardings)
+            for part in sorted(placed, key=lambda k: (k != "params", k != "buffers", k)):
+                if problem := indivisible(placed[part]):
+                    raise ConfigError(f"{part}.{problem} (rules.preset={cfg.rules.preset}); choose model sizes "
+                                      f"the mesh divides, a smaller mesh axis, or another rules.preset")
             if uses_comm(cfg):
                 self.shardings["comm"] = comm_shardings(self.abstract["comm"], self.mesh)
             # Gradients get their own layout only when it differs from the

@@ -27,7 +27,7 @@ def check_fits(trainer) -> None:
     if mem is None:
         return
     need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    have = device_memory_bytes(trainer.mesh.devices.flat[0])
+    have = device_memory_bytes(trainer.mesh.local_devices[0])  # another process's devices do not answer
     if need > have:
         raise ConfigError(f"the compiled step needs {need / 2**30:,.1f} GiB per device, more than the "
                           f"{have / 2**30:,.1f} GiB one device has; lower train.global_batch or data.seq_len, "

@@ -113,9 +113,9 @@ def _lm_task(cfg: Config) -> LMTask:
         if path.stat().st_size < 2 * (cfg.data.seq_len + 1):
             raise ConfigError(f"data.{key}: {path} holds fewer than {cfg.data.seq_len + 1} tokens; "
                               f"use a larger file or a smaller data.seq_len")
-        head = np.memmap(path, dtype=data_lib.TOKEN_DTYPE, mode="r")[: 1 << 20]
-        if int(head.max()) >= cfg.model.vocab_size:
-            raise ConfigError(f"data.{key}: token id {int(head.max())} in {path} is out of range for "
+        top = data_lib.max_token_id(path)  # the whole file: a bad id at its end would crash mid-run
+        if top >= cfg.model.vocab_size:
+            raise ConfigError(f"data.{key}: token id {top} in {path} is out of range for "
                               f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
         files[key] = path
     _check_eval_windows(cfg, files["val_path"], "data.val_path")

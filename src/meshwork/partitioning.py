@@ -82,3 +82,26 @@ def param_shardings(params_state, mesh: Mesh, rules: Rules):
         return jax.tree.map(lambda a: fit_sharding(names, tuple(np.shape(a)), mesh, rules), var)
 
     return jax.tree.map(for_variable, params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def indivisible(tree: Any) -> str | None:
+    """The first array of `tree` (ShapeDtypeStructs or arrays carrying NamedShardings) that its
+    sharding cannot split evenly, in words; None when every one divides.
+
+    jax refuses such an array only when it is first placed, deep inside the compile; this names
+    the parameter, the dimension and the mesh axes before anything runs.
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    for path, leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            continue
+        for dim, (n, axes) in enumerate(zip(leaf.shape, sharding.spec)):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            ways = math.prod(sharding.mesh.shape[a] for a in names)
+            if n % ways:
+                where = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+                where = where.removesuffix(".value")
+                return (f"{where}: dimension {dim} of size {n} cannot be split {ways} ways over mesh axis "
+                        f"{' x '.join(names)}")
+    return None

@@ -85,6 +85,13 @@ def tokens_out_of_vocab(c):
                       f"data.val_path={c.tokens('val.bin', ids % 256)}")(c)
 
 
+def tokens_out_of_vocab_at_the_end(c):
+    ids = np.arange((1 << 20) + 4096) % 256
+    ids[-1] = 300  # past the first million tokens: only a check of the whole file sees it
+    return train_argv("data.source=tokens", f"data.train_path={c.tokens('train.bin', ids)}",
+                      f"data.val_path={c.tokens('val.bin', ids[:4096])}")(c)
+
+
 def tokens_empty(c):
     return train_argv("data.source=tokens", f"data.train_path={c.write('empty.bin', b'')}",
                       f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}")(c)

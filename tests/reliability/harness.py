@@ -6,6 +6,7 @@ the compiled program is the same in every process (a persistent compilation
 cache shared by the session makes each start cost ~4 s instead of ~8 s).
 """
 
+import hashlib
 import os
 import pathlib
 import subprocess
@@ -65,3 +66,14 @@ def reference_run(tmp_path_factory, compile_cache) -> pathlib.Path:
     done = run(run_dir, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
     return run_dir
+
+
+def tree_digest(root: pathlib.Path) -> str:
+    """sha256 over the sorted relative paths (directories too), the bytes and the mtime of every file."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        if p.is_file() and not p.is_symlink():
+            h.update(p.read_bytes())
+            h.update(str(p.stat().st_mtime_ns).encode())
+    return h.hexdigest()

@@ -10,7 +10,6 @@ bytes are hashed before and after.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import re
@@ -23,7 +22,10 @@ import pytest
 # tests/conftest.py, which pytest loads with tests/ on sys.path (so no conftest.py in this folder: it would shadow it)
 from conftest import tiny_overrides
 
+from harness import tree_digest
+
 from bad_input_builders import (LM, FIXTURE_STEPS, Ctx, train_argv, lm_argv, malformed_yaml, top_level_list,
+                                tokens_out_of_vocab_at_the_end,
                                 include_cycle, missing_include, tokens_out_of_vocab, tokens_empty,
                                 tokens_missing, tokens_odd_bytes, tokens_val_too_short_for_eval,
                                 image_dir_missing, image_not_an_image, image_folder_without_images,
@@ -50,16 +52,6 @@ def trained_run(tmp_path_factory) -> pathlib.Path:
     assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
     return run
-
-
-def tree_digest(root: pathlib.Path) -> str:
-    """sha256 over the sorted relative paths (directories too) and the bytes of every file."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0")
-        if p.is_file() and not p.is_symlink():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def _entry(name: str) -> Callable[[list[str]], int]:
@@ -151,6 +143,8 @@ CASES = [
     # --- data
     P("train", tokens_out_of_vocab, r"data\.train_path: token id 299 .* model\.vocab_size=256",
       id="tokens-vocab-mismatch"),
+    P("train", tokens_out_of_vocab_at_the_end, r"data\.train_path: token id 300 .* model\.vocab_size=256",
+      id="tokens-vocab-mismatch-at-the-end"),
     P("train", tokens_missing, r"data\.train_path: file not found: .*missing\.bin", id="tokens-file-missing"),
     P("train", tokens_empty, r"data\.train_path: .*empty\.bin holds fewer than 33 tokens", id="tokens-file-empty"),
     P("train", tokens_odd_bytes, r"data\.train_path: .*train\.txt has an odd number of bytes",
@@ -175,6 +169,9 @@ CASES = [
       r"data\.cache_dir: the corpus cache .*cache_file.* cannot be written", id="cache-dir-is-a-file"),
     P("train", train_argv("rules.overrides={embed: nosuchaxis}"),
       r"rules\.overrides: embed: 'nosuchaxis' is not a mesh axis", id="rules-override-unknown-mesh-axis"),
+    P("train", lambda c: train_argv("rules.preset=tp", "mesh.data=1", "mesh.tensor=8", run=c.tmp / "tp")(c),
+      r"params\.blocks\.attn\.w\w+: dimension 2 of size \d+ cannot be split 8 ways over mesh axis tensor",
+      id="heads-not-divisible-by-tensor"),
     P("train", lambda c: train_argv("data.seq_len=16384", "log.eval_batches=1", run=c.tmp / "big")(c),
       r"the compiled step needs .* GiB per device, more than", id="step-beyond-device-memory"),
     P("train", train_argv("train.steps=6", "comm.xla_options={nosuch_flag: 1}"),

@@ -5,28 +5,27 @@ import json
 
 from meshwork.run.metrics import read_metrics
 
-from harness import STEPS, compile_cache, run  # noqa: F401 (fixtures)
-from test_run_dir_ownership import _digest
+from harness import STEPS, compile_cache, run, tree_digest  # noqa: F401 (fixtures)
 
 
 def test_shape_change_is_refused_before_compiling(compile_cache, tmp_path):
     first = run(tmp_path, compile_cache, "train.stop_after=10")
     assert first.returncode == 0, first.stderr[-2000:]
-    before = _digest(tmp_path)
+    before = tree_digest(tmp_path)
     done = run(tmp_path, compile_cache, "model.d_ff=256")
     assert done.returncode == 2 and "parameters" not in done.stdout  # nothing compiled
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: model.d_ff: ") and "d_ff=128, not 256" in line
-    assert _digest(tmp_path) == before
+    assert tree_digest(tmp_path) == before
 
 
 def test_lr_change_is_refused_then_accepted_when_named_and_recorded(compile_cache, tmp_path):
     first = run(tmp_path, compile_cache, "train.stop_after=10")
     assert first.returncode == 0, first.stderr[-2000:]
-    before = _digest(tmp_path)
+    before = tree_digest(tmp_path)
     refused = run(tmp_path, compile_cache, "optimizer.lr=0.01")
     assert refused.returncode == 2 and "run.allow_changes=[optimizer.lr]" in refused.stderr
-    assert _digest(tmp_path) == before
+    assert tree_digest(tmp_path) == before
 
     done = run(tmp_path, compile_cache, "optimizer.lr=0.01", "run.allow_changes=[optimizer.lr]")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -2,7 +2,6 @@
 compile leaves nothing the same command refuses, leftovers of interrupted writes are cleaned, and a
 run already at its last step is not touched."""
 
-import hashlib
 import os
 import signal
 import time
@@ -12,18 +11,7 @@ import pytest
 
 from meshwork.run.metrics import read_metrics
 
-from harness import STEPS, compile_cache, final_state, launch, reference_run, run  # noqa: F401 (fixtures)
-
-
-def _digest(root) -> str:
-    """Paths, bytes and mtimes of everything under `root`."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-            h.update(str(p.stat().st_mtime_ns).encode())
-    return h.hexdigest()
+from harness import STEPS, compile_cache, final_state, launch, reference_run, run, tree_digest  # noqa: F401 (fixtures)
 
 
 def _assert_matches_reference(run_dir, reference):
@@ -105,13 +93,13 @@ def test_a_finished_run_is_not_touched_again(reference_run, compile_cache, tmp_p
     import shutil
 
     run_dir = shutil.copytree(reference_run, tmp_path / "run")
-    before = _digest(run_dir)
+    before = tree_digest(run_dir)
     for steps in (STEPS, STEPS - 10):
         done = run(run_dir, compile_cache, f"train.steps={steps}")
         assert done.returncode == 0, done.stderr[-2000:]
         assert f"already at step {STEPS} of train.steps={steps}" in done.stdout
         assert "parameters" not in done.stdout  # nothing compiled
-    assert _digest(run_dir) == before
+    assert tree_digest(run_dir) == before
 
 
 def test_a_run_dir_without_a_committed_checkpoint_is_fresh(reference_run, compile_cache, tmp_path):

@@ -14,6 +14,7 @@ is JSON), so a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import sys
@@ -105,6 +106,20 @@ def _cached_corpus(name: str, documents, val_fraction: float, cache_dir: str | N
         raise ConfigError(f"data.cache_dir: the corpus cache {out} cannot be written ({e.strerror}); point "
                           f"data.cache_dir (or MESHWORK_CACHE) to a writable folder") from None
     return train, val
+
+
+def max_token_id(path: str | os.PathLike) -> int:
+    """The largest id in a uint16 token file, read whole (in chunks, so memory stays flat); cached
+    per (path, size, mtime), so a run that starts again does not read an unchanged file twice."""
+    stat = os.stat(path)
+    return _max_token_id(str(pathlib.Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _max_token_id(path: str, size: int, mtime_ns: int) -> int:
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    chunk = 1 << 26
+    return max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
 def unigram_entropy(path: str | os.PathLike, vocab_size: int = 65536) -> float:

@@ -324,7 +324,10 @@ def device_memory_bytes(device=None) -> int:
     import jax
 
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    try:
+        stats = device.memory_stats()
+    except (AttributeError, jax.errors.JaxRuntimeError):  # backends and devices that keep no statistics
+        stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
