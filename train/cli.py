@@ -3,17 +3,21 @@
 Exit status: 0 done (or stopped at train.stop_after); 2 a user error (bad
 config, impossible mesh, missing files, a run.dir of another run), printed
 as one line before anything is compiled or written; 3 a non-finite loss
-under train.on_nan=stop; 75 preempted by SIGTERM/SIGINT after saving a
-checkpoint (run the same command again to resume).
+under train.on_nan=stop; 74 the run dir's storage full or read-only (the
+previous checkpoint intact); 75 preempted by SIGTERM/SIGINT after saving a
+checkpoint, or during start-up before anything was written (run the same
+command again to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from meshwork.config import ConfigError, load_config
+from meshwork.run.durable import StorageFull
 from meshwork.train.stops import NonFiniteLoss
 
 
@@ -96,6 +100,10 @@ def main(argv: list[str]) -> int:
         from meshwork.train.loop import train  # jax loads only once the config is known to be good
         from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
 
+        # Orbax logs a failed background write (with its traceback) before raising it to the trainer,
+        # which reports it in one line or re-raises it whole; its log would only say it twice.
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+
         summary = train(cfg, dry_run="json" if args.dry_run and args.json else args.dry_run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -103,6 +111,9 @@ def main(argv: list[str]) -> int:
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         return NonFiniteLoss.exit_status
+    except StorageFull as e:
+        print(f"error: {e}", file=sys.stderr)
+        return StorageFull.exit_status
     if args.dry_run:
         return 0
     vals, g = summary["val_loss"], summary["goodput"]
@@ -115,7 +126,14 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    if status == StorageFull.exit_status:
+        # Orbax's writer threads died mid-write; at interpreter exit their event loops print
+        # tracebacks. Everything of ours is flushed or fsynced already, so leave without them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

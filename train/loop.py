@@ -22,6 +22,7 @@ from meshwork.models.layers.mlp import use_collective_matmul
 from meshwork.partitioning import indivisible, logical_specs
 from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
+from meshwork.run.durable import StorageFull, storage_problem
 from meshwork.run.goodput_clock import GoodputClock
 from meshwork.run.metrics import MetricsWriter
 from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
@@ -261,6 +262,11 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     with (contextlib.nullcontext() if dry_run else PreemptionGuard()) as guard:
         try:
             return _train(cfg, task, devices, dry_run, clock, run_dir, lock, is_main, say, guard)
+        except OSError as e:  # metrics, manifests, samples: the run dir's storage gave out
+            if (problem := storage_problem(e)) is None:
+                raise
+            raise StorageFull(f"{run_dir}: {problem} ({e.filename or e}); the last verified checkpoint is intact; "
+                              f"free space (or make it writable) and run the same command") from None
         finally:
             lock.release()
 

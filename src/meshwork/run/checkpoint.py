@@ -24,6 +24,7 @@ same step cannot collide with them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import pathlib
@@ -35,7 +36,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from meshwork.run.durable import replace_file
+from meshwork.run.durable import StorageFull, replace_file, storage_problem
 
 MANIFEST = "meshwork_manifest.json"
 
@@ -105,12 +106,13 @@ class Checkpointer:
         if not (force or self.manager.should_save(step)):
             return False
         self.wait()  # one write in flight at a time (Orbax would wait here too)
-        self._saving = step
-        saved = self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data_iter=ocp.args.JsonSave(progress),
-            config=ocp.args.JsonSave(config)))
-        self.poll()
+        with self._storage_errors():
+            self._saving = step
+            saved = self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data_iter=ocp.args.JsonSave(progress),
+                config=ocp.args.JsonSave(config)))
+            self.poll()
         return saved
 
     def poll(self) -> None:
@@ -130,13 +132,35 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until the pending save is committed and verified."""
-        if self._saving is not None:
-            self.manager.wait_until_finished()
-            self.poll()
-        if self._verifying is not None:
-            self._verifying.result()
-            self._verifying = None
+        with self._storage_errors():
+            if self._saving is not None:
+                self.manager.wait_until_finished()
+                self.poll()
+            if self._verifying is not None:
+                verifying, self._verifying = self._verifying, None
+                verifying.result()
         _sync("meshwork_wait")
+
+    @contextlib.contextmanager
+    def _storage_errors(self):
+        """A full or read-only disk becomes StorageFull, after removing the checkpoint it cut short."""
+        try:
+            yield
+        except Exception as e:
+            if storage_problem(e) is None:
+                raise
+            step, self._saving = self._saving, None
+            newest = self.latest_step()
+            if jax.process_index() == 0:
+                for path in leftovers(self.directory):  # the write in flight
+                    shutil.rmtree(path, ignore_errors=True)
+                for s, path in self.step_dirs().items():  # committed by Orbax but never verified
+                    if s != newest and s > (newest or -1):
+                        shutil.rmtree(path, ignore_errors=True)
+            where = f"step {step}" if step is not None else "a checkpoint"
+            kept = f"the checkpoint of step {newest} is intact" if newest is not None else "no checkpoint exists yet"
+            raise StorageFull(f"{self.directory}: {storage_problem(e)} while saving {where}; {kept}; free space "
+                              f"(or make it writable) and run the same command") from None
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(state placed by `abstract_state`'s shardings, progress dict)."""

@@ -1,4 +1,5 @@
-"""Writing a small file so that a crash or a power loss leaves either the old version or the new one.
+"""Storage: writing a small file so that a crash or a power loss leaves the old version or the new
+one, and telling a full or read-only disk from other errors.
 
 `replace_file(path, text)` writes to a temporary name, fsyncs the bytes, renames over `path`
 and fsyncs the folder (the rename itself lives in the folder's entry). What this gives after a
@@ -11,6 +12,7 @@ written after Orbax's commit, is durable.
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 
@@ -32,3 +34,24 @@ def replace_file(path: pathlib.Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+class StorageFull(RuntimeError):
+    """The run dir's storage refused a write (full, over quota, read-only). The checkpoint being
+    written was removed; the previous verified one is intact, so the same command resumes from it
+    once there is room."""
+
+    exit_status = 74  # EX_IOERR
+
+
+def storage_problem(error: BaseException) -> str | None:
+    """What a write error says about the storage, in words, or None if it is about something else.
+    Orbax reports a full disk as TensorStore's RESOURCE_EXHAUSTED; Python as ENOSPC, EDQUOT, EROFS."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return os.strerror(error.errno).lower()
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" in text or "No space left on device" in text:
+        return "no space left on device"
+    if "Read-only file system" in text:
+        return "read-only file system"
+    return None
