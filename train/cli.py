@@ -103,6 +103,7 @@ def main(argv: list[str]) -> int:
         # Orbax logs a failed background write (with its traceback) before raising it to the trainer,
         # which reports it in one line or re-raises it whole; its log would only say it twice.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
+        sys.excepthook = _quiet_closed_event_loops
 
         summary = train(cfg, dry_run="json" if args.dry_run and args.json else args.dry_run)
     except ConfigError as e:
@@ -122,6 +123,14 @@ def main(argv: list[str]) -> int:
     print(f"goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s: " + ", ".join(
         f"{k.removesuffix('_s')} {v:.1f} s" for k, v in g.items() if k.endswith("_s") and k != "wall_s"))
     return PREEMPTED_EXIT_STATUS if summary["preempted"] else 0
+
+
+def _quiet_closed_event_loops(kind, value, tb) -> None:
+    """After a failed Orbax write, TensorStore's threads still call back into the writer's closed
+    asyncio loop and print each failure through sys.excepthook; those say nothing new."""
+    if kind is RuntimeError and str(value) == "Event loop is closed":
+        return
+    sys.__excepthook__(kind, value, tb)
 
 
 def run() -> None:

@@ -74,6 +74,23 @@ def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig,
     _assert_matches_reference(run_dir, reference_run)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["kill", "term", "int"])
+def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, reference_run, compile_cache, tmp_path):
+    """A second start (compile, restore of step 30, first steps after it) interrupted by each signal."""
+    first = run(tmp_path, compile_cache, "train.stop_after=30")
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = launch(tmp_path, compile_cache)
+    time.sleep(2.5)
+    assert proc.poll() is None
+    os.kill(proc.pid, sig)
+    out, _ = proc.communicate(timeout=120)
+    if sig != signal.SIGKILL:
+        assert proc.returncode == (75 if f"{sig.name}:" in out else -sig), (proc.returncode, out[-500:])
+    done = run(tmp_path, compile_cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _assert_matches_reference(tmp_path, reference_run)
+
+
 def test_leftovers_of_interrupted_writes_are_removed(reference_run, compile_cache, tmp_path):
     first = run(tmp_path, compile_cache, "train.stop_after=30")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -100,6 +117,17 @@ def test_a_finished_run_is_not_touched_again(reference_run, compile_cache, tmp_p
         assert f"already at step {STEPS} of train.steps={steps}" in done.stdout
         assert "parameters" not in done.stdout  # nothing compiled
     assert tree_digest(run_dir) == before
+
+
+def test_a_dead_trainers_lock_never_blocks_and_is_reported(reference_run, compile_cache, tmp_path):
+    import json
+    import shutil
+
+    run_dir = shutil.copytree(reference_run, tmp_path / "run")
+    (run_dir / "owner.json").write_text(json.dumps({"host": "gone", "pid": 999999, "started": "yesterday"}))
+    done = run(run_dir, compile_cache)  # the kernel dropped that trainer's flock when it died
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(pid 999999 on gone (started yesterday)) ended without releasing it; taking the run over" in done.stdout
 
 
 def test_a_run_dir_without_a_committed_checkpoint_is_fresh(reference_run, compile_cache, tmp_path):
