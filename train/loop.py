@@ -249,7 +249,8 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     Returns a summary: validation losses, the steps run, the run dir, the
     final state, `goodput` (the time breakdown) and `preempted` (True when a
     SIGTERM/SIGINT ended it early, after saving). Raises ConfigError for bad
-    input before anything in run.dir changes, NonFiniteLoss under on_nan=stop.
+    input before anything in run.dir changes, NonFiniteLoss under on_nan=stop,
+    StorageFull when the run dir's storage gives out (the last checkpoint kept).
     """
     clock = GoodputClock()
     task = check_runtime(cfg, devices)
