@@ -122,14 +122,14 @@ class Trainer:
             self.abstract["comm"] = jax.eval_shape(self.init_comm, self.abstract["params"])
         with self.context():
             self.shardings = state_shardings(self.abstract, self.mesh, self.rules_by_role, cfg.train.offload)
+            if uses_comm(cfg):
+                self.shardings["comm"] = comm_shardings(self.abstract["comm"], self.mesh)
             # Parameters first: the message should name a weight, not one of its Adam moments.
             placed = abstract_with_shardings(self.abstract, self.shardings)
             for part in sorted(placed, key=lambda k: (k != "params", k != "buffers", k)):
                 if problem := indivisible(placed[part]):
                     raise ConfigError(f"{part}.{problem} (rules.preset={cfg.rules.preset}); choose model sizes "
                                       f"the mesh divides, a smaller mesh axis, or another rules.preset")
-            if uses_comm(cfg):
-                self.shardings["comm"] = comm_shardings(self.abstract["comm"], self.mesh)
             # Gradients get their own layout only when it differs from the
             # parameters' (ZeRO-2: reduce-scattered instead of all-reduced).
             grad_shardings = tree_shardings(logical_specs(self.abstract["params"]), self.mesh,
