@@ -103,7 +103,6 @@ def main(argv: list[str]) -> int:
         # Orbax logs a failed background write (with its traceback) before raising it to the trainer,
         # which reports it in one line or re-raises it whole; its log would only say it twice.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
-        sys.excepthook = _quiet_closed_event_loops
 
         summary = train(cfg, dry_run="json" if args.dry_run and args.json else args.dry_run)
     except ConfigError as e:
@@ -125,20 +124,12 @@ def main(argv: list[str]) -> int:
     return PREEMPTED_EXIT_STATUS if summary["preempted"] else 0
 
 
-def _quiet_closed_event_loops(kind, value, tb) -> None:
-    """After a failed Orbax write, TensorStore's threads still call back into the writer's closed
-    asyncio loop and print each failure through sys.excepthook; those say nothing new."""
-    if kind is RuntimeError and str(value) == "Event loop is closed":
-        return
-    sys.__excepthook__(kind, value, tb)
-
-
 def run() -> None:
     """Console-script entry point."""
     status = main(sys.argv[1:])
     if status == StorageFull.exit_status:
-        # Orbax's writer threads died mid-write; at interpreter exit their event loops print
-        # tracebacks. Everything of ours is flushed or fsynced already, so leave without them.
+        # Orbax's writer threads died mid-write; at interpreter exit their event loops would print
+        # more tracebacks. Everything of ours is flushed or fsynced already, so leave without them.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

@@ -21,7 +21,7 @@ from meshwork.models.build import ema_decay
 from meshwork.models.layers.mlp import use_collective_matmul
 from meshwork.partitioning import indivisible, logical_specs
 from meshwork.perf.flops import param_counts
-from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
+from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings, storage_full_message
 from meshwork.run.durable import StorageFull, storage_problem
 from meshwork.run.goodput_clock import GoodputClock
 from meshwork.run.metrics import MetricsWriter
@@ -266,8 +266,8 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
         except OSError as e:  # metrics, manifests, samples: the run dir's storage gave out
             if (problem := storage_problem(e)) is None:
                 raise
-            raise StorageFull(f"{run_dir}: {problem} ({e.filename or e}); the last verified checkpoint is intact; "
-                              f"free space (or make it writable) and run the same command") from None
+            raise StorageFull(storage_full_message(run_dir / "checkpoints", problem,
+                                                   f"writing {e.filename or 'to the run dir'}")) from None
         finally:
             lock.release()
 

@@ -119,7 +119,8 @@ class Checkpointer:
         """Call between steps: once Orbax has committed the pending step, writes its manifest (in a thread)."""
         if self._saving is None or self.manager.is_saving_in_progress():
             return
-        self.manager.check_for_errors()
+        with self._storage_errors():  # a background write that failed reports here
+            self.manager.check_for_errors()
         step, self._saving = self._saving, None
         if jax.process_index() == 0:
             self._verifying = self._verifier.submit(self._verify_and_prune, step)
@@ -147,20 +148,13 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            if storage_problem(e) is None:
+            if (problem := storage_problem(e)) is None:
                 raise
             step, self._saving = self._saving, None
-            newest = self.latest_step()
-            if jax.process_index() == 0:
-                for path in leftovers(self.directory):  # the write in flight
-                    shutil.rmtree(path, ignore_errors=True)
-                for s, path in self.step_dirs().items():  # committed by Orbax but never verified
-                    if s != newest and s > (newest or -1):
-                        shutil.rmtree(path, ignore_errors=True)
-            where = f"step {step}" if step is not None else "a checkpoint"
-            kept = f"the checkpoint of step {newest} is intact" if newest is not None else "no checkpoint exists yet"
-            raise StorageFull(f"{self.directory}: {storage_problem(e)} while saving {where}; {kept}; free space "
-                              f"(or make it writable) and run the same command") from None
+            with contextlib.suppress(Exception):  # Orbax's writers end (failing too) before their folders go
+                self.manager.wait_until_finished()
+            raise StorageFull(storage_full_message(
+                self.directory, problem, f"saving step {step}" if step is not None else "saving a checkpoint")) from None
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(state placed by `abstract_state`'s shardings, progress dict)."""
@@ -209,6 +203,22 @@ def leftovers(directory: pathlib.Path) -> list[pathlib.Path]:
         return []
     return sorted(p for p in directory.iterdir() if p.is_dir() and (
         ".orbax-checkpoint-tmp" in p.name or (p.name.startswith(".") and p.name.endswith(".deleting"))))
+
+
+def storage_full_message(directory: pathlib.Path, problem: str, doing: str) -> str:
+    """After a write failed for lack of storage: removes what it cut short (temporary folders, steps
+    committed but never verified) and says, in one line, what happened and what is kept."""
+    steps = committed_steps(directory)
+    good = [s for s in steps if manifest_problem(steps[s]) is None]
+    newest = max(good) if good else None
+    if jax.process_index() == 0:
+        for path in leftovers(directory):
+            shutil.rmtree(path, ignore_errors=True)
+        for s, path in steps.items():
+            if s > (newest if newest is not None else -1):
+                shutil.rmtree(path, ignore_errors=True)
+    kept = f"the checkpoint of step {newest} is intact" if newest is not None else "no checkpoint exists yet"
+    return f"{directory}: {problem} while {doing}; {kept}; free space (or make it writable) and run the same command"
 
 
 # ---------------------------------------------------------------- manifests
