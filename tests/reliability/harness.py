@@ -77,3 +77,12 @@ def tree_digest(root: pathlib.Path) -> str:
             h.update(p.read_bytes())
             h.update(str(p.stat().st_mtime_ns).encode())
     return h.hexdigest()
+
+
+def assert_same_final_state(run_dir: pathlib.Path, reference: pathlib.Path) -> None:
+    """`run_dir` ended at the reference run's step with bit-identical state."""
+    step, leaves = final_state(run_dir)
+    ref_step, ref_leaves = final_state(reference)
+    assert step == ref_step
+    for a, b in zip(leaves, ref_leaves, strict=True):
+        np.testing.assert_array_equal(a, b)

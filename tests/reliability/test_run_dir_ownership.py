@@ -6,20 +6,11 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 
 from meshwork.run.metrics import read_metrics
 
-from harness import STEPS, compile_cache, final_state, launch, reference_run, run, tree_digest  # noqa: F401 (fixtures)
-
-
-def _assert_matches_reference(run_dir, reference):
-    step, leaves = final_state(run_dir)
-    _, ref_leaves = final_state(reference)
-    assert step == STEPS
-    for a, b in zip(leaves, ref_leaves, strict=True):
-        np.testing.assert_array_equal(a, b)
+from harness import assert_same_final_state, STEPS, compile_cache, final_state, launch, reference_run, run, tree_digest  # noqa: F401 (fixtures)
 
 
 def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, compile_cache, tmp_path):
@@ -44,7 +35,7 @@ def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, co
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every row of the first trainer
     assert not (tmp_path / "owner.json").exists()  # released at the end
-    _assert_matches_reference(tmp_path, reference_run)
+    assert_same_final_state(tmp_path, reference_run)
 
 
 @pytest.mark.parametrize("sig, delay_s, cached", [
@@ -71,7 +62,7 @@ def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig,
         assert proc.returncode == (75 if f"{sig.name}:" in out else -sig), (proc.returncode, out[-500:])
     done = run(run_dir, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
-    _assert_matches_reference(run_dir, reference_run)
+    assert_same_final_state(run_dir, reference_run)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["kill", "term", "int"])
@@ -88,7 +79,7 @@ def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, refere
         assert proc.returncode == (75 if f"{sig.name}:" in out else -sig), (proc.returncode, out[-500:])
     done = run(tmp_path, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
-    _assert_matches_reference(tmp_path, reference_run)
+    assert_same_final_state(tmp_path, reference_run)
 
 
 def test_leftovers_of_interrupted_writes_are_removed(reference_run, compile_cache, tmp_path):
@@ -103,7 +94,7 @@ def test_leftovers_of_interrupted_writes_are_removed(reference_run, compile_cach
     assert sorted(p.name for p in ckpts.iterdir()) == ["55", "60"]
     for name in (".20.deleting", "35.orbax-checkpoint-tmp-1234567"):
         assert f"warning: removed {ckpts / name}" in done.stdout
-    _assert_matches_reference(tmp_path, reference_run)
+    assert_same_final_state(tmp_path, reference_run)
 
 
 def test_a_finished_run_is_not_touched_again(reference_run, compile_cache, tmp_path):
@@ -139,4 +130,4 @@ def test_a_run_dir_without_a_committed_checkpoint_is_fresh(reference_run, compil
     done = run(tmp_path, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, STEPS + 1))
-    _assert_matches_reference(tmp_path, reference_run)
+    assert_same_final_state(tmp_path, reference_run)

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from harness import ROOT, compile_cache, final_state, reference_run, run  # noqa: F401 (fixtures)
+from harness import assert_same_final_state, ROOT, compile_cache, final_state, reference_run, run  # noqa: F401 (fixtures)
 
 
 def _mount(point: pathlib.Path, size: int, *options: str) -> None:
@@ -30,16 +30,6 @@ def small_disk(tmp_path, reference_run):
     subprocess.run(["umount", "-l", str(point)], check=False)
 
 
-def _same_as_reference(run_dir, reference):
-    import numpy as np
-
-    step, leaves = final_state(run_dir)
-    ref_step, ref_leaves = final_state(reference)
-    assert step == ref_step
-    for a, b in zip(leaves, ref_leaves, strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
 def test_full_disk_keeps_the_last_checkpoint_and_resumes_bit_exact(small_disk, reference_run, compile_cache):
     run_dir = small_disk / "run"
     full = run(run_dir, compile_cache)
@@ -60,7 +50,7 @@ def test_full_disk_keeps_the_last_checkpoint_and_resumes_bit_exact(small_disk, r
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     done = run(run_dir, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
-    _same_as_reference(run_dir, reference_run)
+    assert_same_final_state(run_dir, reference_run)
 
 
 def test_read_only_run_dir_is_refused_and_resumes_once_writable(small_disk, reference_run, compile_cache):
@@ -75,4 +65,4 @@ def test_read_only_run_dir_is_refused_and_resumes_once_writable(small_disk, refe
     subprocess.run(["mount", "-o", "remount,rw,size=64m", str(small_disk)], check=True)
     done = run(run_dir, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
-    _same_as_reference(run_dir, reference_run)
+    assert_same_final_state(run_dir, reference_run)
