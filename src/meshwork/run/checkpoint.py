@@ -29,6 +29,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import time
 import zlib
 from typing import Any
@@ -54,6 +55,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every, max_to_keep=None, enable_async_checkpointing=use_async, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        _drop_late_writer_callbacks()
 
     # ------------------------------------------------------------ which steps count
 
@@ -119,8 +121,10 @@ class Checkpointer:
         """Call between steps: once Orbax has committed the pending step, writes its manifest (in a thread)."""
         if self._saving is None or self.manager.is_saving_in_progress():
             return
-        with self._storage_errors():  # a background write that failed reports here
-            self.manager.check_for_errors()
+        # A background write that failed reports here. Not check_for_errors(): Orbax's own finalize
+        # thread has already consumed the error there; wait_until_finished (immediate now) re-raises it.
+        with self._storage_errors():
+            self.manager.wait_until_finished()
         step, self._saving = self._saving, None
         if jax.process_index() == 0:
             self._verifying = self._verifier.submit(self._verify_and_prune, step)
@@ -184,6 +188,31 @@ class Checkpointer:
         self.wait()
         self.manager.close()
         self._verifier.shutdown()
+
+
+def _drop_late_writer_callbacks() -> None:
+    """Silence TensorStore's reports of writes that finish after Orbax stopped waiting for them.
+
+    When one shard write fails (a full disk), Orbax's commit raises and closes its
+    asyncio loop while the other shard writes are still in flight; each of those
+    then fails to hand its result to the closed loop, and TensorStore reports that
+    through `sys.unraisablehook` ("Event loop is closed", no object), a traceback
+    apiece: tens of them before our one-line error. The failure itself still reaches
+    us through Orbax, so only these late hand-offs are dropped; every other
+    unraisable error goes to the hook that was there before.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_late_writer_callbacks", False):
+        return
+
+    def hook(unraisable) -> None:
+        late = (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed")
+        if not late:
+            previous(unraisable)
+
+    hook.drops_late_writer_callbacks = True
+    sys.unraisablehook = hook
 
 
 # ---------------------------------------------------------------- on disk, without Orbax
