@@ -226,3 +226,12 @@ def test_the_checker_catches_rot(tmp_path, monkeypatch):
     for expected in ("`g` is not defined", "has no member `q`", "no such file pkg/missing.py",
                      "labelled `pkg/other.py`", "anchor #nope", "no such file nowhere.md"):
         assert any(expected in p for p in found), (expected, found)
+
+
+def test_the_tests_readme_names_every_test_file():
+    """tests/README.md has a line for every test file, and names none that is gone."""
+    text = (ROOT / "tests" / "README.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`((?:reliability/)?test_\w+\.py)`", text))
+    present = {p.relative_to(ROOT / "tests").as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
+    assert not present - named, f"tests/README.md has no line for {sorted(present - named)}"
+    assert not named - present, f"tests/README.md names missing files {sorted(named - present)}"
