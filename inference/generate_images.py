@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import pathlib
 
-import numpy as np
-
 from meshwork.config import ConfigError
-from meshwork.diffusion.images import sample_images, save_grid
+from meshwork.diffusion.images import sample_images, save_class_grid
+
+PER_CLASS = 4  # the default --num: this many images of each class (one grid row per class)
+UNCONDITIONAL = 16  # ... and this many from a model without classes
 
 
-def generate_grid(run_dir, *, num: int, steps: int, sampler: str, guidance: float | None, labels, seed: int,
+def default_num(cfg) -> int:
+    """Images that fill whole rows: PER_CLASS per class of a class-conditional UNet."""
+    classes = cfg.model.unet.num_class_embeds
+    return PER_CLASS * (classes - 1) if classes is not None else UNCONDITIONAL  # the last class is the null one
+
+
+def generate_grid(run_dir, *, num: int | None, steps: int, sampler: str, guidance: float | None, labels, seed: int,
                   ema: bool, out) -> tuple[pathlib.Path, float | None]:
-    """Writes a grid PNG; returns its path and, for digits, the classifier accuracy of the samples."""
+    """Writes a grid PNG (one row per class when the images have several) and returns its path and, for
+    digits, the classifier accuracy of the samples. `num=None`: `default_num(cfg)`."""
     from meshwork.inference.runs import load_run
 
     cfg, model, _ = load_run(run_dir, ema=ema)
     if cfg.model.kind != "unet":
         raise ConfigError(f"--checkpoint: {run_dir} trained a {cfg.model.kind}; `diffusion` needs a unet run")
-    images, y = sample_images(model, cfg, num=num, steps=steps, sampler=sampler, guidance=guidance,
-                              labels=labels, seed=seed)
-    path = save_grid(images, out, nrow=int(np.ceil(np.sqrt(num))))
+    images, y = sample_images(model, cfg, num=num or default_num(cfg), steps=steps, sampler=sampler,
+                              guidance=guidance, labels=labels, seed=seed)
+    path = save_class_grid(images, y, out)
     accuracy = None
     if cfg.data.source == "digits" and y is not None:
         from meshwork.evaluation.digit_quality import DigitClassifier

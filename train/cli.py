@@ -116,11 +116,9 @@ def main(argv: list[str]) -> int:
         return StorageFull.exit_status
     if args.dry_run:
         return 0
-    vals, g = summary["val_loss"], summary["goodput"]
-    val = f", validation loss {vals[max(vals)]:.4f} at step {max(vals)}" if vals else ""
-    print(f"at step {summary['last_step']} of {cfg.train.steps}{val}; run dir {summary['run_dir']}")
-    print(f"goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s: " + ", ".join(
-        f"{k.removesuffix('_s')} {v:.1f} s" for k, v in g.items() if k.endswith("_s") and k != "wall_s"))
+    from meshwork.train.terminal import summary_lines
+
+    print("\n".join(summary_lines(summary, cfg)), flush=True)
     return PREEMPTED_EXIT_STATUS if summary["preempted"] else 0
 
 

@@ -50,6 +50,8 @@ from meshwork.train.state import abstract_state, init_state, param_count, state_
 from meshwork.train.step import make_accumulate, make_eval_step, make_objective, make_train_step
 from meshwork.train.stops import NonFiniteLoss
 from meshwork.train.task import DiffusionTask, LMTask, make_task
+from meshwork.train.terminal import say as say_through_bar
+from meshwork.train.terminal import startup_lines
 
 
 def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | DiffusionTask:
@@ -99,7 +101,9 @@ def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slic
 class Trainer:
     """Everything compiled for one config on one mesh; `train()` drives it."""
 
-    def __init__(self, cfg: Config, task: LMTask | DiffusionTask, devices: list | None = None):
+    def __init__(self, cfg: Config, task: LMTask | DiffusionTask, devices: list | None = None,
+                 before_compile: Callable[["Trainer"], None] | None = None):
+        """`before_compile(self)` runs once shapes, mesh and shardings are known, before the (long) compile."""
         self.cfg, self.task = cfg, task
         self.mesh = make_mesh(cfg.mesh.sizes(), devices)
         preset = cfg.rules.preset + ("+pp" if cfg.train.pipeline != "none" else "")
@@ -144,6 +148,8 @@ class Trainer:
             batch_abstract = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, *shape), dtype,
                                                       sharding=self.batch_sharding)
                               for k, (shape, dtype) in shapes.items()}
+            if before_compile is not None:
+                before_compile(self)
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
             step = jax.jit(self.make_step(grad_shardings), in_shardings=(self.shardings, self.batch_sharding),
@@ -213,17 +219,20 @@ class Trainer:
             losses = [self.eval_fn(state["params"], state["buffers"], self.to_device(b)) for b in batches]
         return float(np.mean([to_host(x) for x in losses]))
 
-    def write_samples(self, state: dict[str, Any], path: pathlib.Path, num: int = 16, steps: int = 25) -> None:
-        """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA)."""
+    def write_samples(self, state: dict[str, Any], path: pathlib.Path, num: int | None = None,
+                      steps: int = 25) -> None:
+        """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA): one row per
+        class, 2 samples each (16 samples without classes), tiles scaled up to 48 px."""
         from flax import nnx
 
-        from meshwork.diffusion.images import sample_images, save_grid
+        from meshwork.diffusion.images import sample_images, save_class_grid
 
+        classes = self.cfg.model.unet.num_class_embeds
+        num = num or (2 * (classes - 1) if classes is not None else 16)  # the last class is guidance's null one
         model = nnx.merge(self.graphdef, state.get("ema", state["params"]), state["buffers"])
         with self.context():
-            images, _ = sample_images(model, self.cfg, num=num, steps=steps)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_grid(images, path, nrow=4)
+            images, labels = sample_images(model, self.cfg, num=num, steps=steps)
+        save_class_grid(images, labels, path)
 
     def report_dict(self) -> dict[str, Any]:
         """Per-device state bytes, temp memory, FLOPs and collectives of the compiled step."""
@@ -255,7 +264,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     clock = GoodputClock()
     task = check_runtime(cfg, devices)
     is_main = jax.process_index() == 0
-    say = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
+    say = say_through_bar if is_main else (lambda msg: None)
     run_dir = pathlib.Path(cfg.run.dir)
     lock = RunDirLock(run_dir)
     # Signals are caught from here on, so SIGTERM or Ctrl-C during the compile or the restore ends
@@ -287,13 +296,19 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
                 f"to train further)")
             return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
                     "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start, "state": None}
-    with clock.phase("compile"):
-        trainer = Trainer(cfg, task, devices)
-    if dry_run != "json":
+    def announce(trainer: Trainer) -> None:  # the start-up block, before the compile's silence
+        if dry_run == "json":
+            return
         total = param_count(trainer.abstract)
         active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
-        say(f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
-            else describe(cfg, trainer.abstract))
+        model = (f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
+                 else describe(cfg, trainer.abstract))
+        for line in startup_lines(trainer, model, start=start, run_dir=run_dir) if not dry_run else [model]:
+            say(line)
+        say("compiling the train step...")
+
+    with clock.phase("compile"):
+        trainer = Trainer(cfg, task, devices, before_compile=announce)
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
@@ -321,6 +336,8 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
     # Fine-tuning on new data: also track the loss on the base run's data (what may be forgotten).
     base_data = base_data_config(cfg)
     base_val_set = make_task(base_data).eval_batches() if base_data is not None else None
+    if start is not None:
+        say(f"restoring the checkpoint of step {start}...")
     with clock.phase("restore" if start is not None else "compile"):
         state, progress = _restore(trainer, ckpt, start, data_iter, first_position)
     clock.resume(progress.get("goodput"))
@@ -339,6 +356,7 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
         return row
 
     if start is None:
+        say(f"evaluating step 0 ({len(val_set)} validation batches)...")
         writer.write(0, evaluate(0))
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_after or steps)
@@ -408,6 +426,8 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
                 continue
             progress = {"iterator": data_iter.get_state(), "skipped_steps": sorted(skipped),
                         "goodput": clock.snapshot()}
+            if step == last or preempted:  # the run's last write: the summary waits for it
+                say(f"saving the checkpoint of step {step}...")
             with clock.phase("checkpoint"):
                 ckpt.save(step, state, progress, cfg.to_dict(), force=True)
             clock.checkpointed()

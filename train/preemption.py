@@ -46,8 +46,9 @@ class PreemptionGuard:
         if self.signal is not None:  # the second signal: no more waiting
             os._exit(128 + signum)
         self.signal = signum
-        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after the current step "
-              f"(send it again to exit at once)", flush=True)
+        from meshwork.train.terminal import say  # clears a progress bar first, so the line stands alone
+
+        say(f"{signal.Signals(signum).name}: saving a checkpoint after the current step (send it again to exit at once)")
 
     def should_stop(self, step: int) -> bool:
         if jax.process_count() > 1:

@@ -1,7 +1,8 @@
 """Images out of a diffusion model: sampling a UNet as its run's config says, and image grids.
 
-    images, labels = sample_images(model, cfg, num=64, steps=50)   # (N, H, W, C) in [-1, 1]
-    save_grid(images, "grid.png")
+    images, labels = sample_images(model, cfg, num=40, steps=50)   # (N, H, W, C) in [-1, 1]
+    save_class_grid(images, labels, "grid.png")                    # row r: class r; tiles >= 48 px
+    save_grid(images, "plain.png")                                 # 8 a row, actual size
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from flax import nnx
 
 from meshwork.config import Config, ConfigError
 from meshwork.diffusion.sampling import ddim_sample, ddpm_sample
+
+MIN_TILE_PX = 48  # saved grids scale smaller tiles up (nearest neighbour): 16 px digits are unreadable at 1:1
 
 
 def _apply(graphdef, state, x_BHWC, t_B, labels_B):
@@ -46,19 +49,24 @@ def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "d
 
 
 def image_grid(images_NHWC, nrow: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0),
-               padding: int = 2) -> np.ndarray:
+               padding: int = 2, scale: int = 1) -> np.ndarray:
     """Tiles N images, `nrow` per row, into one uint8 image: (H', W') for 1 channel,
     (H', W', 3) for 3. Values in `value_range` map to 0..255 (clipped); `padding`
-    black pixels separate and surround the tiles.
+    black pixels separate and surround the tiles; `scale` repeats each pixel
+    scale x scale times (nearest neighbour) first.
 
     >>> image_grid(np.zeros((3, 4, 4, 1)), nrow=2).shape   # 2 rows of 2 tiles
     (14, 14)
+    >>> image_grid(np.zeros((3, 4, 4, 1)), nrow=2, scale=3).shape   # 12 px tiles
+    (30, 30)
     """
     x = np.asarray(images_NHWC, np.float32)
     if x.ndim != 4 or x.shape[-1] not in (1, 3):
         raise ValueError(f"image_grid: images shape {x.shape} must be (N, H, W, C) with C = 1 or 3")
     lo, hi = value_range
     x = np.clip(np.rint((x - lo) / (hi - lo) * 255), 0, 255).astype(np.uint8)
+    if scale > 1:
+        x = np.repeat(np.repeat(x, scale, axis=1), scale, axis=2)
     N, H, W, C = x.shape
     cols = max(1, min(nrow, N))
     rows = -(-N // cols)
@@ -80,4 +88,47 @@ def save_grid(images_NHWC, path, nrow: int = 8, **kwargs) -> pathlib.Path:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image_grid(images_NHWC, nrow, **kwargs)).save(path, format="PNG")
+    return path
+
+
+def by_class(images_NHWC, labels_N) -> tuple[np.ndarray, int]:
+    """(images, per_row): the images reordered so that a grid `per_row` wide holds class r's images
+    in its row r (classes in increasing order, black tiles where a class has fewer images).
+
+    >>> x, per_row = by_class(np.zeros((5, 4, 4, 1)), np.array([0, 1, 2, 0, 1]))
+    >>> x.shape, per_row      # 3 rows (classes 0, 1, 2) of 2
+    ((6, 4, 4, 1), 2)
+    """
+    x, y = np.asarray(images_NHWC), np.asarray(labels_N)
+    classes = np.unique(y)
+    members = [np.flatnonzero(y == c) for c in classes]
+    per_row = max(len(m) for m in members)
+    out = np.full((len(classes) * per_row, *x.shape[1:]), -np.inf, np.float32)  # clipped to black
+    for r, m in enumerate(members):
+        out[r * per_row:r * per_row + len(m)] = x[m]
+    return out, per_row
+
+
+def class_grid(images_NHWC, labels_N=None, *, min_tile: int = MIN_TILE_PX, **kwargs) -> np.ndarray:
+    """`image_grid` with one row per class (labels given and not all equal; a square-ish grid
+    otherwise) and tiles scaled up to at least `min_tile` pixels.
+
+    >>> class_grid(np.zeros((20, 16, 16, 1)), np.arange(20) % 10).shape   # 10 rows of 2 tiles of 48 px
+    (502, 102)
+    """
+    x = np.asarray(images_NHWC)
+    if labels_N is not None and len(np.unique(labels_N)) > 1:
+        x, per_row = by_class(x, labels_N)
+    else:
+        per_row = int(np.ceil(np.sqrt(len(x))))
+    return image_grid(x, per_row, scale=max(1, -(-min_tile // x.shape[1])), **kwargs)
+
+
+def save_class_grid(images_NHWC, labels_N, path, **kwargs) -> pathlib.Path:
+    """Writes `class_grid(images_NHWC, labels_N, **kwargs)` as a PNG at `path`; returns the path."""
+    from PIL import Image
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(class_grid(images_NHWC, labels_N, **kwargs)).save(path, format="PNG")
     return path
