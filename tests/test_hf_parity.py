@@ -36,8 +36,10 @@ def max_logit_error(model, name: str) -> float:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_match_transformers(name):
+    # Measured on CPU, float32 (benchmarks/hf_parity.py): 2.8e-6 (llama), 2.5e-6 (mixtral),
+    # 1.8e-6 (qwen2_moe) for logits up to 3.9 in magnitude; the bound leaves x3.6 headroom.
     _, model = model_from_hf(FIXTURES / name)
-    assert max_logit_error(model, name) <= 1e-4
+    assert max_logit_error(model, name) <= 1e-5
 
 
 def test_parity_is_sensitive_to_the_conventions():
