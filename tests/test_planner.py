@@ -97,7 +97,7 @@ def test_state_bytes_match_the_dry_run(compiled, name):
     cfg, report = compiled(name)
     got = state_memory(cfg, layout_from_config(cfg, 8))
     for kind in ("params", "grads", "opt_state"):
-        assert got[kind] == pytest.approx(report["state"][kind], rel=0.02), kind
+        assert got[kind] == report["state"][kind], kind  # exact, byte for byte, for all five layouts
 
 
 @pytest.mark.parametrize("name, kinds", [
@@ -110,10 +110,12 @@ def test_collective_bytes_match_the_hlo(compiled, name, kinds):
     cfg, report = compiled(name)
     predicted = summarize(step_collectives(cfg, layout_from_config(cfg, 8)))
     measured = report["collectives"]
+    # Measured (jax 0.10.2, benchmarks/planner_accuracy.py): within 1e-4 everywhere but fsdp's
+    # reduce-scatter, 5.2% above the HLO's (which has a 115 KB all-reduce the planner does not predict).
     for kind in kinds:
-        assert predicted[kind]["bytes"] == pytest.approx(measured[kind]["bytes"], rel=0.10), kind
+        assert predicted[kind]["bytes"] == pytest.approx(measured[kind]["bytes"], rel=0.06), kind
     total = lambda s: sum(v["bytes"] for v in s.values())  # noqa: E731
-    assert total(predicted) == pytest.approx(total(measured), rel=0.10)
+    assert total(predicted) == pytest.approx(total(measured), rel=0.03)  # measured: at most 1.7%
 
 
 def test_tp_layer_all_reduces_match_the_hlo(compiled):
@@ -130,7 +132,8 @@ def test_flops_match_cost_analysis(compiled):
     """cost_analysis counts the scanned layer once: compare with the planner's
     FLOPs for one layer plus the optimizer's elementwise work."""
     cfg, report = compiled("dp")
-    assert compiled_step_flops(cfg, layout_from_config(cfg, 8)) == pytest.approx(report["flops"], rel=0.10)
+    # Measured (jax 0.10.2): 5.3% below XLA's count, which adds the elementwise work.
+    assert compiled_step_flops(cfg, layout_from_config(cfg, 8)) == pytest.approx(report["flops"], rel=0.06)
 
 
 # --- published tables -----------------------------------------------------------------------
