@@ -22,12 +22,22 @@ def report(tmp_path_factory):
 
 
 def test_kernels_far_fewer_than_jaxpr_ops(report):
-    # Measured (jax 0.10.2, 8 CPU devices, dp): 860 jaxpr ops vs 326 HLO kernels (2.6x;
-    # 1756 HLO ops sit inside 271 fusions); per step 1051 vs 476 (2.2x).
-    jaxpr_ops, kernels = report["jaxpr"]["ops"], report["hlo"]["kernels"]
-    assert kernels < jaxpr_ops / 2, (jaxpr_ops, kernels)
-    assert report["hlo"]["kernels_per_step"] < report["jaxpr"]["per_step"] / 1.5
-    assert report["hlo"]["fused_ops"] > 3 * report["hlo"]["fusions"]
+    # Measured (jax 0.10.2, 8 CPU devices, dp; benchmarks/graph_counts.py): 860 jaxpr ops vs 326
+    # HLO kernels (1756 HLO ops inside 271 fusions); per step 1051 vs 476. At lm_tiny's own shape
+    # (the README's dry-run): 860 vs 327. The counts are asserted within 5%: a different jax may
+    # fuse a little differently, a broken fusion pass or a lost op shows.
+    h, jaxpr = report["hlo"], report["jaxpr"]
+    assert jaxpr["ops"] == pytest.approx(860, rel=0.05) and h["kernels"] == pytest.approx(326, rel=0.05), (jaxpr, h)
+    assert jaxpr["per_step"] == pytest.approx(1051, rel=0.05) and h["kernels_per_step"] == pytest.approx(476, rel=0.05)
+    assert h["fusions"] == pytest.approx(271, rel=0.05) and h["fused_ops"] == pytest.approx(1756, rel=0.05)
+    assert h["kernels"] < jaxpr["ops"] / 2
+
+
+def test_fusion_saves_the_measured_share_of_bytes(report):
+    # Measured: fusion saves 68.7% of the unfused bytes at this shape; 53.6% at lm_tiny's own shape
+    # (the README's "54%"; benchmarks/graph_counts.py prints both).
+    h = report["hlo"]
+    assert h["saved_bytes"] / h["unfused_bytes"] == pytest.approx(0.687, abs=0.05)
 
 
 def test_fusion_saves_bytes_and_every_fusion_moves_at_most_its_ops_bytes(report):
