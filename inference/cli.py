@@ -8,22 +8,38 @@ import sys
 from meshwork.config import ConfigError
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` names each option's default, except where there is none to name (None, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == [] or not action.help:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference", description="Generate from a trained run.")
+    p = argparse.ArgumentParser(prog="python3 -m inference", description="Generate from a trained run.")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("diffusion", help="sample images from a trained UNet run into a PNG grid")
+    d = sub.add_parser("diffusion", help="sample images from a trained UNet run into a PNG grid",
+                       formatter_class=HelpWithDefaults,
+                       description="Sample images from a trained UNet run into a PNG grid: one row per class, "
+                                   "tiles scaled up (nearest neighbour) to at least 48 px.")
     d.add_argument("--checkpoint", required=True, help="the run.dir of a `model.kind: unet` training run")
-    d.add_argument("--num", type=int, default=64, help="number of images")
+    d.add_argument("--num", type=int, default=None,
+                   help="number of images (default: 4 per class, so 40 for the 10 digits, which fill 10 rows "
+                        "of 4; 16 for a model without classes)")
     d.add_argument("--steps", type=int, default=50, help="sampler steps")
-    d.add_argument("--sampler", choices=("ddim", "ddpm"), default="ddim")
-    d.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    d.add_argument("--sampler", choices=("ddim", "ddpm"), default="ddim", help="the reverse process")
+    d.add_argument("--guidance", type=float, default=None,
+                   help="classifier-free guidance scale (default: none, the plain conditional model)")
     d.add_argument("--labels", default="cycle", help="'cycle' (0,1,2,...) or one class id for all images")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the sampler's noise")
     d.add_argument("--no-ema", action="store_true", help="sample with the raw weights, not their EMA")
-    d.add_argument("--out", default="grid.png")
+    d.add_argument("--out", default="grid.png", help="PNG file to write")
     from meshwork.inference import lm
 
-    lm.add_arguments(sub.add_parser("lm", help="generate text from a trained LM run or a Hugging Face checkpoint"))
+    lm.add_arguments(sub.add_parser("lm", help="generate text from a trained LM run or a Hugging Face checkpoint",
+                                    formatter_class=HelpWithDefaults, description=lm.DESCRIPTION))
     e = sub.add_parser("export-hf", help="write a trained LM run as a Hugging Face checkpoint (safetensors)")
     e.add_argument("--checkpoint", required=True, help="the run.dir of a meshwork LM training run")
     e.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
@@ -39,7 +55,7 @@ def main(argv: list[str]) -> int:
             return lm.run(args)
         if args.command == "export-hf":
             return export_hf(args.checkpoint, args.out)
-        if args.num < 1 or args.steps < 1:
+        if (args.num is not None and args.num < 1) or args.steps < 1:
             raise ConfigError("--num and --steps must be positive")
         from meshwork.inference.generate_images import generate_grid
 

@@ -2,6 +2,7 @@
 
     gen = Generator(model)                                  # or Generator(model, mesh=mesh, rules=rules)
     out = gen.generate([[72, 105], [1, 2, 3, 4]], SamplingParams(temperature=0))
+    out = gen.generate([p, p], SamplingParams(seed=7))      # seeds 7 and 8: two different samples
     for row, token in gen.stream(prompts, params): ...      # tokens as they are sampled
 
 The prompts of a batch may differ in length: they are right-padded to a
@@ -20,6 +21,7 @@ multiple of the data-parallel size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 
@@ -125,9 +127,12 @@ class Generator:
 
         A row stops at one of its stop tokens (yielded, then no more) or after
         its `max_new_tokens`. `max_len` (default: just enough, rounded up) is
-        the cache length; a prompt that does not fit raises ConfigError.
+        the cache length; a prompt that does not fit raises ConfigError. One
+        `SamplingParams` for all prompts gives prompt i the seed `seed + i`, so
+        equal prompts get different samples; a list sets each row's own.
         """
-        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        params = list(params) if isinstance(params, Sequence) else [
+            dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
         if len(params) != len(prompts) or not prompts:
             raise ConfigError(f"{len(prompts)} prompts but {len(params)} sampling settings")
         for p in params:

@@ -15,6 +15,13 @@ from typing import Any
 from meshwork.config import ConfigError
 
 
+DESCRIPTION = """Generate text from a trained LM run or a Hugging Face checkpoint. One prompt streams its
+tokens as they are sampled; several are served together and printed in prompt order, one line
+each: `[i] PROMPT + CONTINUATION` as text, or `[i] PROMPT IDS | NEW IDS` for a model without a
+tokenizer here. Prompt i draws with seed + i, so two equal prompts get different samples (except
+at --temperature 0)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="the run.dir of a meshwork LM training run")
@@ -22,14 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
     p.add_argument("--prompts-file", help="a text file, one prompt per line")
     p.add_argument("--prompt-ids", action="append", default=[],
-                   help="a prompt as comma-separated token ids (for models without a tokenizer here)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--stop-id", type=int, action="append", default=[], help="a token id that ends a sequence")
-    p.add_argument("--seed", type=int, default=0)
+                   help="a prompt as comma-separated token ids (for models without a tokenizer here; repeat "
+                        "for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt, at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 for greedy decoding")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0: off")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the most likely tokens covering this probability; 1.0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already seen; 1.0: off")
+    p.add_argument("--stop-id", type=int, action="append", default=[],
+                   help="a token id that ends a sequence (repeatable; default: the checkpoint's eos, if any)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed; prompt i of a batch uses seed + i, so equal prompts differ")
     p.add_argument("--quantize", choices=("none", "int8", "int4", "w8a8"), default="none",
                    help="weight-only int8/int4, or int8 weights and activations in the MLPs")
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: what the prompts need)")
@@ -126,6 +138,13 @@ def encode_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list
     return prompts
 
 
+def per_request_seeds(params, n: int) -> list:
+    """`params` for each of n prompts, prompt i drawing with seed + i (equal prompts, different samples)."""
+    import dataclasses
+
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
 def _decode(tokenizer, ids: list[int]) -> str:
     if tokenizer is None:
         return " ".join(map(str, ids))
@@ -144,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
                             repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
                             stop_tokens=tuple(args.stop_id or eos), seed=args.seed)
     params.check(model.cfg.vocab_size)
+    per_prompt = per_request_seeds(params, len(prompts))
+    for p in per_prompt:
+        p.check(model.cfg.vocab_size)
     if args.quantize != "none":
         from meshwork.models.quantize import quantize_model
 
@@ -168,13 +190,15 @@ def run(args: argparse.Namespace) -> int:
 
     max_len = args.max_len or max(len(p) for p in prompts) + params.max_new_tokens + 1
     server = Server(model, slots=args.slots, max_len=max_len)
-    results = server.run(Request(i, p, params) for i, p in enumerate(prompts))
+    results = server.run(Request(i, p, per_prompt[i]) for i, p in enumerate(prompts))
     failed = 0
     for i, prompt in enumerate(prompts):
         r = results[i]
         if r.finish == "error":
             failed += 1
             print(f"[{i}] error: {r.error}")
+        elif tokenizer is None:  # ids: where the prompt ends and the new tokens start must show
+            print(f"[{i}] {_decode(tokenizer, prompt)} | {_decode(tokenizer, r.tokens)}")
         else:
             print(f"[{i}] {_decode(tokenizer, prompt)}{_decode(tokenizer, r.tokens)}")
     return 0 if not failed else 2

@@ -1,10 +1,14 @@
-"""`python -m inference lm`: streams text from a trained run, serves several prompts, and
-answers bad input with one line and exit status 2."""
+"""`python -m inference lm`: streams text from a trained run, serves several prompts (each with
+its own seed; ids printed as `PROMPT | NEW`), names its defaults in --help, and answers bad input
+with one line and exit status 2."""
+
+import re
 
 import pytest
 
-from meshwork.inference.cli import main
+from meshwork.inference.cli import main, parse_args
 from meshwork.inference.generate import Generator
+from meshwork.inference.lm import per_request_seeds
 from meshwork.inference.runs import load_run
 from meshwork.inference.sampling import SamplingParams
 from meshwork.data.text import ByteTokenizer
@@ -40,6 +44,37 @@ def test_lm_serves_a_prompts_file(run_dir, tmp_path, capsys):
     assert out == "".join(expected)
 
 
+@pytest.mark.parametrize("command, defaults", [
+    ("lm", ["--max-new-tokens MAX_NEW_TOKENS\n", "(default: 64)", "0 for greedy decoding (default: 1.0)",
+            "(default: 1.0)", "prompt i of a batch uses seed + i", "(default: 8)", "(default: none)"]),
+    ("diffusion", ["4 per class, so 40 for the 10 digits", "sampler steps (default: 50)", "(default: ddim)",
+                   "(default: grid.png)", "one row per class"]),
+])
+def test_help_names_the_defaults(command, defaults, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    for default in defaults:
+        assert " ".join(default.split()) in text, (default, text)
+    assert "(default: None)" not in text and "(default: [])" not in text and "(default: False)" not in text
+
+
+def served(out: str) -> list[str]:
+    """The texts of `[i] TEXT` results, in order (a sampled text may hold newlines)."""
+    parts = re.split(r"^\[(\d+)\] ", out, flags=re.M)
+    assert parts[0] == "" and parts[1::2] == [str(i) for i in range(len(parts) // 2)], out
+    return parts[2::2]
+
+
+def test_equal_prompts_in_a_batch_get_their_own_seeds(run_dir, capsys):
+    params = SamplingParams(temperature=0.8, seed=3)
+    assert [p.seed for p in per_request_seeds(params, 3)] == [3, 4, 5]  # prompt i: seed + i
+    assert main(["lm", "--checkpoint", run_dir, "--prompt", "def ", "--prompt", "def ", "--max-new-tokens", "16",
+                 "--seed", "3"]) == 0
+    first, second = served(capsys.readouterr().out)
+    assert first.startswith("def ") and second.startswith("def ") and first != second
+
+
 @pytest.mark.parametrize("argv, message", [
     (["lm", "--checkpoint", "/nonexistent/run", "--prompt", "x"], "has no config.yaml"),
     (["lm", "--checkpoint", "RUN", "--prompt", ""], "empty prompt"),
@@ -65,7 +100,15 @@ def test_export_hf_round_trip_generates_the_same_text(run_dir, tmp_path, capsys)
     assert main(["lm", "--hf", str(out), "--prompt-ids", ",".join(map(str, prompt)), "--temperature", "0",
                  "--max-new-tokens", "16"]) == 0
     ids = [int(t) for t in capsys.readouterr().out.split()]
+    assert ids[:len(prompt)] == prompt
     assert ByteTokenizer().decode(ids) == "for i in range(" + greedy_text(run_dir, "for i in range(", 16)
+    # No tokenizer.json here: with several prompts, each line is `[i] PROMPT IDS | NEW IDS`.
+    ids_arg = ",".join(map(str, prompt))
+    assert main(["lm", "--hf", str(out), "--prompt-ids", ids_arg, "--prompt-ids", ids_arg, "--temperature", "0",
+                 "--max-new-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, ids[len(prompt):][:8]))}"
+                     for i in range(2)]
     # Exporting again over it is refused, and nothing is touched.
     before = (out / "model.safetensors").stat().st_mtime_ns
     assert main(["export-hf", "--checkpoint", run_dir, "--out", str(out)]) == 2
