@@ -1,4 +1,5 @@
-"""Every notebook in notebooks/ runs top to bottom without an error, and is committed without outputs.
+"""Every notebook in notebooks/ runs top to bottom without an error, prints a handful of lines per
+cell (no progress bar: training detects the kernel), and is committed without outputs.
 
 Each notebook runs in a fresh `python3` kernel (its first cell sets up 8 simulated CPU
 devices before jax is imported; the kernel inherits conftest's JAX_PLATFORMS=cpu) with
@@ -20,6 +21,7 @@ from conftest import ROOT
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 120
+MAX_LINES_PER_CELL = 40  # a training cell: the start-up block, ~10 progress lines; not one line per step
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -51,3 +53,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     print(f"{path.name}: {time.perf_counter() - start:.1f} s")
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors, errors
+    for i, cell in enumerate(nb.cells):
+        text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
+        assert "\r" not in text and "it/s" not in text, f"{path.name} cell {i}: a progress bar\n{text[:500]}"
+        assert text.count("\n") <= MAX_LINES_PER_CELL, f"{path.name} cell {i}: {text.count(chr(10))} lines"
