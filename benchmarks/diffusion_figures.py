@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=50, help="DDIM steps when grading")
     ap.add_argument("--pp-num", type=int, default=10, help="images in the patch-parallel comparison")
     ap.add_argument("--pp-steps", type=int, default=20)
+    ap.add_argument("--patch-parallel-only", action="store_true", help="skip the accuracy rows")
     args = ap.parse_args(argv)
     from meshwork.inference.runs import load_run
 
@@ -79,9 +80,10 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\n| images ({args.num}, DDIM {args.steps} steps) | classifier accuracy |\n|---|---|")
     print(f"| real held-out digits | {clf.real_accuracy():.1%} |")
-    for label, model, guidance in ((f"samples, untrained model (seed {cfg.run.seed})", untrained, None),
-                                   (f"samples, {step} training steps (EMA)", trained, None),
-                                   (f"samples, {step} training steps (EMA), guidance 2", trained, 2.0)):
+    rows = ((f"samples, untrained model (seed {cfg.run.seed})", untrained, None),
+            (f"samples, {step} training steps (EMA)", trained, None),
+            (f"samples, {step} training steps (EMA), guidance 2", trained, 2.0))
+    for label, model, guidance in rows if not args.patch_parallel_only else ():
         x, y = images.sample_images(model, cfg, num=args.num, steps=args.steps, guidance=guidance)
         print(f"| {label} | {clf.accuracy(x, y):.1%} |", flush=True)
 
@@ -89,12 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     u = cfg.model.unet
     shape = (args.pp_num, u.sample_size, u.sample_size, u.in_channels)
     labels = jnp.arange(args.pp_num) % (u.num_class_embeds - 1)
+    mesh = make_mesh({"sequence": 4}, devices=jax.devices()[:4])
     graphdef, state = nnx.split(trained)
+    # The run's weights sit on one device; the patch-parallel program wants them on its mesh, replicated.
+    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     model_fn = jax.tree_util.Partial(images._apply, graphdef, state)
     key = jax.random.key(0)
     kw = dict(steps=args.pp_steps, labels=labels, clip_sample=1.0)
     ref = np.asarray(ddim_sample(model_fn, shape, key, cfg.model.diffusion, **kw))
-    mesh = make_mesh({"sequence": 4}, devices=jax.devices()[:4])
     print(f"\npatch-parallel on 4 devices, {args.pp_num} images, {args.pp_steps} DDIM steps, trained model; "
           f"max |x_0| = {np.abs(ref).max():.2f}")
     print("| synchronous warm-up steps | max abs difference from one device |\n|---|---|")
