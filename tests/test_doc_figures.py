@@ -20,9 +20,8 @@ The rule, applied to README.md and docs/*.md:
   RESULTS.md's figures are read by the same rule (its fenced blocks too, and a figure wrapped
   over two lines of a paragraph).
 - ALLOWED lists the figures that are not measurements of this project (data-sheet values,
-  worked examples of formulas a test checks) and the wall times of the docs' own commands that
-  RESULTS.md does not hold yet, each with a phrase that must stand on the same line and a
-  reason; an entry nothing uses fails the test. Keep it short: a new measured figure belongs in
+  worked examples of formulas a test checks), each with a phrase that must stand on the same
+  line and a reason; an entry nothing uses fails the test. Keep it short: a new measured figure belongs in
   RESULTS.md, with its date, machine and command.
 
 Pure text, no jax: well under a second.
@@ -55,14 +54,6 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("4.72 min", "Young gives", "Daly interval example (tests/test_perf_units.py)"),
     ("58.5%", "goodput", "goodput formula example (tests/test_perf_units.py)"),
     ("9.1 min", "117, 57 and 9.1 min", "Daly's published example (tests/test_perf_units.py)"),
-    # Wall times of the README's own commands, measured on the 2-core CI machine (2026-12-01);
-    # they belong in RESULTS.md and move there when it gets an entry for them.
-    ("5 min", "of wall time on a 2-core", "README: the first command"),
-    ("5 s", "of wall time on a 2-core", "README: the first command"),
-    ("15 s", "start-up and compilation", "README: the generate command"),
-    ("24 min", "of wall time on a 2-core", "docs/diffusion.md: training unet_digits 700 steps"),
-    ("32 s", "of wall time on a 2-core", "docs/diffusion.md: training unet_digits 700 steps"),
-    ("83 s", "sampling 83 s", "docs/diffusion.md: sampling 100 images, 50 DDIM steps"),
 ]
 
 # Longest spellings first, so that "ms/step" wins over "ms" and "MiB" over "B".

@@ -24,7 +24,7 @@ def report(tmp_path_factory):
 def test_kernels_far_fewer_than_jaxpr_ops(report):
     # Measured (jax 0.10.2, 8 CPU devices, dp; benchmarks/graph_counts.py): 860 jaxpr ops vs 326
     # HLO kernels (1756 HLO ops inside 271 fusions); per step 1051 vs 476. At lm_tiny's own shape
-    # (the README's dry-run): 860 vs 327. The counts are asserted within 5%: a different jax may
+    # (docs/graph-insight.md's dry-run): 860 vs 327. The counts are asserted within 5%: a different jax may
     # fuse a little differently, a broken fusion pass or a lost op shows.
     h, jaxpr = report["hlo"], report["jaxpr"]
     assert jaxpr["ops"] == pytest.approx(860, rel=0.05) and h["kernels"] == pytest.approx(326, rel=0.05), (jaxpr, h)
@@ -35,7 +35,7 @@ def test_kernels_far_fewer_than_jaxpr_ops(report):
 
 def test_fusion_saves_the_measured_share_of_bytes(report):
     # Measured: fusion saves 68.7% of the unfused bytes at this shape; 53.6% at lm_tiny's own shape
-    # (the README's "54%"; benchmarks/graph_counts.py prints both).
+    # (docs/graph-insight.md's "54%"; benchmarks/graph_counts.py prints both).
     h = report["hlo"]
     assert h["saved_bytes"] / h["unfused_bytes"] == pytest.approx(0.687, abs=0.05)
 
