@@ -14,6 +14,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import pathlib  # noqa: E402
+import signal  # noqa: E402
+
+# A suite started in the background of a script inherits SIGINT ignored, and so would every trainer
+# the tests start; the signal tests need what a terminal gives: Ctrl-C at its default action.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 

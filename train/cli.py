@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from meshwork.config import ConfigError, load_config
 from meshwork.run.durable import StorageFull
+from meshwork.train import interrupts
 from meshwork.train.stops import NonFiniteLoss
 
 
@@ -92,6 +94,8 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         init_distributed(args)
+        if args.graph or args.dry_run:  # no guard on these paths: Ctrl-C stops them at once
+            interrupts.release()
         if args.graph:
             if not args.dry_run:
                 raise ConfigError("--graph goes with --dry-run: python -m train --config FILE --dry-run --graph")
@@ -124,7 +128,17 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    status = main(sys.argv[1:])
+    interrupts.hold_until_the_guard()  # again, for callers that skipped __main__
+    try:
+        status = main(sys.argv[1:])
+    except KeyboardInterrupt:
+        # Ctrl-C in a run without a guard (a dry run, several processes) before anything is written:
+        # one line instead of a traceback, then the default action, so the shell still sees a process
+        # ended by SIGINT.
+        print("interrupted; nothing was written", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise
     if status == StorageFull.exit_status:
         # Orbax's writer threads died mid-write; at interpreter exit their event loops would print
         # more tracebacks. Everything of ours is flushed or fsynced already, so leave without them.

@@ -21,6 +21,8 @@ import threading
 
 import jax
 
+from meshwork.train import interrupts
+
 PREEMPTED_EXIT_STATUS = 75  # EX_TEMPFAIL: "try again later"
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -36,11 +38,16 @@ class PreemptionGuard:
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if interrupts.held is not None:  # a Ctrl-C during the imports: acted on now
+                self._handle(interrupts.held, None)
+        else:
+            interrupts.release()
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # What was there before the guard; the holder of early interrupts has done its work.
+            signal.signal(sig, signal.default_int_handler if handler is interrupts.hold else handler)
 
     def _handle(self, signum: int, frame) -> None:
         if self.signal is not None:  # the second signal: no more waiting

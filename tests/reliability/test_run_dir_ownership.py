@@ -40,10 +40,11 @@ def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, co
 
 @pytest.mark.parametrize("sig, delay_s, cached", [
     (signal.SIGKILL, 1.5, True),
+    (signal.SIGINT, 0.8, True),     # during the imports: Ctrl-C inside a gc callback used to be lost (exit 0)
     (signal.SIGTERM, 3.5, False),   # an empty compilation cache: the compile takes seconds, the signal lands in it
     (signal.SIGINT, 3.5, False),
     (signal.SIGTERM, 3.0, True),    # cached: usually training already
-], ids=["kill-startup", "term-compile", "int-compile", "term-early-steps"])
+], ids=["kill-startup", "int-imports", "term-compile", "int-compile", "term-early-steps"])
 def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig, delay_s, cached, reference_run,
                                                                             compile_cache, tmp_path):
     """Imports, data, compile, first steps: a signal there used to leave checkpoints/ without config.yaml."""
