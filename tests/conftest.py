@@ -74,34 +74,3 @@ def lm_tiny_runs(tmp_path_factory):
     """name -> train() summary (with "run_dir", "state", "val_loss") of lm_tiny after 200 steps."""
     return _LazyRuns(tmp_path_factory)
 
-
-# ---------------------------------------------------------------- two workers (pytest-xdist)
-# The README's test command runs the suite on two workers (`-n 2 --dist loadgroup` in
-# pyproject.toml). A group runs on one worker, so what a group's tests share is built once:
-# a test file's module fixtures, each lm_tiny layout of `lm_tiny_runs`, the reliability
-# tests' reference run. Groups start longest first (seconds measured on 2 cores), so the
-# last one to start is short and neither worker waits long for the other.
-GROUP_SECONDS = {}
-
-
-def xdist_group(item) -> str:
-    if "lm_tiny_runs" in item.fixturenames:
-        marker = item.get_closest_marker("lm_tiny_layout")
-        layout = marker.args[0] if marker else getattr(item, "callspec", None) and item.callspec.params.get("name")
-        return f"lm_tiny_runs[{layout if layout in LM_TINY_LAYOUTS else '1dev'}]"
-    if "reference_run" in item.fixturenames:
-        return "reliability_reference_run"
-    return item.nodeid.split("::")[0]
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "lm_tiny_layout(name): the lm_tiny_runs layout a test reads")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
-    first_seen = {}
-    for item in items:
-        first_seen.setdefault(xdist_group(item), len(first_seen))
-    items.sort(key=lambda item: (-GROUP_SECONDS.get(xdist_group(item), 0), first_seen[xdist_group(item)]))

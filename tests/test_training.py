@@ -35,7 +35,6 @@ def test_lm_tiny_learns_the_corpus(runs, name):
     assert val[STEPS] < 0.5 * val[0], val
 
 
-@pytest.mark.lm_tiny_layout("8dev_dp")
 def test_metrics_files_have_the_contract_fields(runs):
     rows = read_metrics(runs["8dev_dp"]["run_dir"])
     logged = [r for r in rows if "loss" in r]
@@ -47,7 +46,6 @@ def test_metrics_files_have_the_contract_fields(runs):
     assert plot_run(runs["8dev_dp"]["run_dir"]).stat().st_size > 10_000
 
 
-@pytest.mark.lm_tiny_layout("8dev_fsdp")
 def test_fsdp_stores_an_eighth_of_every_divisible_leaf(runs):
     state = runs["8dev_fsdp"]["state"]
     leaves = jax.tree.leaves(state)
