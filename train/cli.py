@@ -127,8 +127,7 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    """Console-script entry point."""
-    interrupts.hold_until_the_guard()  # again, for callers that skipped __main__
+    """The command line's body; train/__main__.py's `main` (the console script) holds Ctrl-C first."""
     try:
         status = main(sys.argv[1:])
     except KeyboardInterrupt:
