@@ -31,6 +31,15 @@ def root() -> pathlib.Path:
     return ROOT
 
 
+def compile_fast_override() -> str:
+    """A config override that compiles the train step for compile speed (RUN_ONCE_OPTIONS, as the
+    init is): for tests that run a step a handful of times, where XLA's LLVM passes cost seconds
+    and change how fast the step runs, not what it computes."""
+    from meshwork.train.state import RUN_ONCE_OPTIONS
+
+    return "comm.xla_options={" + ", ".join(f"{k}: {str(v).lower()}" for k, v in RUN_ONCE_OPTIONS.items()) + "}"
+
+
 def tiny_overrides(run_dir) -> list[str]:
     """A model small enough that a compile plus a few dozen steps take seconds."""
     return [f"run.dir={run_dir}", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
@@ -38,10 +47,10 @@ def tiny_overrides(run_dir) -> list[str]:
             "log.progress=false", "log.tensorboard=false", "log.eval_batches=2"]
 
 
-# lm_tiny trained for 200 steps under three layouts: trained once per session,
+# lm_tiny trained for 100 steps under three layouts: trained once per session,
 # each layout only when a test first asks for it (tests/test_training.py checks
 # the learning; inference and fine-tuning tests reuse the trained weights).
-LM_TINY_STEPS = 200
+LM_TINY_STEPS = 100
 LM_TINY_LAYOUTS = {
     "1dev": dict(devices=1, overrides=["mesh.data=1"]),
     "8dev_dp": dict(devices=8, overrides=["mesh.data=8", "rules.preset=dp"]),
@@ -71,6 +80,6 @@ class _LazyRuns(dict):
 
 @pytest.fixture(scope="session")
 def lm_tiny_runs(tmp_path_factory):
-    """name -> train() summary (with "run_dir", "state", "val_loss") of lm_tiny after 200 steps."""
+    """name -> train() summary (with "run_dir", "state", "val_loss") of lm_tiny after LM_TINY_STEPS steps."""
     return _LazyRuns(tmp_path_factory)
 

@@ -10,10 +10,13 @@ from meshwork.config import load_config
 from meshwork.data.text import train_iterator
 from meshwork.train.loop import Trainer, check_runtime
 
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, compile_fast_override, tiny_overrides
 
-# Nonzero lr at step 0: a warmup from 0 would make the compared step a no-op.
-STEP_OVERRIDES = ["optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10", "model.tie_embeddings=false"]
+# Nonzero lr at step 0: a warmup from 0 would make the compared step a no-op. Each layout's step is
+# compiled for 3 steps, so it is compiled for compile speed (train/state.py's RUN_ONCE_OPTIONS, through
+# comm.xla_options): XLA's backend compile was 80% of this file's time (171 of 213 s).
+STEP_OVERRIDES = ["optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10", "model.tie_embeddings=false",
+                  compile_fast_override()]
 
 
 STEPS = 3

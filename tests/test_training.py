@@ -19,7 +19,7 @@ STEPS = LM_TINY_STEPS
 
 @pytest.fixture(scope="session")
 def runs(lm_tiny_runs):
-    """The three 200-step lm_tiny runs (conftest), trained once for the whole session."""
+    """The three LM_TINY_STEPS-step lm_tiny runs (conftest), trained once for the whole session."""
     return lm_tiny_runs
 
 
