@@ -12,7 +12,6 @@ On CPU, jax 0.10 lowers an in-step transfer to nothing, hence the CUDA lowering.
 
 from __future__ import annotations
 
-import math
 import os
 import pathlib
 import re
@@ -26,6 +25,7 @@ import jax  # noqa: E402
 from meshwork.config import load_config  # noqa: E402
 from meshwork.run.checkpoint import abstract_with_shardings  # noqa: E402
 from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.sharding.hlo_parse import host_memory_bytes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -33,24 +33,11 @@ TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_h
         "log.eval_batches=2", "optimizer.warmup_steps=0", "mesh.data=1"]  # as tests/test_offload.py
 OPTIONS = {"none": [], "optimizer": ["train.offload.optimizer=true"],
            "params + offload_dots": ["train.offload.params=true", "train.remat=offload_dots"]}
-_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def host_bytes(compiled) -> tuple[int, int]:
-    """(argument, output) bytes in host memory (`S(5)`) of the compiled step's entry layout."""
-    header = compiled.as_text().split("\n", 1)[0]
-    start = header.index("entry_computation_layout={") + len("entry_computation_layout={")
-    depth, end = 0, start
-    for end, ch in enumerate(header[start:], start):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth < 0:
-            break
-    args, outs = header[start:end].split(")->", 1)
-
-    def total(text: str) -> int:
-        return sum(_ITEMSIZE[dt] * math.prod(int(d) for d in dims.split(",") if d)
-                   for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}", text))
-    return total(args), total(outs)
+    """(argument, output) bytes per device in host memory of the compiled step's entry layout."""
+    return host_memory_bytes(compiled.as_text())
 
 
 def gpu_placements(trainer: Trainer) -> dict[str, int]:

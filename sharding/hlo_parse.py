@@ -22,7 +22,7 @@ import math
 import re
 from collections import defaultdict
 
-__all__ = ["Instr", "callees", "multipliers", "param_index", "parse_module", "shape_bytes"]
+__all__ = ["Instr", "callees", "host_memory_bytes", "multipliers", "param_index", "parse_module", "shape_bytes"]
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
              "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
@@ -65,6 +65,31 @@ def _shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
 def shape_bytes(shape: tuple[str, tuple[int, ...]]) -> int:
     """Bytes of one (element type, dims) array shape."""
     return int(math.prod(shape[1]) * _ITEMSIZE[shape[0]])
+
+
+_HOST_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}")  # memory space 5: pinned host
+
+
+def host_memory_bytes(hlo_text: str) -> tuple[int, int]:
+    """(argument, output) bytes per device that the compiled module's entry layout keeps in host
+    memory (its `S(5)` arrays), read from the module's first line.
+
+    >>> host_memory_bytes("HloModule m, entry_computation_layout={(f32[4]{0:S(5)}, f32[2]{0})->f32[4]{0:S(5)}}")
+    (16, 16)
+    """
+    header = hlo_text.split("\n", 1)[0]
+    start = header.index("entry_computation_layout={") + len("entry_computation_layout={")
+    depth, end = 0, start
+    for end, ch in enumerate(header[start:], start):  # to the layout's closing brace
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            break
+    args, outs = header[start:end].split(")->", 1)
+
+    def total(text: str) -> int:
+        return sum(shape_bytes((dt, tuple(int(d) for d in dims.split(",") if d)))
+                   for dt, dims in _HOST_ARRAY.findall(text))
+    return total(args), total(outs)
 
 
 def _closing(text: str, start: int) -> int:

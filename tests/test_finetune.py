@@ -16,7 +16,7 @@ from meshwork.train.loop import Trainer, check_runtime, train
 from meshwork.train.optim import make_optimizer
 from meshwork.train.state import abstract_state
 
-from conftest import ROOT
+from conftest import ROOT, compile_fast_override
 
 STEPS = 60
 
@@ -75,7 +75,8 @@ def test_only_the_lora_matrices_are_trained(base, tuned):
 def test_frozen_weights_get_no_gradients_in_the_compiled_step(base, tmp_path):
     flops = {}
     for method in ("lora", "full"):
-        cfg = lora_config(base["run_dir"], tmp_path / method, f"finetune.method={method}")
+        # Counted in the HLO, so compiled for compile speed (conftest).
+        cfg = lora_config(base["run_dir"], tmp_path / method, f"finetune.method={method}", compile_fast_override())
         trainer = Trainer(cfg, check_runtime(cfg, jax.devices()[:1]), jax.devices()[:1])
         flops[method] = trainer.step_fn.cost_analysis()["flops"]
     # Full fine-tuning computes dW for every weight (~1/3 of a training step); LoRA only for A and B.

@@ -15,35 +15,35 @@ offloaded activations) from the step lowered for GPU, which needs no GPU.
 
 from __future__ import annotations
 
-import math
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, compile_fast_override, tiny_overrides
 from meshwork.run.checkpoint import abstract_with_shardings
 from meshwork.config import ConfigError, load_config
 from meshwork.sharding.report import state_bytes
 from meshwork.train.loop import Trainer, check_runtime
+from meshwork.sharding.hlo_parse import host_memory_bytes
 
 STEPS = 3
 MESHES = {1: ["mesh.data=1"], 8: ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]}
 OPTIONS = {"none": [], "optimizer": ["train.offload.optimizer=true"],
            "params_dots": ["train.offload.params=true", "train.remat=offload_dots"],
            "all": ["train.offload.optimizer=true", "train.offload.params=true", "train.remat=offload_dots"]}
-# Compiles dominate the test's time (2 CPU cores: ~10 s each), so options are grouped: optimizer
+# Compiles dominate the test's time (2 CPU cores: ~10 s each, before compiling for compile speed
+# through conftest's compile_fast_override), so options are grouped: optimizer
 # offload alone and parameter + activation offload together on one device, all three on eight.
 CASES = [(1, "optimizer"), (1, "params_dots"), (8, "all")]
-_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def _train(n_devices: int, option: str, tmp_path_factory) -> tuple[Trainer, dict, list[float]]:
     run_dir = tmp_path_factory.mktemp(f"offload_{n_devices}_{option}")
     # No warmup: a first step at lr 0 would hide a wrong update.
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(run_dir), "optimizer.warmup_steps=0",
-                                                      *MESHES[n_devices], *OPTIONS[option]])
+                                                      compile_fast_override(), *MESHES[n_devices], *OPTIONS[option]])
     devices = jax.devices()[:n_devices]
     trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
     state, batches, losses = trainer.init_state(), trainer.task.train_iterator(), []
@@ -66,20 +66,8 @@ def runs(tmp_path_factory):
 
 
 def host_bytes(compiled) -> tuple[int, int]:
-    """(argument, output) bytes per device that live in host memory: the entry layout's `S(5)` buffers."""
-    header = compiled.as_text().split("\n", 1)[0]
-    start = header.index("entry_computation_layout={") + len("entry_computation_layout={")
-    depth, end = 0, start
-    for end, ch in enumerate(header[start:], start):  # to the layout's closing brace
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth < 0:
-            break
-    args, outs = header[start:end].split(")->", 1)
-
-    def total(text: str) -> int:
-        return sum(_ITEMSIZE[dt] * math.prod(int(d) for d in dims.split(",") if d)
-                   for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}", text))
-    return total(args), total(outs)
+    """(argument, output) bytes per device in host memory of the compiled step's entry layout."""
+    return host_memory_bytes(compiled.as_text())
 
 
 @pytest.mark.parametrize("n_devices,option", CASES)
