@@ -1,0 +1,86 @@
+"""What compiling for compile speed costs and saves (train/state.py's RUN_ONCE_OPTIONS: XLA's
+backend at optimization level 0, LLVM's expensive passes off), measured in one run.
+
+    python benchmarks/compile_options.py      # ~2 min on 2 cores
+
+For each program: the backend compile in seconds and one execution in milliseconds, with XLA's
+defaults and with RUN_ONCE_OPTIONS, and their ratios. The programs: the trainer's init (it runs
+once per run, so only its compile counts) and its train step (it runs every step) of unet_digits
+and lm_tiny on 8 simulated CPU devices under data parallelism. Each compile is fresh (no
+persistent cache).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from meshwork.config import load_config  # noqa: E402
+from meshwork.run.checkpoint import abstract_with_shardings  # noqa: E402
+from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.train.state import RUN_ONCE_OPTIONS, _fresh_state  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = {"unet_digits": ["train.global_batch=16", "mesh.data=8"], "lm_tiny": ["mesh.data=8"]}
+
+
+def timed(lower: Callable[[], jax.stages.Lowered], options: dict, *args, runs: int = 5) -> tuple[float, float]:
+    """(compile s, mean execution ms over `runs`, after one warm-up) of a fresh `lower()` under `options`
+    (a fresh lowering: jax keeps compiled programs in memory, keyed by the lowered module)."""
+    lowered = lower()
+    t = time.perf_counter()
+    compiled = lowered.compile(compiler_options=options)
+    compile_s = time.perf_counter() - t
+    jax.block_until_ready(compiled(*args))
+    t = time.perf_counter()
+    for _ in range(runs):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    return compile_s, (time.perf_counter() - t) / runs * 1000
+
+
+def programs(trainer: Trainer) -> dict[str, tuple[Callable[[], jax.stages.Lowered], tuple]]:
+    """name -> (a function lowering the program anew, its arguments)."""
+    cfg = trainer.cfg
+    state = trainer.init_state()
+    batch = trainer.to_device(next(trainer.task.train_iterator()))
+    batch_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+
+    def init():
+        with trainer.context():
+            return jax.jit(lambda: _fresh_state(cfg, trainer.tx), out_shardings=trainer.shardings).lower()
+
+    def step():  # not donated: the same state feeds every timed call
+        with trainer.context():
+            return jax.jit(trainer.make_step(trainer.grad_shardings), in_shardings=(
+                trainer.shardings, trainer.batch_sharding)).lower(
+                    abstract_with_shardings(trainer.abstract, trainer.shardings), batch_abstract)
+    return {"init": (init, ()), "step": (step, (state, batch))}
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, options {RUN_ONCE_OPTIONS}")
+    print("| model | program | compile s (default / fast) | run ms (default / fast) | compile x | run x |")
+    print("|---|---|---|---|---|---|")
+    for name, overrides in CONFIGS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(ROOT / f"configs/{name}.yaml", [f"run.dir={tmp}", "log.progress=false", *overrides])
+            trainer = Trainer(cfg, check_runtime(cfg), jax.devices())
+            for program, (lower, args) in programs(trainer).items():
+                with trainer.context():
+                    (c0, r0), (c1, r1) = timed(lower, {}, *args), timed(lower, RUN_ONCE_OPTIONS, *args)
+                print(f"| {name} | {program} | {c0:.2f} / {c1:.2f} | {r0:.1f} / {r1:.1f} | "
+                      f"{c0 / c1:.2f} | {r0 / r1:.2f} |", flush=True)
+    print("(x: default / fast; above 1 the fast compile is quicker, below 1 slower)")
+
+
+if __name__ == "__main__":
+    main()
