@@ -18,8 +18,7 @@ from meshwork.train.loop import Trainer, check_runtime, train
 from conftest import ROOT
 
 # train.steps is part of every compiled program (the schedule's length): one value for every test here
-# lets the 8-device comparison and the 60-step run share one compiled step through the session's cache
-# (the 60-step run's compile became 2 cache hits and 10 s less).
+# lets the 8-device comparison and the 60-step run share one compiled step through the session's cache.
 STEPS = 60
 SMALL = ["train.global_batch=16", "log.progress=false", "log.tensorboard=false", "log.eval_batches=2",
          "optimizer.init_lr_ratio=0.1", f"train.steps={STEPS}"]

@@ -98,9 +98,9 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any,
     return compiled_for_one_run(fresh.lower(base_params))(base_params)
 
 
-# Initialization runs once per run, so it is compiled for compile speed: on CPU, LLVM's optimization
-# passes took 9.6 of the 13.3 s a sharded UNet's init cost (97 random generators, 654 fusions) and
-# would have saved milliseconds of a computation that runs once (5.3 s to compile without them).
+# Initialization runs once per run, so it is compiled for compile speed: on CPU a sharded UNet's
+# init compiled in 6.5 s instead of 15.9 s and ran 66 ms slower, once (benchmarks/compile_options.py,
+# RESULTS.md 2026-12-02). The trainer's step keeps XLA's defaults: it runs every step.
 RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
