@@ -2,7 +2,16 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# XLA compiles for compile speed (its LLVM passes cost about a third of most tests' time and change
+# how fast a program runs, not what it computes); the runs that train for many steps ask for XLA's
+# default optimization back per compile (`optimized_override()`). benchmarks/compile_options.py
+# measures both sides.
+FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+_flags = os.environ.get("XLA_FLAGS", "").split()
+for _flag in ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS]:
+    if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):  # a flag set by the caller wins
+        _flags.append(_flag)
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ["JAX_PLATFORMS"] = "cpu"
 # One persistent compilation cache for the session (and the processes tests start): many tests
 # build the same tiny step in a new Trainer, which would otherwise compile it again each time.
@@ -31,13 +40,31 @@ def root() -> pathlib.Path:
     return ROOT
 
 
-def compile_fast_override() -> str:
-    """A config override that compiles the train step for compile speed (RUN_ONCE_OPTIONS, as the
-    init is): for tests that run a step a handful of times, where XLA's LLVM passes cost seconds
-    and change how fast the step runs, not what it computes."""
-    from meshwork.train.state import RUN_ONCE_OPTIONS
+# XLA's own defaults (xla/debug_options_flags.cc), which FAST_COMPILE_FLAGS lowered for the session.
+OPTIMIZED_OPTIONS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
 
-    return "comm.xla_options={" + ", ".join(f"{k}: {str(v).lower()}" for k, v in RUN_ONCE_OPTIONS.items()) + "}"
+
+def optimized_override() -> str:
+    """A config override that compiles the train step with XLA's default optimization: for runs of
+    dozens of steps, where the step's speed outweighs its compile."""
+    return "comm.xla_options={" + ", ".join(f"{k}: {str(v).lower()}" for k, v in OPTIMIZED_OPTIONS.items()) + "}"
+
+
+# Two tiers. `pytest` runs the quick one (one test per claim, ~10 min on 2 cores); tests marked
+# `slow` (more layouts and signals, longer learning runs, the bigger notebooks) run with
+# `--tier slow`, and everything with `--tier all`. CI runs both tiers.
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("quick", "slow", "all"), default="quick",
+                     help="quick (default): the tests not marked slow; slow: only those; all: every test")
+
+
+def pytest_collection_modifyitems(config, items):
+    tier = config.getoption("--tier")
+    if tier == "all":
+        return
+    in_tier = {id(item): (item.get_closest_marker("slow") is not None) == (tier == "slow") for item in items}
+    config.hook.pytest_deselected(items=[item for item in items if not in_tier[id(item)]])
+    items[:] = [item for item in items if in_tier[id(item)]]
 
 
 def tiny_overrides(run_dir) -> list[str]:
@@ -73,7 +100,7 @@ class _LazyRuns(dict):
         run_dir = self.tmp_path_factory.mktemp(f"lm_tiny_{name}")
         cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
             f"run.dir={run_dir}", f"train.steps={LM_TINY_STEPS}", "log.eval_every=100", "log.progress=false",
-            *layout["overrides"]])
+            optimized_override(), *layout["overrides"]])
         self[name] = train(cfg, devices=jax.devices()[: layout["devices"]])
         return self[name]
 

@@ -221,6 +221,7 @@ def _run_script(args, tmp_path, limit_s=120):
     return out.stdout, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_attention_benchmark_quick(tmp_path):
     stdout, seconds = _run_script(["benchmarks/attention.py", "--quick", "--json", str(tmp_path / "a.json")],
                                   tmp_path)
@@ -232,6 +233,7 @@ def test_attention_benchmark_quick(tmp_path):
     print(f"attention.py --quick: {seconds:.0f} s")
 
 
+@pytest.mark.slow
 def test_autotune_quick(tmp_path):
     cache_file = tmp_path / "tuned.json"
     stdout, seconds = _run_script(["benchmarks/autotune_attention.py", "--quick", "--cache", str(cache_file),

@@ -20,7 +20,7 @@ import meshwork.sharding.collective_matmul as cm
 from meshwork.sharding.hlo import collective_summary
 from meshwork.sharding.mesh import make_mesh
 
-from conftest import ROOT, compile_fast_override, tiny_overrides
+from conftest import ROOT, tiny_overrides
 
 B, L, D, F = 4, 16, 32, 64  # L and F split into 8 along `tensor`
 TOL = 1e-5                  # max |error| relative to max |reference|
@@ -162,11 +162,11 @@ def _train(tmp_path, collective: bool, steps: int = 2):
     from meshwork.train.loop import Trainer, check_runtime
 
     # Nonzero lr at step 0 (a warmup from 0 makes step 1 a no-op); 4 K/V heads split over
-    # tensor=4; one layer, and compiled for compile speed, since the compile is most of this test's time.
+    # tensor=4; one layer, since the compile is most of this test's time.
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
         *tiny_overrides(tmp_path), "optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10",
         "mesh.data=2", "mesh.tensor=4", "rules.preset=sp", "model.n_kv_heads=4", "model.n_layers=1",
-        f"comm.collective_matmul={str(collective).lower()}", compile_fast_override()])
+        f"comm.collective_matmul={str(collective).lower()}"])
     files = check_runtime(cfg, jax.devices())
     trainer = Trainer(cfg, files, jax.devices())
     batches = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)

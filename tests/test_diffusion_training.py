@@ -40,8 +40,8 @@ def single(tmp_path_factory):
     return three_steps(tmp_path_factory.mktemp("unet1"), ["mesh.data=1"], 1)
 
 
-@pytest.mark.parametrize("overrides", [["mesh.data=8"], ["mesh.data=2", "mesh.fsdp=4", "rules.preset=fsdp"]],
-                         ids=["dp 8", "fsdp 2x4"])
+@pytest.mark.parametrize("overrides", [pytest.param(["mesh.data=8"], id="dp 8", marks=pytest.mark.slow),
+                                       pytest.param(["mesh.data=2", "mesh.fsdp=4", "rules.preset=fsdp"], id="fsdp 2x4")])
 def test_unet_sharded_training_equals_one_device(tmp_path, single, overrides):
     metrics, params, ema = three_steps(tmp_path, overrides, 8)
     np.testing.assert_allclose(metrics["loss"], single[0]["loss"], rtol=1e-5)
@@ -51,6 +51,7 @@ def test_unet_sharded_training_equals_one_device(tmp_path, single, overrides):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_unet_digits_loss_falls_and_the_cli_samples(tmp_path):
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs/unet_digits.yaml", [

@@ -16,7 +16,7 @@ from meshwork.train.loop import Trainer, check_runtime, train
 from meshwork.train.optim import make_optimizer
 from meshwork.train.state import abstract_state
 
-from conftest import ROOT, compile_fast_override
+from conftest import ROOT, optimized_override
 
 STEPS = 60
 
@@ -38,11 +38,13 @@ def tuned(base, tmp_path_factory):
     out = {}
     for method in ("lora", "qlora"):
         run_dir = tmp_path_factory.mktemp(method)
-        out[method] = train(lora_config(base["run_dir"], run_dir, f"finetune.method={method}"),
+        out[method] = train(lora_config(base["run_dir"], run_dir, f"finetune.method={method}", optimized_override()),
                             devices=jax.devices()[:1])
     return out
 
 
+# The tests that read the 60-step LoRA and QLoRA runs (`tuned`) are in the slow tier.
+@pytest.mark.slow
 def test_lora_learns_the_docs_and_reports_the_code_loss(base, tuned):
     run = tuned["lora"]
     # Step 0 is the base model exactly (B = 0): its loss on the code it was trained on is the
@@ -54,6 +56,7 @@ def test_lora_learns_the_docs_and_reports_the_code_loss(base, tuned):
     assert [r["step"] for r in rows] == [0, 30, 60] and all("val_loss_base_data" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_only_the_lora_matrices_are_trained(base, tuned):
     state = tuned["lora"]["state"]
     params = jax.tree.leaves(state["params"])
@@ -75,14 +78,14 @@ def test_only_the_lora_matrices_are_trained(base, tuned):
 def test_frozen_weights_get_no_gradients_in_the_compiled_step(base, tmp_path):
     flops = {}
     for method in ("lora", "full"):
-        # Counted in the HLO, so compiled for compile speed (conftest).
-        cfg = lora_config(base["run_dir"], tmp_path / method, f"finetune.method={method}", compile_fast_override())
+        cfg = lora_config(base["run_dir"], tmp_path / method, f"finetune.method={method}")
         trainer = Trainer(cfg, check_runtime(cfg, jax.devices()[:1]), jax.devices()[:1])
         flops[method] = trainer.step_fn.cost_analysis()["flops"]
     # Full fine-tuning computes dW for every weight (~1/3 of a training step); LoRA only for A and B.
     assert flops["lora"] < 0.8 * flops["full"], flops
 
 
+@pytest.mark.slow
 def test_qlora_tracks_lora(tuned):
     lora, qlora = tuned["lora"]["val_loss"], tuned["qlora"]["val_loss"]
     # 4-bit base weights: the start is within 1% of LoRA's, and so is the loss after fine-tuning.
@@ -94,7 +97,8 @@ def test_qlora_tracks_lora(tuned):
 
 
 def test_sharded_finetuning_resumes_exactly(base, tmp_path):
-    fsdp = ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp", "train.steps=12", "log.eval_every=12"]
+    fsdp = ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp", "train.steps=12", "log.eval_every=12",
+            optimized_override()]
     straight = train(lora_config(base["run_dir"], tmp_path / "straight", *fsdp))
     train(lora_config(base["run_dir"], tmp_path / "resumed", *fsdp, "train.stop_after=6"))
     resumed = train(lora_config(base["run_dir"], tmp_path / "resumed", *fsdp))
@@ -134,6 +138,7 @@ def test_bad_finetune_configs_exit_2(base, tmp_path, capsys, override, message):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_a_lora_run_generates_merged(tuned, capsys):
     """`python -m inference lm` on a LoRA run merges the deltas into W0 (the base's cost) and
     generates what the unmerged model generates."""

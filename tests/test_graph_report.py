@@ -63,6 +63,7 @@ def test_class_flops_match_cost_analysis(report):
     assert classes["collective"]["kernels"] >= 1  # dp: the gradient all-reduces
 
 
+@pytest.mark.slow
 def test_eager_vs_graph_benchmark_runs(capsys):
     from benchmarks.eager_vs_graph import main
 

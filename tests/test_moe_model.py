@@ -13,7 +13,7 @@ from meshwork.models.layers.moe_routing import RouterBias
 from meshwork.train.loop import train
 from meshwork.models.build import build_model
 
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, optimized_override, tiny_overrides
 
 
 def actual_params(cfg) -> int:
@@ -65,11 +65,13 @@ def moe_runs(tmp_path_factory):
         run_dir = tmp_path_factory.mktemp(f"aux{coef}")
         cfg = load_config(ROOT / "configs/moe_tiny.yaml", [
             f"run.dir={run_dir}", f"train.steps={STEPS}", "data.seq_len=64", f"model.moe.aux_loss_coef={coef}",
-            "mesh.data=8", f"log.eval_every={STEPS}", "log.progress=false", "log.tensorboard=false"])
+            "mesh.data=8", f"log.eval_every={STEPS}", "log.progress=false", "log.tensorboard=false",
+            optimized_override()])
         out[coef] = (train(cfg), [r for r in read_metrics(run_dir) if "load_cv" in r])
     return out
 
 
+@pytest.mark.slow
 def test_moe_tiny_learns_and_the_aux_loss_balances_experts(moe_runs):
     for summary, rows in moe_runs.values():
         assert summary["val_loss"][STEPS] < summary["val_loss"][0] - 2.0

@@ -45,6 +45,7 @@ def _wait_all(procs, timeout=420):
     return [p.returncode for p, _ in procs]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     port = _free_port()
     multi = tmp_path / "multi"

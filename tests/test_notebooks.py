@@ -39,7 +39,12 @@ def test_committed_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} hold outputs; clear them before committing"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# The quick tier runs the quickstart and the planner; the slow tier the four that train bigger runs.
+QUICK_NOTEBOOKS = ("01_quickstart", "06_planner")
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=[] if p.stem in QUICK_NOTEBOOKS else [pytest.mark.slow])
+                                  for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MESHWORK_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("MESHWORK_NOTEBOOK_RUNS", str(tmp_path))

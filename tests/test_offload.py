@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_fast_override, tiny_overrides
+from conftest import ROOT, tiny_overrides
 from meshwork.run.checkpoint import abstract_with_shardings
 from meshwork.config import ConfigError, load_config
 from meshwork.sharding.report import state_bytes
@@ -33,8 +33,7 @@ MESHES = {1: ["mesh.data=1"], 8: ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fs
 OPTIONS = {"none": [], "optimizer": ["train.offload.optimizer=true"],
            "params_dots": ["train.offload.params=true", "train.remat=offload_dots"],
            "all": ["train.offload.optimizer=true", "train.offload.params=true", "train.remat=offload_dots"]}
-# Compiles dominate the test's time (2 CPU cores: ~10 s each, before compiling for compile speed
-# through conftest's compile_fast_override), so options are grouped: optimizer
+# Compiles dominate the test's time (2 CPU cores: ~10 s each at XLA's default optimization), so options are grouped: optimizer
 # offload alone and parameter + activation offload together on one device, all three on eight.
 CASES = [(1, "optimizer"), (1, "params_dots"), (8, "all")]
 
@@ -43,7 +42,7 @@ def _train(n_devices: int, option: str, tmp_path_factory) -> tuple[Trainer, dict
     run_dir = tmp_path_factory.mktemp(f"offload_{n_devices}_{option}")
     # No warmup: a first step at lr 0 would hide a wrong update.
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(run_dir), "optimizer.warmup_steps=0",
-                                                      compile_fast_override(), *MESHES[n_devices], *OPTIONS[option]])
+                                                      *MESHES[n_devices], *OPTIONS[option]])
     devices = jax.devices()[:n_devices]
     trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
     state, batches, losses = trainer.init_state(), trainer.task.train_iterator(), []

@@ -92,7 +92,9 @@ def test_weights_mirror_the_model(config, extra):
 
 # --- against the compiled program --------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# zero1 and zero2 compile programs no other test here needs: the slow tier checks them.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in ("zero1", "zero2") else [])
+                                  for name in LAYOUTS])
 def test_state_bytes_match_the_dry_run(compiled, name):
     cfg, report = compiled(name)
     got = state_memory(cfg, layout_from_config(cfg, 8))

@@ -10,13 +10,10 @@ from meshwork.config import load_config
 from meshwork.data.text import train_iterator
 from meshwork.train.loop import Trainer, check_runtime
 
-from conftest import ROOT, compile_fast_override, tiny_overrides
+from conftest import ROOT, tiny_overrides
 
-# Nonzero lr at step 0: a warmup from 0 would make the compared step a no-op. Each layout's step is
-# compiled for 3 steps, so it is compiled for compile speed (train/state.py's RUN_ONCE_OPTIONS, through
-# comm.xla_options): XLA's backend compile was 80% of this file's time (171 of 213 s).
-STEP_OVERRIDES = ["optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10", "model.tie_embeddings=false",
-                  compile_fast_override()]
+# Nonzero lr at step 0: a warmup from 0 would make the compared step a no-op.
+STEP_OVERRIDES = ["optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10", "model.tie_embeddings=false"]
 
 
 STEPS = 3
@@ -35,6 +32,18 @@ def one_step(tmp_path, overrides, n_devices):
     return jax.device_get(metrics), jax.device_get(state["params"]), state, trainer
 
 
+class Lazy(dict):
+    """key -> make(key), computed when a test first asks: a tier that runs one variant pays for one reference."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return one_step(tmp_path_factory.mktemp("ref"), ["mesh.data=1"], 1)
@@ -49,7 +58,9 @@ def assert_same_step(got, want, param_atol=1e-5):
 
 
 # Every preset and two hybrids, each on an asymmetric mesh (a symmetric one
-# cannot expose two swapped axes).
+# cannot expose two swapped axes). The quick tier runs the three hybrids, which between them use
+# every axis (fsdp, tensor, sequence) and the zero2, tp, sp and cp rules; the slow tier the rest.
+HYBRIDS = ("fsdp+tp 2x2x2", "cp+tp 2x2x2", "zero2+sp 2x2x2")
 LAYOUTS = {
     "dp 2x4": ("dp", dict(data=2, fsdp=4)),
     "zero1 4x2": ("zero1", dict(data=4, fsdp=2)),
@@ -65,7 +76,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name in HYBRIDS else [pytest.mark.slow])
+                                    for name in LAYOUTS])
 def test_sharded_step_equals_single_device(tmp_path, reference, layout):
     preset, sizes = LAYOUTS[layout]
     got = one_step(tmp_path, [*(f"mesh.{k}={v}" for k, v in sizes.items()), f"rules.preset={preset}"], 8)
@@ -85,12 +97,12 @@ def test_gradient_accumulation_equals_full_batch(tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def references_4_layers(tmp_path_factory):
-    return {tied: one_step(tmp_path_factory.mktemp("ref4"), ["mesh.data=1", "model.n_layers=4",
-                                                              f"model.tie_embeddings={tied}"], 1)
-            for tied in (False, True)}
+    return Lazy(lambda tied: one_step(tmp_path_factory.mktemp("ref4"), ["mesh.data=1", "model.n_layers=4",
+                                                                        f"model.tie_embeddings={tied}"], 1))
 
 
-@pytest.mark.parametrize("kind, tied", [("gpipe", False), ("1f1b", False), ("1f1b", True)])
+@pytest.mark.parametrize("kind, tied", [pytest.param("gpipe", False, marks=pytest.mark.slow),
+                                        pytest.param("1f1b", False, marks=pytest.mark.slow), ("1f1b", True)])
 def test_pipeline_step_equals_single_device(tmp_path, references_4_layers, kind, tied):
     # 4 stages of one layer x 2-way data parallel, 4 microbatches; tied
     # embeddings send the table's gradient through both ends of the pipeline.
@@ -107,15 +119,15 @@ MOE = ["model.kind=moe", "model.moe.n_experts=8", "model.moe.top_k=2", "model.mo
 
 @pytest.fixture(scope="module")
 def moe_references(tmp_path_factory):
-    return {cf: one_step(tmp_path_factory.mktemp("moeref"), ["mesh.data=1", *MOE, f"model.moe.capacity_factor={cf}"],
-                         1) for cf in ("1.0", "null")}
+    return Lazy(lambda cf: one_step(tmp_path_factory.mktemp("moeref"),
+                                    ["mesh.data=1", *MOE, f"model.moe.capacity_factor={cf}"], 1))
 
 
 @pytest.mark.parametrize("sizes, preset, capacity", [
-    (dict(expert=4, data=2), "ep", "1.0"),
-    (dict(expert=8, data=1), "ep", "null"),
-    (dict(expert=2, fsdp=2, tensor=2), "fsdp+tp+ep", "1.0"),
-], ids=["ep 4x2 capacity", "ep 8 dropless", "fsdp+tp+ep 2x2x2"])
+    pytest.param(dict(expert=4, data=2), "ep", "1.0", id="ep 4x2 capacity", marks=pytest.mark.slow),
+    pytest.param(dict(expert=8, data=1), "ep", "null", id="ep 8 dropless", marks=pytest.mark.slow),
+    pytest.param(dict(expert=2, fsdp=2, tensor=2), "fsdp+tp+ep", "1.0", id="fsdp+tp+ep 2x2x2"),
+])
 def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references, sizes, preset, capacity):
     got = one_step(tmp_path, [*MOE, f"model.moe.capacity_factor={capacity}", f"rules.preset={preset}",
                               *(f"mesh.{k}={v}" for k, v in sizes.items())], 8)
@@ -128,8 +140,8 @@ def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references,
     np.testing.assert_allclose(got[0]["dropped_fraction"], moe_references[capacity][0]["dropped_fraction"])
 
 
-@pytest.mark.parametrize("sizes, preset", [(dict(data=1), "dp"), (dict(data=2, fsdp=2, tensor=2), "fsdp+tp")],
-                         ids=["1 device", "fsdp+tp 2x2x2"])
+@pytest.mark.parametrize("sizes, preset", [pytest.param(dict(data=1), "dp", id="1 device", marks=pytest.mark.slow),
+                                           pytest.param(dict(data=2, fsdp=2, tensor=2), "fsdp+tp", id="fsdp+tp 2x2x2")])
 def test_pallas_attention_trains_like_xla(tmp_path, reference, sizes, preset):
     # The Pallas kernel runs in interpret mode on CPU; under a mesh, per device in shard_map.
     got = one_step(tmp_path, ["model.attention=pallas", f"rules.preset={preset}",

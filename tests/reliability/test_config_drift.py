@@ -3,6 +3,8 @@ when named in run.allow_changes (then recorded), and a run at its last step is l
 
 import json
 
+import pytest
+
 from meshwork.run.metrics import read_metrics
 
 from harness import STEPS, compile_cache, run, tree_digest  # noqa: F401 (fixtures)
@@ -19,6 +21,7 @@ def test_shape_change_is_refused_before_compiling(compile_cache, tmp_path):
     assert tree_digest(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_lr_change_is_refused_then_accepted_when_named_and_recorded(compile_cache, tmp_path):
     first = run(tmp_path, compile_cache, "train.stop_after=10")
     assert first.returncode == 0, first.stderr[-2000:]

@@ -54,6 +54,7 @@ def _kill_at(run_dir, cache, target: int, mid_write: bool) -> dict:
             "at_step": _logged_step(run_dir)}
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_changes_nothing(reference_run, compile_cache, tmp_path):
     rng = random.Random(0)
     targets = sorted(rng.sample(range(2, STEPS - 3), KILLS))
@@ -100,7 +101,7 @@ def _damage(step_dir, how: str) -> str:
     return str(target.relative_to(step_dir))
 
 
-@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize("how", ["flip", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_damaged_checkpoint_is_skipped_and_the_previous_one_used(how, reference_run, compile_cache, tmp_path):
     first = run(tmp_path, compile_cache, "train.stop_after=30")
     assert first.returncode == 0, first.stderr[-2000:]

@@ -36,6 +36,7 @@ def test_skip_drops_the_update_and_goes_on(skipped):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(skipped["state"]["params"]))
 
 
+@pytest.mark.slow
 def test_rollback_replays_without_the_bad_batch(skipped, tmp_path):
     rolled = _train(tmp_path, "train.on_nan=rollback")
     assert rolled["nonfinite_steps"] == [BAD] and rolled["last_step"] == STEPS

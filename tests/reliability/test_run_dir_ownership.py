@@ -38,13 +38,17 @@ def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, co
     assert_same_final_state(tmp_path, reference_run)
 
 
+# The quick tier starts and signals once (SIGTERM in the compile); the slow tier covers the other moments.
 @pytest.mark.parametrize("sig, delay_s, cached", [
-    (signal.SIGKILL, 1.5, True),
-    (signal.SIGINT, 0.8, True),     # during the imports: Ctrl-C inside a gc callback used to be lost (exit 0)
-    (signal.SIGTERM, 3.5, False),   # an empty compilation cache: the compile takes seconds, the signal lands in it
-    (signal.SIGINT, 3.5, False),
-    (signal.SIGTERM, 3.0, True),    # cached: usually training already
-], ids=["kill-startup", "int-imports", "term-compile", "int-compile", "term-early-steps"])
+    pytest.param(signal.SIGKILL, 1.5, True, id="kill-startup", marks=pytest.mark.slow),
+    # During the imports: Ctrl-C inside a gc callback used to be lost (exit 0).
+    pytest.param(signal.SIGINT, 0.8, True, id="int-imports", marks=pytest.mark.slow),
+    # An empty compilation cache: the compile takes seconds, the signal lands in it.
+    pytest.param(signal.SIGTERM, 3.5, False, id="term-compile"),
+    pytest.param(signal.SIGINT, 3.5, False, id="int-compile", marks=pytest.mark.slow),
+    # Cached: usually training already.
+    pytest.param(signal.SIGTERM, 3.0, True, id="term-early-steps", marks=pytest.mark.slow),
+])
 def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig, delay_s, cached, reference_run,
                                                                             compile_cache, tmp_path):
     """Imports, data, compile, first steps: a signal there used to leave checkpoints/ without config.yaml."""
@@ -66,7 +70,9 @@ def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig,
     assert_same_final_state(run_dir, reference_run)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["kill", "term", "int"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, id="kill"),
+                                 pytest.param(signal.SIGTERM, id="term", marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGINT, id="int", marks=pytest.mark.slow)])
 def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, reference_run, compile_cache, tmp_path):
     """A second start (compile, restore of step 30, first steps after it) interrupted by each signal."""
     first = run(tmp_path, compile_cache, "train.stop_after=30")
@@ -83,6 +89,7 @@ def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, refere
     assert_same_final_state(tmp_path, reference_run)
 
 
+@pytest.mark.slow
 def test_leftovers_of_interrupted_writes_are_removed(reference_run, compile_cache, tmp_path):
     first = run(tmp_path, compile_cache, "train.stop_after=30")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -122,6 +129,7 @@ def test_a_dead_trainers_lock_never_blocks_and_is_reported(reference_run, compil
     assert "(pid 999999 on gone (started yesterday)) ended without releasing it; taking the run over" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_run_dir_without_a_committed_checkpoint_is_fresh(reference_run, compile_cache, tmp_path):
     """What a run killed before its first checkpoint leaves (a config of other sizes, metrics, an empty
     checkpoints/) does not stop a new start."""

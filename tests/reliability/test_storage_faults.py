@@ -30,6 +30,7 @@ def small_disk(tmp_path, reference_run):
     subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+@pytest.mark.slow
 def test_full_disk_keeps_the_last_checkpoint_and_resumes_bit_exact(small_disk, reference_run, compile_cache):
     run_dir = small_disk / "run"
     full = run(run_dir, compile_cache)
