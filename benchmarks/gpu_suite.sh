@@ -325,10 +325,11 @@ step attention_noncausal 45 python3 benchmarks/attention.py --seq $ATT_SEQ $ATT_
   --passes fwd+bwd --max-seconds 25 --json "$OUT/attention_noncausal.json"
 
 # ---------------------------------------------------------------- 7. the flash-attention tests on the GPU
-# tests/conftest.py forces 8 CPU devices; --noconftest skips it (this file needs none of its fixtures).
+# tests/conftest.py forces 8 CPU devices; --noconftest skips it (this file needs none of its fixtures);
+# -o addopts= drops pyproject's pytest-xdist options (not installed on the GPU machine).
 # Cases without backend= run compiled Triton here; the others run their interpreters on the GPU.
 if [ -z "${SMOKE:-}" ]; then
-  step pytest_flash 70 python3 -m pytest --noconftest -q -p no:cacheprovider tests/test_flash_attention.py \
+  step pytest_flash 70 python3 -m pytest --noconftest -o addopts= -q -p no:cacheprovider tests/test_flash_attention.py \
     -k "matches_reference or rows_without or masked_blocks or every_output or decode_matches"
 fi
 

@@ -110,3 +110,21 @@ def lm_tiny_runs(tmp_path_factory):
     """name -> train() summary (with "run_dir", "state", "val_loss") of lm_tiny after LM_TINY_STEPS steps."""
     return _LazyRuns(tmp_path_factory)
 
+
+
+# The reliability tests' shared fixtures (tests/reliability/harness.py starts the runs): one
+# compilation cache and one reference run per session (per pytest-xdist worker), whichever file asks first.
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, compile_cache) -> pathlib.Path:
+    """The uninterrupted 60-step tiny run every interrupted one must match bit for bit."""
+    from reliability.harness import run
+
+    run_dir = tmp_path_factory.mktemp("reference")
+    done = run(run_dir, compile_cache)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run_dir

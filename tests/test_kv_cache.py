@@ -1,7 +1,6 @@
 """KV-cache decoding gives the logits of a full forward pass, on one device and sharded on eight,
 with a contiguous or a paged cache, and the decode step updates the cache in place."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

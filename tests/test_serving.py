@@ -1,7 +1,6 @@
 """Continuous batching: every request gets the tokens it gets alone, pages are never shared and
 always come back, and bad requests are answered with an error while the rest are served."""
 
-import numpy as np
 import pytest
 
 from meshwork.inference.generate import Generator

@@ -1,4 +1,4 @@
-"""Shared pieces of the reliability tests (imported by them; fixtures too): a tiny lm_tiny run started as a real process.
+"""Shared pieces of the reliability tests (their fixtures are in tests/conftest.py): a tiny lm_tiny run started as a real process.
 
 Runs that are killed, signalled or compared bit for bit all start as
 `python -m train` subprocesses on one CPU device with the same settings, so
@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 60
@@ -21,11 +20,6 @@ TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_h
         "data.seq_len=32", "train.global_batch=8", "log.progress=false", "log.tensorboard=false",
         "log.eval_batches=1", "log.every=1", "log.eval_every=1000", "mesh.data=1", f"train.steps={STEPS}",
         "checkpoint.every=5", "checkpoint.keep=2"]
-
-
-@pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory) -> pathlib.Path:
-    return tmp_path_factory.mktemp("jax_cache")
 
 
 def launch(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, **popen) -> subprocess.Popen:
@@ -57,15 +51,6 @@ def final_state(run_dir: pathlib.Path) -> tuple[int, list[np.ndarray]]:
     restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
     ckpt.close()
     return step, [np.asarray(x) for x in jax.tree.leaves(restored["state"])]
-
-
-@pytest.fixture(scope="session")
-def reference_run(tmp_path_factory, compile_cache) -> pathlib.Path:
-    """The uninterrupted 60-step run every interrupted one must match bit for bit."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    done = run(run_dir, compile_cache)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run_dir
 
 
 def tree_digest(root: pathlib.Path) -> str:

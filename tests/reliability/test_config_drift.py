@@ -7,7 +7,7 @@ import pytest
 
 from meshwork.run.metrics import read_metrics
 
-from harness import STEPS, compile_cache, run, tree_digest  # noqa: F401 (fixtures)
+from harness import STEPS, run, tree_digest
 
 
 def test_shape_change_is_refused_before_compiling(compile_cache, tmp_path):

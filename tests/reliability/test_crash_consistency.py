@@ -16,7 +16,7 @@ import pytest
 
 from meshwork.run.metrics import read_metrics
 
-from harness import STEPS, compile_cache, final_state, launch, reference_run, run  # noqa: F401 (fixtures)
+from harness import STEPS, final_state, launch, run
 
 KILLS = 10
 

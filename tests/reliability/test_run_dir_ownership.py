@@ -10,7 +10,7 @@ import pytest
 
 from meshwork.run.metrics import read_metrics
 
-from harness import assert_same_final_state, STEPS, compile_cache, final_state, launch, reference_run, run, tree_digest  # noqa: F401 (fixtures)
+from harness import assert_same_final_state, STEPS, launch, run, tree_digest
 
 
 def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, compile_cache, tmp_path):
@@ -38,17 +38,15 @@ def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, co
     assert_same_final_state(tmp_path, reference_run)
 
 
-# The quick tier starts and signals once (SIGTERM in the compile); the slow tier covers the other moments.
+# The slow tier signals at each of these moments (the quick tier's signal test is the one while resuming).
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, delay_s, cached", [
-    pytest.param(signal.SIGKILL, 1.5, True, id="kill-startup", marks=pytest.mark.slow),
-    # During the imports: Ctrl-C inside a gc callback used to be lost (exit 0).
-    pytest.param(signal.SIGINT, 0.8, True, id="int-imports", marks=pytest.mark.slow),
-    # An empty compilation cache: the compile takes seconds, the signal lands in it.
-    pytest.param(signal.SIGTERM, 3.5, False, id="term-compile"),
-    pytest.param(signal.SIGINT, 3.5, False, id="int-compile", marks=pytest.mark.slow),
-    # Cached: usually training already.
-    pytest.param(signal.SIGTERM, 3.0, True, id="term-early-steps", marks=pytest.mark.slow),
-])
+    (signal.SIGKILL, 1.5, True),
+    (signal.SIGINT, 0.8, True),     # during the imports: Ctrl-C inside a gc callback used to be lost (exit 0)
+    (signal.SIGTERM, 3.5, False),   # an empty compilation cache: the compile takes seconds, the signal lands in it
+    (signal.SIGINT, 3.5, False),
+    (signal.SIGTERM, 3.0, True),    # cached: usually training already
+], ids=["kill-startup", "int-imports", "term-compile", "int-compile", "term-early-steps"])
 def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig, delay_s, cached, reference_run,
                                                                             compile_cache, tmp_path):
     """Imports, data, compile, first steps: a signal there used to leave checkpoints/ without config.yaml."""

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from harness import assert_same_final_state, compile_cache, final_state, reference_run, run  # noqa: F401 (fixtures)
+from harness import assert_same_final_state, run
 
 
 def _mount(point: pathlib.Path, size: int, *options: str) -> None:
