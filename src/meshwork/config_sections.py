@@ -151,6 +151,10 @@ class ModelConfig(Section):
     d_ff: int = pydantic.Field(384, gt=0)
     """Hidden size of the SwiGLU MLP."""
     rope_theta: float = pydantic.Field(10000.0, gt=0)
+    rope_scaling: dict[str, float | int | str] | None = None
+    """Scaled RoPE frequencies, in Hugging Face's `rope_scaling` form: `rope_type` one of
+    llama3, linear, dynamic, yarn, with that type's keys (e.g. `factor`,
+    `original_max_position_embeddings`); null for plain RoPE. models/layers/rope.py."""
     norm_eps: float = pydantic.Field(1e-5, gt=0)
     attention: Literal["xla", "pallas", "cudnn", "reference"] = "xla"
     """Attention kernel: XLA's fusion of jax.nn.dot_product_attention; meshwork's Pallas flash
@@ -159,6 +163,8 @@ class ModelConfig(Section):
     uses ring attention."""
     qkv_bias: bool = False
     """Biases on the q, k, v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before RoPE, one learned scale per head_dim (Qwen3)."""
     tie_embeddings: bool = False
     """Reuse the input embedding as the output projection."""
     init_std: float = 0.02
