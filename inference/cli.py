@@ -43,6 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e = sub.add_parser("export-hf", help="write a trained LM run as a Hugging Face checkpoint (safetensors)")
     e.add_argument("--checkpoint", required=True, help="the run.dir of a meshwork LM training run")
     e.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
+    e.add_argument("--allow-dropless", action="store_true",
+                   help="write a capacity-factor MoE run as dropless Mixtral anyway (it then computes the "
+                        "tokens the run dropped; a warning says so)")
     return p.parse_args(argv)
 
 
@@ -54,7 +57,7 @@ def main(argv: list[str]) -> int:
 
             return lm.run(args)
         if args.command == "export-hf":
-            return export_hf(args.checkpoint, args.out)
+            return export_hf(args.checkpoint, args.out, allow_dropless=args.allow_dropless)
         if (args.num is not None and args.num < 1) or args.steps < 1:
             raise ConfigError("--num and --steps must be positive")
         from meshwork.inference.generate_images import generate_grid
@@ -70,7 +73,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def export_hf(checkpoint: str, out: str) -> int:
+def export_hf(checkpoint: str, out: str, *, allow_dropless: bool = False) -> int:
     import pathlib
 
     from meshwork.inference.hf_export import export_hf as write
@@ -81,7 +84,7 @@ def export_hf(checkpoint: str, out: str) -> int:
         raise ConfigError(f"--out: {out_dir} is not empty; pick a new directory (nothing is overwritten)")
     cfg, model, step = load_run(checkpoint)
     try:
-        path = write(cfg.model, model, out_dir)
+        path = write(cfg.model, model, out_dir, allow_dropless=allow_dropless)
     except ValueError as e:
         raise ConfigError(f"export-hf: {e}") from None
     print(f"wrote step {step} of {checkpoint} to {path}")

@@ -49,6 +49,7 @@ import functools
 import gc
 import pathlib
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -79,9 +80,39 @@ _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
 
 def load_hf_config(path: str | pathlib.Path) -> ModelConfig:
-    """The ModelConfig of a checkpoint directory, from its config.json alone (e.g. to build
-    the shardings for `load_hf_model` before reading any weight)."""
-    return config_from_hf(checkpoint_files(pathlib.Path(path))[0])
+    """The ModelConfig of a checkpoint directory, from its config.json (and, for a tied config,
+    the two tensors that say whether the file's head really is the embedding), e.g. to build
+    the shardings for `load_hf_model` before reading any weight."""
+    return _checkpoint(path)[0]
+
+
+def _checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, str, list[pathlib.Path]]:
+    """(ModelConfig, model_type, safetensors files) of a checkpoint directory."""
+    hf_config, files = checkpoint_files(pathlib.Path(path))
+    cfg = config_from_hf(hf_config)
+    if cfg.tie_embeddings and _file_head_differs(files):
+        cfg = cfg.model_copy(update={"tie_embeddings": False})
+    return cfg, hf_config["model_type"], files
+
+
+def _file_head_differs(files: list[pathlib.Path]) -> bool:
+    """A tied config whose files hold an lm_head.weight other than the embedding: transformers
+    loads the file's head (and warns), so meshwork builds the model untied and does the same,
+    rather than silently dropping the head."""
+    with contextlib.ExitStack() as stack:
+        t = TensorReader(files, stack)
+        if "lm_head.weight" not in t.where or "model.embed_tokens.weight" not in t.where:
+            return False
+        head = t.where["lm_head.weight"].get_tensor("lm_head.weight")
+        table = t.where["model.embed_tokens.weight"].get_tensor("model.embed_tokens.weight")
+    if head.shape == table.shape and np.array_equal(head, table):
+        return False
+    diff = (float(np.abs(head.astype(np.float32) - table.astype(np.float32)).max())
+            if head.shape == table.shape else float("nan"))
+    warnings.warn(f"config.json has tie_word_embeddings=true, but the checkpoint's lm_head.weight differs from "
+                  f"model.embed_tokens.weight (max |difference| {diff:.3g}); using the file's lm_head, as "
+                  "transformers does (the model is loaded with untied embeddings)", UserWarning, stacklevel=3)
+    return True
 
 
 def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, placer: Any) -> dict[str, Any]:
@@ -206,9 +237,8 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str,
     >>> params["blocks"]["attn"]["wq"].shape   # (layers, D, H, K)
     (3, 64, 4, 24)
     """
-    hf_config, files = checkpoint_files(pathlib.Path(path))
-    cfg = config_from_hf(hf_config)
-    return cfg, _read_params(files, cfg, hf_config["model_type"], _Host())
+    cfg, model_type, files = _checkpoint(path)
+    return cfg, _read_params(files, cfg, model_type, _Host())
 
 
 def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp.dtype = jnp.float32,
@@ -236,8 +266,7 @@ def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp
     >>> model.blocks.attn.wq[...].sharding.spec
     P(None, None, 'tensor', None)
     """
-    hf_config, files = checkpoint_files(pathlib.Path(path))
-    cfg = config_from_hf(hf_config)
+    cfg, model_type, files = _checkpoint(path)
     make = functools.partial(_make_model, cfg, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, seed=0)
     graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     target = nnx.to_pure_dict(abstract)
@@ -246,8 +275,8 @@ def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp
         if jax.tree.structure(shardings) != jax.tree.structure(target):
             raise ValueError("shardings do not match the model's parameters; build them with "
                              "hf_param_shardings(load_hf_config(path), mesh, rules)")
-    check_tree(target, layout_shapes(hf_layout(cfg, hf_config["model_type"])))
-    params = _read_params(files, cfg, hf_config["model_type"], _Devices(target, shardings))
+    check_tree(target, layout_shapes(hf_layout(cfg, model_type)))
+    params = _read_params(files, cfg, model_type, _Devices(target, shardings))
     nnx.replace_by_pure_dict(abstract, params)
     # Buffers (e.g. MoE selection biases) get their initial values, replicated; under jit the
     # parameters' random init is dead code and compiles away.

@@ -16,15 +16,17 @@ A configuration that Llama or Mixtral cannot express (q/k/v biases, sigmoid or
 noisy routers, shared experts, leading dense layers, unnormalized top-k, scaled
 routing) raises ValueError naming each such setting. Training-only settings
 (auxiliary-loss coefficients other than Mixtral's router_aux_loss_coef, the
-z-loss, selection-bias updates) are dropped, and so is `moe.capacity_factor`:
-Mixtral is dropless, so the export computes what meshwork computes with
-capacity_factor null.
+z-loss, selection-bias updates) are dropped. A capacity-factor MoE (`moe.capacity_factor`
+set) is refused: Mixtral is dropless, so the export would compute every token that meshwork's
+model drops, i.e. what meshwork computes with capacity_factor null. `allow_dropless=True`
+(`python3 -m inference export-hf --allow-dropless`) writes it anyway, with a warning saying so.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +41,7 @@ from meshwork.inference.hf_layout import HF_DTYPE_NAMES, as_pure_dict, check_tre
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
-def hf_model_type(cfg: ModelConfig) -> str:
+def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
     """"llama" (kind transformer) or "mixtral" (kind moe): the Hugging Face architecture that
     computes what `cfg` computes. ValueError names every setting that it cannot express.
 
@@ -71,12 +73,21 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
             (m.routed_scaling_factor == 1.0,
              f"moe.routed_scaling_factor={m.routed_scaling_factor} (Mixtral does not scale the experts' output)"),
         ] if not ok]
+        if m.capacity_factor is not None and not allow_dropless:
+            problems.append(f"{_dropless(m.capacity_factor)}; allow_dropless=True, or --allow-dropless, writes "
+                            "it anyway)")
     if problems:
         raise ValueError(f"cannot export to {model_type.capitalize()}: {'; '.join(problems)}")
     return model_type
 
 
-def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddings: int = 2048) -> dict[str, Any]:
+def _dropless(capacity_factor: float) -> str:
+    return (f"moe.capacity_factor={capacity_factor} (Mixtral is dropless: it computes the tokens this model "
+            "drops at capacity, so its outputs differ")
+
+
+def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddings: int = 2048,
+              allow_dropless: bool = False) -> dict[str, Any]:
     """The config.json dict transformers reads as the model `cfg` describes.
 
     `max_position_embeddings` is only a declared limit (meshwork's RoPE has
@@ -86,7 +97,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddin
     >>> c["model_type"], c["architectures"], c["num_key_value_heads"], c["head_dim"]
     ('llama', ['LlamaForCausalLM'], 2, 32)
     """
-    model_type = hf_model_type(cfg)
+    model_type = hf_model_type(cfg, allow_dropless=allow_dropless)
     c: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -109,7 +120,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddin
 
 
 def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any], out_dir: str | pathlib.Path, *,
-              max_position_embeddings: int = 2048) -> pathlib.Path:
+              max_position_embeddings: int = 2048, allow_dropless: bool = False) -> pathlib.Path:
     """Writes `out_dir`/config.json and `out_dir`/model.safetensors; returns `out_dir`.
 
     `model_or_params`: the meshwork model `cfg` describes, or its parameters
@@ -126,7 +137,10 @@ def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any],
     >>> sorted(p.name for p in path.iterdir()), json.loads((path / "config.json").read_text())["architectures"]
     (['config.json', 'model.safetensors'], ['MixtralForCausalLM'])
     """
-    model_type = hf_model_type(cfg)
+    model_type = hf_model_type(cfg, allow_dropless=allow_dropless)
+    if cfg.kind == "moe" and cfg.moe.capacity_factor is not None:
+        warnings.warn(f"exporting {_dropless(cfg.moe.capacity_factor)}, as this model does with capacity_factor "
+                      "null)", UserWarning, stacklevel=2)
     if isinstance(model_or_params, nnx.Module):
         params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
     else:
@@ -152,7 +166,8 @@ def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any],
         raise ValueError(f"{out} already holds {stale}, which a loader would read with the export; "
                          "export into an empty directory")
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype=HF_DTYPE_NAMES[dtype],
-                                                          max_position_embeddings=max_position_embeddings),
+                                                          max_position_embeddings=max_position_embeddings,
+                                                          allow_dropless=allow_dropless),
                                                 indent=2) + "\n")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})  # transformers wants "pt"
     return out

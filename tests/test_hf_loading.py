@@ -10,6 +10,7 @@ checks separately that transformers reads the exports (it needs torch).
 import doctest
 import json
 import tracemalloc
+import warnings
 
 import jax
 import ml_dtypes
@@ -243,6 +244,53 @@ def test_export_of_a_loaded_checkpoint_rewrites_its_tensors(tmp_path, name):
 def test_inexpressible_configs_raise(cfg, match):
     with pytest.raises(ValueError, match=match):
         hf_model_type(cfg)
+
+
+def test_a_capacity_factor_moe_is_refused_unless_dropless_is_allowed(tmp_path):
+    """Mixtral is dropless: exporting a capacity-factor run would silently compute other logits."""
+    moe = load_config(ROOT / "configs/moe_tiny.yaml").model
+    cfg = moe.model_copy(update={"moe": moe.moe.model_copy(update={"first_dense_layers": 0})})
+    assert cfg.moe.capacity_factor == 1.25
+    model = _random_model(cfg)
+    with pytest.raises(ValueError, match=r"cannot export to Mixtral: moe.capacity_factor=1.25 \(Mixtral is dropless: "
+                                         r"it computes the tokens this model drops.*--allow-dropless"):
+        export_hf(cfg, model, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    with pytest.warns(UserWarning, match=r"exporting moe.capacity_factor=1.25 .* as this model does with "
+                                         r"capacity_factor null"):
+        path = export_hf(cfg, model, tmp_path / "allowed", allow_dropless=True)
+    cfg2, params2 = load_hf_checkpoint(path)
+    assert cfg2.moe.capacity_factor is None  # what the file computes: the dropless model
+    for got, ref in zip(jax.tree.leaves(params2), jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))):
+        np.testing.assert_array_equal(got, np.asarray(ref))
+
+
+def test_a_tied_config_with_its_own_head_in_the_file_keeps_that_head(tmp_path):
+    """transformers loads a file's lm_head.weight even where config.json says tied (and warns);
+    dropping it would change every logit."""
+    src = FIXTURES / "llama"
+    config = json.loads((src / "config.json").read_text())
+    assert not config["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"tie_word_embeddings=true, but the checkpoint's lm_head.weight differs "
+                                         r"from model.embed_tokens.weight \(max \|difference\| .*using the file's lm_head"):
+        cfg, model = load_hf_model(tmp_path)
+    assert not cfg.tie_embeddings
+    golden = np.load(src / "golden.npz")
+    got = np.asarray(model(golden["input_ids"]))
+    assert np.abs(got - golden["logits"]).max() <= 1e-5 * np.abs(golden["logits"]).max()
+    # A tied file that also stores the head as a copy of the embedding stays tied, silently.
+    with safe_open(src / "model.safetensors", framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    save_file(tensors, copy / "model.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_hf_config(copy).tie_embeddings and load_hf_checkpoint(copy)[0].tie_embeddings
 
 
 def test_export_refuses_the_loaded_qwen2_moe_and_stale_files(tmp_path):
