@@ -46,6 +46,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--allow-dropless", action="store_true",
                    help="write a capacity-factor MoE run as dropless Mixtral anyway (it then computes the "
                         "tokens the run dropped; a warning says so)")
+    f = sub.add_parser("export-peft", help="write a LoRA fine-tuning run's adapter in PEFT's format")
+    f.add_argument("--checkpoint", required=True, help="the run.dir of a meshwork finetune.method=lora run")
+    f.add_argument("--out", required=True, help="directory to write adapter_config.json and "
+                                                "adapter_model.safetensors into")
+    f.add_argument("--base", default=None, help="base_model_name_or_path to record (default: the run's "
+                                                "finetune.base; export that run with export-hf for peft)")
     return p.parse_args(argv)
 
 
@@ -56,6 +62,8 @@ def main(argv: list[str]) -> int:
             from meshwork.inference import lm
 
             return lm.run(args)
+        if args.command == "export-peft":
+            return export_peft(args.checkpoint, args.out, base=args.base)
         if args.command == "export-hf":
             return export_hf(args.checkpoint, args.out, allow_dropless=args.allow_dropless)
         if (args.num is not None and args.num < 1) or args.steps < 1:
@@ -88,6 +96,24 @@ def export_hf(checkpoint: str, out: str, *, allow_dropless: bool = False) -> int
     except ValueError as e:
         raise ConfigError(f"export-hf: {e}") from None
     print(f"wrote step {step} of {checkpoint} to {path}")
+    return 0
+
+
+def export_peft(checkpoint: str, out: str, *, base: str | None = None) -> int:
+    import pathlib
+
+    from meshwork.inference.peft_export import export_peft as write
+    from meshwork.inference.runs import load_run
+
+    out_dir = pathlib.Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"--out: {out_dir} is not empty; pick a new directory (nothing is overwritten)")
+    cfg, model, step = load_run(checkpoint, ema=False)
+    try:
+        path = write(cfg, model, out_dir, base_model=base)
+    except ValueError as e:
+        raise ConfigError(f"export-peft: {e}") from None
+    print(f"wrote the LoRA adapter of step {step} of {checkpoint} to {path}")
     return 0
 
 
