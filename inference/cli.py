@@ -43,6 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e = sub.add_parser("export-hf", help="write a trained LM run as a Hugging Face checkpoint (safetensors)")
     e.add_argument("--checkpoint", required=True, help="the run.dir of a meshwork LM training run")
     e.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
+    e.add_argument("--merge", action="store_true",
+                   help="for a LoRA or QLoRA run: write the base with the deltas added (export-peft writes the "
+                        "adapter alone)")
     e.add_argument("--allow-dropless", action="store_true",
                    help="write a capacity-factor MoE run as dropless Mixtral anyway (it then computes the "
                         "tokens the run dropped; a warning says so)")
@@ -65,7 +68,7 @@ def main(argv: list[str]) -> int:
         if args.command == "export-peft":
             return export_peft(args.checkpoint, args.out, base=args.base)
         if args.command == "export-hf":
-            return export_hf(args.checkpoint, args.out, allow_dropless=args.allow_dropless)
+            return export_hf(args.checkpoint, args.out, merge=args.merge, allow_dropless=args.allow_dropless)
         if (args.num is not None and args.num < 1) or args.steps < 1:
             raise ConfigError("--num and --steps must be positive")
         from meshwork.inference.generate_images import generate_grid
@@ -81,7 +84,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def export_hf(checkpoint: str, out: str, *, allow_dropless: bool = False) -> int:
+def export_hf(checkpoint: str, out: str, *, merge: bool = False, allow_dropless: bool = False) -> int:
     import pathlib
 
     from meshwork.inference.hf_export import export_hf as write
@@ -91,6 +94,16 @@ def export_hf(checkpoint: str, out: str, *, allow_dropless: bool = False) -> int
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out: {out_dir} is not empty; pick a new directory (nothing is overwritten)")
     cfg, model, step = load_run(checkpoint)
+    if cfg.finetune.method in ("lora", "qlora"):
+        if not merge:
+            raise ConfigError(f"export-hf: {checkpoint} is a finetune.method={cfg.finetune.method} run; pass --merge "
+                              "to write the base with the deltas added, or use export-peft for the adapter alone")
+        from meshwork.models.lora import merge_lora
+
+        merge_lora(model)
+    elif cfg.finetune.method not in ("none", "full"):
+        raise ConfigError(f"export-hf: finetune.method={cfg.finetune.method} adds modules a Hugging Face "
+                          "Llama does not have; only lora and qlora runs merge into one")
     try:
         path = write(cfg.model, model, out_dir, allow_dropless=allow_dropless)
     except ValueError as e:

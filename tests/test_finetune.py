@@ -153,3 +153,25 @@ def test_a_lora_run_generates_merged(tuned, capsys):
     assert inference_main(["lm", "--checkpoint", run_dir, "--prompt", "The return statement",
                            "--temperature", "0", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out == "The return statement" + bytes(unmerged[0]).decode(errors="replace") + "\n"
+
+
+@pytest.mark.slow
+def test_a_lora_run_exports_merged_and_as_a_peft_adapter(tuned, tmp_path, capsys):
+    """export-hf --merge writes the base with the deltas added (the LoRA model's logits); without
+    --merge a LoRA run is refused; export-peft writes the adapter."""
+    from meshwork.inference.cli import main as inference_main
+    from meshwork.inference.hf import load_hf_model
+    from meshwork.inference.runs import load_run
+
+    run_dir = str(tuned["lora"]["run_dir"])
+    assert inference_main(["export-hf", "--checkpoint", run_dir, "--out", str(tmp_path / "plain")]) == 2
+    assert "pass --merge" in capsys.readouterr().err and not (tmp_path / "plain").exists()
+    assert inference_main(["export-hf", "--checkpoint", run_dir, "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    tokens = np.arange(32, dtype=np.int32).reshape(2, 16) + 60
+    want = np.asarray(load_run(run_dir)[1](tokens))
+    got = np.asarray(load_hf_model(tmp_path / "merged")[1](tokens))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert inference_main(["export-peft", "--checkpoint", run_dir, "--out", str(tmp_path / "peft")]) == 0
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json",
+                                                                      "adapter_model.safetensors"]
+
