@@ -1,7 +1,7 @@
 """Hugging Face checkpoints (config.json + *.safetensors) as meshwork models.
 
-Reads Llama (`model_type` "llama"), Mixtral ("mixtral") and Qwen2-MoE
-("qwen2_moe") checkpoints in the hub's layout, memory-mapped with safetensors
+Reads Llama (`model_type` "llama"), Mistral ("mistral"), Qwen2 ("qwen2"), Qwen3 ("qwen3"),
+Mixtral ("mixtral"), Qwen2-MoE ("qwen2_moe") and Qwen3-MoE ("qwen3_moe") checkpoints in the hub's layout, memory-mapped with safetensors
 (numpy; no torch), into meshwork models:
 
     cfg, model = load_hf_model("path/to/checkpoint_dir")        # Transformer or MoETransformer
@@ -29,7 +29,8 @@ Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.p
   statistics in float32; the weight is a plain scale (not 1 + w).
 - Attention: causal, scores scaled by 1/sqrt(head_dim), grouped-query heads
   (query head h reads key/value head h // (H / G)); q/k/v biases added before
-  RoPE (Qwen2), no output bias.
+  RoPE (Qwen2), no output bias; Qwen3's per-head RMSNorm on q and k (after the biases,
+  before RoPE).
 - MLP: SwiGLU, down(silu(x W_gate) * (x W_up)).
 - Mixtral router: softmax over all experts, the top-k of those probabilities,
   renormalized to sum to one; no shared expert.

@@ -1,10 +1,11 @@
 """Hugging Face config.json as meshwork's ModelConfig (and MoEConfig).
 
-`config_from_hf` reads Llama ("llama"), Mixtral ("mixtral") and Qwen2-MoE
-("qwen2_moe") configs. Training-only settings (dropout, Mixtral's router
-jitter, output_router_logits) are ignored; anything that changes the forward
-pass and that meshwork does not implement (rope scaling, sliding windows,
-other activations, extra biases) raises a ValueError that names the key.
+`config_from_hf` reads Llama ("llama"), Mistral ("mistral"), Mixtral
+("mixtral"), Qwen2 ("qwen2"), Qwen2-MoE ("qwen2_moe"), Qwen3 ("qwen3") and
+Qwen3-MoE ("qwen3_moe") configs. Training-only settings (dropout, Mixtral's
+router jitter, output_router_logits) are ignored; anything that changes the
+forward pass and that meshwork does not implement (rope scaling, sliding
+windows, other activations, extra biases) raises a ValueError that names the key.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from typing import Any
 
 from meshwork.config_sections import ModelConfig, MoEConfig
 
-SUPPORTED = ("llama", "mixtral", "qwen2_moe")
+# model_type -> (rms_norm_eps, rope_theta) that transformers assumes when config.json omits them.
+DEFAULTS = {"llama": (1e-6, 10000.0), "mistral": (1e-6, 10000.0), "mixtral": (1e-5, 1e6),
+            "qwen2": (1e-6, 10000.0), "qwen2_moe": (1e-6, 10000.0), "qwen3": (1e-6, 10000.0),
+            "qwen3_moe": (1e-6, 10000.0)}
+SUPPORTED = tuple(DEFAULTS)
+_QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
@@ -33,7 +39,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     kind = c.get("model_type")
     if kind not in SUPPORTED:
         raise ValueError(f"model_type={kind!r} is not supported; meshwork reads {', '.join(SUPPORTED)} checkpoints")
-    defaults = {"llama": (1e-6, 10000.0), "mixtral": (1e-5, 1e6), "qwen2_moe": (1e-6, 10000.0)}[kind]
+    defaults = DEFAULTS[kind]
 
     def need(key: str) -> Any:
         if c.get(key) is None:
@@ -48,18 +54,27 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     D, H = need("hidden_size"), need("num_attention_heads")
     G = c.get("num_key_value_heads") or H
     refuse("num_key_value_heads", H % G == 0, f"must divide num_attention_heads={H}")
-    head_dim = c.get("head_dim") or D // H
+    # Qwen3's config class defaults head_dim to 128, not hidden_size / heads: only an explicit one is safe.
+    head_dim = need("head_dim") if kind == "qwen3" else c.get("head_dim") or D // H
     refuse("head_dim", head_dim % 2 == 0, "RoPE needs an even head_dim")
     theta = _rope_theta(c, kind, defaults[1])
-    if kind == "llama":
+    if kind in ("llama", "qwen3", "qwen3_moe"):
         refuse("attention_bias", not c.get("attention_bias", False),
-               "Llama's attention_bias also biases o_proj, which meshwork's attention does not have")
+               f"{kind}'s attention_bias also biases o_proj, which meshwork's attention does not have")
+    if kind == "llama":
         refuse("mlp_bias", not c.get("mlp_bias", False), "meshwork's MLP has no biases")
     if kind == "mixtral":
         refuse("sliding_window", c.get("sliding_window") is None,
                "meshwork attends causally over the whole sequence; set it to null only if no sequence "
                "you run is longer than the window")
-    if kind == "qwen2_moe":
+    if kind == "mistral":
+        window, longest = c.get("sliding_window"), c.get("max_position_embeddings")
+        # A window at least max_position_embeddings long never masks a key: plain causal attention.
+        shorter = (f"a window shorter than max_position_embeddings={longest}" if longest is not None
+                   else "a window with no max_position_embeddings to compare it with")
+        refuse("sliding_window", window is None or (longest is not None and window >= longest),
+               f"meshwork attends causally over the whole sequence; {shorter} may mask keys meshwork does not")
+    if kind in _QWEN:
         refuse("use_sliding_window", not c.get("use_sliding_window", False),
                "meshwork attends causally over the whole sequence (no sliding window)")
         refuse("layer_types", all(t == "full_attention" for t in c.get("layer_types") or []),
@@ -68,10 +83,12 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     common = dict(vocab_size=need("vocab_size"), d_model=D, n_layers=need("num_hidden_layers"), n_heads=H,
                   n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta,
                   norm_eps=c.get("rms_norm_eps") or defaults[0],
-                  qkv_bias=kind == "qwen2_moe" and c.get("qkv_bias", True),
+                  # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless qkv_bias says not.
+                  qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True)),
+                  qk_norm=kind in ("qwen3", "qwen3_moe"),
                   tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                   init_std=c.get("initializer_range", 0.02))
-    if kind == "llama":
+    if kind in ("llama", "mistral", "qwen2", "qwen3"):
         return ModelConfig(kind="transformer", **common)
     if kind == "mixtral":
         E, k = need("num_local_experts"), need("num_experts_per_tok")
@@ -80,15 +97,17 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
                         norm_topk_prob=True, aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0)
         return ModelConfig(kind="moe", moe=moe, **common)
 
-    # qwen2_moe
-    dense = _qwen2_moe_dense_layers(c, common["n_layers"])
-    if len(dense) == common["n_layers"]:  # no MoE layer at all: a dense model with q/k/v biases
+    # qwen2_moe, qwen3_moe (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
+    if c.get("num_experts") is None and c.get("num_local_experts") is not None:
+        c["num_experts"] = c["num_local_experts"]
+    dense, culprit = _qwen_moe_dense_layers(c, common["n_layers"])
+    if len(dense) == common["n_layers"]:  # no MoE layer at all: a dense model
         return ModelConfig(kind="transformer", **common)
-    refuse("mlp_only_layers", dense == list(range(len(dense))),
+    refuse(culprit, dense == list(range(len(dense))),
            f"the dense layers {dense} must be the leading ones for meshwork (moe.first_dense_layers)")
     E, k = need("num_experts"), need("num_experts_per_tok")
     refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_experts={E}")
-    d_shared = c.get("shared_expert_intermediate_size", 0)
+    d_shared = c.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
     shared = dict(n_shared_experts=1, d_shared=d_shared, shared_expert_gate=True) if d_shared else {}
     moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("moe_intermediate_size"), router="softmax",
                     norm_topk_prob=bool(c.get("norm_topk_prob", False)),
@@ -112,7 +131,13 @@ def _rope_theta(c: dict[str, Any], kind: str, default: float) -> float:
     return float(params.get("rope_theta", c.get("rope_theta", default)))
 
 
-def _qwen2_moe_dense_layers(c: dict[str, Any], n_layers: int) -> list[int]:
-    """The layer indices Qwen2-MoE builds with a dense MLP instead of experts."""
-    only, step, E = set(c.get("mlp_only_layers") or []), c.get("decoder_sparse_step", 1), c.get("num_experts", 0)
-    return [i for i in range(n_layers) if i in only or not (E > 0 and (i + 1) % step == 0)]
+def _qwen_moe_dense_layers(c: dict[str, Any], n_layers: int) -> tuple[list[int], str]:
+    """The layer indices Qwen2-MoE / Qwen3-MoE build with a dense MLP instead of experts, and
+    the key to blame if they are not the leading ones: `decoder_sparse_step` when a dense layer
+    after the first MoE layer comes from the step, else `mlp_only_layers`."""
+    only, step, E = set(c.get("mlp_only_layers") or []), c.get("decoder_sparse_step") or 1, c.get("num_experts", 0)
+    by_step = [i for i in range(n_layers) if not (E > 0 and (i + 1) % step == 0)]
+    dense = sorted(only.intersection(range(n_layers)).union(by_step))
+    first_moe = next((i for i in range(n_layers) if i not in dense), n_layers)
+    late = [i for i in dense if i > first_moe]
+    return dense, "decoder_sparse_step" if any(i in by_step for i in late) else "mlp_only_layers"

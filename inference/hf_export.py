@@ -62,6 +62,8 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     if cfg.qkv_bias:
         problems.append("qkv_bias=True (Llama's attention_bias would also bias o_proj, and Mixtral has "
                         "no attention biases)")
+    if cfg.qk_norm:
+        problems.append("qk_norm=True (Llama and Mixtral have no q/k norms; the Qwen3 form is not written yet)")
     if cfg.kind == "moe":
         m = cfg.moe
         problems += [why for ok, why in [

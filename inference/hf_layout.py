@@ -94,6 +94,9 @@ def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str,
     if cfg.qkv_bias:
         attn |= {"bq": _vector(a + "q_proj.bias", (H, K)), "bk": _vector(a + "k_proj.bias", (G, K)),
                  "bv": _vector(a + "v_proj.bias", (G, K))}
+    if cfg.qk_norm:  # Qwen3: one scale over head_dim, shared by the heads
+        attn |= {"q_norm": {"scale": _vector(a + "q_norm.weight", (K,))},
+                 "k_norm": {"scale": _vector(a + "k_norm.weight", (K,))}}
     layer = {"attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))}, "attn": attn,
              "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))}}
     if not moe:

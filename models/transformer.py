@@ -50,7 +50,8 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
                               rope_theta=cfg.rope_theta, init_std=cfg.init_std, out_std=residual_out_std(cfg),
-                              qkv_bias=cfg.qkv_bias, impl=cfg.attention, **kw)
+                              qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+                              impl=cfg.attention, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         if mlp:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)

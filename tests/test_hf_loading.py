@@ -239,6 +239,7 @@ def test_export_of_a_loaded_checkpoint_rewrites_its_tensors(tmp_path, name):
     (ModelConfig(kind="moe", moe=MoEConfig(n_shared_experts=1, norm_topk_prob=False)),
      "norm_topk_prob=False.*n_shared_experts=1 \\(Mixtral has no shared experts\\)"),
     (ModelConfig(qkv_bias=True), "cannot export to Llama: qkv_bias=True"),
+    (ModelConfig(qk_norm=True), "cannot export to Llama: qk_norm=True"),
     (ModelConfig(kind="unet"), "cannot export model.kind='unet'"),
 ])
 def test_inexpressible_configs_raise(cfg, match):

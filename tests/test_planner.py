@@ -73,7 +73,7 @@ def compiled(tmp_path_factory):
 # --- the model's weights ---------------------------------------------------------------
 
 @pytest.mark.parametrize("config, extra", [
-    ("lm_tiny.yaml", ["model.qkv_bias=true", "model.tie_embeddings=true"]),
+    ("lm_tiny.yaml", ["model.qkv_bias=true", "model.tie_embeddings=true", "model.qk_norm=true"]),
     ("moe_tiny.yaml", ["model.moe.n_shared_experts=1", "model.moe.shared_expert_gate=true",
                        "model.moe.router=noisy"]),
 ])

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from meshwork.kernels.tuning import tuned_blocks
+from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.ring_attention import ring_attention
@@ -102,11 +103,27 @@ def _context_parallel_axes() -> tuple[str, ...]:
     return split_axes("act_seq", rules, _mesh_shape()) if rules is not None else ()
 
 
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over the last axis (head_dim) of each head, one scale shared by all heads:
+    Qwen3's q_norm / k_norm.
+
+    >>> n = HeadRMSNorm(8, eps=1e-6, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    >>> n(jnp.ones((1, 3, 2, 8))).shape
+    (1, 3, 2, 8)
+    """
+
+    def __init__(self, head_dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        # RMSNorm's math, but the scale's one axis is head_dim, not the residual stream's embed.
+        self.scale = param(nnx.initializers.ones, rngs.params(), (head_dim,), param_dtype, ("head_dim",))
+        self.eps, self.dtype = eps, dtype
+
+
 class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope_theta: float,
                  init_std: float, out_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 qkv_bias: bool = False, impl: str = "xla"):
-        """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero."""
+                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, impl: str = "xla"):
+        """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero.
+        qk_norm: RMSNorm (epsilon `norm_eps`) over each head's q and k before RoPE (Qwen3)."""
         D, H, G, K = d_model, n_heads, n_kv_heads, head_dim
         self.wq = param(normal(init_std), rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim"))
         self.wk = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
@@ -117,7 +134,11 @@ class Attention(nnx.Module):
             self.bq = param(zeros, rngs.params(), (H, K), param_dtype, ("heads", "head_dim"))
             self.bk = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
             self.bv = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
-        self.qkv_bias, self.rope_theta, self.dtype, self.impl = qkv_bias, rope_theta, dtype, impl
+        if qk_norm:
+            kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.q_norm, self.k_norm = HeadRMSNorm(K, **kw), HeadRMSNorm(K, **kw)
+        self.qkv_bias, self.qk_norm, self.rope_theta = qkv_bias, qk_norm, rope_theta
+        self.dtype, self.impl = dtype, impl
         self.prefix = nnx.data(None)  # trainable key/value prefixes (models/adapters.py, prefix tuning)
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
@@ -153,6 +174,8 @@ class Attention(nnx.Module):
         if self.qkv_bias:
             w = lambda p: p[...].astype(self.dtype)  # noqa: E731
             q_BLHK, k_BLGK, v_BLGK = q_BLHK + w(self.bq), k_BLGK + w(self.bk), v_BLGK + w(self.bv)
+        if self.qk_norm:
+            q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
         q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta),
                                          ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta),

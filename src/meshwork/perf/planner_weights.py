@@ -52,6 +52,11 @@ def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weigh
         w += [Weight(f"{prefix}.attn.bq", (n, H, K), L + ("heads", "head_dim")),
               Weight(f"{prefix}.attn.bk", (n, G, K), L + ("kv_heads", "head_dim")),
               Weight(f"{prefix}.attn.bv", (n, G, K), L + ("kv_heads", "head_dim"))]
+    if m.qk_norm:
+        # Reached by every token of every head: its gradient sums over the batch, sequence and head splits,
+        # which the "dense" kind counts as the batch and sequence axes (head_dim-sized: negligible).
+        w += [Weight(f"{prefix}.attn.q_norm.scale", (n, K), L + ("head_dim",)),
+              Weight(f"{prefix}.attn.k_norm.scale", (n, K), L + ("head_dim",))]
     w.append(Weight(f"{prefix}.mlp_norm.scale", (n, D), L + ("embed",), "norm"))
     if not moe:
         F = m.d_ff
