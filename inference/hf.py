@@ -23,8 +23,9 @@ inference/hf_config.py maps config.json.
 Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.py):
 
 - RoPE: the "rotate half" layout (dimension i pairs with i + K/2), with HF's
-  inv_freq = 1 / theta ** (arange(0, K, 2) / K) and no scaling, so q/k
-  projection rows load without permutation.
+  inv_freq = 1 / theta ** (arange(0, K, 2) / K), scaled as `rope_scaling` says
+  (llama3, linear, dynamic, yarn: models/layers/rope.py), so q/k projection rows
+  load without permutation.
 - RMSNorm: weight * (x * rsqrt(mean(x**2) + eps)), eps inside the rsqrt,
   statistics in float32; the weight is a plain scale (not 1 + w).
 - Attention: causal, scores scaled by 1/sqrt(head_dim), grouped-query heads

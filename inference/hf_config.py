@@ -4,8 +4,9 @@
 ("mixtral"), Qwen2 ("qwen2"), Qwen2-MoE ("qwen2_moe"), Qwen3 ("qwen3") and
 Qwen3-MoE ("qwen3_moe") configs. Training-only settings (dropout, Mixtral's
 router jitter, output_router_logits) are ignored; anything that changes the
-forward pass and that meshwork does not implement (rope scaling, sliding
-windows, other activations, extra biases) raises a ValueError that names the key.
+forward pass and that meshwork does not implement (RoPE scalings other than llama3,
+linear, dynamic and yarn (inference/hf_rope.py), sliding windows shorter than the
+context, other activations, extra biases) raises a ValueError that names the key.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshwork.config_sections import ModelConfig, MoEConfig
+from meshwork.inference.hf_rope import rope_from_hf
 
 # model_type -> (rms_norm_eps, rope_theta) that transformers assumes when config.json omits them.
 DEFAULTS = {"llama": (1e-6, 10000.0), "mistral": (1e-6, 10000.0), "mixtral": (1e-5, 1e6),
@@ -57,7 +59,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     # Qwen3's config class defaults head_dim to 128, not hidden_size / heads: only an explicit one is safe.
     head_dim = need("head_dim") if kind == "qwen3" else c.get("head_dim") or D // H
     refuse("head_dim", head_dim % 2 == 0, "RoPE needs an even head_dim")
-    theta = _rope_theta(c, kind, defaults[1])
+    theta, rope_scaling = rope_from_hf(c, kind, defaults[1])
     if kind in ("llama", "qwen3", "qwen3_moe"):
         refuse("attention_bias", not c.get("attention_bias", False),
                f"{kind}'s attention_bias also biases o_proj, which meshwork's attention does not have")
@@ -81,7 +83,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
                "meshwork has full attention in every layer")
 
     common = dict(vocab_size=need("vocab_size"), d_model=D, n_layers=need("num_hidden_layers"), n_heads=H,
-                  n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta,
+                  n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta, rope_scaling=rope_scaling,
                   norm_eps=c.get("rms_norm_eps") or defaults[0],
                   # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless qkv_bias says not.
                   qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True)),
@@ -114,21 +116,6 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
                     aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0,
                     first_dense_layers=len(dense), **shared)
     return ModelConfig(kind="moe", moe=moe, **common)
-
-
-def _rope_theta(c: dict[str, Any], kind: str, default: float) -> float:
-    """rope_theta, refusing any scaled or partial rotary embedding."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    for key, p in (("rope_parameters", params), ("rope_scaling", scaling)):
-        rope_type = p.get("rope_type", p.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{kind} config {key}={p!r}: rope_type {rope_type!r} is not implemented; "
-                             "meshwork's RoPE is unscaled (rope_type 'default')")
-    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"{kind} config partial_rotary_factor={partial}: meshwork rotates the whole head_dim")
-    return float(params.get("rope_theta", c.get("rope_theta", default)))
 
 
 def _qwen_moe_dense_layers(c: dict[str, Any], n_layers: int) -> tuple[list[int], str]:

@@ -36,6 +36,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from meshwork.config_sections import ModelConfig
+from meshwork.inference.hf_rope import rope_to_hf
 from meshwork.inference.hf_layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -107,8 +108,9 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddin
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": max_position_embeddings,
-        # Both forms: transformers 5 reads rope_parameters, earlier versions rope_theta.
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # Both forms (transformers 5 reads rope_parameters, earlier versions rope_theta/rope_scaling);
+        # after max_position_embeddings, which dynamic scaling sets to the original context.
+        **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
         "torch_dtype": dtype, "dtype": dtype,

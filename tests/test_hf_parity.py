@@ -122,8 +122,9 @@ def test_config_mapping_reads_the_older_config_form():
 
 @pytest.mark.parametrize("name, change, match", [
     ("llama", {"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_type 'llama3'"),
-    ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+    ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "short_factor": [1.0],
+                                   "long_factor": [1.0]}}, "rope_type 'longrope' is not implemented"),
+    ("llama", {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1]}}, "mrope_section"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),

@@ -120,10 +120,12 @@ class HeadRMSNorm(RMSNorm):
 
 class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope_theta: float,
+                 rope_scaling: dict | None = None,
                  init_std: float, out_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
                  qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, impl: str = "xla"):
         """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero.
-        qk_norm: RMSNorm (epsilon `norm_eps`) over each head's q and k before RoPE (Qwen3)."""
+        qk_norm: RMSNorm (epsilon `norm_eps`) over each head's q and k before RoPE (Qwen3).
+        rope_scaling: scaled RoPE frequencies in Hugging Face's form (models/layers/rope.py)."""
         D, H, G, K = d_model, n_heads, n_kv_heads, head_dim
         self.wq = param(normal(init_std), rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim"))
         self.wk = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
@@ -138,8 +140,14 @@ class Attention(nnx.Module):
             kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             self.q_norm, self.k_norm = HeadRMSNorm(K, **kw), HeadRMSNorm(K, **kw)
         self.qkv_bias, self.qk_norm, self.rope_theta = qkv_bias, qk_norm, rope_theta
+        # A sorted tuple, not the dict: static module attributes must hash (the graphdef keys jit's cache).
+        self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
         self.dtype, self.impl = dtype, impl
         self.prefix = nnx.data(None)  # trainable key/value prefixes (models/adapters.py, prefix tuning)
+
+    @property
+    def _scaling(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
 
     def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag)."""
@@ -176,8 +184,8 @@ class Attention(nnx.Module):
             q_BLHK, k_BLGK, v_BLGK = q_BLHK + w(self.bq), k_BLGK + w(self.bk), v_BLGK + w(self.bv)
         if self.qk_norm:
             q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
-        q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta),
+        q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta, self._scaling),
                                          ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta),
+        k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta, self._scaling),
                                          ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         return q_BLHK, k_BLGK, v_BLGK
