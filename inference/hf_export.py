@@ -1,9 +1,10 @@
 """meshwork language models as Hugging Face checkpoints (config.json + model.safetensors).
 
 The inverse of `inference.hf.load_hf_checkpoint`: a dense Transformer becomes a
-Llama checkpoint and a Mixtral-style MoE model a Mixtral one, in the hub's
-tensor names and layouts. Both directions follow one table,
-`inference.hf_layout.hf_layout`, so export then load gives back the same parameters:
+Llama checkpoint (Qwen2 with q/k/v biases, Qwen3 with q/k norms) and a Mixtral-style
+MoE model a Mixtral one (Qwen3-MoE with q/k norms), in the hub's tensor names and
+layouts. Both directions follow one table, `inference.hf_layout.hf_layout`, so export
+then load gives back the same parameters:
 
     path = export_hf(cfg.model, model, "out/my_llama")
     cfg2, model2 = load_hf_model(path)                  # the same weights
@@ -12,9 +13,9 @@ tensor names and layouts. Both directions follow one table,
 What transformers computes from the export is checked (outside the test suite,
 which has no torch) by tests/fixtures/check_hf_export.py.
 
-A configuration that Llama or Mixtral cannot express (q/k/v biases, sigmoid or
-noisy routers, shared experts, leading dense layers, unnormalized top-k, scaled
-routing) raises ValueError naming each such setting. Training-only settings
+A configuration that none of these can express (q/k/v biases with q/k norms or in
+a MoE, sigmoid or noisy routers, shared experts, Mixtral with leading dense layers or
+unnormalized top-k, scaled routing) raises ValueError naming each such setting. Training-only settings
 (auxiliary-loss coefficients other than Mixtral's router_aux_loss_coef, the
 z-loss, selection-bias updates) are dropped. A capacity-factor MoE (`moe.capacity_factor`
 set) is refused: Mixtral is dropless, so the export would compute every token that meshwork's
@@ -39,16 +40,21 @@ from meshwork.config_sections import ModelConfig
 from meshwork.inference.hf_rope import rope_to_hf
 from meshwork.inference.hf_layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
 
 
 def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
-    """"llama" (kind transformer) or "mixtral" (kind moe): the Hugging Face architecture that
-    computes what `cfg` computes. ValueError names every setting that it cannot express.
+    """The Hugging Face architecture that computes what `cfg` computes: "llama" (kind transformer),
+    "qwen2" (with q/k/v biases), "qwen3" (with q/k norms), "mixtral" (kind moe) or "qwen3_moe"
+    (kind moe with q/k norms). ValueError names every setting that it cannot express.
 
     >>> from meshwork.config_sections import MoEConfig
     >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="softmax")))
     'mixtral'
+    >>> hf_model_type(ModelConfig(qk_norm=True))
+    'qwen3'
     >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="sigmoid", first_dense_layers=1)))
     Traceback (most recent call last):
     ...
@@ -56,36 +62,40 @@ def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
 moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     """
     if cfg.kind not in ("transformer", "moe"):
-        raise ValueError(f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama) and moe "
-                         "(as Mixtral) models have a Hugging Face form here")
-    model_type = "llama" if cfg.kind == "transformer" else "mixtral"
+        raise ValueError(f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama, Qwen2 or Qwen3) "
+                         "and moe (as Mixtral or Qwen3-MoE) models have a Hugging Face form here")
+    if cfg.kind == "transformer":
+        model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    else:
+        model_type = "qwen3_moe" if cfg.qk_norm else "mixtral"
+    name = NAMES[model_type]
     problems = []
-    if cfg.qkv_bias:
-        problems.append("qkv_bias=True (Llama's attention_bias would also bias o_proj, and Mixtral has "
-                        "no attention biases)")
-    if cfg.qk_norm:
-        problems.append("qk_norm=True (Llama and Mixtral have no q/k norms; the Qwen3 form is not written yet)")
+    if cfg.qk_norm and cfg.qkv_bias:
+        problems.append(f"qkv_bias=True ({name} has q/k norms but no attention biases)")
+    if cfg.kind == "moe" and not cfg.qk_norm and cfg.qkv_bias:
+        problems.append("qkv_bias=True (Mixtral has no attention biases)")
     if cfg.kind == "moe":
         m = cfg.moe
         problems += [why for ok, why in [
-            (m.router == "softmax", f"moe.router={m.router!r} (Mixtral routes by softmax top-k)"),
-            (m.norm_topk_prob, "moe.norm_topk_prob=False (Mixtral renormalizes the top-k weights)"),
-            (not m.n_shared_experts, f"moe.n_shared_experts={m.n_shared_experts} (Mixtral has no shared experts)"),
-            (not m.first_dense_layers,
+            (m.router == "softmax", f"moe.router={m.router!r} ({name} routes by softmax top-k)"),
+            (m.norm_topk_prob or model_type == "qwen3_moe",
+             "moe.norm_topk_prob=False (Mixtral renormalizes the top-k weights)"),
+            (not m.n_shared_experts, f"moe.n_shared_experts={m.n_shared_experts} ({name} has no shared experts)"),
+            (not m.first_dense_layers or model_type == "qwen3_moe",
              f"moe.first_dense_layers={m.first_dense_layers} (every Mixtral layer is a MoE layer)"),
             (m.routed_scaling_factor == 1.0,
-             f"moe.routed_scaling_factor={m.routed_scaling_factor} (Mixtral does not scale the experts' output)"),
+             f"moe.routed_scaling_factor={m.routed_scaling_factor} ({name} does not scale the experts' output)"),
         ] if not ok]
         if m.capacity_factor is not None and not allow_dropless:
-            problems.append(f"{_dropless(m.capacity_factor)}; allow_dropless=True, or --allow-dropless, writes "
-                            "it anyway)")
+            problems.append(f"{_dropless(m.capacity_factor, name)}; allow_dropless=True, or --allow-dropless, "
+                            "writes it anyway)")
     if problems:
-        raise ValueError(f"cannot export to {model_type.capitalize()}: {'; '.join(problems)}")
+        raise ValueError(f"cannot export to {name}: {'; '.join(problems)}")
     return model_type
 
 
-def _dropless(capacity_factor: float) -> str:
-    return (f"moe.capacity_factor={capacity_factor} (Mixtral is dropless: it computes the tokens this model "
+def _dropless(capacity_factor: float, name: str = "Mixtral") -> str:
+    return (f"moe.capacity_factor={capacity_factor} ({name} is dropless: it computes the tokens this model "
             "drops at capacity, so its outputs differ")
 
 
@@ -104,7 +114,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddin
     c: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff if model_type == "llama" else cfg.moe.d_expert,
+        "intermediate_size": cfg.moe.d_expert if model_type == "mixtral" else cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": max_position_embeddings,
@@ -117,7 +127,19 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddin
     }
     if model_type == "llama":
         return c | {"attention_bias": False, "mlp_bias": False}
+    full_attention = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
+                      "layer_types": ["full_attention"] * cfg.n_layers}
+    if model_type == "qwen2":
+        return c | full_attention
+    if model_type == "qwen3":
+        return c | full_attention | {"attention_bias": False}
     m = cfg.moe
+    if model_type == "qwen3_moe":
+        return c | full_attention | {
+            "attention_bias": False, "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.d_expert, "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(m.first_dense_layers)), "router_aux_loss_coef": m.aux_loss_coef,
+            "output_router_logits": False}
     return c | {"num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
                 "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False,
                 "router_jitter_noise": 0.0, "sliding_window": None}

@@ -221,11 +221,14 @@ def test_export_round_trip_moe(tmp_path):
     assert cfg2.moe.aux_loss_coef == cfg.moe.aux_loss_coef
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral"])
 def test_export_of_a_loaded_checkpoint_rewrites_its_tensors(tmp_path, name):
-    """load then export reproduces the hub file's tensors bit for bit (the loader's exact inverse)."""
+    """load then export reproduces the hub file's tensors bit for bit (the loader's exact inverse),
+    in the checkpoint's own architecture (Mistral's, without a window, is Llama's)."""
     cfg, model = load_hf_model(FIXTURES / name)
     export_hf(cfg, model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["model_type"]
+    assert written == ("llama" if name == "mistral" else name)
     with safe_open(FIXTURES / name / "model.safetensors", framework="numpy") as a, \
             safe_open(tmp_path / "model.safetensors", framework="numpy") as b:
         assert sorted(a.keys()) == sorted(b.keys())
@@ -238,8 +241,10 @@ def test_export_of_a_loaded_checkpoint_rewrites_its_tensors(tmp_path, name):
      "cannot export to Mixtral: moe.router='sigmoid'.*; moe.first_dense_layers=1"),
     (ModelConfig(kind="moe", moe=MoEConfig(n_shared_experts=1, norm_topk_prob=False)),
      "norm_topk_prob=False.*n_shared_experts=1 \\(Mixtral has no shared experts\\)"),
-    (ModelConfig(qkv_bias=True), "cannot export to Llama: qkv_bias=True"),
-    (ModelConfig(qk_norm=True), "cannot export to Llama: qk_norm=True"),
+    (ModelConfig(qkv_bias=True, qk_norm=True), "cannot export to Qwen3: qkv_bias=True"),
+    (ModelConfig(kind="moe", qkv_bias=True, moe=MoEConfig(router="softmax")), "cannot export to Mixtral: qkv_bias"),
+    (ModelConfig(kind="moe", qk_norm=True, moe=MoEConfig(n_shared_experts=1)),
+     "cannot export to Qwen3-MoE: moe.n_shared_experts=1"),
     (ModelConfig(kind="unet"), "cannot export model.kind='unet'"),
 ])
 def test_inexpressible_configs_raise(cfg, match):
