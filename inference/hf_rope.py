@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshwork.models.layers.rope import ROPE_KEYS, rope_type_of
+from meshwork.rope_scaling import ROPE_KEYS, rope_type_of
 
 SUPPORTED_ROPE_TYPES = tuple(ROPE_KEYS)
 

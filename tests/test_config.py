@@ -33,6 +33,7 @@ def test_include_and_overrides(tmp_path):
     ("train.steps=abc", "train.steps"),
     ("optimizer.lr=-1", "optimizer.lr"),
     ("model.n_kv_heads=3", "model.n_kv_heads"),
+    ('model.rope_scaling={"rope_type":"yarm","factor":4}', "model.rope_scaling: rope_scaling rope_type 'yarm' is not"),
     ("rules.preset=FSDP!", "rules.preset"),
     ("mesh.stage=2", "train.pipeline"),
     ("train.pipeline=1f1b", "train.pipeline"),

@@ -14,6 +14,8 @@ from typing import Literal
 
 import pydantic
 
+from meshwork.rope_scaling import rope_type_of
+
 MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
 
@@ -174,6 +176,12 @@ class ModelConfig(Section):
     """Used when kind = unet."""
     diffusion: DiffusionConfig = DiffusionConfig()
     """Used when kind = unet."""
+
+    @pydantic.field_validator("rope_scaling")
+    @classmethod
+    def _a_scaling_meshwork_computes(cls, scaling: dict | None) -> dict | None:
+        rope_type_of(scaling)  # ValueError naming the unknown type or the missing or unused key
+        return scaling
 
     @property
     def resolved_head_dim(self) -> int:
