@@ -84,15 +84,21 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def export_hf(checkpoint: str, out: str, *, merge: bool = False, allow_dropless: bool = False) -> int:
+def _empty_out_dir(out: str):
+    """`out` as a path, refused (ConfigError) when it already holds files: an export overwrites nothing."""
     import pathlib
-
-    from meshwork.inference.hf_export import export_hf as write
-    from meshwork.inference.runs import load_run
 
     out_dir = pathlib.Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out: {out_dir} is not empty; pick a new directory (nothing is overwritten)")
+    return out_dir
+
+
+def export_hf(checkpoint: str, out: str, *, merge: bool = False, allow_dropless: bool = False) -> int:
+    from meshwork.inference.hf_export import export_hf as write
+    from meshwork.inference.runs import load_run
+
+    out_dir = _empty_out_dir(out)
     cfg, model, step = load_run(checkpoint)
     if cfg.finetune.method in ("lora", "qlora"):
         if not merge:
@@ -113,15 +119,11 @@ def export_hf(checkpoint: str, out: str, *, merge: bool = False, allow_dropless:
 
 
 def export_peft(checkpoint: str, out: str, *, base: str | None = None) -> int:
-    import pathlib
-
     from meshwork.inference.peft_export import export_peft as write
     from meshwork.inference.runs import load_run
 
-    out_dir = pathlib.Path(out)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"--out: {out_dir} is not empty; pick a new directory (nothing is overwritten)")
-    cfg, model, step = load_run(checkpoint, ema=False)
+    out_dir = _empty_out_dir(out)
+    cfg, model, step = load_run(checkpoint)
     try:
         path = write(cfg, model, out_dir, base_model=base)
     except ValueError as e:

@@ -83,7 +83,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
                "meshwork has full attention in every layer")
 
     common = dict(vocab_size=need("vocab_size"), d_model=D, n_layers=need("num_hidden_layers"), n_heads=H,
-                  n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta, rope_scaling=rope_scaling,
+                  n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta,
+                  rope_scaling=rope_scaling,
                   norm_eps=c.get("rms_norm_eps") or defaults[0],
                   # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless qkv_bias says not.
                   qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True)),

@@ -49,7 +49,8 @@ class Block(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
-                              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, init_std=cfg.init_std, out_std=residual_out_std(cfg),
+                              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, init_std=cfg.init_std,
+                              out_std=residual_out_std(cfg),
                               qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
                               impl=cfg.attention, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)

@@ -103,21 +103,6 @@ def _context_parallel_axes() -> tuple[str, ...]:
     return split_axes("act_seq", rules, _mesh_shape()) if rules is not None else ()
 
 
-class HeadRMSNorm(RMSNorm):
-    """RMSNorm over the last axis (head_dim) of each head, one scale shared by all heads:
-    Qwen3's q_norm / k_norm.
-
-    >>> n = HeadRMSNorm(8, eps=1e-6, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    >>> n(jnp.ones((1, 3, 2, 8))).shape
-    (1, 3, 2, 8)
-    """
-
-    def __init__(self, head_dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        # RMSNorm's math, but the scale's one axis is head_dim, not the residual stream's embed.
-        self.scale = param(nnx.initializers.ones, rngs.params(), (head_dim,), param_dtype, ("head_dim",))
-        self.eps, self.dtype = eps, dtype
-
-
 class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope_theta: float,
                  rope_scaling: dict | None = None,
@@ -137,8 +122,8 @@ class Attention(nnx.Module):
             self.bk = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
             self.bv = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
         if qk_norm:
-            kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            self.q_norm, self.k_norm = HeadRMSNorm(K, **kw), HeadRMSNorm(K, **kw)
+            kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs, axis="head_dim")
+            self.q_norm, self.k_norm = RMSNorm(K, **kw), RMSNorm(K, **kw)
         self.qkv_bias, self.qk_norm, self.rope_theta = qkv_bias, qk_norm, rope_theta
         # A sorted tuple, not the dict: static module attributes must hash (the graphdef keys jit's cache).
         self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
