@@ -35,8 +35,8 @@ import numpy as np
 from flax import nnx
 
 from meshwork.config_sections import UNetConfig
-from meshwork.inference.hf import apply_params
-from meshwork.inference.hf_files import TensorReader
+from meshwork.models.hf import apply_params
+from meshwork.models.hf.files import TensorReader
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 _DOWN = ("DownBlock2D", "AttnDownBlock2D")

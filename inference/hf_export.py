@@ -1,9 +1,9 @@
 """meshwork language models as Hugging Face checkpoints (config.json + model.safetensors).
 
-The inverse of `inference.hf.load_hf_checkpoint`: a dense Transformer becomes a
+The inverse of `models.hf.load_hf_checkpoint`: a dense Transformer becomes a
 Llama checkpoint (Qwen2 with q/k/v biases, Qwen3 with q/k norms) and a Mixtral-style
 MoE model a Mixtral one (Qwen3-MoE with q/k norms), in the hub's tensor names and
-layouts. Both directions follow one table, `inference.hf_layout.hf_layout`, so export
+layouts. Both directions follow one table, `models.hf.layout.hf_layout`, so export
 then load gives back the same parameters:
 
     path = export_hf(cfg.model, model, "out/my_llama")
@@ -37,8 +37,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from meshwork.config_sections import ModelConfig
-from meshwork.inference.hf_rope import rope_to_hf
-from meshwork.inference.hf_layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
+from meshwork.models.hf.rope import rope_to_hf
+from meshwork.models.hf.layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -157,7 +157,7 @@ def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any],
     whole model in its dtype (plus one tensor being transposed).
 
     >>> import tempfile
-    >>> from meshwork.inference.hf import load_hf_model
+    >>> from meshwork.models.hf import load_hf_model
     >>> cfg, model = load_hf_model("tests/fixtures/hf/mixtral")
     >>> path = export_hf(cfg, model, tempfile.mkdtemp())
     >>> sorted(p.name for p in path.iterdir()), json.loads((path / "config.json").read_text())["architectures"]

@@ -69,7 +69,7 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
     path = pathlib.Path(hf).expanduser()
     if not path.is_dir():
         raise ConfigError(f"--hf: {path} is not a directory; pass a Hugging Face checkpoint directory")
-    from meshwork.inference.hf import model_from_hf
+    from meshwork.models.hf import model_from_hf
 
     try:
         _, model = model_from_hf(path)

@@ -4,7 +4,7 @@ PEFT (Hugging Face's parameter-efficient fine-tuning library) adds to a
 transformers Linear of weight W (out, in) the delta (lora_alpha / r) B A, with
 `lora_A.weight` (r, in) and `lora_B.weight` (out, r). meshwork's LoRA (models/lora.py)
 computes x W0 + (alpha / r) (x A) B with A (inputs..., r) and B (r, outputs...), in the
-layout `inference.hf_layout` maps to Hugging Face by flattening the inputs and the
+layout `models.hf.layout` maps to Hugging Face by flattening the inputs and the
 outputs and transposing. The delta is linear in that map, so the factors map the same
 way: A_peft = flat(A).T and B_peft = flat(B).T, and B_peft A_peft = T(A B) exactly.
 

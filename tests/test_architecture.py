@@ -100,18 +100,18 @@ def test_every_module_is_seen():
     """The graph covers the whole package: a module the walk missed could hide an edge."""
     names = set(modules())
     for expected in ("meshwork.sharding.rules", "meshwork.run.checkpoint", "meshwork.models.transformer",
-                     "meshwork.train.loop", "meshwork.inference.hf", "meshwork.kernels.flash_attention"):
+                     "meshwork.train.loop", "meshwork.models.hf", "meshwork.kernels.flash_attention"):
         assert expected in names
     assert len(names) > 80
 
 
 def test_checker_catches_a_violation(tmp_path):
     """The checker itself fails on an edge against the flow (so the test above can fail)."""
-    src = "from meshwork.train.loop import Trainer\nimport meshwork.inference.hf\nfrom . import rules\n"
+    src = "from meshwork.train.loop import Trainer\nimport meshwork.inference.lm\nfrom . import rules\n"
     tree = ast.parse(src)
     found = [t for node in ast.walk(tree) for t in
              _imported(node, "meshwork.sharding.mesh", False, {"meshwork.sharding.rules"})]
-    assert found == ["meshwork.train.loop", "meshwork.inference.hf", "meshwork.sharding.rules"]
+    assert found == ["meshwork.train.loop", "meshwork.inference.lm", "meshwork.sharding.rules"]
     assert [layer_of(m) for m in found] == ["train", "inference", "sharding"]
     assert not {"train", "inference"} & ALLOWED["sharding"]
 

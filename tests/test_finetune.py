@@ -160,7 +160,7 @@ def test_a_lora_run_exports_merged_and_as_a_peft_adapter(tuned, tmp_path, capsys
     """export-hf --merge writes the base with the deltas added (the LoRA model's logits); without
     --merge a LoRA run is refused; export-peft writes the adapter."""
     from meshwork.inference.cli import main as inference_main
-    from meshwork.inference.hf import load_hf_model
+    from meshwork.models.hf import load_hf_model
     from meshwork.inference.runs import load_run
 
     run_dir = str(tuned["lora"]["run_dir"])

@@ -5,7 +5,7 @@ import json
 
 from meshwork.inference.cli import main
 from meshwork.inference.generate import Generator
-from meshwork.inference.hf import model_from_hf
+from meshwork.models.hf import model_from_hf
 from meshwork.inference.sampling import SamplingParams
 
 from conftest import ROOT

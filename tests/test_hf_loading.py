@@ -20,12 +20,12 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-import meshwork.inference.hf
-import meshwork.inference.hf_config
+import meshwork.models.hf
+import meshwork.models.hf.config
 import meshwork.inference.hf_export
-import meshwork.inference.hf_files
-import meshwork.inference.hf_layout
-from meshwork.inference.hf import (build_hf_model, hf_param_shardings, load_hf_checkpoint, load_hf_config,
+import meshwork.models.hf.files
+import meshwork.models.hf.layout
+from meshwork.models.hf import (build_hf_model, hf_param_shardings, load_hf_checkpoint, load_hf_config,
                           load_hf_model)
 from meshwork.inference.hf_export import export_hf, hf_model_type
 from meshwork.config import load_config
@@ -310,8 +310,8 @@ def test_export_refuses_the_loaded_qwen2_moe_and_stale_files(tmp_path):
         export_hf(cfg, model, tmp_path)
 
 
-@pytest.mark.parametrize("module", [meshwork.inference.hf, meshwork.inference.hf_config, meshwork.inference.hf_files,
-                                    meshwork.inference.hf_layout, meshwork.inference.hf_export])
+@pytest.mark.parametrize("module", [meshwork.models.hf, meshwork.models.hf.config, meshwork.models.hf.files,
+                                    meshwork.models.hf.layout, meshwork.inference.hf_export])
 def test_doctests(module, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

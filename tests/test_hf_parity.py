@@ -14,8 +14,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from meshwork.inference.hf import build_hf_model, load_hf_checkpoint, model_from_hf
-from meshwork.inference.hf_config import config_from_hf
+from meshwork.models.hf import build_hf_model, load_hf_checkpoint, model_from_hf
+from meshwork.models.hf.config import config_from_hf
 
 from conftest import ROOT
 

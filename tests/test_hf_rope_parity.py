@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshwork.inference.generate import Generator
-from meshwork.inference.hf import model_from_hf
+from meshwork.models.hf import model_from_hf
 from meshwork.inference.sampling import SamplingParams
 
 from conftest import ROOT

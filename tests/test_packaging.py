@@ -86,7 +86,7 @@ def test_cli_and_imports_work_beside_a_users_own_packages(user_folder):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--config" in proc.stdout
     code = ("import meshwork.sharding.rules as r, meshwork.models.transformer, meshwork.train.loop, "
-            "meshwork.inference.hf; import sys; "
+            "meshwork.models.hf; import sys; "
             "print(r.rules_for('fsdp') is not None, [m for m in ('models', 'train', 'sharding', 'inference') "
             "if m in sys.modules])")
     proc = _run([sys.executable, "-c", code], user_folder)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshwork.inference.hf_rope import rope_from_hf, rope_to_hf
+from meshwork.models.hf.rope import rope_from_hf, rope_to_hf
 from meshwork.models.layers.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 from conftest import ROOT

@@ -5,7 +5,7 @@
 Qwen3-MoE ("qwen3_moe") configs. Training-only settings (dropout, Mixtral's
 router jitter, output_router_logits) are ignored; anything that changes the
 forward pass and that meshwork does not implement (RoPE scalings other than llama3,
-linear, dynamic and yarn (inference/hf_rope.py), sliding windows shorter than the
+linear, dynamic and yarn (models/hf/rope.py), sliding windows shorter than the
 context, other activations, extra biases) raises a ValueError that names the key.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshwork.config_sections import ModelConfig, MoEConfig
-from meshwork.inference.hf_rope import rope_from_hf
+from meshwork.models.hf.rope import rope_from_hf
 
 # model_type -> (rms_norm_eps, rope_theta) that transformers assumes when config.json omits them.
 DEFAULTS = {"llama": (1e-6, 10000.0), "mistral": (1e-6, 10000.0), "mixtral": (1e-5, 1e6),

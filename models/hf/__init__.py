@@ -16,9 +16,9 @@ reading the next, so host memory holds about one layer, never the model.
 (`build_hf_model(cfg, params)` makes the model from it), with the structure of
 `nnx.to_pure_dict(nnx.state(model, nnx.Param))`; `apply_params` writes such a
 tree into an existing model with shape checks. Both follow one table,
-`hf_layout` (inference/hf_layout.py), which `inference/hf_export.py` also uses
-to write checkpoints; inference/hf_files.py reads the directory's files and
-inference/hf_config.py maps config.json.
+`hf_layout` (models/hf/layout.py), which `inference/hf_export.py` also uses
+to write checkpoints; models/hf/files.py reads the directory's files and
+models/hf/config.py maps config.json.
 
 Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.py):
 
@@ -41,7 +41,7 @@ Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.p
   `decoder_sparse_step` grid) use a dense SwiGLU of `intermediate_size`; meshwork
   can express that only when they are the leading layers (`first_dense_layers`).
 
-Which config.json settings are ignored and which are refused: inference/hf_config.py.
+Which config.json settings are ignored and which are refused: models/hf/config.py.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshwork.config_sections import ModelConfig
-from meshwork.inference.hf_config import config_from_hf
-from meshwork.inference.hf_files import TensorReader, checkpoint_files
-from meshwork.inference.hf_layout import (
+from meshwork.models.hf.config import config_from_hf
+from meshwork.models.hf.files import TensorReader, checkpoint_files
+from meshwork.models.hf.layout import (
     HFTensor,
     as_pure_dict,
     check_tree,

@@ -1,6 +1,6 @@
 """Where each meshwork parameter lives in a Hugging Face checkpoint: names, shapes, layouts.
 
-`hf_layout` is the one table that the loaders (`inference.hf`) and the export
+`hf_layout` is the one table that the loaders (`models.hf`) and the export
 (`inference.hf_export`) both follow; `HFTensor` turns one parameter from the
 file's layout into meshwork's and back. Also here: the dtype names config.json
 uses, and the shape checks and pure dicts of parameter trees both sides share.
@@ -21,7 +21,7 @@ import numpy as np
 from meshwork.config_sections import ModelConfig
 
 if TYPE_CHECKING:
-    from meshwork.inference.hf_files import TensorReader
+    from meshwork.models.hf.files import TensorReader
 
 # numpy dtype -> config.json's torch_dtype / dtype name.
 HF_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
@@ -121,9 +121,9 @@ def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     A tree shaped like the model's parameters (`nnx.to_pure_dict(nnx.state(model,
     nnx.Param))`) with `HFTensor` leaves, except that a stacked group of layers
     ("blocks", "dense_blocks", "moe_blocks") is a list of per-layer trees. The
-    loaders in `inference.hf` and `inference.hf_export.export_hf` all follow this one table.
+    loaders in `models.hf` and `inference.hf_export.export_hf` all follow this one table.
 
-    >>> from meshwork.inference.hf import load_hf_config
+    >>> from meshwork.models.hf import load_hf_config
     >>> cfg = load_hf_config("tests/fixtures/hf/llama")
     >>> hf_layout(cfg, "llama")["blocks"][1]["attn"]["wq"].name
     'model.layers.1.self_attn.q_proj.weight'
