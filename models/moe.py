@@ -42,9 +42,10 @@ class MoEBlock(Block):
         self.moe = MoE(cfg.d_model, cfg.moe, init_std=cfg.init_std, out_std=residual_out_std(cfg), dtype=dtype,
                        param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, *,
+    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None,
+                 segment_ids_BL: jax.Array | None = None, *,
                  noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
         y_BLD, stats = self.moe(self.mlp_norm(x_BLD), noise_key=noise_key)
         return with_logical_constraint(x_BLD + y_BLD, ACT_BLD), stats
@@ -70,10 +71,12 @@ class MoETransformer(nnx.Module):
         self.head = LMHead(cfg, rngs=rngs, **kw)
 
     def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-              noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              noise_key: jax.Array | None = None,
+              segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         if self.cfg.moe.first_dense_layers:
-            x_BLD = apply_layers(*nnx.split(self.dense_blocks), x_BLD, positions_BL, self.remat)
+            x_BLD = apply_layers(*nnx.split(self.dense_blocks), x_BLD, positions_BL, self.remat,
+                                 segment_ids_BL=segment_ids_BL)
 
         graphdef, stacked = nnx.split(self.moe_blocks)
         n_moe = self.cfg.n_layers - self.cfg.moe.first_dense_layers
@@ -81,7 +84,7 @@ class MoETransformer(nnx.Module):
 
         def layer(x_BLD, layer_state_and_key):
             layer_state, key = layer_state_and_key
-            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, noise_key=key)
+            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, segment_ids_BL, noise_key=key)
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)

@@ -52,7 +52,7 @@ class Block(nnx.Module):
                               rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, init_std=cfg.init_std,
                               out_std=residual_out_std(cfg),
                               qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
-                              impl=cfg.attention, **kw)
+                              impl=cfg.attention, window=cfg.sliding_window, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         if mlp:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)
@@ -60,8 +60,10 @@ class Block(nnx.Module):
         self.attn_adapter = nnx.data(None)
         self.mlp_adapter = nnx.data(None)
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
-        x_BLD = x_BLD + self._adapt(self.attn_adapter, self.attn(self.attn_norm(x_BLD), positions_BL))
+    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None,
+                 segment_ids_BL: jax.Array | None = None) -> jax.Array:
+        h_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
+        x_BLD = x_BLD + self._adapt(self.attn_adapter, h_BLD)
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
         x_BLD = x_BLD + self._adapt(self.mlp_adapter, self.feed_forward(self.mlp_norm(x_BLD)))
         return with_logical_constraint(x_BLD, ACT_BLD)
@@ -94,7 +96,7 @@ def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs)
 
 def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
                  positions_BL: jax.Array | None, remat: str, dropout_key: jax.Array | None = None,
-                 unroll: bool = False) -> jax.Array:
+                 unroll: bool = False, segment_ids_BL: jax.Array | None = None) -> jax.Array:
     """Runs the blocks whose states are stacked on a leading axis, one after another (lax.scan).
 
     Shared by the model and by pipeline stages, which each run a slice of the stack.
@@ -102,6 +104,7 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     compiles; lets XLA fuse and schedule across layers, and undoes remat).
     `dropout_key` (training only) gives each layer its own key for the dropout of
     LoRA branches (models/lora.py); None runs them deterministically.
+    `segment_ids_BL`: the document of each token of packed rows (attention stays within one).
     """
     def layer(x_BLD, xs):
         layer_state, key = xs
@@ -110,7 +113,7 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
         # where host and device memory are one, jax lowers this device_put to nothing).
         layer_state = jax.tree.map(to_device_memory, layer_state)
         with training_key(key):
-            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL), None
+            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, segment_ids_BL), None
 
     if remat != "none":
         # prevent_cse=False: inside scan there is nothing for CSE to undo.
@@ -189,23 +192,25 @@ class Transformer(nnx.Module):
         self.head = LMHead(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-                 dropout_key: jax.Array | None = None) -> jax.Array:
+                 dropout_key: jax.Array | None = None, segment_ids_BL: jax.Array | None = None) -> jax.Array:
         """positions_BL: the position of each token when the sequence is laid out in another
         order than 0..L-1 (context parallelism's zigzag); None means 0..L-1.
-        dropout_key: training randomness for LoRA dropout (models/lora.py); None: none."""
+        dropout_key: training randomness for LoRA dropout (models/lora.py); None: none.
+        segment_ids_BL: each token's document when several are packed in a row; None: one."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat, dropout_key,
-                             unroll=not self.scan_layers)
+                             unroll=not self.scan_layers, segment_ids_BL=segment_ids_BL)
         return self.head(x_BLD, self.embed)
 
     def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-              noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              noise_key: jax.Array | None = None,
+              segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The trainer's entry point, shared by all LMs: (logits, auxiliary statistics).
 
         A dense model has no auxiliary terms; `noise_key` (the step's randomness, given
         in training only) draws the dropout of LoRA branches when there are any.
         """
-        return self(tokens_BL, positions_BL, dropout_key=noise_key), {}
+        return self(tokens_BL, positions_BL, dropout_key=noise_key, segment_ids_BL=segment_ids_BL), {}
 
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""

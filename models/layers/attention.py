@@ -24,7 +24,8 @@ from meshwork.sharding.rules import axes_of, current_rules, split_axes, with_log
 
 
 def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
-           causal: bool = True, scale: float | None = None, impl: str = "xla") -> jax.Array:
+           causal: bool = True, scale: float | None = None, impl: str = "xla",
+           segment_ids_BL: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """softmax(q k^T * scale + mask) v, with G key/value heads shared by H/G query heads.
 
     impl (model.attention in the config):
@@ -37,29 +38,54 @@ def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL
     Whatever `impl`, a sequence split over the mesh (context parallelism, the
     `cp` preset) goes to ring attention; its causal mask comes from
     `positions_BL`, so any token layout (e.g. the load-balancing zigzag) is correct.
+
+    segment_ids_BL: the document each token belongs to, when several are packed
+    into one row (data.source: text); a token sees only keys of its own document.
+    window: a query at position i sees keys at i - window < j <= i only (Mistral's
+    sliding window); None sees every earlier key.
     """
     seq_axes = _context_parallel_axes()
     if seq_axes:
+        if segment_ids_BL is not None or window is not None:
+            raise ValueError("ring attention (a sequence split over the mesh) takes neither packed documents nor a "
+                             "sliding window; train without act_seq sharding, or on unpacked data")
         return _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, causal=causal, scale=scale)
     if positions_BL is not None and causal and impl != "xla":
         raise ValueError(f"attention impl {impl!r} takes tokens in order 0..L-1; use xla for permuted positions")
     if impl == "xla":
-        if positions_BL is not None and causal:
-            # Masking by positions keeps a permuted layout correct here too.
-            mask = positions_BL[:, None, :, None] >= positions_BL[:, None, None, :]
-            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
+        if (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
+            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale,
+                                                mask=_mask(q_BLHK.shape[:2], positions_BL, segment_ids_BL, window))
         return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
     if impl == "cudnn":
+        if segment_ids_BL is not None:
+            raise ValueError("attention impl cudnn takes no segment ids (packed documents); use xla or pallas")
         return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal,
+                                            local_window_size=(window - 1, 0) if window else None,
                                             implementation="cudnn")
+    segments = {"segment_ids_q": segment_ids_BL, "segment_ids_kv": segment_ids_BL} if segment_ids_BL is not None else {}
     if impl == "reference":
-        return flash_attention_reference(q_BLHK, k_BSGK, v_BSGK, causal=causal, scale=scale)
+        return flash_attention_reference(q_BLHK, k_BSGK, v_BSGK, causal=causal, scale=scale, window=window, **segments)
     if impl == "pallas":
         # Block sizes (and GPU launch parameters) from the autotuner's cache, if it has this shape.
         blocks = tuned_blocks(q_BLHK, k_BSGK, causal)
-        return _per_device(functools.partial(flash_attention, causal=causal, scale=scale, **blocks),
-                           q_BLHK, k_BSGK, v_BSGK)
+        kernel = functools.partial(flash_attention, causal=causal, scale=scale, window=window, **blocks)
+        return _per_device(kernel, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
     raise ValueError(f"attention impl {impl!r}; choose xla, pallas, cudnn or reference")
+
+
+def _mask(batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,
+          window: int | None) -> jax.Array:
+    """The (B, 1, L, L) causal mask by position (any token layout), within a document and a window."""
+    B, L = batch_len
+    pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
+    q_pos, k_pos = pos_BL[:, None, :, None], pos_BL[:, None, None, :]
+    mask = q_pos >= k_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    if segment_ids_BL is not None:
+        mask &= segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
+    return mask
 
 
 def _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
@@ -75,22 +101,28 @@ def _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
                           causal=causal, scale=scale)
 
 
-def _per_device(kernel, q_BLHK, k_BSGK, v_BSGK):
+def _per_device(kernel, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL=None):
     """Runs a single-device attention kernel on each device's shard of the batch and heads.
 
     A Pallas call is opaque to the partitioner, so under a mesh it goes inside
     `shard_map` with the specs the rules give the activations; every device
     then holds whole sequences of its heads, which is all the kernel needs.
+    Segment ids, when given, are split by batch like the activations.
     """
+    def run(q, k, v, *seg):
+        return kernel(q, k, v, **({"segment_ids_q": seg[0], "segment_ids_kv": seg[0]} if seg else {}))
+
+    args = (q_BLHK, k_BSGK, v_BSGK, *(() if segment_ids_BL is None else (segment_ids_BL,)))
     rules, mesh_shape = current_rules(), _mesh_shape()
     if rules is None or not mesh_shape or all(n == 1 for n in mesh_shape.values()):
-        return kernel(q_BLHK, k_BSGK, v_BSGK)
+        return run(*args)
     batch = split_axes("act_batch", rules, mesh_shape)
     heads = split_axes("act_heads", rules, mesh_shape)
     spec = PartitionSpec(batch or None, None, heads or None, None)
+    in_specs = (spec, spec, spec, *(() if segment_ids_BL is None else (PartitionSpec(batch or None, None),)))
     # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
-    return jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec, spec, spec),
-                         out_specs=spec, check_vma=False)(q_BLHK, k_BSGK, v_BSGK)
+    return jax.shard_map(run, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                         out_specs=spec, check_vma=False)(*args)
 
 
 def _mesh_shape() -> dict[str, int]:
@@ -107,10 +139,12 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope_theta: float,
                  rope_scaling: dict | None = None,
                  init_std: float, out_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, impl: str = "xla"):
+                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, impl: str = "xla",
+                 window: int | None = None):
         """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero.
         qk_norm: RMSNorm (epsilon `norm_eps`) over each head's q and k before RoPE (Qwen3).
-        rope_scaling: scaled RoPE frequencies in Hugging Face's form (models/layers/rope.py)."""
+        rope_scaling: scaled RoPE frequencies in Hugging Face's form (models/layers/rope.py).
+        window: the sliding window (keys within `window` positions of the query), or None."""
         D, H, G, K = d_model, n_heads, n_kv_heads, head_dim
         self.wq = param(normal(init_std), rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim"))
         self.wk = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
@@ -127,20 +161,26 @@ class Attention(nnx.Module):
         self.qkv_bias, self.qk_norm, self.rope_theta = qkv_bias, qk_norm, rope_theta
         # A sorted tuple, not the dict: static module attributes must hash (the graphdef keys jit's cache).
         self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
-        self.dtype, self.impl = dtype, impl
+        self.dtype, self.impl, self.window = dtype, impl, window
         self.prefix = nnx.data(None)  # trainable key/value prefixes (models/adapters.py, prefix tuning)
 
     @property
     def _scaling(self) -> dict | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
-        """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag)."""
+    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None,
+                 segment_ids_BL: jax.Array | None = None) -> jax.Array:
+        """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag).
+        segment_ids_BL: each token's document in a packed row; attention stays within one."""
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
         if self.prefix is not None:
+            if segment_ids_BL is not None or self.window is not None:
+                raise NotImplementedError("prefix tuning over packed documents or a sliding window is not "
+                                          "implemented; use LoRA or adapters")
             o_BLHK = self.prefix.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL)
         else:
-            o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl)
+            o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl,
+                            segment_ids_BL=segment_ids_BL, window=self.window)
         return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype)
 
     def cached(self, x_BLD: jax.Array, positions_BL: jax.Array, kv):

@@ -167,6 +167,9 @@ class ModelConfig(Section):
     """Biases on the q, k, v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm over each head's q and k before RoPE, one learned scale per head_dim (Qwen3)."""
+    sliding_window: int | None = pydantic.Field(None, gt=0)
+    """A query at position i attends to keys at i - sliding_window < j <= i only (Mistral);
+    null attends to every earlier key. Honoured by every attention path and the KV cache."""
     tie_embeddings: bool = False
     """Reuse the input embedding as the output projection."""
     init_std: float = 0.02

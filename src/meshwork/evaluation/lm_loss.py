@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -26,11 +27,23 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]
     """
     def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
         model = nnx.merge(graphdef, params, buffers)
-        logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), noise_key=noise_key)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
+        logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), noise_key=noise_key,
+                                        segment_ids_BL=batch.get("segment_ids"))
+        ce = token_cross_entropy(logits_BLV, batch)
         objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
         return objective, {"loss": ce, **stats}
     return loss_fn
+
+
+def token_cross_entropy(logits_BLV: jax.Array, batch: Batch) -> jax.Array:
+    """Mean next-token cross-entropy of a batch, over the targets that count: a batch of packed
+    documents (data.source: text) carries `loss_mask`, 0 where a target is the first token of the
+    next document, which nothing before it in the row can predict."""
+    ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+    if "loss_mask" not in batch:
+        return ce_BL.mean()
+    mask_BL = batch["loss_mask"].astype(ce_BL.dtype)
+    return (ce_BL * mask_BL).sum() / jnp.maximum(mask_BL.sum(), 1.0)
 
 
 def validation_loss(model: nnx.Module, batches: list[dict[str, np.ndarray]]) -> float:
