@@ -36,6 +36,7 @@ from meshwork.inference.kv_cache import KVCache, cache_bytes
 from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.perf.hardware import device_memory_bytes
+from meshwork.rope_scaling import rope_type_of
 from meshwork.sharding.rules import Rules, split_axes, use_rules
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this: one prefill compile per bucket, not per length
@@ -145,7 +146,10 @@ class Generator:
 
         n = len(prompts)
         B = round_up(n, self.batch_multiple)  # idle rows fill the data-parallel size
-        L = min(round_up(int(lengths.max()), PROMPT_BUCKET), max_len)
+        # Dynamic-NTK RoPE takes its frequencies from the longest position a call sees, so its
+        # prompts are not padded: padding would change the prompt's frequencies.
+        bucket = 1 if rope_type_of(self.cfg.rope_scaling) == "dynamic" else PROMPT_BUCKET
+        L = min(round_up(int(lengths.max()), bucket), max_len)
         tokens = np.zeros((B, L), np.int32)
         for i, prompt in enumerate(prompts):
             tokens[i, :len(prompt)] = prompt

@@ -93,6 +93,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.finetune.base:  # a Hugging Face base decides the model (imported here: it loads jax)
+            from meshwork.train.finetune import with_base_model
+
+            cfg = with_base_model(cfg)
         init_distributed(args)
         if args.graph or args.dry_run:  # no guard on these paths: Ctrl-C stops them at once
             interrupts.release()

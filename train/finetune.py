@@ -1,7 +1,10 @@
-"""Fine-tuning a trained run: its checks, its starting weights, its accounting.
+"""Fine-tuning a trained run or a Hugging Face checkpoint: its checks, its starting weights, its accounting.
 
-A `finetune` config trains a new run.dir from the latest checkpoint of
-`finetune.base`. What is trained is decided by `meshwork.models.build.split_model`:
+A `finetune` config trains a new run.dir from `finetune.base`: the latest
+checkpoint of a meshwork run, or a Hugging Face checkpoint folder (config.json
+and safetensors, as `meshwork.models.hf` reads them), whose config.json then
+decides the model (`with_base_model`). `finetune.method: full` from a Hugging
+Face folder is plain continued pre-training. What is trained is decided by `meshwork.models.build.split_model`:
 with LoRA/QLoRA/adapters/prefixes only the method's own variables are
 "params" (gradients, Adam moments); the base model's weights travel in the
 state as "buffers", sharded by the same rules but never differentiated, so
@@ -18,21 +21,82 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.config import Config, ConfigError, load_config
-from meshwork.models.build import build_model, split_model
+from meshwork.config import Config, ConfigError, load_config, validate
+from meshwork.config_sections import FinetuneConfig, Section
+from meshwork.models.build import DTYPES, build_model, split_model
+from meshwork.models.hf import load_hf_config, load_hf_model
 from meshwork.partitioning import variable_shardings
 from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
 from meshwork.sharding.rules import Rules
 
 
+# Model keys that choose how the model runs or starts, not what it computes: a config may set
+# them beside a Hugging Face base.
+_RUNTIME_KEYS = ("attention", "init_std")
+
+
+def is_hf_base(cfg: Config) -> bool:
+    """Whether `finetune.base` is a Hugging Face checkpoint folder (config.json, no config.yaml)."""
+    if cfg.finetune.method == "none" or not cfg.finetune.base:
+        return False
+    base_dir = pathlib.Path(cfg.finetune.base).expanduser()
+    return (base_dir / "config.json").is_file() and not (base_dir / "config.yaml").is_file()
+
+
+def with_base_model(cfg: Config) -> Config:
+    """`cfg` with its model read from a Hugging Face `finetune.base` (unchanged for a run-dir base).
+
+    The checkpoint's config.json decides the architecture; a model key the config
+    sets (in its file or as an override) must agree with it, else a one-line
+    ConfigError names the key, both values and the fix. With `data.source: text`
+    and no `data.tokenizer`, the folder's tokenizer.json tokenizes the text.
+    """
+    if not is_hf_base(cfg):
+        return cfg
+    base_dir = pathlib.Path(cfg.finetune.base).expanduser()
+    try:
+        derived = load_hf_config(base_dir)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"finetune.base: {base_dir}: {e}") from None
+    derived = derived.model_copy(update={k: getattr(cfg.model, k) for k in _RUNTIME_KEYS})
+    if (clash := _first_difference(cfg.model, derived, "model")) is not None:
+        key, ours, theirs = clash
+        raise ConfigError(f"{key}: the Hugging Face base {base_dir} has {key}={theirs!r} (from its config.json), "
+                          f"not {ours!r}; drop {key} from the config, the model is read from finetune.base")
+    raw = {**cfg.to_dict(), "model": derived.model_dump(mode="json", by_alias=True)}
+    if (cfg.data.source == "text" and getattr(cfg.data, "tokenizer", None) is None
+            and (base_dir / "tokenizer.json").is_file()):
+        raw["data"] = {**raw["data"], "tokenizer": str(base_dir / "tokenizer.json")}
+    return validate(raw, f"finetune.base {base_dir}")
+
+
+def _first_difference(user: Section, derived: Section, prefix: str) -> tuple[str, object, object] | None:
+    """(dotted key, user's value, derived value) of the first key the user set that differs."""
+    for name in sorted(user.model_fields_set):
+        ours, theirs = getattr(user, name), getattr(derived, name)
+        if isinstance(ours, Section):
+            if (found := _first_difference(ours, theirs, f"{prefix}.{name}")) is not None:
+                return found
+        elif ours != theirs:
+            return f"{prefix}.{name}", ours, theirs
+    return None
+
+
 def check_base(cfg: Config) -> Config | None:
-    """The base run's config, after checking it can be fine-tuned into `cfg` (ConfigError if not)."""
+    """The base run's config, after checking it can be fine-tuned into `cfg` (ConfigError if not);
+    None when not fine-tuning or when the base is a Hugging Face folder (`with_base_model` checks it)."""
     if cfg.finetune.method == "none":
         return None
     base_dir = pathlib.Path(cfg.finetune.base).expanduser()
+    if pathlib.Path(cfg.run.dir).expanduser().resolve() == base_dir.resolve():
+        raise ConfigError("run.dir: is the base's own directory; fine-tune into a new run.dir")
+    if is_hf_base(cfg):
+        with_base_model(cfg)  # the checkpoint's own checks, and the model keys against it
+        return None
     if not (base_dir / "config.yaml").is_file():
-        raise ConfigError(f"finetune.base: {base_dir} has no config.yaml; point it to a trained run's run.dir")
+        raise ConfigError(f"finetune.base: {base_dir} has no config.yaml; point it to a trained run's run.dir "
+                          "or a Hugging Face checkpoint folder (config.json and *.safetensors)")
     base = load_config(base_dir / "config.yaml")
     if base.finetune.method != "none":
         raise ConfigError(f"finetune.base: {base_dir} is itself a fine-tuning run; start from the run it tuned")
@@ -42,15 +106,21 @@ def check_base(cfg: Config) -> Config | None:
                           f"not {getattr(cfg.model, key)!r}; fine-tuning keeps the base architecture")
     if Checkpointer(base_dir / "checkpoints", every=1, keep=1, use_async=False).latest_step() is None:
         raise ConfigError(f"finetune.base: {base_dir}/checkpoints holds no checkpoint; train the base run first")
-    if pathlib.Path(cfg.run.dir).expanduser().resolve() == base_dir.resolve():
-        raise ConfigError("run.dir: is the base run's own directory; fine-tune into a new run.dir")
     return base
 
 
 def load_base_params(cfg: Config, mesh: Mesh, rules_by_role: dict[str, Rules]) -> nnx.State:
     """The base run's latest trained weights, placed on `mesh` by the rules (resharded if
-    the base trained on another layout)."""
+    the base trained on another layout); for a Hugging Face base, its weights read straight
+    onto the devices in that layout, one layer at a time."""
     base_dir = pathlib.Path(cfg.finetune.base).expanduser()
+    if is_hf_base(cfg):
+        base = cfg.model_copy(update={"finetune": FinetuneConfig()})
+        _, params, _ = split_model(nnx.eval_shape(lambda: build_model(base)), base)
+        shardings = variable_shardings(params, mesh, rules_by_role["params"])
+        _, model = load_hf_model(base_dir, shardings=shardings, dtype=DTYPES[cfg.train.compute_dtype],
+                                 param_dtype=DTYPES[cfg.train.param_dtype])
+        return nnx.state(model, nnx.Param)
     base = load_config(base_dir / "config.yaml")
     ckpt = Checkpointer(base_dir / "checkpoints", every=1, keep=base.checkpoint.keep, use_async=False)
     _, params, _ = split_model(nnx.eval_shape(lambda: build_model(base)), base)
@@ -80,7 +150,7 @@ def describe(cfg: Config, abstract: dict[str, Any]) -> str:
 def base_data_config(cfg: Config) -> Config | None:
     """`cfg` reading its base run's data instead (to report the loss on what the base learned),
     or None when not fine-tuning or the data is the same. `check_base` has vetted the base."""
-    if cfg.finetune.method == "none":
+    if cfg.finetune.method == "none" or is_hf_base(cfg):  # a Hugging Face base brings no data of ours
         return None
     base = load_config(pathlib.Path(cfg.finetune.base).expanduser() / "config.yaml")
     return None if base.data == cfg.data else cfg.model_copy(update={"data": base.data})

@@ -39,7 +39,7 @@ from meshwork.train.comm import (
     outer_optimizer,
     uses_comm,
 )
-from meshwork.train.finetune import base_data_config, check_base, describe, load_base_params
+from meshwork.train.finetune import base_data_config, check_base, describe, load_base_params, with_base_model
 from meshwork.train.logger import StepLogger, to_host
 from meshwork.train.optim import make_optimizer
 from meshwork.train.preemption import PreemptionGuard
@@ -262,6 +262,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     StorageFull when the run dir's storage gives out (the last checkpoint kept).
     """
     clock = GoodputClock()
+    cfg = with_base_model(cfg)  # a Hugging Face finetune.base decides the model
     task = check_runtime(cfg, devices)
     is_main = jax.process_index() == 0
     say = say_through_bar if is_main else (lambda msg: None)
