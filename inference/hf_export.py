@@ -1,10 +1,12 @@
 """meshwork language models as Hugging Face checkpoints (config.json + model.safetensors).
 
 The inverse of `models.hf.load_hf_checkpoint`: a dense Transformer becomes a
-Llama checkpoint (Qwen2 with q/k/v biases, Qwen3 with q/k norms) and a Mixtral-style
-MoE model a Mixtral one (Qwen3-MoE with q/k norms), in the hub's tensor names and
-layouts. Both directions follow one table, `models.hf.layout.hf_layout`, so export
-then load gives back the same parameters:
+Llama checkpoint (Mistral with a sliding window, Qwen2 with q/k/v biases, Qwen3
+with q/k norms) and a Mixtral-style MoE model a Mixtral one (Qwen3-MoE with q/k
+norms, Qwen2-MoE with a gated shared expert; their dense layers, leading or not, as
+decoder_sparse_step and mlp_only_layers), in the hub's tensor names and layouts. Both
+directions follow one table, `models.hf.layout.hf_layout`, so export then load gives
+back the same parameters:
 
     path = export_hf(cfg.model, model, "out/my_llama")
     cfg2, model2 = load_hf_model(path)                  # the same weights
@@ -14,8 +16,9 @@ What transformers computes from the export is checked (outside the test suite,
 which has no torch) by tests/fixtures/check_hf_export.py.
 
 A configuration that none of these can express (q/k/v biases with q/k norms or in
-a MoE, sigmoid or noisy routers, shared experts, Mixtral with leading dense layers or
-unnormalized top-k, scaled routing) raises ValueError naming each such setting. Training-only settings
+Mixtral, sigmoid or noisy routers, ungated shared experts, Mixtral with dense layers or
+unnormalized top-k, scaled routing, a sliding window in a MoE) raises ValueError naming
+each such setting. Training-only settings
 (auxiliary-loss coefficients other than Mixtral's router_aux_loss_coef, the
 z-loss, selection-bias updates) are dropped. A capacity-factor MoE (`moe.capacity_factor`
 set) is refused: Mixtral is dropless, so the export would compute every token that meshwork's
@@ -26,6 +29,7 @@ model drops, i.e. what meshwork computes with capacity_factor null. `allow_dropl
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import warnings
 from collections.abc import Mapping
@@ -40,15 +44,18 @@ from meshwork.config_sections import ModelConfig
 from meshwork.models.hf.rope import rope_to_hf
 from meshwork.models.hf.layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+         "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE"}
 
 
 def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
     """The Hugging Face architecture that computes what `cfg` computes: "llama" (kind transformer),
-    "qwen2" (with q/k/v biases), "qwen3" (with q/k norms), "mixtral" (kind moe) or "qwen3_moe"
-    (kind moe with q/k norms). ValueError names every setting that it cannot express.
+    "qwen2" (with q/k/v biases), "qwen3" (with q/k norms), "mixtral" (kind moe), "qwen3_moe"
+    (kind moe with q/k norms) or "qwen2_moe" (kind moe with a gated shared expert). ValueError
+    names every setting that it cannot express.
 
     >>> from meshwork.config_sections import MoEConfig
     >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="softmax")))
@@ -62,27 +69,38 @@ def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
 moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     """
     if cfg.kind not in ("transformer", "moe"):
-        raise ValueError(f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama, Qwen2 or Qwen3) "
-                         "and moe (as Mixtral or Qwen3-MoE) models have a Hugging Face form here")
-    if cfg.kind == "transformer":
-        model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
-    else:
-        model_type = "qwen3_moe" if cfg.qk_norm else "mixtral"
+        raise ValueError(f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama, Mistral, Qwen2 or Qwen3) "
+                         "and moe (as Mixtral, Qwen2-MoE or Qwen3-MoE) models have a Hugging Face form here")
+    if cfg.kind == "transformer":  # Llama has no sliding window; Mistral is Llama with one
+        model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window \
+            else "llama"
+    else:  # Qwen2-MoE's mark is its gated shared expert; a plain routed MoE is Mixtral's
+        model_type = "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.moe.shared_expert_gate else "mixtral"
     name = NAMES[model_type]
     problems = []
     if cfg.qk_norm and cfg.qkv_bias:
         problems.append(f"qkv_bias=True ({name} has q/k norms but no attention biases)")
-    if cfg.kind == "moe" and not cfg.qk_norm and cfg.qkv_bias:
+    if model_type == "mixtral" and cfg.qkv_bias:
         problems.append("qkv_bias=True (Mixtral has no attention biases)")
+    if cfg.kind == "moe" and cfg.sliding_window is not None:
+        problems.append(f"sliding_window={cfg.sliding_window} (meshwork reads a window back from Mistral, "
+                        f"Qwen2 and Qwen3 checkpoints only, not from {name})")
     if cfg.kind == "moe":
         m = cfg.moe
         problems += [why for ok, why in [
             (m.router == "softmax", f"moe.router={m.router!r} ({name} routes by softmax top-k)"),
-            (m.norm_topk_prob or model_type == "qwen3_moe",
+            (m.norm_topk_prob or model_type != "mixtral",
              "moe.norm_topk_prob=False (Mixtral renormalizes the top-k weights)"),
-            (not m.n_shared_experts, f"moe.n_shared_experts={m.n_shared_experts} ({name} has no shared experts)"),
-            (not m.first_dense_layers or model_type == "qwen3_moe",
+            (not m.n_shared_experts or model_type == "qwen2_moe",
+             f"moe.n_shared_experts={m.n_shared_experts} ({name} has no shared experts)"),
+            (m.n_shared_experts == 1 or model_type != "qwen2_moe",
+             f"moe.n_shared_experts={m.n_shared_experts} (Qwen2-MoE has one gated shared expert)"),
+            (not m.shared_expert_gate or model_type == "qwen2_moe",
+             f"moe.shared_expert_gate=True ({name} has no shared expert gate)"),
+            (not m.first_dense_layers or model_type != "mixtral",
              f"moe.first_dense_layers={m.first_dense_layers} (every Mixtral layer is a MoE layer)"),
+            (not m.dense_layers or model_type != "mixtral",
+             f"moe.dense_layers={list(m.dense_layers or ())} (every Mixtral layer is a MoE layer)"),
             (m.routed_scaling_factor == 1.0,
              f"moe.routed_scaling_factor={m.routed_scaling_factor} ({name} does not scale the experts' output)"),
         ] if not ok]
@@ -127,22 +145,43 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddin
     }
     if model_type == "llama":
         return c | {"attention_bias": False, "mlp_bias": False}
+    if model_type == "mistral":
+        return c | {"sliding_window": cfg.sliding_window}
     full_attention = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
                       "layer_types": ["full_attention"] * cfg.n_layers}
+    if cfg.sliding_window is not None:  # Qwen2 / Qwen3: the window in every layer (none is a full one)
+        full_attention = {"use_sliding_window": True, "sliding_window": cfg.sliding_window, "max_window_layers": 0,
+                          "layer_types": ["sliding_attention"] * cfg.n_layers}
     if model_type == "qwen2":
         return c | full_attention
     if model_type == "qwen3":
         return c | full_attention | {"attention_bias": False}
     m = cfg.moe
+    step, mlp_only = sparse_step(m.dense_layer_indices(cfg.n_layers), cfg.n_layers)
+    qwen_moe = {"num_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.d_expert,
+                "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": step, "mlp_only_layers": mlp_only,
+                "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False}
     if model_type == "qwen3_moe":
-        return c | full_attention | {
-            "attention_bias": False, "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.d_expert, "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(m.first_dense_layers)), "router_aux_loss_coef": m.aux_loss_coef,
-            "output_router_logits": False}
+        return c | full_attention | qwen_moe | {"attention_bias": False}
+    if model_type == "qwen2_moe":
+        return c | full_attention | qwen_moe | {"qkv_bias": cfg.qkv_bias,
+                                                 "shared_expert_intermediate_size": m.d_shared or m.d_expert}
     return c | {"num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
                 "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False,
                 "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def sparse_step(dense: tuple[int, ...], n_layers: int) -> tuple[int, list[int]]:
+    """(decoder_sparse_step, mlp_only_layers) under which Qwen2-MoE / Qwen3-MoE make exactly the
+    layers `dense` dense: layer i is a MoE layer iff i is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0. The step is the largest that keeps every MoE layer on its
+    grid (the gcd of their i + 1); mlp_only_layers lists the dense layers left on the grid.
+
+    >>> sparse_step((0, 2), 4), sparse_step((0,), 3), sparse_step((1,), 3)
+    ((2, []), (1, [0]), (1, [1]))
+    """
+    step = math.gcd(*(i + 1 for i in range(n_layers) if i not in dense))
+    return step, [i for i in dense if (i + 1) % step == 0]
 
 
 def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any], out_dir: str | pathlib.Path, *,

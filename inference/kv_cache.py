@@ -21,9 +21,11 @@ position), returning the updated cache.
   padding or of idle slots land there and never in a live page.
 
 Positions drive everything: a token at position p is written at p and sees
-the keys at positions <= p. Right-padded prompts therefore need no mask of
-their own: padding sits after the real tokens, and the next real token
-overwrites the first padded slot before anything can attend to it.
+the keys at positions <= p (and > p - window with a sliding window, Mistral's;
+the cache still keeps every position, so its memory is not bounded by the
+window). Right-padded prompts therefore need no mask of their own: padding sits
+after the real tokens, and the next real token overwrites the first padded slot
+before anything can attend to it.
 
 Reading a paged cache here gathers each sequence's pages into a contiguous
 (B, S, G, K) view per layer (one copy per step); a paged-attention kernel
@@ -62,18 +64,28 @@ def _zero_pair(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding
 
 
 def cached_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array,
-                     impl: str = "xla") -> jax.Array:
-    """Queries at `positions_BL` over cached keys 0..S-1, key j visible to a query at p iff j <= p.
+                     impl: str = "xla", window: int | None = None) -> jax.Array:
+    """Queries at `positions_BL` over cached keys 0..S-1, key j visible to a query at p iff j <= p
+    (and p - window < j, with a sliding window).
 
     A single new token per sequence with impl "pallas" runs the flash-decoding
-    kernel (meshwork.kernels.decode_attention); everything else is XLA's
-    attention with the position mask (grouped heads without repeating K/V).
+    kernel (meshwork.kernels.decode_attention), which takes the window itself
+    (it starts at the window's first block, skipping the keys before it);
+    everything else is XLA's attention with the position mask (grouped heads
+    without repeating K/V).
+
+    >>> q = jnp.ones((1, 1, 2, 8)); k = v = jnp.ones((1, 16, 1, 8))
+    >>> cached_attention(q, k, v, jnp.array([[9]]), window=4).shape
+    (1, 1, 2, 8)
     """
     B, L = positions_BL.shape
     if impl == "pallas" and L == 1:
-        return decode_attention(q_BLHK[:, 0], k_BSGK, v_BSGK, positions_BL[:, 0] + 1)[:, None]
+        return decode_attention(q_BLHK[:, 0], k_BSGK, v_BSGK, positions_BL[:, 0] + 1, window=window)[:, None]
     S = k_BSGK.shape[1]
-    mask_B1LS = (jnp.arange(S)[None, None, None, :] <= positions_BL[:, None, :, None])
+    key_S, pos_B1L1 = jnp.arange(S)[None, None, None, :], positions_BL[:, None, :, None]
+    mask_B1LS = key_S <= pos_B1L1
+    if window is not None:
+        mask_B1LS &= key_S > pos_B1L1 - window
     return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS)
 
 
@@ -117,14 +129,14 @@ class _ContiguousLayer:
     cache: KVCache
     i: jax.Array
 
-    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla"):
+    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None):
         B = positions_BL.shape[0]
         rows_B1 = jnp.arange(B)[:, None]
         # One scatter per array; positions past max_len are dropped, not clamped onto real data.
         k = self.cache.k.at[self.i, rows_B1, positions_BL].set(k_BLGK.astype(self.cache.k.dtype), mode="drop")
         v = self.cache.v.at[self.i, rows_B1, positions_BL].set(v_BLGK.astype(self.cache.v.dtype), mode="drop")
         o_BLHK = cached_attention(q_BLHK, k[self.i].astype(q_BLHK.dtype), v[self.i].astype(q_BLHK.dtype),
-                                  positions_BL, impl)
+                                  positions_BL, impl, window)
         return o_BLHK, _ContiguousLayer(KVCache(k, v), self.i)
 
 
@@ -162,7 +174,7 @@ class _PagedLayer:
     cache: PagedKVCache
     i: jax.Array
 
-    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla"):
+    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None):
         c = self.cache
         T = c.page_size
         B, P = c.page_table.shape
@@ -178,5 +190,5 @@ class _PagedLayer:
             pages = pool[self.i][c.page_table]  # (B, P, T, G, K)
             return pages.reshape(B, P * T, *pages.shape[3:]).astype(q_BLHK.dtype)
 
-        o_BLHK = cached_attention(q_BLHK, gather(k), gather(v), positions_BL, impl="xla")
+        o_BLHK = cached_attention(q_BLHK, gather(k), gather(v), positions_BL, impl="xla", window=window)
         return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)

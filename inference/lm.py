@@ -57,7 +57,13 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
         cfg, model, _ = load_run(checkpoint)
         if cfg.model.kind not in ("transformer", "moe"):
             raise ConfigError(f"--checkpoint: {checkpoint} trained a {cfg.model.kind}; `lm` needs a language model")
-        tokenizer = ByteTokenizer() if cfg.data.source in ("stdlib", "stdlib_docs") else None
+        tokenizer, stops = ByteTokenizer() if cfg.data.source in ("stdlib", "stdlib_docs") else None, []
+        if cfg.data.source == "text":  # the tokenizer the run's text was tokenized with, and its EOS
+            from meshwork.data.user_text import load_tokenizer
+
+            used = load_tokenizer(cfg.data.tokenizer)
+            tokenizer = ByteTokenizer() if used.path is None else _HFTokenizer(used.path)
+            stops = [] if used.eos_id is None else [used.eos_id]
         if cfg.finetune.method == "prefix":
             raise ConfigError(f"--checkpoint: {checkpoint} is prefix-tuned; generation with a KV cache does not "
                               "support prefixes yet (models/adapters.py)")
@@ -65,7 +71,7 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
             from meshwork.models.lora import merge_lora
 
             merge_lora(model)  # W0 + (alpha/r) B A: inference at the base model's cost
-        return model, tokenizer, []
+        return model, tokenizer, stops
     path = pathlib.Path(hf).expanduser()
     if not path.is_dir():
         raise ConfigError(f"--hf: {path} is not a directory; pass a Hugging Face checkpoint directory")

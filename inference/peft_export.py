@@ -68,9 +68,11 @@ def export_peft(cfg: Any, model: nnx.Module, out_dir: str | pathlib.Path, *, bas
     if ft.method != "lora":
         raise ValueError(f"finetune.method={ft.method!r}: only a lora run's adapter has a PEFT form here "
                          "(a qlora adapter was trained against the 4-bit base, not the base PEFT would load)")
-    if cfg.model.kind != "transformer" or cfg.model.qkv_bias:
-        raise ValueError("the base must be a Llama-form transformer (model.kind=transformer, no qkv_bias), "
-                         "which `export-hf` writes")
+    if cfg.model.kind != "transformer":
+        # Llama, Mistral, Qwen2 and Qwen3 name their projections alike (q_proj ... down_proj), so
+        # one adapter layout serves every dense family `export-hf` writes.
+        raise ValueError(f"model.kind={cfg.model.kind}: the base must be a dense transformer (Llama, Mistral, "
+                         "Qwen2 or Qwen3 form), which `export-hf` writes")
     tensors = peft_tensors(model, list(ft.targets))
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

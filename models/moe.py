@@ -1,9 +1,19 @@
 """A Mixture-of-Experts decoder LM: the dense Transformer with MoE feed-forward layers.
 
 Attention, norms, embedding and head are the dense model's own
-(models/transformer.py); the first `moe.first_dense_layers` layers keep the
-dense SwiGLU (as DeepSeek-V3 does), the rest route each token to `top_k` of
-`n_experts` experts (models/layers/moe.py). Both stacks are scanned.
+(models/transformer.py); the layers that `moe.first_dense_layers` (the leading k, as
+in DeepSeek-V3) or `moe.dense_layers` (any, as Qwen2-MoE's decoder_sparse_step and
+mlp_only_layers give) name keep the dense SwiGLU, the others route each token to
+`top_k` of `n_experts` experts (models/layers/moe.py).
+
+The layers are built as runs of consecutive layers of one kind (`MoEConfig.layer_runs`),
+each run stacked and scanned: one program body per run, whatever its depth. Leading dense
+layers (or none) give the runs `dense_blocks` and `moe_blocks`, the names such models
+always had; an interleaved pattern gets one attribute per run (`dense_blocks_0`,
+`moe_blocks_1`, ...), each run a scan of its own (a step-2 pattern compiles one body per
+layer, as an unrolled model would). Stacking all MoE layers in one array and slicing it
+per run would keep two names for every pattern, but a slice of a stacked parameter
+copies it in the forward pass and pads its gradient to the whole stack in the backward.
 
 `apply` returns the logits and the routing statistics averaged over the MoE
 layers: the load-balancing and z losses (the trainer adds them to the
@@ -64,31 +74,35 @@ class MoETransformer(nnx.Module):
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs, **kw)
-        n_dense = cfg.moe.first_dense_layers
-        if n_dense:
-            self.dense_blocks = stack_layers(lambda r: Block(cfg, rngs=r, **kw), n_dense, rngs)
-        self.moe_blocks = stack_layers(lambda r: MoEBlock(cfg, rngs=r, **kw), cfg.n_layers - n_dense, rngs)
+        self.runs = cfg.moe.layer_runs(cfg.n_layers)
+        if not any(run.moe for run in self.runs):
+            raise ValueError(f"model.moe leaves no MoE layer in {cfg.n_layers} layers; use model.kind=transformer")
+        for run in self.runs:
+            block = MoEBlock if run.moe else Block
+            setattr(self, run.name, stack_layers(lambda r, block=block: block(cfg, rngs=r, **kw), run.count, rngs))
         self.head = LMHead(cfg, rngs=rngs, **kw)
 
     def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
               noise_key: jax.Array | None = None,
               segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
-        if self.cfg.moe.first_dense_layers:
-            x_BLD = apply_layers(*nnx.split(self.dense_blocks), x_BLD, positions_BL, self.remat,
-                                 segment_ids_BL=segment_ids_BL)
-
-        graphdef, stacked = nnx.split(self.moe_blocks)
-        n_moe = self.cfg.n_layers - self.cfg.moe.first_dense_layers
-        keys = jax.random.split(noise_key, n_moe) if noise_key is not None else None
-
-        def layer(x_BLD, layer_state_and_key):
-            layer_state, key = layer_state_and_key
-            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, segment_ids_BL, noise_key=key)
-
-        if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x_BLD, stats = jax.lax.scan(layer, x_BLD, (stacked, keys))
+        # One key per MoE layer, drawn for all of them at once: each layer's noise does not depend on
+        # how the layers are grouped into runs.
+        keys = jax.random.split(noise_key, self.cfg.moe.n_moe_layers(self.cfg.n_layers)) \
+            if noise_key is not None else None
+        per_run, done = [], 0
+        for run in self.runs:
+            graphdef, stacked = nnx.split(getattr(self, run.name))
+            if not run.moe:
+                x_BLD = apply_layers(graphdef, stacked, x_BLD, positions_BL, self.remat,
+                                     segment_ids_BL=segment_ids_BL)
+                continue
+            run_keys = keys[done:done + run.count] if keys is not None else None
+            x_BLD, stats = self._moe_layers(graphdef, stacked, x_BLD, positions_BL, segment_ids_BL, run_keys)
+            per_run.append(stats)
+            done += run.count
+        # Each statistic with a leading axis over the MoE layers, in layer order.
+        stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_run)
         logits_BLV = self.head(x_BLD, self.embed)
         # Scalars averaged over MoE layers; the per-layer load is kept for the
         # aux-loss-free bias update and for the load plot.
@@ -99,16 +113,27 @@ class MoETransformer(nnx.Module):
         out["load_cv"] = (stats["load"].std(axis=-1) / stats["load"].mean(axis=-1)).mean()
         return logits_BLV, out
 
+    def _moe_layers(self, graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
+                    positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,
+                    keys: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One run of stacked MoE blocks (lax.scan): x, and each statistic stacked over the run's layers."""
+        def layer(x_BLD, layer_state_and_key):
+            layer_state, key = layer_state_and_key
+            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, segment_ids_BL, noise_key=key)
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        return jax.lax.scan(layer, x_BLD, (stacked, keys))
+
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         return self.apply(tokens_BL, positions_BL)[0]
 
     def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache) -> tuple[jax.Array, object]:
         """Inference with a KV cache, as `Transformer.decode`."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
-        n_dense = self.cfg.moe.first_dense_layers
-        if n_dense:
-            x_BLD, cache = decode_layers(*nnx.split(self.dense_blocks), x_BLD, positions_BL, cache)
-        x_BLD, cache = decode_layers(*nnx.split(self.moe_blocks), x_BLD, positions_BL, cache, first_layer=n_dense)
+        for run in self.runs:  # the cache holds every layer; a run writes its layers' slices
+            x_BLD, cache = decode_layers(*nnx.split(getattr(self, run.name)), x_BLD, positions_BL, cache,
+                                         first_layer=run.start)
         return self.head(x_BLD, self.embed), cache
 
     def aux_coefficients(self) -> dict[str, float]:
@@ -120,9 +145,12 @@ class MoETransformer(nnx.Module):
         rate = self.cfg.moe.bias_update_rate
         if not rate or self.cfg.moe.router != "sigmoid":
             return buffers
-        biases = nnx.state(self.moe_blocks, RouterBias)
-        new = jax.vmap(updated_router_bias, in_axes=(0, 0, None))(
-            biases["moe"]["router_bias"][...], stats["load_per_layer"], rate)
+        new, done = {}, 0
+        for run in (r for r in self.runs if r.moe):  # load_per_layer's rows are the MoE layers in order
+            biases = nnx.state(getattr(self, run.name), RouterBias)
+            new[run.name] = {"moe": {"router_bias": jax.vmap(updated_router_bias, in_axes=(0, 0, None))(
+                biases["moe"]["router_bias"][...], stats["load_per_layer"][done:done + run.count], rate)}}
+            done += run.count
         out = jax.tree.map(lambda x: x, buffers)
-        nnx.replace_by_pure_dict(out, {"moe_blocks": {"moe": {"router_bias": new}}})
+        nnx.replace_by_pure_dict(out, new)
         return out

@@ -1,7 +1,12 @@
 """A Hugging Face Llama checkpoint greedy-generates the tokens transformers' `generate` gives,
-in one batch of prompts of different lengths and through the CLI (golden from the fixture script)."""
+in one batch of prompts of different lengths and through the CLI; and every family's fixture
+(Qwen2-MoE with dense layers between its MoE layers too) its 16 greedy tokens through
+meshwork's KV cache (goldens from tests/fixtures/make_hf_golden.py)."""
 
 import json
+
+import numpy as np
+import pytest
 
 from meshwork.inference.cli import main
 from meshwork.inference.generate import Generator
@@ -31,3 +36,19 @@ def test_cli_generates_from_an_hf_directory(capsys):
     assert main(argv + ["--prompt-ids", ",".join(map(str, prompts[1]))]) == 0
     # No tokenizer ships with the fixture, so the ids are printed.
     assert capsys.readouterr().out.split() == [str(t) for t in prompts[1] + expected[1]]
+
+
+# Quick tier: Llama (its prefill and decode are compiled by the tests above already), a MoE, and
+# the Qwen2-MoE whose KV cache is written by four runs of layers (dense, MoE, dense, MoE).
+QUICK = ["llama", "qwen3_moe", "qwen2_moe_step2"]
+FAMILIES = ["llama", "mixtral", "qwen2_moe", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe_step2",
+            "qwen2_moe_mlp_only"]
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+def test_greedy_16_tokens_match_transformers(name):
+    golden = np.load(ROOT / "tests/fixtures/hf" / name / "golden.npz")
+    _, model = model_from_hf(ROOT / "tests/fixtures/hf" / name)
+    n = len(golden["generated"])
+    got = Generator(model).generate([golden["prompt"][0].tolist()], SamplingParams(temperature=0.0, max_new_tokens=n))
+    assert n == 16 and got[0] == golden["generated"].tolist()

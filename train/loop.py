@@ -82,6 +82,9 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
                           "drop cp from rules.preset or set train.pipeline=none")
     if len(seq_axes) > 1:
         raise ConfigError(f"rules.preset: the sequence is split over {seq_axes}; context parallelism uses one axis")
+    if seq_axes and cfg.data.source == "text":
+        raise ConfigError(f"rules.preset: context parallelism (ring attention over {seq_axes[0]}) takes no packed "
+                          "documents, which data.source=text makes; drop cp from rules.preset")
     if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
                           f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout")

@@ -15,6 +15,7 @@ import numpy as np
 
 from meshwork.config import Config, ConfigError
 from meshwork.data import text as data_lib
+from meshwork.data import user_text
 from meshwork.perf.flops import train_flops_per_token
 
 
@@ -47,6 +48,26 @@ class LMTask:
     def flops_per_step(self, compiled_step: Any, n_devices: int) -> float:
         del compiled_step, n_devices  # the 6N + attention formula counts useful work only
         return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step()
+
+
+@dataclass
+class PackedLMTask(LMTask):
+    """Next-token prediction on the user's own documents (`data.source: text`), packed into windows:
+    each batch also carries every token's document, which attention and the loss respect."""
+
+    corpus: user_text.TextCorpus | None = None
+
+    def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        L = self.cfg.data.seq_len
+        return {**super().batch_shapes(), "segment_ids": ((L,), np.int32), "loss_mask": ((L,), np.int32)}
+
+    def train_iterator(self):
+        c = self.cfg
+        return user_text.train_iterator(self.corpus.train, c.data.seq_len, c.train.global_batch, c.run.seed)
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        c = self.cfg
+        return user_text.eval_batches(self.corpus.val, c.data.seq_len, c.train.global_batch, c.log.eval_batches)
 
 
 @dataclass
@@ -85,7 +106,7 @@ class DiffusionTask:
         return float((cost or {}).get("flops", 0.0)) * n_devices  # per device, times the run's devices
 
 
-def make_task(cfg: Config) -> LMTask | DiffusionTask:
+def make_task(cfg: Config) -> LMTask | PackedLMTask | DiffusionTask:
     """The task of `cfg`, with its data located and checked (raises ConfigError)."""
     if cfg.model.kind == "unet":
         return _diffusion_task(cfg)
@@ -100,8 +121,11 @@ def _lm_task(cfg: Config) -> LMTask:
         train, val = corpus(cfg.data.val_fraction, cfg.data.cache_dir)
         _check_eval_windows(cfg, val, "log.eval_batches")
         return LMTask(cfg, train, val)
+    if cfg.data.source == "text":
+        return _text_task(cfg)
     if cfg.data.source != "tokens":
-        raise ConfigError(f"data.source: {cfg.data.source} is image data; a language model reads stdlib or tokens")
+        raise ConfigError(f"data.source: {cfg.data.source} is image data; a language model reads stdlib, "
+                          "stdlib_docs, tokens or text")
     files = {}
     for key in ("train_path", "val_path"):
         path = pathlib.Path(getattr(cfg.data, key)).expanduser()
@@ -120,6 +144,26 @@ def _lm_task(cfg: Config) -> LMTask:
         files[key] = path
     _check_eval_windows(cfg, files["val_path"], "data.val_path")
     return LMTask(cfg, files["train_path"], files["val_path"])
+
+
+def _text_task(cfg: Config) -> PackedLMTask:
+    d, L = cfg.data, cfg.data.seq_len
+    corpus = user_text.text_corpus(d.text_files, tokenizer=d.tokenizer, text_field=d.text_field,
+                                   val_fraction=d.val_fraction, cache_dir=d.cache_dir)
+    if corpus.max_id >= cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer: token id {corpus.max_id} of the text ({corpus.tokenizer}) is out of "
+                          f"range for model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to the "
+                          f"tokenizer's {corpus.vocab_size} (or more)")
+    if len(user_text.PackedWindows(corpus.train, L)) == 0:
+        raise ConfigError(f"data.text_files: the training split holds {corpus.train.n_tokens} tokens, not one "
+                          f"window of data.seq_len+1={L + 1}; add text, or lower data.seq_len or data.val_fraction")
+    have, need = len(user_text.PackedWindows(corpus.val, L)), cfg.train.global_batch * cfg.log.eval_batches
+    if have < need:
+        raise ConfigError(f"data.val_fraction: {d.val_fraction} of the text is {corpus.val.n_documents} document(s), "
+                          f"{have} windows of data.seq_len+1={L + 1} tokens, but evaluation takes "
+                          f"train.global_batch x log.eval_batches = {need}; raise data.val_fraction, add text, "
+                          "or lower log.eval_batches or data.seq_len")
+    return PackedLMTask(cfg, pathlib.Path(corpus.train.tokens), pathlib.Path(corpus.val.tokens), corpus)
 
 
 def _check_eval_windows(cfg: Config, val: pathlib.Path, key: str) -> None:

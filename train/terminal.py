@@ -100,7 +100,8 @@ def next_commands(cfg: Config, run_dir: Any, *, last_step: int) -> list[str]:
     if cfg.model.kind == "unet":
         out.append(f"{infer} diffusion --checkpoint {d} --out grid.png   (one row per class)")
     elif cfg.finetune.method != "prefix":
-        prompt = ('--prompt "def "' if cfg.data.source in ("stdlib", "stdlib_docs") else "--prompt-ids 1,2,3")
+        prompt = {"stdlib": '--prompt "def "', "stdlib_docs": '--prompt "The "', "text": '--prompt "The "'}.get(
+            cfg.data.source, "--prompt-ids 1,2,3")
         out.append(f"{infer} lm --checkpoint {d} {prompt}")
     return out
 

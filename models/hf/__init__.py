@@ -38,8 +38,8 @@ Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.p
 - Qwen2-MoE router: softmax over all experts, top-k, renormalized only if
   `norm_topk_prob`; plus a shared SwiGLU expert whose output is multiplied by
   sigmoid(x . w_shared_gate). Layers in `mlp_only_layers` (or off the
-  `decoder_sparse_step` grid) use a dense SwiGLU of `intermediate_size`; meshwork
-  can express that only when they are the leading layers (`first_dense_layers`).
+  `decoder_sparse_step` grid) use a dense SwiGLU of `intermediate_size`: meshwork's
+  `moe.first_dense_layers` when they lead, else `moe.dense_layers`.
 
 Which config.json settings are ignored and which are refused: models/hf/config.py.
 """

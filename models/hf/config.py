@@ -5,8 +5,10 @@
 Qwen3-MoE ("qwen3_moe") configs. Training-only settings (dropout, Mixtral's
 router jitter, output_router_logits) are ignored; anything that changes the
 forward pass and that meshwork does not implement (RoPE scalings other than llama3,
-linear, dynamic and yarn (models/hf/rope.py), sliding windows shorter than the
-context, other activations, extra biases) raises a ValueError that names the key.
+linear, dynamic and yarn (models/hf/rope.py), a sliding window in only some
+layers or in a MoE model, other activations, extra biases) raises a ValueError
+that names the key. A sliding window in every layer (Mistral; Qwen2 and Qwen3 with
+use_sliding_window) becomes `sliding_window`.
 """
 
 from __future__ import annotations
@@ -69,14 +71,12 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         refuse("sliding_window", c.get("sliding_window") is None,
                "meshwork attends causally over the whole sequence; set it to null only if no sequence "
                "you run is longer than the window")
-    if kind == "mistral":
-        window, longest = c.get("sliding_window"), c.get("max_position_embeddings")
-        # A window at least max_position_embeddings long never masks a key: plain causal attention.
-        shorter = (f"a window shorter than max_position_embeddings={longest}" if longest is not None
-                   else "a window with no max_position_embeddings to compare it with")
-        refuse("sliding_window", window is None or (longest is not None and window >= longest),
-               f"meshwork attends causally over the whole sequence; {shorter} may mask keys meshwork does not")
-    if kind in _QWEN:
+    window = None
+    if kind == "mistral":  # every layer; transformers' MistralConfig defaults both keys when absent
+        window = _masking_window(c.get("sliding_window", 4096), c.get("max_position_embeddings", 4096 * 32))
+    if kind in ("qwen2", "qwen3"):
+        window = _qwen_window(c, kind, need("num_hidden_layers"))
+    elif kind in _QWEN:
         refuse("use_sliding_window", not c.get("use_sliding_window", False),
                "meshwork attends causally over the whole sequence (no sliding window)")
         refuse("layer_types", all(t == "full_attention" for t in c.get("layer_types") or []),
@@ -90,7 +90,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
                   qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True)),
                   qk_norm=kind in ("qwen3", "qwen3_moe"),
                   tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                  init_std=c.get("initializer_range", 0.02))
+                  init_std=c.get("initializer_range", 0.02), sliding_window=window)
     if kind in ("llama", "mistral", "qwen2", "qwen3"):
         return ModelConfig(kind="transformer", **common)
     if kind == "mixtral":
@@ -103,29 +103,65 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     # qwen2_moe, qwen3_moe (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
     if c.get("num_experts") is None and c.get("num_local_experts") is not None:
         c["num_experts"] = c["num_local_experts"]
-    dense, culprit = _qwen_moe_dense_layers(c, common["n_layers"])
+    dense = _qwen_moe_dense_layers(c, common["n_layers"])
     if len(dense) == common["n_layers"]:  # no MoE layer at all: a dense model
         return ModelConfig(kind="transformer", **common)
-    refuse(culprit, dense == list(range(len(dense))),
-           f"the dense layers {dense} must be the leading ones for meshwork (moe.first_dense_layers)")
+    # Leading dense layers as first_dense_layers (the model's parameters keep their usual names),
+    # any other pattern as the list of dense layers.
+    leading = dense == list(range(len(dense)))
+    pattern = dict(first_dense_layers=len(dense)) if leading else dict(dense_layers=tuple(dense))
     E, k = need("num_experts"), need("num_experts_per_tok")
     refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_experts={E}")
     d_shared = c.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
     shared = dict(n_shared_experts=1, d_shared=d_shared, shared_expert_gate=True) if d_shared else {}
     moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("moe_intermediate_size"), router="softmax",
                     norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-                    aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0,
-                    first_dense_layers=len(dense), **shared)
+                    aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0, **pattern, **shared)
     return ModelConfig(kind="moe", moe=moe, **common)
 
 
-def _qwen_moe_dense_layers(c: dict[str, Any], n_layers: int) -> tuple[list[int], str]:
-    """The layer indices Qwen2-MoE / Qwen3-MoE build with a dense MLP instead of experts, and
-    the key to blame if they are not the leading ones: `decoder_sparse_step` when a dense layer
-    after the first MoE layer comes from the step, else `mlp_only_layers`."""
+def _masking_window(window: int | None, longest: int | None) -> int | None:
+    """The window, or None when it never masks a key: null, or at least max_position_embeddings long."""
+    return None if window is None or (longest is not None and window >= longest) else window
+
+
+def _qwen_window(c: dict[str, Any], kind: str, n_layers: int) -> int | None:
+    """Qwen2 / Qwen3's sliding window as transformers 5 reads config.json, if every layer has it.
+
+    transformers takes `sliding_window` only with `use_sliding_window` (else null) and
+    applies it to the layers `layer_types` marks "sliding_attention"; without
+    `layer_types`, to the layers from `max_window_layers` on. meshwork has one attention
+    for all layers, so a mix of windowed and full layers raises a ValueError naming the key.
+    """
+    window = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
+    key, types = "layer_types", c.get("layer_types")
+    if types is None:
+        key, start = "max_window_layers", c.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention"
+                 for i in range(n_layers)]
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if bad:
+        raise ValueError(f"{kind} config layer_types has {bad}: meshwork reads only full_attention and "
+                         "sliding_attention layers")
+    if sliding and window is None:
+        raise ValueError(f"{kind} config layer_types marks layers {sliding} sliding_attention with no window "
+                         "(use_sliding_window false or sliding_window null), which transformers cannot run either")
+    window = _masking_window(window, c.get("max_position_embeddings"))
+    if window is None or not sliding:
+        return None
+    if len(sliding) < n_layers:
+        raise ValueError(f"{kind} config {key}={c.get(key)!r}: layers {sliding} have sliding_window={window} "
+                         "and the others full attention; meshwork has one attention for every layer "
+                         "(model.sliding_window), so it cannot load a per-layer mix")
+    return window
+
+
+def _qwen_moe_dense_layers(c: dict[str, Any], n_layers: int) -> list[int]:
+    """The layer indices Qwen2-MoE / Qwen3-MoE build with a dense MLP instead of experts, as
+    transformers' decoder layer decides: layer i routes to experts iff i is not in
+    `mlp_only_layers`, `num_experts` > 0 and (i + 1) % `decoder_sparse_step` == 0."""
     only, step, E = set(c.get("mlp_only_layers") or []), c.get("decoder_sparse_step") or 1, c.get("num_experts", 0)
-    by_step = [i for i in range(n_layers) if not (E > 0 and (i + 1) % step == 0)]
-    dense = sorted(only.intersection(range(n_layers)).union(by_step))
-    first_moe = next((i for i in range(n_layers) if i not in dense), n_layers)
-    late = [i for i in dense if i > first_moe]
-    return dense, "decoder_sparse_step" if any(i in by_step for i in late) else "mlp_only_layers"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{c.get('model_type')} config decoder_sparse_step={step!r}: expected a positive integer")
+    return [i for i in range(n_layers) if i in only or not (E > 0 and (i + 1) % step == 0)]

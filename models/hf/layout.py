@@ -120,8 +120,10 @@ def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
 
     A tree shaped like the model's parameters (`nnx.to_pure_dict(nnx.state(model,
     nnx.Param))`) with `HFTensor` leaves, except that a stacked group of layers
-    ("blocks", "dense_blocks", "moe_blocks") is a list of per-layer trees. The
-    loaders in `models.hf` and `inference.hf_export.export_hf` all follow this one table.
+    ("blocks"; in a MoE model each run of `MoEConfig.layer_runs`: "dense_blocks",
+    "moe_blocks", or "dense_blocks_0", "moe_blocks_1", ... for interleaved dense layers)
+    is a list of per-layer trees, numbered as the file's layers. The loaders in
+    `models.hf` and `inference.hf_export.export_hf` all follow this one table.
 
     >>> from meshwork.models.hf import load_hf_config
     >>> cfg = load_hf_config("tests/fixtures/hf/llama")
@@ -136,10 +138,8 @@ def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     if cfg.kind == "transformer":
         layout["blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(cfg.n_layers)]
         return layout
-    k = cfg.moe.first_dense_layers
-    if k:
-        layout["dense_blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(k)]
-    layout["moe_blocks"] = [_layer(cfg, model_type, i, moe=True) for i in range(k, cfg.n_layers)]
+    for run in cfg.moe.layer_runs(cfg.n_layers):
+        layout[run.name] = [_layer(cfg, model_type, i, moe=run.moe) for i in range(run.start, run.start + run.count)]
     return layout
 
 

@@ -188,13 +188,14 @@ class Attention(nnx.Module):
 
         `kv` is one layer's view of a cache (inference/kv_cache.py): it stores
         this call's keys and values at their positions and attends the queries
-        over every key cached for the sequence so far, causally.
+        over every key cached for the sequence so far, causally (within the
+        layer's sliding window, when it has one).
         """
         if self.prefix is not None:
             raise NotImplementedError("KV-cache decoding of a prefix-tuned model is not implemented; "
                                       "generate with the full forward pass (model(tokens)) instead")
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
-        o_BLHK, kv = kv.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, impl=self.impl)
+        o_BLHK, kv = kv.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, impl=self.impl, window=self.window)
         return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), kv
 
     def project_qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, ...]:

@@ -66,8 +66,10 @@ class Config(Section):
             if e.n_experts % e.n_groups or e.topk_groups > e.n_groups:
                 raise _KeyError("model.moe.n_groups", f"{e.n_experts} experts in {e.n_groups} groups with "
                                 f"topk_groups={e.topk_groups}: groups must divide the experts and topk_groups <= n_groups")
-            if e.first_dense_layers > m.n_layers:
-                raise _KeyError("model.moe.first_dense_layers", f"{e.first_dense_layers} > model.n_layers={m.n_layers}")
+            if e.first_dense_layers >= m.n_layers:
+                raise _KeyError("model.moe.first_dense_layers", f"{e.first_dense_layers} leaves no MoE layer of "
+                                f"model.n_layers={m.n_layers}; lower it, or use model.kind=transformer")
+            _check_dense_layers(e.dense_layers, e.first_dense_layers, m.n_layers)
         if t.global_batch % t.microbatches:
             raise _KeyError("train.microbatches", f"{t.microbatches} does not divide train.global_batch={t.global_batch}")
         if (self.mesh.stage != 1) != (t.pipeline != "none"):
@@ -81,8 +83,8 @@ class Config(Section):
                             f"{self.mesh.stage} equal stages")
         ft = self.finetune
         if ft.method != "none" and not ft.base:
-            raise _KeyError("finetune.base", f"finetune.method={ft.method} starts from a trained run; "
-                            "set finetune.base to its run.dir")
+            raise _KeyError("finetune.base", f"finetune.method={ft.method} starts from a trained model; "
+                            "set finetune.base to a run's run.dir or a Hugging Face checkpoint folder")
         if ft.method not in ("none", "full") and m.kind != "transformer":
             raise _KeyError("finetune.method", f"{ft.method} is built for the dense transformer, not "
                             f"model.kind={m.kind}; use full")
@@ -105,6 +107,8 @@ class Config(Section):
                             "set train.scan_layers=true")
         if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
+        if self.data.source == "text":
+            _check_packed_documents(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,6 +121,41 @@ class _KeyError(ValueError):
     def __init__(self, key: str, msg: str):
         super().__init__(msg)
         self.key, self.msg = key, msg
+
+
+def _check_dense_layers(dense: tuple[int, ...] | None, first_dense: int, n_layers: int) -> None:
+    """model.moe.dense_layers: layer indices, each once, in order, in range, leaving a MoE layer,
+    and not beside first_dense_layers (two descriptions of one thing could disagree)."""
+    if not dense:
+        return
+    key, got = "model.moe.dense_layers", list(dense)
+    if first_dense:
+        raise _KeyError(key, f"{got} with model.moe.first_dense_layers={first_dense}: set one of them "
+                        "(dense_layers lists any layers; first_dense_layers counts leading ones)")
+    if got != sorted(set(got)):
+        raise _KeyError(key, f"{got}: list each layer once, in increasing order")
+    if got[-1] >= n_layers:
+        raise _KeyError(key, f"{got}: layer {got[-1]} is past the last layer of model.n_layers={n_layers} "
+                        f"(layers are numbered 0..{n_layers - 1})")
+    if len(got) == n_layers:
+        raise _KeyError(key, f"{got} makes every layer dense; leave a MoE layer, or use model.kind=transformer")
+
+
+def _check_packed_documents(cfg: "Config") -> None:
+    """data.source=text packs documents into rows with segment ids; the paths that cannot keep
+    documents apart (the pipeline's stages, cuDNN attention, prefix tuning) refuse it here."""
+    if not cfg.data.text_files:
+        raise _KeyError("data.text_files", "data.source=text needs data.text_files: files or globs "
+                        "(.txt, .jsonl, .parquet), e.g. data.text_files=[notes/*.txt]")
+    if cfg.train.pipeline != "none":
+        raise _KeyError("data.source", f"text (packed documents) is not supported with train.pipeline="
+                        f"{cfg.train.pipeline}; set train.pipeline=none and mesh.stage=1")
+    if cfg.model.attention == "cudnn":
+        raise _KeyError("model.attention", "cudnn takes no segment ids, which data.source=text's packed "
+                        "documents need; use xla or pallas")
+    if cfg.finetune.method == "prefix":
+        raise _KeyError("finetune.method", "prefix tuning over packed documents (data.source=text) is not "
+                        "implemented; use lora, adapter or full")
 
 
 # ---------------------------------------------------------------- loading

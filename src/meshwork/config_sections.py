@@ -10,7 +10,7 @@ that depend on each other.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import pydantic
 
@@ -100,7 +100,59 @@ class MoEConfig(Section):
     z_loss_coef: float = pydantic.Field(0.001, ge=0)
     """Router z-loss coefficient (ST-MoE)."""
     first_dense_layers: int = pydantic.Field(0, ge=0)
-    """The first k layers use the dense MLP (d_ff), the rest MoE."""
+    """The first k layers use the dense MLP (d_ff), the rest MoE (DeepSeek-V3)."""
+    dense_layers: tuple[pydantic.NonNegativeInt, ...] | None = None
+    """Any layers that use the dense MLP (d_ff) instead of experts, by index from 0, in increasing
+    order: the general form of first_dense_layers (set one or the other), e.g. [0, 2] for
+    Qwen2-MoE's decoder_sparse_step 2 in 4 layers, or its mlp_only_layers. null: none listed
+    (so a run saved before this key existed reads as the same run)."""
+
+    def dense_layer_indices(self, n_layers: int) -> tuple[int, ...]:
+        """The layers (of a model of `n_layers`) with a dense MLP, in increasing order.
+
+        >>> [MoEConfig(first_dense_layers=2).dense_layer_indices(4), MoEConfig(dense_layers=[1]).dense_layer_indices(4)]
+        [(0, 1), (1,)]
+        """
+        return tuple(i for i in (self.dense_layers or range(self.first_dense_layers)) if i < n_layers)
+
+    def n_moe_layers(self, n_layers: int) -> int:
+        """How many of the `n_layers` layers route to experts."""
+        return n_layers - len(self.dense_layer_indices(n_layers))
+
+    def layer_runs(self, n_layers: int) -> tuple[LayerRun, ...]:
+        """The model's layers as runs of consecutive layers of one kind, in order; the MoE model
+        (models/moe.py) stacks and scans each run as one group, under the run's `name`.
+
+        Dense layers only in front (or none) keep the names `dense_blocks` and `moe_blocks`, so
+        such a model's parameters (and checkpoints) are named as they always were; any other
+        pattern names each run by its kind and first layer (`dense_blocks_0`, `moe_blocks_1`, ...).
+
+        >>> [tuple(r) for r in MoEConfig(first_dense_layers=1).layer_runs(4)]
+        [('dense_blocks', False, 0, 1), ('moe_blocks', True, 1, 3)]
+        >>> [r.name for r in MoEConfig(dense_layers=[0, 2]).layer_runs(4)]
+        ['dense_blocks_0', 'moe_blocks_1', 'dense_blocks_2', 'moe_blocks_3']
+        """
+        dense = set(self.dense_layer_indices(n_layers))
+        runs: list[list] = []
+        for i in range(n_layers):
+            if runs and runs[-1][0] == (i not in dense):
+                runs[-1][2] += 1
+            else:
+                runs.append([i not in dense, i, 1])
+        classic = [moe for moe, _, _ in runs] in ([True], [False, True])
+        return tuple(LayerRun(f"{'moe' if moe else 'dense'}_blocks" + ("" if classic else f"_{start}"), moe, start, n)
+                     for moe, start, n in runs)
+
+
+class LayerRun(NamedTuple):
+    """Consecutive layers of one kind (MoE or dense) of a MoE model: `MoEConfig.layer_runs`."""
+
+    name: str
+    """The model attribute (and parameter tree key) of the run's stacked layers."""
+    moe: bool
+    start: int
+    """The index of the run's first layer in the model."""
+    count: int
 
 
 class UNetConfig(Section):
@@ -192,20 +244,40 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["stdlib", "stdlib_docs", "tokens", "digits", "images"] = "stdlib"
+    source: Literal["stdlib", "stdlib_docs", "tokens", "text", "digits", "images"] = "stdlib"
     """`stdlib`: this Python's own standard-library sources, byte-tokenized.
     `stdlib_docs`: English prose, the reference-manual topics pydoc ships (pydoc_data), byte-tokenized.
     `tokens`: nanoGPT-style uint16 files `train_path` and `val_path`.
+    `text`: your own documents (`text_files`), tokenized once by `tokenizer` and packed into
+    windows whose attention and loss stay inside each document (meshwork/data/user_text.py).
     `digits`: scikit-learn's handwritten digits (for model.kind=unet).
     `images`: the PNG/JPEG files under `image_dir` (subfolders are classes)."""
     image_dir: str | None = None
     train_path: str | None = None
     val_path: str | None = None
     seq_len: int = pydantic.Field(128, gt=0)
+    text_files: list[str] = []
+    """source=text: files or globs (`~` expanded, `**` recursive). A `.jsonl` file holds one document
+    per line and a `.parquet` file one per row (both in `text_field`); any other file (`.txt`,
+    `.md`, ...) is one UTF-8 document."""
+    text_field: str = "text"
+    """source=text: the JSON field or Parquet column that holds a document's text."""
+    tokenizer: str | None = None
+    """source=text: a `tokenizer.json` file, or a folder holding one (a Hugging Face checkpoint);
+    its post-processor adds BOS, and the EOS its `tokenizer_config.json` names ends every
+    document. null: the byte tokenizer (ids 0..255, no special tokens)."""
     val_fraction: float = pydantic.Field(0.02, gt=0, lt=1)
-    """Share of stdlib files (chosen by a hash of their path) held out for validation."""
+    """Share of stdlib files, or of text documents (both chosen by a hash of their path, and line or
+    row), held out for validation."""
     cache_dir: str | None = None
-    """Where the tokenized stdlib corpus is cached; default ~/.cache/meshwork."""
+    """Where the tokenized stdlib corpus is cached; default ~/.cache/meshwork (or $MESHWORK_CACHE).
+    Tokenized text goes in a hidden `.meshwork-tokens-*` folder beside the first text file, or here
+    when that folder is not writable or this is set."""
+
+    @pydantic.field_validator("text_files", mode="before")
+    @classmethod
+    def _one_file_is_a_list(cls, value):
+        return [value] if isinstance(value, str) else value
 
 
 class OptimizerConfig(Section):
@@ -366,7 +438,9 @@ class FinetuneConfig(Section):
     `targets`, base frozen; qlora: the same over a 4-bit base; adapter: bottleneck MLPs after
     attention and MLP; prefix: trainable per-layer key/value prefixes."""
     base: str | None = None
-    """run.dir of the trained run whose latest checkpoint is the starting point."""
+    """The starting point: the run.dir of a trained run (its latest checkpoint), or a Hugging Face
+    checkpoint folder (config.json + *.safetensors; its config.json decides `model`, and with
+    method full this is continued pre-training)."""
     targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = ["q", "v"]
     """Projections that get LoRA deltas (q/k/v/o of attention, gate/up/down of the MLP)."""
     rank: int = pydantic.Field(8, gt=0)

@@ -142,6 +142,45 @@ def image_too_few_for_a_split(c):
     return train_argv("data.source=images", f"data.image_dir={c.tmp / 'imgs'}", config=UNET)(c)
 
 
+TEXT_TOKENIZER = ROOT / "tests/fixtures/text_tokenizer"
+
+
+def text_argv(*extra: str):
+    """A `data.source: text` case on the trained run (its checks come before the run dir is read)."""
+    return train_argv("data.source=text", *extra)
+
+
+def text_glob_matches_nothing(c):
+    return text_argv(f"data.text_files=[{c.tmp / 'corpus'}/*.txt]")(c)
+
+
+def text_jsonl_malformed_line(c):
+    path = c.write("corpus/docs.jsonl", '{"text": "a good line"}\n{"text": "no closing brace"\n')
+    return text_argv(f"data.text_files=[{path}]")(c)
+
+
+def text_field_missing(c):
+    path = c.write("corpus/docs.jsonl", '{"body": "the text is here", "id": 1}\n')
+    return text_argv(f"data.text_files=[{path}]")(c)
+
+
+def text_tokenizer_missing(c):
+    path = c.write("corpus/a.txt", "some text\n")
+    return text_argv(f"data.text_files=[{path}]", f"data.tokenizer={c.tmp / 'no_tokenizer'}")(c)
+
+
+def text_token_id_beyond_vocab(c):
+    # The byte tokenizer's ids of "é" are 195 and 169: out of range for a 128-id model.
+    path = c.write("corpus/a.txt", "caf\u00e9 " * 400)
+    return text_argv(f"data.text_files=[{path}]", "model.vocab_size=128")(c)
+
+
+def text_too_little_validation(c):
+    # 40 short documents: about one goes to validation, far from the 8 x 2 windows evaluation takes.
+    path = c.write("corpus/docs.jsonl", "".join(f'{{"text": "document {i} " }}\n' for i in range(40)))
+    return text_argv(f"data.text_files=[{path}]", "data.val_fraction=0.05")(c)
+
+
 def finetune_base_missing(c):
     return train_argv("finetune.method=lora", f"finetune.base={c.tmp / 'no_base_run'}",
                       run=c.tmp / "ft_run")(c)

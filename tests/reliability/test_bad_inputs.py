@@ -35,6 +35,8 @@ from bad_input_builders import (LM, FIXTURE_STEPS, Ctx, train_argv, lm_argv, mal
                                 hf_malformed_config_json, hf_config_wrong_shape, export_out_not_empty,
                                 checkpoint_without_checkpoints, checkpoint_config_mismatch,
                                 checkpoint_all_corrupt, diffusion_on_lm_run)
+from bad_input_builders import (text_argv, text_glob_matches_nothing, text_jsonl_malformed_line, text_field_missing,
+                                text_tokenizer_missing, text_token_id_beyond_vocab, text_too_little_validation)
 
 
 
@@ -157,6 +159,24 @@ CASES = [
       id="image-dir-without-images"),
     P("train", image_not_an_image, r"data\.image_dir: .*x\.png", id="image-file-not-an-image"),
     P("train", image_too_few_for_a_split, r"data\.val_fraction: 0\.1 of 1 images leaves", id="images-too-few-to-split"),
+    P("train", text_argv(), r"data\.text_files: data\.source=text needs data\.text_files", id="text-without-files"),
+    P("train", text_glob_matches_nothing, r"data\.text_files: '.*corpus/\*\.txt' matches no file",
+      id="text-glob-matches-nothing"),
+    P("train", text_jsonl_malformed_line, r"data\.text_files: .*docs\.jsonl:2: not valid JSON",
+      id="text-jsonl-malformed-line"),
+    P("train", text_field_missing,
+      r"data\.text_field: .*docs\.jsonl:1 has no field 'text' \(its fields: 'body', 'id'\)", id="text-field-missing"),
+    P("train", text_tokenizer_missing, r"data\.tokenizer: no tokenizer\.json at .*no_tokenizer",
+      id="text-tokenizer-missing"),
+    P("train", text_token_id_beyond_vocab, r"data\.tokenizer: token id 195 .* model\.vocab_size=128; set "
+      r"model\.vocab_size to the tokenizer's 256", id="text-token-id-beyond-vocab"),
+    P("train", text_too_little_validation, r"data\.val_fraction: 0\.05 of the text .*log\.eval_batches",
+      id="text-too-little-validation"),
+    P("train", text_argv("data.text_files=[x.txt]", "train.pipeline=gpipe", "mesh.stage=2"),
+      r"data\.source: text \(packed documents\) is not supported with train\.pipeline=gpipe",
+      id="text-with-a-pipeline"),
+    P("train", text_argv("data.text_files=[x.txt]", "rules.preset=cp", "mesh.data=2", "mesh.sequence=4"),
+      r"rules\.preset: context parallelism .* takes no packed documents", id="text-with-context-parallelism"),
     # --- run directories and checkpoints
     P("train", train_argv("model.d_ff=256"), r"model\.d_ff: .* model\.d_ff=128, not 256",
       id="model-shape-vs-checkpoint"),

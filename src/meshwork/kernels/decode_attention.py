@@ -8,7 +8,10 @@ log-sum-exp. The chunks are then merged exactly in plain JAX:
 o = sum_c exp(lse_c - lse) o_c with lse = logsumexp_c lse_c.
 
 Keys at positions >= lengths_B[b] are ignored; inside a chunk the loop stops
-at the length, so a chunk past it does no work. Inference only: no gradient.
+at the length, so a chunk past it does no work. With a sliding window (Mistral)
+keys before lengths_B[b] - window are ignored too, and the loop also starts at
+the window's first block, so a chunk wholly before it does no work either.
+Inference only: no gradient.
 
 The kernel body is shared by all backends (see pallas_backend.py). GPU/CPU
 read the cache in its (B, S, G, K) layout; TPU reads (B, G, S, K), so there
@@ -72,6 +75,7 @@ class _Config:
     interpret: bool
     heads_major: bool
     poison: bool = False
+    window: int | None = None  # keys at lengths_B[b] - window .. lengths_B[b] - 1 only
 
 
 def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
@@ -80,13 +84,16 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
     q = q_ref[...]
     prec = dot_precision(q.dtype)
     n_valid = jnp.clip(length - chunk_start, 0, cfg.chunk)
+    # The new token at position length - 1 sees keys j > length - 1 - window: this chunk's first is `first`.
+    first = jnp.clip(length - cfg.window - chunk_start, 0, cfg.chunk) if cfg.window else 0
 
     def step(j, carry):
         m, l, acc = carry
         start = pl.multiple_of(j * cfg.kv, cfg.kv)
         k, v = k_ref[pl.ds(start, cfg.kv), :], v_ref[pl.ds(start, cfg.kv), :]
         s = dot(q, k, (1, 1), prec) * cfg.scale
-        mask = start + lax.broadcasted_iota(jnp.int32, s.shape, 1) < n_valid
+        key = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        mask = (key < n_valid) & (key >= first) if cfg.window else key < n_valid
         s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
@@ -96,8 +103,9 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
 
     rows = cfg.rows
     init = (jnp.full((rows, 1), MASKED, F32), jnp.zeros((rows, 1), F32), jnp.zeros((rows, cfg.head_dim), F32))
-    m, l, acc = lax.fori_loop(0, floor_div(n_valid + cfg.kv - 1, cfg.kv), step, init)
-    empty = l == 0.0  # chunk wholly past the length: weight exp(-inf) = 0 in the merge
+    lo = floor_div(first, cfg.kv) if cfg.window else 0
+    m, l, acc = lax.fori_loop(lo, floor_div(n_valid + cfg.kv - 1, cfg.kv), step, init)
+    empty = l == 0.0  # chunk wholly past the length (or before the window): weight exp(-inf) = 0 in the merge
     l = jnp.where(empty, 1.0, l)
     o_ref[...] = acc / l
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l))
@@ -105,13 +113,16 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
 
 def decode_attention(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, lengths_B: jax.Array, *,
                      scale: float | None = None, chunk: int | None = None, block_kv: int | None = None,
-                     backend: str | None = None, interpret: bool | None = None) -> jax.Array:
+                     backend: str | None = None, interpret: bool | None = None,
+                     window: int | None = None) -> jax.Array:
     """Attention of one query per sequence over the first lengths_B[b] cached keys (flash-decoding).
 
     q_BHK: the new token's queries; k_BSGK, v_BSGK: the cache, G kv heads each
     serving H/G query heads. A sequence of length 0 gets zeros. scale: default
     1/sqrt(K). chunk / block_kv: keys per program / per inner step (default
     DEFAULT_DECODE_BLOCKS[backend]). backend, interpret: as in `flash_attention`.
+    window: the query (at position lengths_B[b] - 1) sees only the last `window`
+    keys, lengths_B[b] - window .. lengths_B[b] - 1 (Mistral's sliding window).
 
     >>> q = jnp.ones((1, 4, 16)); k = v = jnp.ones((1, 64, 1, 16))
     >>> decode_attention(q, k, v, jnp.array([10]), chunk=32).shape
@@ -122,6 +133,8 @@ def decode_attention(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, len
         raise ValueError(f"decode_attention wants q (B, H, K), k and v (B, S, G, K) with H a multiple of G, and "
                          f"lengths (B,); got q {q_BHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}, "
                          f"lengths {lengths_B.shape}")
+    if window is not None and window < 1:
+        raise ValueError(f"decode_attention window={window}: a window must see at least the new key (>= 1)")
     backend, interpret = resolve_backend(backend, interpret)
     d = DEFAULT_DECODE_BLOCKS[backend]
     kv = fit_block(block_kv or d.kv, S, backend, lanes=True)
@@ -132,7 +145,7 @@ def decode_attention(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, len
     rows = max(R, 16) if backend == "gpu" else R  # tl.dot needs M >= 16
     Kp = max(16, pl.next_power_of_2(K)) if backend == "gpu" else K
     cfg = _Config(scale=float(K ** -0.5 if scale is None else scale), chunk=chunk, kv=kv, rows=rows, head_dim=Kp,
-                  backend=backend, interpret=interpret, heads_major=backend == "tpu")
+                  backend=backend, interpret=interpret, heads_major=backend == "tpu", window=window)
     o_BGRK = merge_chunks(*_decode_chunks(q_BHK, k_BSGK, v_BSGK, lengths_B, cfg), axis=2)
     return o_BGRK[:, :, :R, :K].reshape(B, H, K).astype(q_BHK.dtype)
 
@@ -184,8 +197,9 @@ def merge_chunks(o, lse, axis):
 
 def decode_attention_reference(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, lengths_B: jax.Array, *,
                                scale: float | None = None, chunk: int | None = None, block_kv: int | None = None,
-                               backend: str | None = None, interpret: bool | None = None) -> jax.Array:
-    """`decode_attention` in plain JAX (float32 scores over the whole cache, masked by length).
+                               backend: str | None = None, interpret: bool | None = None,
+                               window: int | None = None) -> jax.Array:
+    """`decode_attention` in plain JAX (float32 scores over the whole cache, masked by length and window).
 
     >>> q = jnp.ones((1, 4, 16)); k = v = jnp.ones((1, 64, 1, 16))
     >>> decode_attention_reference(q, k, v, jnp.array([10])).shape
@@ -196,7 +210,9 @@ def decode_attention_reference(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.
     scale = K ** -0.5 if scale is None else scale
     q_BGRK = q_BHK.astype(F32).reshape(B, G, H // G, K)
     s_BGRS = jnp.einsum("BGRK,BSGK->BGRS", q_BGRK, k_BSGK.astype(F32), precision="highest") * scale
-    mask = (jnp.arange(S)[None, :] < lengths_B[:, None])[:, None, None, :]
+    key_S, len_B1 = jnp.arange(S)[None, :], lengths_B[:, None]
+    visible = (key_S < len_B1) & (key_S >= len_B1 - window) if window is not None else key_S < len_B1
+    mask = visible[:, None, None, :]
     s_BGRS = jnp.where(mask, s_BGRS, MASKED)
     p = jnp.where(mask, jnp.exp(s_BGRS - jnp.max(s_BGRS, axis=-1, keepdims=True)), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)

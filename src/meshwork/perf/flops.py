@@ -39,8 +39,8 @@ def mla_attention_params(d_model: int, n_heads: int, q_lora_rank: int, kv_lora_r
 def lm_param_counts(*, vocab_size: int, d_model: int, n_layers: int, attention: int, d_ff: int,
                     tie_embeddings: bool, n_moe_layers: int = 0, n_experts: int = 0, top_k: int = 0,
                     d_expert: int = 0, d_shared: int = 0, shared_gate: bool = False) -> dict[str, int]:
-    """{"total", "activated"} parameters of a decoder LM whose last `n_moe_layers`
-    layers are Mixture-of-Experts (SwiGLU experts: 3 matrices each).
+    """{"total", "activated"} parameters of a decoder LM of which `n_moe_layers` layers
+    (whichever they are) are Mixture-of-Experts (SwiGLU experts: 3 matrices each).
 
     "activated" counts what one token passes through, embedding table included
     (the convention of the DeepSeek and Mixtral reports).
@@ -66,7 +66,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     if cfg.kind != "moe":
         return lm_param_counts(**kw)
     m = cfg.moe
-    return lm_param_counts(**kw, n_moe_layers=cfg.n_layers - m.first_dense_layers, n_experts=m.n_experts,
+    return lm_param_counts(**kw, n_moe_layers=m.n_moe_layers(cfg.n_layers), n_experts=m.n_experts,
                            top_k=m.top_k, d_expert=m.d_expert,
                            d_shared=(m.d_shared or m.n_shared_experts * m.d_expert) if m.n_shared_experts else 0,
                            shared_gate=m.shared_expert_gate and m.n_shared_experts > 0)

@@ -156,7 +156,7 @@ def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
     if m.kind == "moe" and m.moe.capacity_factor and m.moe.capacity_factor > 1:
         e = m.moe
         padding = (e.capacity_factor - 1) * 6 * e.top_k * 3 * m.d_model * e.d_expert * \
-            (m.n_layers - e.first_dense_layers) * tokens
+            e.n_moe_layers(m.n_layers) * tokens
     return {"model": model, "recompute": recompute, "padding": padding,
             "per_device": (model + recompute + padding) / layout.devices}
 

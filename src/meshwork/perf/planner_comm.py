@@ -179,7 +179,7 @@ def _activation_collectives(cfg, layout, options, add) -> None:
     M, P = layout.microbatches, layout.sizes["stage"]
     act = ts.tokens * m.d_model * p                      # one (b, s, h) activation, full hidden
     layers = m.n_layers // P
-    n_moe = (m.n_layers - m.moe.first_dense_layers) if m.kind == "moe" else 0
+    n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
     moe_layers = n_moe // P if P > 1 else n_moe
 
     tp = layout.split("act_heads")

@@ -247,7 +247,7 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     m, p = cfg.model, ITEMSIZE[cfg.train.compute_dtype]
     ts = token_shape(cfg, layout)
     P = layout.sizes["stage"]
-    n_moe = (m.n_layers - m.moe.first_dense_layers) if m.kind == "moe" else 0
+    n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
     n_dense = m.n_layers - n_moe
     flash = m.attention in ("pallas", "cudnn")
     cf = m.moe.capacity_factor or 1.0

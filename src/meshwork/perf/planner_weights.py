@@ -100,10 +100,8 @@ def _model_weights(model_json: str) -> tuple[Weight, ...]:
     D, V = m.d_model, m.vocab_size
     w = [Weight("embed.table", (V, D), ("vocab", "embed"), "embedding")]
     if m.kind == "moe":
-        n_dense = m.moe.first_dense_layers
-        if n_dense:
-            w += _block_weights(m, "dense_blocks", n_dense, moe=False)
-        w += _block_weights(m, "moe_blocks", m.n_layers - n_dense, moe=True)
+        for run in m.moe.layer_runs(m.n_layers):  # models/moe.py's stacks, one per run of one kind
+            w += _block_weights(m, run.name, run.count, moe=run.moe)
     else:
         w += _block_weights(m, "blocks", m.n_layers, moe=False)
     w.append(Weight("head.final_norm.scale", (D,), ("embed",), "norm"))
