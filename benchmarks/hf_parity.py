@@ -28,7 +28,8 @@ FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/hf"
 FAMILIES = [(name, "default", {16: "", 1: "_1", 7: "_7"}) for name in (
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_moe_step2",
     "qwen2_moe_mlp_only")]
-FAMILIES += [(f"llama_rope/{t}", t, {1: "_1", 7: "_7", 40: "_40"}) for t in ("llama3", "linear", "dynamic", "yarn")]
+FAMILIES += [(f"llama_rope/{t}", t.split("_")[-1], {1: "_1", 7: "_7", 40: "_40"})
+             for t in ("llama3", "linear", "dynamic", "yarn", "qwen2_yarn", "qwen3_yarn")]
 
 
 def main() -> None:

@@ -11,13 +11,14 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.evaluation.lm_loss import validation_loss
-from meshwork.models.hf import model_from_hf
+from meshwork.models.hf import load_hf_checkpoint, model_from_hf
 from meshwork.train.cli import main as train_main
 from meshwork.train.finetune import with_base_model
-from meshwork.train.loop import train
+from meshwork.train.loop import Trainer, check_runtime, train
 from meshwork.train.task import make_task
 
 from conftest import ROOT, optimized_override
@@ -116,3 +117,14 @@ def test_a_model_key_that_disagrees_with_the_checkpoint_is_one_line(setup, capsy
     assert len(err.splitlines()) == 1
     assert "model.n_layers" in err and "=3" in err and "drop model.n_layers" in err
     assert not run_dir.exists()
+
+
+def test_full_fine_tuning_from_the_folder_starts_from_its_weights(setup):
+    """method full (continued pre-training): the trained parameters start as the file's tensors."""
+    cfg = lora_config(setup, setup / "full", 2, "finetune.method=full")
+    devices = jax.devices()[:1]
+    state = Trainer(cfg, check_runtime(cfg, devices), devices).init_state()
+    _, want = load_hf_checkpoint(setup / "base")
+    got = nnx.to_pure_dict(state["params"])
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))

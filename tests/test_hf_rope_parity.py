@@ -1,4 +1,4 @@
-"""Llama checkpoints with scaled RoPE (llama3, linear, dynamic, yarn) give transformers' logits at
+"""Llama checkpoints with scaled RoPE (llama3, linear, dynamic, yarn), and Qwen2 and Qwen3 with yarn, give transformers' logits at
 lengths 1, 7 and 2.5x the original context, and its greedy tokens through the KV cache
 (goldens: tests/fixtures/make_rope_model_golden.py)."""
 
@@ -12,7 +12,8 @@ from meshwork.inference.sampling import SamplingParams
 from conftest import ROOT
 
 FIXTURES = ROOT / "tests/fixtures/hf/llama_rope"
-TYPES = ["llama3", "linear", "dynamic", "yarn"]
+# Llama with each scaling, and Qwen2 and Qwen3 with yarn (their long-context setting).
+TYPES = ["llama3", "linear", "dynamic", "yarn", "qwen2_yarn", "qwen3_yarn"]
 
 
 @pytest.fixture(scope="module", params=TYPES)
@@ -23,7 +24,7 @@ def loaded(request):
 
 def test_the_config_carries_the_scaling(loaded):
     name, cfg, _, _ = loaded
-    assert cfg.rope_scaling["rope_type"] == name
+    assert cfg.rope_scaling["rope_type"] == name.split("_")[-1]
 
 
 @pytest.mark.parametrize("length", [1, 7, 40])

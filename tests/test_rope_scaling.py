@@ -119,6 +119,10 @@ def test_rope_from_hf_fills_the_original_context_as_transformers_does():
                          {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "truncate": False}}, "qwen2", 1e4)[1]
     assert yarn == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
                     "beta_fast": 32.0, "truncate": False}
+    # The model config keeps the flag a boolean, so an export writes `false`, not 0.
+    from meshwork.config_sections import ModelConfig
+
+    assert ModelConfig(rope_scaling=yarn).rope_scaling["truncate"] is False
     # DeepSeek-V3's yarn: no factor, the ratio of the two lengths.
     deepseek = rope_from_hf({"max_position_embeddings": 163840, "rope_parameters":
                              {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096}},

@@ -205,7 +205,7 @@ class ModelConfig(Section):
     d_ff: int = pydantic.Field(384, gt=0)
     """Hidden size of the SwiGLU MLP."""
     rope_theta: float = pydantic.Field(10000.0, gt=0)
-    rope_scaling: dict[str, float | int | str] | None = None
+    rope_scaling: dict[str, bool | int | float | str] | None = None
     """Scaled RoPE frequencies, in Hugging Face's `rope_scaling` form: `rope_type` one of
     llama3, linear, dynamic, yarn, with that type's keys (e.g. `factor`,
     `original_max_position_embeddings`); null for plain RoPE. models/layers/rope.py."""
