@@ -53,6 +53,7 @@ def jsonl_corpus(folder: pathlib.Path) -> pathlib.Path:
 def lora_overrides(base: pathlib.Path, corpus: pathlib.Path, run_dir: pathlib.Path, steps: int) -> list[str]:
     return [f"run.dir={run_dir}", f"finetune.base={base}", "finetune.method=lora", "finetune.targets=[q,k,v,o]",
             "finetune.rank=8", "data.source=text", f"data.text_files=[{corpus}/*.jsonl]", "data.text_field=text",
+            "data.tokenizer=null",
             "data.seq_len=64", "data.val_fraction=0.1", "train.global_batch=8", f"train.steps={steps}",
             "optimizer.lr=1e-2", "optimizer.warmup_steps=5", "optimizer.weight_decay=0.0",
             "log.eval_every=20", "log.eval_batches=2", "log.progress=false", "log.tensorboard=false",
