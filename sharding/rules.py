@@ -27,8 +27,9 @@ combined with `+` (e.g. `fsdp+tp` on a 2 data x 2 fsdp x 2 tensor mesh):
   their experts' devices by all-to-all (models/layers/moe_dispatch.py); the batch is
   split over `expert` too.
 - `pp`: pipeline parallelism: the stacked layers split over `stage`, so each
-  stage holds its own layers (and their moments); the step then runs the
-  GPipe or 1F1B schedule of `sharding/pipeline.py`. `train.pipeline` adds it.
+  stage holds its own layers (and their moments); the step then runs a
+  schedule of `sharding/pipeline_schedules.py` (gpipe, 1f1b, interleaved, zb-h1).
+  `train.pipeline` adds it.
 
 Each preset gives one table per role: `params` (also used for activations),
 `grads` and `opt_state`; they differ only for the ZeRO-1/2 presets.
@@ -248,4 +249,18 @@ def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Ru
     # Inside shard_map the axes are manual: each device already holds exactly its part.
     if rules is None or mesh.empty or mesh.are_all_axes_manual:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+    spec = logical_to_spec(names, rules)
+    if mesh.manual_axes:
+        # Partly manual (a pipeline stage with its data shards manual too): the constraint can
+        # only name the axes the compiler still owns; the manual ones already split x.
+        spec = _without(spec, set(mesh.manual_axes))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _without(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """`spec` with the mesh `axes` removed from every entry."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())) if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)

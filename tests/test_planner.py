@@ -188,7 +188,7 @@ def test_megatron_two_all_reduces_forward_two_backward():
 @pytest.mark.parametrize("P, M", [(4, 4), (4, 16), (8, 8)])
 def test_gpipe_bubble(P, M):
     """GPipe (Huang et al. 2019): the idle fraction is (P-1)/(M+P-1), also in the schedule meshwork runs."""
-    from meshwork.sharding.pipeline import idle_fraction, schedule_table
+    from meshwork.sharding.pipeline_schedules import idle_fraction, schedule_table
 
     cfg = load_config(ROOT / "configs/llama7b.yaml")
     p = plan(cfg, make_layout(stage=P, data=64 // P, microbatches=M, schedule="gpipe"), H100)

@@ -89,6 +89,17 @@ def graph(cfg, as_json: bool) -> None:
     print(json.dumps(report) if as_json else format_graph_report(report))
 
 
+def pipeline_lines(cfg) -> str:
+    """--dry-run under a pipeline: the schedule table the step runs, its idle fraction and stash
+    (the same table the planner reads its bubble from, meshwork.perf.planner_pipeline)."""
+    import jax
+
+    from meshwork.perf.planner_layout import layout_from_config
+    from meshwork.perf.planner_pipeline import schedule_text
+
+    return schedule_text(layout_from_config(cfg, jax.device_count()))
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
@@ -123,6 +134,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return StorageFull.exit_status
     if args.dry_run:
+        if cfg.train.pipeline != "none" and not args.json:
+            print(pipeline_lines(cfg))
         return 0
     from meshwork.train.terminal import summary_lines
 

@@ -182,7 +182,8 @@ class Trainer:
                                           cfg, self.mesh) if uses_comm(cfg) else None)
         return make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches, grad_shardings,
                                cfg.train.pipeline, cfg.run.seed, loss_fn=objective, ema_decay=ema_decay(cfg),
-                               inject_nan_at=tuple(cfg.train.inject_nan_at), comm_grads=comm_grads)
+                               inject_nan_at=tuple(cfg.train.inject_nan_at), comm_grads=comm_grads,
+                               virtual_stages=cfg.train.virtual_stages)
 
     def init_comm(self, params: Any) -> dict[str, Any]:
         return init_comm_state(self.cfg, params, self.mesh.shape["data"], self.inner_tx)

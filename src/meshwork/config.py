@@ -74,13 +74,24 @@ class Config(Section):
             raise _KeyError("train.microbatches", f"{t.microbatches} does not divide train.global_batch={t.global_batch}")
         if (self.mesh.stage != 1) != (t.pipeline != "none"):
             raise _KeyError("train.pipeline", f"train.pipeline={t.pipeline} with mesh.stage={self.mesh.stage}; "
-                            "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe or 1f1b)")
+                            "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe, 1f1b, interleaved or zb-h1)")
         if t.pipeline != "none" and m.kind != "transformer":
             raise _KeyError("train.pipeline", f"pipelines are built for the dense transformer, not model.kind={m.kind}; "
                             "set train.pipeline=none and mesh.stage=1")
         if t.pipeline != "none" and self.mesh.stage > 0 and m.n_layers % self.mesh.stage:
             raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
                             f"{self.mesh.stage} equal stages")
+        if t.virtual_stages > 1 and t.pipeline != "interleaved":
+            raise _KeyError("train.virtual_stages", f"{t.virtual_stages} chunks per stage need "
+                            f"train.pipeline=interleaved, not {t.pipeline}; set train.virtual_stages=1")
+        if t.pipeline == "interleaved" and self.mesh.stage > 0:
+            chunks = self.mesh.stage * t.virtual_stages
+            if m.n_layers % chunks:
+                raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
+                                f"{self.mesh.stage} x train.virtual_stages={t.virtual_stages} equal chunks")
+            if t.microbatches % self.mesh.stage:
+                raise _KeyError("train.microbatches", f"{t.microbatches} is not a multiple of mesh.stage="
+                                f"{self.mesh.stage}, which train.pipeline=interleaved needs")
         ft = self.finetune
         if ft.method != "none" and not ft.base:
             raise _KeyError("finetune.base", f"finetune.method={ft.method} starts from a trained model; "

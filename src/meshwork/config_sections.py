@@ -322,8 +322,16 @@ class TrainConfig(Section):
     """Sequences per optimizer step, summed over all devices and microbatches."""
     microbatches: int = pydantic.Field(1, gt=0)
     """Gradient accumulation: the global batch is split into this many sequential parts."""
-    pipeline: Literal["none", "gpipe", "1f1b"] = "none"
-    """Pipeline schedule over mesh.stage > 1 stages, with `microbatches` microbatches."""
+    pipeline: Literal["none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "none"
+    """Pipeline schedule over mesh.stage > 1 stages, with `microbatches` microbatches
+    (sharding/pipeline_schedules.py): gpipe (all forwards, then all backwards), 1f1b (one forward,
+    one backward: at most P stashed inputs), interleaved (1F1B over `virtual_stages` model
+    chunks per stage: a smaller bubble, more sends), zb-h1 (1F1B with each backward split
+    into its input and weight halves, the weight halves filling the bubble)."""
+    virtual_stages: int = pydantic.Field(1, gt=0)
+    """Model chunks per pipeline stage under pipeline=interleaved (Narayanan et al. 2021):
+    stage s holds layer chunks s, s+P, s+2P, ... of n_layers / (stage x virtual_stages)
+    layers each, and the bubble shrinks about v times; 1 for every other schedule."""
     remat: Literal["none", "full", "dots_saveable", "offload_dots"] = "none"
     """What the scanned layers keep for the backward pass (jax.checkpoint policy); offload_dots
     keeps every weight matmul's output in pinned host memory instead of recomputing it."""

@@ -17,7 +17,9 @@ Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
 
     compute    = (model FLOPs + remat recompute) / devices / (peak x efficiency)
     critical   = compute + exposed activation collectives (tp, sp, ep, pipeline)
-    bubble     = critical x (P-1)/M            GPipe: idle fraction (P-1)/(M+P-1)
+    bubble     = critical x idle / (1 - idle)  idle: idle_fraction of the schedule table the
+                                               executor runs (GPipe, 1F1B: (P-1)/(M+P-1), so
+                                               critical x (P-1)/M; interleaved, zb-h1: less)
     hidden     = min(overlap x gradient/weight collectives, compute)
     step       = critical + bubble + (gradient/weight collectives - hidden) + optimizer
     MFU        = model FLOPs / (step x peak x devices)
@@ -25,8 +27,9 @@ Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
 Model FLOPs are `meshwork.perf.flops.train_flops_per_token` (6N + the PaLM
 attention term); remat "full" recomputes the layers' forward pass (+1/3 of
 their 6N), and a meshwork pipeline recomputes each stage's forward inside its
-backward. The optimizer update is memory-bound: it reads and writes the
-state once (bytes / HBM bandwidth).
+backward (twice under zb-h1: in the input and in the weight half). The
+optimizer update is memory-bound: it reads and writes the state once
+(bytes / HBM bandwidth).
 
     >>> from meshwork.config import Config
     >>> from meshwork.perf.hardware import get_hardware
@@ -57,6 +60,7 @@ from meshwork.perf.planner_memory import (
     offload_memory,
     state_memory,
 )
+from meshwork.perf.planner_pipeline import pipeline_schedule
 from meshwork.perf.planner_weights import indivisible, model_weights, shard_size
 from meshwork.sharding.mesh import MESH_AXES
 
@@ -118,6 +122,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"layout": {"mesh": self.layout.sizes, "preset": self.layout.preset,
                            "microbatches": self.layout.microbatches, "pipeline": self.layout.pipeline,
+                           "virtual_stages": self.layout.virtual_stages,
                            "remat": self.layout.remat},
                 "hardware": self.hardware.name, "memory": self.memory, "hbm_usable": self.hbm_usable,
                 "fits": self.fits, "collectives": self.summary(),
@@ -150,7 +155,8 @@ def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
     """
     m, tokens = cfg.model, cfg.train.global_batch * cfg.data.seq_len
     model = train_flops_per_token(m, cfg.data.seq_len) * tokens
-    forwards = (layout.remat == "full") + (layout.pipeline != "none")
+    # A pipeline backward recomputes its stage's forward; zb-h1's input and weight halves each do.
+    forwards = (layout.remat == "full") + {"none": 0, "zb-h1": 2}.get(layout.pipeline, 1)
     recompute = forwards * _layer_flops_per_token(cfg) / 3 * tokens
     padding = 0.0
     if m.kind == "moe" and m.moe.capacity_factor and m.moe.capacity_factor > 1:
@@ -229,8 +235,8 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
     critical_comm = sum(t for c, t, _ in timed if not c.overlappable)
     background = sum(t for c, t, _ in timed if c.overlappable)
     work = compute + recompute + critical_comm
-    P, M = layout.sizes["stage"], layout.microbatches
-    bubble = work * (P - 1) / M if P > 1 else 0.0
+    sched = pipeline_schedule(layout)  # the executor's own table: its idle share is the bubble
+    bubble = work * sched.bubble_ratio if sched is not None else 0.0
     hidden = min(options.overlap * background, compute + recompute)
     state = mem["params"] + mem["grads"] + mem["opt_state"]
     optimizer = 2 * state / hw.hbm_bandwidth
@@ -272,6 +278,9 @@ def layout_problem(cfg: Config, layout: Layout) -> str | None:
     m, s = cfg.model, layout.sizes
     if s["stage"] > 1 and (m.kind != "transformer" or m.n_layers % s["stage"]):
         return "pipelines need a dense transformer whose layers divide into equal stages"
+    if layout.pipeline == "interleaved" and (m.n_layers % (s["stage"] * layout.virtual_stages)
+                                             or layout.microbatches % s["stage"]):
+        return "interleaving needs layers divisible by stage x virtual stages and microbatches by stage"
     if s["sequence"] > 1 and (cfg.data.seq_len % (2 * s["sequence"]) or layout.pipeline != "none"):
         return "context parallelism needs seq_len divisible by 2 x sequence and no pipeline"
     if s["expert"] > 1 and (m.kind != "moe" or m.moe.n_experts % s["expert"]):
@@ -425,7 +434,7 @@ def config_for(cfg: Config, layout: Layout) -> Config:
     raw["mesh"] = dict(layout.sizes)
     raw["rules"] = {**raw["rules"], "preset": layout.preset}
     raw["train"] = {**raw["train"], "microbatches": layout.microbatches, "pipeline": layout.pipeline,
-                    "remat": layout.remat}
+                    "virtual_stages": layout.virtual_stages, "remat": layout.remat}
     return validate(raw, "planned layout")
 
 

@@ -18,9 +18,10 @@ Where each comes from (g: the devices of the mesh axes involved):
   reduce-scattered, over the rest all-reduced (on the 1/s shard: hybrid);
   zero1/zero2 then all-gather the updated parameters. meshwork's gradient
   accumulation reduces every microbatch's gradients (measured: the
-  collectives sit inside the accumulation loop; its pipeline executor even
-  inside the loop over schedule time steps); `grad_sync="per_step"` models
-  frameworks that reduce once.
+  collectives sit inside the accumulation loop); its pipeline executor sums
+  over the data axes once, after the schedule, but over axes that split the
+  weight (fsdp) inside the loop over schedule time steps;
+  `grad_sync="per_step"` models frameworks that reduce once.
 - weights (`fsdp gather`): weights split over token axes are all-gathered
   before use, twice per scanned layer (forward, and again in the backward:
   inside a scan the saved residual is the sharded weight), once for the
@@ -40,7 +41,10 @@ Where each comes from (g: the devices of the mesh axes involved):
   combine, forward and backward; meshwork's dropless dispatch pads each
   destination's buffer to the no-drop worst case (N x T k rows).
 - pipeline: meshwork's executor permutes an activation forward and a
-  cotangent backward at each of its 2(M + P - 1) time steps.
+  cotangent backward at each time step of its schedule table (2(M + P - 1)
+  for GPipe and 1F1B; `planner_pipeline`). Interleaving also moves the
+  stage's blocks into chunk order and their gradients back: one all-to-all
+  over `stage` each way.
 
 Times follow the textbook algorithm costs (Thakur et al. 2005; Patarasuk &
 Yuan 2009; NCCL's trees), with the group's placement on nodes decided by the
@@ -64,6 +68,7 @@ from meshwork.config import Config
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_memory import ITEMSIZE, StateBytes, token_shape
+from meshwork.perf.planner_pipeline import pipeline_schedule
 from meshwork.perf.planner_weights import model_weights, shard_size, token_axes
 from meshwork.sharding.mesh import MESH_AXES
 
@@ -138,7 +143,7 @@ def step_collectives(cfg: Config, layout: Layout, options: CommOptions = CommOpt
 
 
 def _weight_collectives(cfg, layout, options, acc, add) -> None:
-    M, stages = layout.microbatches, layout.sizes["stage"]
+    M = layout.microbatches
     reps = M if options.grad_sync == "per_microbatch" else 1
     sizes = layout.sizes
     for w in model_weights(cfg.model):
@@ -159,15 +164,31 @@ def _weight_collectives(cfg, layout, options, acc, add) -> None:
         scatter = [a for a in R if a in P or a in G or a in O]
         rest = [a for a in R if a not in scatter]
         grad = used * acc.grad * per
+        sync = lambda kind, axes, grad: add(kind, axes, grad, layers * reps, f"grad sync ({stack})")  # noqa: E731
         if layout.pipeline != "none" and options.grad_sync == "per_microbatch":
-            # Measured: the pipeline executor reduces gradients inside its loop over the
-            # 2(M+P-1) time steps, the stages' layers twice per step, the head once.
-            reps = 2 * (M + stages - 1) * (2 if w.scanned else 1)
+            # Measured: the pipeline executor sums the gradients over its data axes (batch axes
+            # that split no weight: the train step's data_axes) once, after the schedule, one
+            # collective per gradient; over axes that split the weight (fsdp) the compiler
+            # reduces inside the loop over the table's time steps (2(M+P-1) for GPipe and
+            # 1F1B), the stages' layers twice per step, the head once.
+            in_loop = pipeline_schedule(layout).steps * (2 if w.scanned else 1)
+
+            def sync(kind, axes, grad, in_loop=in_loop, layers=layers, stack=stack):
+                if any(a in P for a in axes):
+                    add(kind, axes, grad, layers * in_loop, f"grad sync ({stack})")
+                else:
+                    add(kind, axes, grad * layers, 1, f"grad sync ({stack}, once)")
         if scatter:
-            add("reduce-scatter", scatter, grad, layers * reps, f"grad sync ({stack})")
+            sync("reduce-scatter", scatter, grad)
             grad /= math.prod(sizes[a] for a in scatter)
         if rest:
-            add("all-reduce", rest, grad, layers * reps, f"grad sync ({stack})")
+            sync("all-reduce", rest, grad)
+        if w.scanned and layout.pipeline == "interleaved" and layout.virtual_stages > 1 and "stage" in P:
+            # The blocks are stored in model order (stage s: layers s L/P ...); interleaving
+            # needs chunks s, s+P, ... on stage s: an all-to-all of the weights in, of their
+            # gradients out (measured on lm_tiny: 1.50 MiB per step on stage 2, as here).
+            add("all-to-all", ("stage",), shard * acc.param, 1, "interleaved chunk layout")
+            add("all-to-all", ("stage",), shard * acc.grad, 1, "interleaved chunk layout")
         regather = [a for a in R if (a in G or a in O) and a not in P]
         if regather:  # ZeRO-1/2: every device rebuilds the parameters from the updated shards
             add("all-gather", regather, shard * acc.param, 1, "zero param gather")
@@ -215,8 +236,8 @@ def _activation_collectives(cfg, layout, options, add) -> None:
             buf = N * ts.tokens * e.top_k * m.d_model * p
         add("all-to-all", ep, buf, 4 * moe_layers * M, "expert dispatch/combine", False)
 
-    if P > 1:
-        steps = 2 * (M + P - 1)
+    if (sched := pipeline_schedule(layout)) is not None:
+        steps = sched.steps  # 2(M + P - 1) for GPipe and 1F1B
         add("collective-permute", ("stage",), act / ts.t_norm, 2 * steps, "pipeline sends", False)
 
 

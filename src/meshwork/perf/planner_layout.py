@@ -44,6 +44,8 @@ class Layout:
     pipeline: str = "none"
     remat: str = "none"
     overrides: tuple[tuple[str, object], ...] = ()
+    virtual_stages: int = 1
+    """Model chunks per stage (train.virtual_stages) under the interleaved schedule."""
 
     @functools.cached_property
     def sizes(self) -> dict[str, int]:
@@ -97,7 +99,7 @@ class Layout:
         if self.microbatches > 1:
             extra.append(f"mb={self.microbatches}")
         if self.pipeline != "none":
-            extra.append(self.pipeline)
+            extra.append(self.pipeline + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
         return ", ".join([mesh, self.preset, *extra])
 
 
@@ -125,13 +127,14 @@ def _table(preset: str, overrides: tuple, role: str) -> dict[str, tuple[str, ...
 
 def make_layout(*, data: int = 1, fsdp: int = 1, expert: int = 1, sequence: int = 1, tensor: int = 1,
                 stage: int = 1, zero: int = 0, sequence_parallel: bool = False, microbatches: int = 1,
-                remat: str = "none", schedule: str = "1f1b") -> Layout:
+                remat: str = "none", schedule: str = "1f1b", virtual_stages: int = 1) -> Layout:
     """A Layout from parallelism degrees, with the preset meshwork needs for them.
 
     `zero` (0, 1, 2) is the ZeRO stage over the data-parallel axes when
     `fsdp` is 1; `fsdp` > 1 is ZeRO-3 over `fsdp` (hybrid with `data`).
     `tensor` > 1 adds `tp` (`sp` with `sequence_parallel`), `sequence` > 1
-    `cp`, `expert` > 1 `ep`; `stage` > 1 runs the pipeline `schedule`.
+    `cp`, `expert` > 1 `ep`; `stage` > 1 runs the pipeline `schedule` (with
+    `virtual_stages` chunks per stage under "interleaved").
 
     >>> make_layout(data=2, fsdp=2, tensor=2).preset
     'fsdp+tp'
@@ -151,7 +154,7 @@ def make_layout(*, data: int = 1, fsdp: int = 1, expert: int = 1, sequence: int 
         parts.append("ep")
     sizes = dict(stage=stage, data=data, fsdp=fsdp, expert=expert, sequence=sequence, tensor=tensor)
     return Layout(tuple((a, sizes[a]) for a in MESH_AXES), "+".join(parts), microbatches,
-                  schedule if stage > 1 else "none", remat)
+                  schedule if stage > 1 else "none", remat, virtual_stages=virtual_stages if stage > 1 else 1)
 
 
 def layout_from_config(cfg: Config, n_devices: int) -> Layout:
@@ -164,7 +167,7 @@ def layout_from_config(cfg: Config, n_devices: int) -> Layout:
         raise ConfigError(f"{e} (devices: {n_devices})") from None
     overrides = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in cfg.rules.overrides.items()))
     layout = Layout(tuple(zip(MESH_AXES, shape)), cfg.rules.preset, cfg.train.microbatches, cfg.train.pipeline,
-                    cfg.train.remat, overrides)
+                    cfg.train.remat, overrides, cfg.train.virtual_stages)
     try:
         layout.rules()
     except KeyError as e:

@@ -29,6 +29,7 @@ import math
 from meshwork.config import Config
 from meshwork.config_sections import ModelConfig
 from meshwork.perf.planner_layout import Layout
+from meshwork.perf.planner_pipeline import pipeline_schedule
 from meshwork.perf.planner_weights import model_weights, shard_size, token_axes
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -239,8 +240,9 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     Without a pipeline, one microbatch at a time: remat none/dots_saveable
     keep every layer's `layer_activation_bytes`; full remat keeps each layer
     input plus one layer's working set (recomputed during its backward). A
-    meshwork pipeline stashes stage inputs (M under GPipe, min(P, M) under
-    1F1B) and recomputes a stage's forward inside its backward, so holds one
+    meshwork pipeline stashes stage inputs (`stash_size` of its schedule
+    table: M under GPipe, min(P, M) under 1F1B) and the output cotangents
+    waiting for a backward (`cotangent_stash_size`), and recomputes a stage's forward inside its backward, so holds one
     stage's activations at a time. Logits are float32: the logits and their
     gradient, (b s V / t) x 4 bytes each.
     """
@@ -262,8 +264,10 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
                                          capacity_factor=cf), 0.0)
     out: dict[str, float] = {}
     if layout.pipeline != "none":
-        stash = layout.microbatches if layout.pipeline == "gpipe" else min(P, layout.microbatches)
-        out["pipeline_stash"] = stash * ts.tokens * m.d_model * p / ts.t_norm
+        sched = pipeline_schedule(layout)  # the schedule table the executor runs
+        one_input = ts.tokens * m.d_model * p / ts.t_norm
+        out["pipeline_stash"] = sched.stash * one_input
+        out["pipeline_cotangents"] = sched.cotangents * one_input
         stage = layers(layout.remat, 1 / P)
         out["layers"] = stage + (working if layout.remat == "full" else 0.0)
     else:
