@@ -331,6 +331,10 @@ step attention_noncausal 45 python3 benchmarks/attention.py --seq $ATT_SEQ $ATT_
 if [ -z "${SMOKE:-}" ]; then
   step pytest_flash 70 python3 -m pytest --noconftest -o addopts= -q -p no:cacheprovider tests/test_flash_attention.py \
     -k "matches_reference or rows_without or masked_blocks or every_output or decode_matches"
+  # Sliding windows and packed documents through the compiled kernels (flash and decode).
+  step pytest_window 60 python3 -m pytest --noconftest -o addopts= -q -p no:cacheprovider \
+    tests/test_sliding_window.py tests/test_packed_documents.py \
+    -k "decode_kernel_takes_the_window or attend_paths_agree or computes_what_it_computes_alone"
 fi
 
 # ---------------------------------------------------------------- 8. quantized projections on the GPU

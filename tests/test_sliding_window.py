@@ -4,6 +4,7 @@ through the full forward pass and through every KV-cache path; every attention p
 a NumPy mask formula; and a per-layer mix of windowed and full layers is refused."""
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,8 @@ from meshwork.models.hf import model_from_hf
 from meshwork.models.hf.config import config_from_hf
 from meshwork.models.layers.attention import attend
 
-from conftest import ROOT
+# Not from conftest: benchmarks/gpu_suite.sh runs the kernel cases on the GPU with --noconftest.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FIXTURE = ROOT / "tests/fixtures/hf/mistral_window"
 WINDOW = 8
