@@ -86,6 +86,7 @@ def test_the_model_and_tokenizer_come_from_the_checkpoint(setup):
     assert pathlib.Path(cfg.data.tokenizer) == setup / "base" / "tokenizer.json"
 
 
+@pytest.mark.slow  # trains 40 + 20 + 20 steps
 def test_step_zero_is_the_checkpoint_exactly(setup, straight):
     """LoRA's B starts at zero: the step-0 validation loss is the Hugging Face model's own."""
     cfg = lora_config(setup, setup / "straight")
@@ -93,12 +94,14 @@ def test_step_zero_is_the_checkpoint_exactly(setup, straight):
     assert straight["val_loss"][0] == pytest.approx(validation_loss(model, make_task(cfg).eval_batches()), abs=1e-5)
 
 
+@pytest.mark.slow  # trains 40 + 20 + 20 steps
 def test_the_loss_falls_on_the_users_text(straight):
     losses = straight["val_loss"]
     print(f"validation loss {losses[0]:.4f} at step 0 -> {losses[STEPS]:.4f} at step {STEPS}")
     assert losses[STEPS] < losses[0] - 0.2, losses
 
 
+@pytest.mark.slow  # trains 40 + 20 + 20 steps
 def test_a_resumed_run_equals_an_uninterrupted_one(setup, straight):
     run_dir = setup / "resumed"
     train(lora_config(setup, run_dir, STEPS, f"train.stop_after={STEPS // 2}"), devices=jax.devices()[:1])

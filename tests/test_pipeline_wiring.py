@@ -175,6 +175,7 @@ def test_compact_table_keeps_both_ends():
     assert compact_table(pipeline.schedule_table("1f1b", 4, 4)) == str(pipeline.schedule_table("1f1b", 4, 4))
 
 
+@pytest.mark.slow  # a whole --dry-run compile; test_config.py runs a plain one in the quick tier
 def test_dry_run_prints_the_schedule_table(tmp_path):
     from test_config import _cli
 
