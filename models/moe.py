@@ -103,15 +103,7 @@ class MoETransformer(nnx.Module):
             done += run.count
         # Each statistic with a leading axis over the MoE layers, in layer order.
         stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_run)
-        logits_BLV = self.head(x_BLD, self.embed)
-        # Scalars averaged over MoE layers; the per-layer load is kept for the
-        # aux-loss-free bias update and for the load plot.
-        out = {k: v.mean(axis=0) for k, v in stats.items()}
-        out["load_per_layer"] = stats["load"]
-        # Imbalance, per layer then averaged: the coefficient of variation of the
-        # experts' loads (0 when every expert gets the same share).
-        out["load_cv"] = (stats["load"].std(axis=-1) / stats["load"].mean(axis=-1)).mean()
-        return logits_BLV, out
+        return self.head(x_BLD, self.embed), routing_summary(stats)
 
     def _moe_layers(self, graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
                     positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,
@@ -154,3 +146,15 @@ class MoETransformer(nnx.Module):
         out = jax.tree.map(lambda x: x, buffers)
         nnx.replace_by_pure_dict(out, new)
         return out
+
+
+def routing_summary(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The model's statistics from its MoE layers' (each with a leading axis over those layers,
+    in layer order): scalars averaged over the layers, the per-layer load kept for the
+    aux-loss-free bias update and the load plot, and the imbalance `load_cv`."""
+    out = {k: v.mean(axis=0) for k, v in stats.items()}
+    out["load_per_layer"] = stats["load"]
+    # Imbalance, per layer then averaged: the coefficient of variation of the
+    # experts' loads (0 when every expert gets the same share).
+    out["load_cv"] = (stats["load"].std(axis=-1) / stats["load"].mean(axis=-1)).mean()
+    return out

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from meshwork.sharding.shard_map_util import vary_over
 from meshwork.sharding.pipeline_schedules import IDLE, FWD, Schedule, schedule_table, check_schedule, buffer_plan
 
 
@@ -102,7 +103,9 @@ def pipeline_value_and_grad(
     head_specs: Any = None,
     virtual_stages: int = 1,
     data_axes: tuple[str, ...] = (),
-) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
+    context_M: Any = None,
+    has_aux: bool = False,
+) -> tuple[Any, tuple[Any, Any, jax.Array]]:
     """Mean microbatch loss of a pipelined model, and its gradients.
 
     The model is `loss_fn(head_params, stage_fn(p[V-1], ... stage_fn(p[0],
@@ -132,6 +135,13 @@ def pipeline_value_and_grad(
         axes (e.g. `fsdp`); without them the compiler is free to replicate
         the accumulators there, and does.
       virtual_stages: model chunks per stage for `schedule="interleaved"`.
+      context_M: optional pytree of leaves (M, ...) split like x_M (e.g. the
+        tokens' positions): stage_fn is then called as stage_fn(params, x,
+        context_m) with microbatch m's slice.
+      has_aux: stage_fn returns (y, (stage_loss, stats)): a scalar that
+        joins the objective (e.g. a MoE layer's load-balancing loss; the mean
+        of the loss_fn's loss is the objective's other part) and a pytree of
+        arrays recorded per microbatch without gradient (routing statistics).
       data_axes: mesh axes that split dimension 1 of x_M and of every
         targets_M leaf (a microbatch's rows) and over which the params are
         replicated. They become manual inside the pipeline too: every stage
@@ -143,7 +153,11 @@ def pipeline_value_and_grad(
 
     Returns:
       (loss, (d_stage_params, d_head_params, d_x_M)): gradients of the mean
-      loss with the shapes of the inputs; d_stage_params stays sharded over
+      loss with the shapes of the inputs; with has_aux the first entry is
+      (loss, stage_loss, stats): loss_fn's mean, the stage losses' (summed
+      over stages, averaged over microbatches; the gradients are those of
+      loss + stage_loss) and each stage's stats with leading axes (P, M)
+      ((P, v, M) with chunks, [s, c] being chunk c*P + s); d_stage_params stays sharded over
       `axis_name`, the others are replicated over it (d_x_M keeps the
       `data_axes` split). Axes other than `axis_name` and `data_axes` stay
       with the compiler (GSPMD).
@@ -187,10 +201,21 @@ def pipeline_value_and_grad(
     n_data = math.prod(mesh.shape[a] for a in data_axes)
     one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[len(lead):], a.dtype), stage_params)
     x_in = jax.ShapeDtypeStruct(x_M.shape[1:], x_M.dtype)
-    y_out = jax.eval_shape(stage_fn, one_stage, x_in)
+    context_in = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), context_M)
+    y_out = jax.eval_shape(stage_fn, one_stage, x_in, *(() if context_M is None else (context_in,)))
+    if has_aux:
+        if not (isinstance(y_out, tuple) and len(y_out) == 2 and isinstance(y_out[1], tuple) and len(y_out[1]) == 2
+                and getattr(y_out[1][0], "shape", None) == ()):
+            raise ValueError(f"pipeline: has_aux=True needs stage_fn to return (y, (stage_loss, stats)) with a "
+                             f"scalar stage_loss; it returns {y_out}")
+        y_out = y_out[0]
     if (getattr(y_out, "shape", None), getattr(y_out, "dtype", None)) != (x_in.shape, x_in.dtype):
         raise ValueError(f"pipeline: stage_fn maps {x_in.dtype}{list(x_in.shape)} to {y_out}; a stage must return "
                          "an array of its input's shape and dtype (cast its output, e.g. y.astype(x.dtype))")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(context_M):
+        if leaf.shape[:2] != x_M.shape[:2]:
+            raise ValueError(f"pipeline: context_M{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf "
+                             f"needs the leading (microbatch, row) axes {x_M.shape[:2]} of x_M")
     if data_axes and (x_M.ndim < 2 or x_M.shape[1] % n_data):
         raise ValueError(f"pipeline: x_M {x_M.shape} needs a dimension 1 divisible by {n_data}, the size of "
                          f"data_axes={data_axes}")
@@ -209,7 +234,7 @@ def pipeline_value_and_grad(
     # The loss is the mean over microbatches and over the data shards' rows.
     loss_ct = 1.0 / (M * n_data)
 
-    def per_stage(stage_params, head_params, x_M, targets_M):
+    def per_stage(stage_params, head_params, x_M, targets_M, context_M):
         stage = jax.lax.axis_index(axis_name)
         first, last_stage = stage == 0, stage == P - 1
         params = jax.tree.map(lambda a: a[0], stage_params)
@@ -218,7 +243,7 @@ def pipeline_value_and_grad(
         # head too: a vjp w.r.t. a replicated input would psum its cotangent
         # over the replicas in every step, a collective that, over the
         # stages, only the last one would reach.
-        vary = functools.partial(jax.lax.pcast, axis_name=manual, to="varying")
+        vary = functools.partial(vary_over, axes=manual)
         head_params = jax.tree.map(vary, head_params)
         if data_axes:
             params = jax.tree.map(functools.partial(jax.lax.pcast, axis_name=data_axes, to="varying"), params)
@@ -226,13 +251,27 @@ def pipeline_value_and_grad(
         f32_zeros = lambda tree: jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32)), tree)  # noqa: E731
         pin_params = functools.partial(_constrain, specs=inner_stage_specs)
         pin_head = functools.partial(_constrain, specs=inner_head_specs)
-        carry = dict(stash=zeros_x(plan.n_stash), grad_in=zeros_x(plan.n_grad), dx=zeros_x(M),
-                     d_params=pin_params(f32_zeros(params)), d_head=pin_head(f32_zeros(head_params)),
-                     loss=vary(jnp.zeros((), jnp.float32)))
-        no_send = vary(jnp.zeros(x_M.shape[1:], x_M.dtype))
 
         def chunk_params(ch):
             return params if v == 1 else jax.tree.map(lambda a: _get(a, ch), params)
+
+        def run(p, x, m):
+            """The stage on microbatch m: (y, stage_loss, stats), the last two zero without has_aux."""
+            out = stage_fn(p, x) if context_M is None else \
+                stage_fn(p, x, jax.tree.map(lambda a: _get(a, m), context_M))
+            y, (stage_loss, stats) = out if has_aux else (out, (jnp.zeros((), jnp.float32), ()))
+            # Varying like the cotangent it gets: its gradient then reaches every data shard's
+            # copy once (a stage loss computed from whole-batch means is the same on each).
+            return y, (vary(stage_loss.astype(jnp.float32)), stats)
+
+        stats_shape = jax.eval_shape(lambda: run(chunk_params(0), vary(x_M[0]), 0)[1][1])
+        per_mb = (M,) if v == 1 else (v, M)
+        carry = dict(stash=zeros_x(plan.n_stash), grad_in=zeros_x(plan.n_grad), dx=zeros_x(M),
+                     d_params=pin_params(f32_zeros(params)), d_head=pin_head(f32_zeros(head_params)),
+                     loss=vary(jnp.zeros((), jnp.float32)), stage_loss=vary(jnp.zeros((), jnp.float32)),
+                     stats=jax.tree.map(lambda a: vary(jnp.zeros((*per_mb, *a.shape), a.dtype)), stats_shape))
+        no_send = vary(jnp.zeros(x_M.shape[1:], x_M.dtype))
+        ones = lambda: vary(jnp.asarray(loss_ct, jnp.float32))  # noqa: E731  (d objective / d each loss)
 
         def add_params(c, ch, d_params):
             def add(acc, g):
@@ -246,6 +285,17 @@ def pipeline_value_and_grad(
             c["d_head"] = pin_head(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), c["d_head"], d_head))
             return c
 
+        def record(c, m, ch, aux):
+            """A microbatch's stage loss and statistics, kept by the step that computes its input
+            gradient (once per microbatch and chunk, whatever the schedule)."""
+            stage_loss, stats = aux
+
+            def put(buf, a):
+                if v == 1:
+                    return _set(buf, m, a)
+                return _set(buf, ch, _set(_get(buf, ch), m, a))
+            return dict(c, stage_loss=c["stage_loss"] + stage_loss, stats=jax.tree.map(put, c["stats"], stats))
+
         def set_dx(c, m, dx):
             # Kept only on stage 0, see below. With chunks, stage 0's chunk 0
             # backward of m comes after its other chunks' and overwrites them.
@@ -258,23 +308,26 @@ def pipeline_value_and_grad(
             return c, no_send, no_send
 
         def forward(c, m, ch, slot, gslot):
-            return c, stage_fn(chunk_params(ch), _get(c["stash"], slot)), no_send
+            return c, run(chunk_params(ch), _get(c["stash"], slot), m)[0], no_send
 
+        # A stage's backward: the vjp of (y, stage_loss) w.r.t. the params and/or the input, fed
+        # the next stage's input gradient and d objective / d stage_loss.
         def backward(c, m, ch, slot, gslot):
-            _, vjp = jax.vjp(stage_fn, chunk_params(ch), _get(c["stash"], slot))
-            d_params, dx = vjp(_get(c["grad_in"], gslot))
-            return set_dx(add_params(c, ch, d_params), m, dx), no_send, dx
+            (_, _), vjp, aux = jax.vjp(lambda p, x: _split(run(p, x, m)), chunk_params(ch),
+                                       _get(c["stash"], slot), has_aux=True)
+            d_params, dx = vjp((_get(c["grad_in"], gslot), ones()))
+            return set_dx(record(add_params(c, ch, d_params), m, ch, aux), m, dx), no_send, dx
 
         def backward_input(c, m, ch, slot, gslot):
             p = chunk_params(ch)
-            _, vjp = jax.vjp(lambda x: stage_fn(p, x), _get(c["stash"], slot))
-            (dx,) = vjp(_get(c["grad_in"], gslot))
-            return set_dx(c, m, dx), no_send, dx
+            (_, _), vjp, aux = jax.vjp(lambda x: _split(run(p, x, m)), _get(c["stash"], slot), has_aux=True)
+            (dx,) = vjp((_get(c["grad_in"], gslot), ones()))
+            return set_dx(record(c, m, ch, aux), m, dx), no_send, dx
 
         def backward_weight(c, m, ch, slot, gslot):
             x = _get(c["stash"], slot)
-            _, vjp = jax.vjp(lambda p: stage_fn(p, x), chunk_params(ch))
-            (d_params,) = vjp(_get(c["grad_in"], gslot))
+            (_, _), vjp, _ = jax.vjp(lambda p: _split(run(p, x, m)), chunk_params(ch), has_aux=True)
+            (d_params,) = vjp((_get(c["grad_in"], gslot), ones()))
             return add_params(c, ch, d_params), no_send, no_send
 
         def forward_last(c, m, ch, slot, gslot):
@@ -282,23 +335,29 @@ def pipeline_value_and_grad(
             # its backward reruns stage and loss under jax.vjp anyway.
             return c, no_send, no_send
 
+        def last(p, h, x, m):
+            """The last chunk and the loss: ((loss_fn's loss, stage loss), stats)."""
+            y, (stage_loss, stats) = run(p, x, m)
+            return (loss_fn(h, y, target(m)).astype(jnp.float32), stage_loss), (stage_loss, stats)
+
         def backward_last(c, m, ch, slot, gslot):
-            t = target(m)
-            loss, vjp = jax.vjp(lambda p, h, x: loss_fn(h, stage_fn(p, x), t),
-                                chunk_params(ch), head_params, _get(c["stash"], slot))
-            d_params, d_head, dx = vjp(vary(jnp.asarray(loss_ct, loss.dtype)))
-            return set_dx(add_head(add_params(c, ch, d_params), loss, d_head), m, dx), no_send, dx
+            (loss, _), vjp, aux = jax.vjp(lambda p, h, x: last(p, h, x, m), chunk_params(ch), head_params,
+                                          _get(c["stash"], slot), has_aux=True)
+            d_params, d_head, dx = vjp((ones(), ones()))
+            c = record(add_head(add_params(c, ch, d_params), loss, d_head), m, ch, aux)
+            return set_dx(c, m, dx), no_send, dx
 
         def backward_input_last(c, m, ch, slot, gslot):
-            t, p = target(m), chunk_params(ch)
-            loss, vjp = jax.vjp(lambda h, x: loss_fn(h, stage_fn(p, x), t), head_params, _get(c["stash"], slot))
-            d_head, dx = vjp(vary(jnp.asarray(loss_ct, loss.dtype)))
-            return set_dx(add_head(c, loss, d_head), m, dx), no_send, dx
+            p = chunk_params(ch)
+            (loss, _), vjp, aux = jax.vjp(lambda h, x: last(p, h, x, m), head_params, _get(c["stash"], slot),
+                                          has_aux=True)
+            d_head, dx = vjp((ones(), ones()))
+            return set_dx(record(add_head(c, loss, d_head), m, ch, aux), m, dx), no_send, dx
 
         def backward_weight_last(c, m, ch, slot, gslot):
-            t, x = target(m), _get(c["stash"], slot)
-            loss, vjp = jax.vjp(lambda p: loss_fn(head_params, stage_fn(p, x), t), chunk_params(ch))
-            (d_params,) = vjp(vary(jnp.asarray(loss_ct, loss.dtype)))
+            x = _get(c["stash"], slot)
+            _, vjp, _ = jax.vjp(lambda p: last(p, head_params, x, m), chunk_params(ch), has_aux=True)
+            (d_params,) = vjp((ones(), ones()))
             return add_params(c, ch, d_params), no_send, no_send
 
         # Indexed by op, plus 4 on the last virtual stage (stage P-1, chunk v-1).
@@ -329,6 +388,9 @@ def pipeline_value_and_grad(
         c, _ = jax.lax.scan(step, carry, steps)
         # The only reductions over the data axes: once per gradient leaf, after the schedule.
         loss = jax.lax.psum(c["loss"], manual) / (M * n_data)
+        stage_loss = jax.lax.psum(c["stage_loss"], manual) / (M * n_data)
+        # Statistics are the whole microbatch's on every data shard already (or averaged here).
+        stats = jax.tree.map(lambda a: (jax.lax.pmean(a, data_axes) if data_axes else a)[None], c["stats"])
         d_head = pin_head(jax.tree.map(lambda g, p: jax.lax.psum(g, manual).astype(p.dtype),
                                        c["d_head"], head_params))
         d_x = jax.lax.psum(jnp.where(first, c["dx"], 0), axis_name)
@@ -337,14 +399,21 @@ def pipeline_value_and_grad(
             d_params = jax.tree.map(lambda g: jax.lax.psum(g, data_axes), d_params)
         d_params = pin_params(jax.tree.map(lambda g, p: g.astype(p.dtype), d_params, params))
         d_params = jax.tree.map(lambda g: g[None], d_params)
-        return loss, d_params, d_head, d_x
+        return (loss, stage_loss, stats), d_params, d_head, d_x
 
     stage_spec = PartitionSpec(axis_name)
     rows_spec = PartitionSpec(None, data_axes if len(data_axes) != 1 else data_axes[0]) if data_axes \
         else PartitionSpec()
-    loss, d_params, d_head, d_x = jax.shard_map(
+    values, d_params, d_head, d_x = jax.shard_map(
         per_stage, mesh=mesh, axis_names=set(manual),
-        in_specs=(stage_spec, PartitionSpec(), rows_spec, rows_spec),
-        out_specs=(PartitionSpec(), stage_spec, PartitionSpec(), rows_spec),
-    )(stage_params, head_params, x_M, targets_M)
-    return loss, (d_params, d_head, d_x)
+        in_specs=(stage_spec, PartitionSpec(), rows_spec, rows_spec, rows_spec),
+        out_specs=((PartitionSpec(), PartitionSpec(), stage_spec), stage_spec, PartitionSpec(), rows_spec),
+    )(stage_params, head_params, x_M, targets_M, context_M)
+    return (values if has_aux else values[0]), (d_params, d_head, d_x)
+
+
+def _split(out):
+    """run's (y, (stage_loss, stats)) as jax.vjp(has_aux=True) takes it: the differentiated
+    (y, stage_loss), and (stage_loss, stats) as the aux to record."""
+    y, aux = out
+    return (y, aux[0]), aux

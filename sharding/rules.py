@@ -159,6 +159,22 @@ def split_axes(name: str, rules: Rules, mesh_shape: Mapping[str, int]) -> tuple[
     return tuple(a for a in axes_of(name, rules) if mesh_shape.get(a, 1) > 1)
 
 
+def manual_axes() -> frozenset[str]:
+    """The mesh axes that are manual where this is traced: inside a `jax.shard_map` that is
+    manual over some axes only (a pipeline stage with its data shards manual too), a nested
+    shard_map or sharding constraint may name only the other axes, and a mean over a
+    dimension those manual axes split must also be taken across them (`lax.pmean`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset() if mesh.empty else frozenset(mesh.manual_axes)
+
+
+def compiler_axes(axes: Sequence[str]) -> tuple[str, ...]:
+    """`axes` without the ones already manual here (`manual_axes`): the axes a nested
+    shard_map may still take over."""
+    manual = manual_axes()
+    return tuple(a for a in axes if a not in manual)
+
+
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     """Maps a tuple of logical names to a PartitionSpec.
 

@@ -37,7 +37,9 @@ def test_include_and_overrides(tmp_path):
     ("rules.preset=FSDP!", "rules.preset"),
     ("mesh.stage=2", "train.pipeline"),
     ("train.pipeline=1f1b", "train.pipeline"),
-    ("train.pipeline=1f1b mesh.stage=2 model.kind=moe", "train.pipeline"),
+    ("train.pipeline=1f1b mesh.stage=2 model.kind=unet", "train.pipeline"),
+    ("train.pipeline=1f1b mesh.stage=2 model.kind=moe model.moe.first_dense_layers=1", "model.moe"),
+    ("train.pipeline=1f1b mesh.stage=2 model.kind=moe model.moe.router=noisy", "model.moe.router"),
 ])
 def test_bad_values_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:

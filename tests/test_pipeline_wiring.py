@@ -19,7 +19,7 @@ from meshwork.perf.planner_layout import layout_from_config, make_layout
 from meshwork.perf.planner_memory import activation_memory, state_memory
 from meshwork.perf.planner_pipeline import compact_table, pipeline_schedule
 from meshwork.sharding import pipeline_schedules as pipeline
-from meshwork.train import step as step_lib
+from meshwork.train import pipeline_step as step_lib
 from meshwork.train.loop import Trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
@@ -61,7 +61,7 @@ def test_pp_state_bytes_match_planner_and_accumulators_are_sharded(tmp_path, mon
     assert on_device == {"params": want["params"], "opt_state": want["opt_state"]}
 
     # The step gave the executor the weights' layout: stage first, then the rules' own split.
-    wq_spec = seen["stage_specs"]["attn"]["wq"].get_value()
+    wq_spec = seen["stage_specs"]["run0"]["attn"]["wq"].get_value()
     embed_axis = "fsdp" if layout == "fsdp" else None
     assert wq_spec == PartitionSpec("stage", None, embed_axis, None, None)
     assert seen["head_specs"]["head"]["lm_head"].get_value() == PartitionSpec(embed_axis, None)
@@ -109,7 +109,9 @@ def test_stage_layout_puts_chunk_c_times_p_plus_s_on_stage_s():
         for c in range(v):
             chunk = c * P + s
             assert stages[s, c].tolist() == list(range(chunk * L // (P * v), (chunk + 1) * L // (P * v)))
-    assert step_lib.from_stage_layout({"w": stages}, blocks, v)["w"].tolist() == list(range(L))
+    # The gradients go back to model order through the layout's transpose (the step's vjp).
+    _, back = jax.vjp(lambda b: step_lib.stage_layout(b, P, v), {"w": np.arange(L, dtype=np.float32)})
+    assert back({"w": stages.astype(np.float32)})[0]["w"].tolist() == list(range(L))
     assert step_lib.stage_layout(blocks, 4)["w"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 

@@ -20,7 +20,7 @@ from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.ring_attention import ring_attention
-from meshwork.sharding.rules import axes_of, current_rules, split_axes, with_logical_constraint
+from meshwork.sharding.rules import compiler_axes, current_rules, split_axes, with_logical_constraint
 
 
 def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
@@ -97,7 +97,7 @@ def _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
     rules = current_rules()
     heads = split_axes("act_heads", rules, _mesh_shape())
     return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
-                          batch_axes=axes_of("act_batch", rules), head_axis=heads[0] if heads else None,
+                          batch_axes=compiler_axes(split_axes("act_batch", rules, _mesh_shape())), head_axis=heads[0] if heads else None,
                           causal=causal, scale=scale)
 
 
@@ -116,8 +116,8 @@ def _per_device(kernel, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL=None):
     rules, mesh_shape = current_rules(), _mesh_shape()
     if rules is None or not mesh_shape or all(n == 1 for n in mesh_shape.values()):
         return run(*args)
-    batch = split_axes("act_batch", rules, mesh_shape)
-    heads = split_axes("act_heads", rules, mesh_shape)
+    batch = compiler_axes(split_axes("act_batch", rules, mesh_shape))
+    heads = compiler_axes(split_axes("act_heads", rules, mesh_shape))
     spec = PartitionSpec(batch or None, None, heads or None, None)
     in_specs = (spec, spec, spec, *(() if segment_ids_BL is None else (PartitionSpec(batch or None, None),)))
     # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.

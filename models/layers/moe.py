@@ -39,8 +39,10 @@ from meshwork.models.layers.moe_routing import (
     load_balancing_loss,
     router_z_loss,
     select_experts,
+    token_mean,
 )
 from meshwork.models.layers.params import normal, param
+from meshwork.sharding.rules import current_rules, manual_axes, split_axes
 
 
 class MoE(nnx.Module):
@@ -124,16 +126,17 @@ class MoE(nnx.Module):
             gate_logits_BLE, router=cfg.router, k=K, norm_topk_prob=cfg.norm_topk_prob,
             bias_E=self.router_bias[...] if cfg.router == "sigmoid" else None,
             n_groups=cfg.n_groups, topk_groups=cfg.topk_groups)
-        stats = {"aux_loss": load_balancing_loss(probs_BLE, expert_BLK),
-                 "z_loss": router_z_loss(logits_BLE),
-                 "load": expert_load(expert_BLK, E)}
+        across = _manual_token_axes()
+        stats = {"aux_loss": load_balancing_loss(probs_BLE, expert_BLK, across),
+                 "z_loss": router_z_loss(logits_BLE, across),
+                 "load": expert_load(expert_BLK, E, across)}
 
         x_BLD = x_BLD.astype(self.dtype)
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if cfg.capacity_factor is not None:
             C = capacity_per_group(cfg.capacity_factor, L, K, E)
             routes_BLK = capacity_slots(expert_BLK, E, C)
-            stats["dropped_fraction"] = jnp.mean((routes_BLK == E * C).astype(F32))
+            stats["dropped_fraction"] = token_mean(jnp.mean((routes_BLK == E * C).astype(F32)), across)
             body = functools.partial(capacity_experts, n_experts=E, capacity=C)
         else:
             routes_BLK = expert_BLK
@@ -150,3 +153,13 @@ class MoE(nnx.Module):
                 shared_BLD = shared_BLD * gate_BL1.astype(self.dtype)
             y_BLD = y_BLD + shared_BLD
         return y_BLD, stats
+
+
+def _manual_token_axes() -> tuple[str, ...]:
+    """The batch's mesh axes that are manual where the layer runs (a pipeline stage with its
+    data shards manual): the routing statistics are averaged across them, so they stay the
+    whole batch's."""
+    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return ()
+    return tuple(a for a in split_axes("act_batch", rules, dict(mesh.shape)) if a in manual_axes())

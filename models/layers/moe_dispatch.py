@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from meshwork.sharding.all_to_all_algorithms import hierarchical_all_to_all
-from meshwork.sharding.rules import current_rules, split_axes
+from meshwork.sharding.rules import compiler_axes, current_rules, manual_axes, split_axes
 
 ALL_TO_ALL_IMPLS = ("lax", "hierarchical")
 
@@ -181,11 +181,20 @@ def _token_layout(n_experts: int) -> tuple[object, tuple[str, ...], tuple[str, .
     if rules is None or mesh.empty:
         return None
     shape = dict(mesh.shape)
-    batch_axes = split_axes("act_batch", rules, shape)
+    # Batch axes already manual here (a pipeline stage's data shards) split nothing more.
+    batch_axes = compiler_axes(split_axes("act_batch", rules, shape))
     expert_axes = split_axes("expert", rules, shape)
     if not set(expert_axes) <= set(batch_axes):
         raise ValueError(f"expert parallelism: the experts are split over {expert_axes} but act_batch only over "
                          f"{batch_axes}; map act_batch to the expert axes too (as the `ep` preset does)")
+    if batch_axes and manual_axes():
+        # Inside a shard_map already (a pipeline stage): the partitioner (Shardy) refuses a nested
+        # one manual over the batch axes the enclosing one left it, so the compiler dispatches
+        # the tokens itself there; expert parallelism needs the nested exchange.
+        if expert_axes:
+            raise ValueError(f"expert parallelism inside a pipeline stage is not supported (experts split over "
+                             f"{expert_axes}); drop ep from rules.preset or set train.pipeline=none")
+        return None
     n = math.prod(shape[a] for a in expert_axes)
     if n_experts % n:
         raise ValueError(f"expert parallelism: {n_experts} experts cannot be split over mesh axes {expert_axes} "

@@ -115,25 +115,37 @@ def select_experts(logits_BLE: jax.Array, *, router: str, k: int, norm_topk_prob
     return expert_BLK.astype(jnp.int32), weight_BLK, probs_BLE
 
 
-def expert_load(expert_BLK: jax.Array, n_experts: int) -> jax.Array:
-    """(E,) fraction of all (token, choice) assignments routed to each expert (sums to 1)."""
+def expert_load(expert_BLK: jax.Array, n_experts: int, across: tuple[str, ...] = ()) -> jax.Array:
+    """(E,) fraction of all (token, choice) assignments routed to each expert (sums to 1).
+
+    `across`: manual mesh axes that split the tokens (inside a shard_map, e.g. a pipeline stage's
+    data shards); the fraction is then the whole batch's, as everywhere else. So for the means below.
+    """
     counts_E = jnp.bincount(expert_BLK.reshape(-1), length=n_experts)
-    return counts_E.astype(F32) / expert_BLK.size
+    return token_mean(counts_E.astype(F32) / expert_BLK.size, across)
 
 
-def load_balancing_loss(probs_BLE: jax.Array, expert_BLK: jax.Array) -> jax.Array:
+def token_mean(mean: jax.Array, across: tuple[str, ...]) -> jax.Array:
+    """A mean over this device's tokens made the mean over all tokens of the manual axes
+    `across` (equal shards, so the mean of the means)."""
+    return lax.pmean(mean, across) if across else mean
+
+
+def load_balancing_loss(probs_BLE: jax.Array, expert_BLK: jax.Array, across: tuple[str, ...] = ()) -> jax.Array:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e; 1.0 when routing is uniform.
 
     f_e: fraction of assignments routed to e (no gradient); P_e: mean routing probability of e.
+    Both are the whole batch's (`across` as in `expert_load`), so a data-sharded batch gives the
+    loss of the unsharded one, not the mean of per-shard losses.
 
     >>> probs = jnp.full((1, 4, 4), 0.25); experts = jnp.arange(4).reshape(1, 4, 1)
     >>> float(load_balancing_loss(probs, experts))
     1.0
     """
     E = probs_BLE.shape[-1]
-    return E * jnp.sum(expert_load(expert_BLK, E) * probs_BLE.mean(axis=(0, 1)))
+    return E * jnp.sum(expert_load(expert_BLK, E, across) * token_mean(probs_BLE.mean(axis=(0, 1)), across))
 
 
-def router_z_loss(logits_BLE: jax.Array) -> jax.Array:
+def router_z_loss(logits_BLE: jax.Array, across: tuple[str, ...] = ()) -> jax.Array:
     """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2, keeping router logits small."""
-    return jnp.mean(jax.nn.logsumexp(logits_BLE.astype(F32), axis=-1) ** 2)
+    return token_mean(jnp.mean(jax.nn.logsumexp(logits_BLE.astype(F32), axis=-1) ** 2), across)

@@ -75,9 +75,11 @@ class Config(Section):
         if (self.mesh.stage != 1) != (t.pipeline != "none"):
             raise _KeyError("train.pipeline", f"train.pipeline={t.pipeline} with mesh.stage={self.mesh.stage}; "
                             "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe, 1f1b, interleaved or zb-h1)")
-        if t.pipeline != "none" and m.kind != "transformer":
-            raise _KeyError("train.pipeline", f"pipelines are built for the dense transformer, not model.kind={m.kind}; "
+        if t.pipeline != "none" and m.kind == "unet":
+            raise _KeyError("train.pipeline", "pipelines are built for the language models, not model.kind=unet; "
                             "set train.pipeline=none and mesh.stage=1")
+        if t.pipeline != "none" and m.kind == "moe":
+            _check_moe_pipeline(m, self.mesh.stage, t.virtual_stages if t.pipeline == "interleaved" else 1)
         if t.pipeline != "none" and self.mesh.stage > 0 and m.n_layers % self.mesh.stage:
             raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
                             f"{self.mesh.stage} equal stages")
@@ -150,6 +152,30 @@ def _check_dense_layers(dense: tuple[int, ...] | None, first_dense: int, n_layer
                         f"(layers are numbered 0..{n_layers - 1})")
     if len(got) == n_layers:
         raise _KeyError(key, f"{got} makes every layer dense; leave a MoE layer, or use model.kind=transformer")
+
+
+def _check_moe_pipeline(m, stage: int, virtual_stages: int) -> None:
+    """A pipelined MoE model: every stage runs one program, so each of the n_chunks equal chunks of
+    layers needs the same dense/MoE pattern; the noisy router's per-step noise is not carried
+    through the schedule."""
+    if stage <= 0:
+        return  # mesh.stage=-1: checked once the mesh is known
+    n_chunks = stage * virtual_stages
+    dense = set(m.moe.dense_layer_indices(m.n_layers))
+    kinds = [i not in dense for i in range(m.n_layers)]
+    n = m.n_layers // n_chunks
+    if m.n_layers % n_chunks == 0 and any(kinds[c * n:(c + 1) * n] != kinds[:n] for c in range(n_chunks)):
+        raise _KeyError("model.moe", f"dense layers {sorted(dense)} of {m.n_layers} differ between the pipeline's "
+                        f"{n_chunks} chunks of {n} layers; every stage runs one program, so use a pattern that "
+                        "repeats per chunk (e.g. no dense layers) or train.pipeline=none")
+    for run in m.moe.layer_runs(m.n_layers):
+        if run.count % stage:
+            raise _KeyError("model.moe", f"the run of {run.count} {'MoE' if run.moe else 'dense'} layers from layer "
+                            f"{run.start} cannot be split over mesh.stage={stage} (each run of layers is stored "
+                            "split by stage); use no dense layers or train.pipeline=none")
+    if m.moe.router == "noisy":
+        raise _KeyError("model.moe.router", "the noisy router's per-step noise is not carried through a pipeline "
+                        "schedule; use softmax or sigmoid, or train.pipeline=none")
 
 
 def _check_packed_documents(cfg: "Config") -> None:

@@ -1,0 +1,128 @@
+"""The Mixture-of-Experts LM in a pipeline: on 4 stages x data 2, every schedule, tied and
+untied, trains as one device does (gradient accumulation over the same microbatches): the
+loss of 3 steps, every gradient leaf and the routing statistics after them, and (slow tier)
+a 20-step loss curve. The auxiliary losses ride through the schedule as stage losses; the
+statistics come back per layer in model order. What stays refused says why in one line."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from meshwork.config import ConfigError, load_config
+from meshwork.data.text import train_iterator
+from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.step import make_accumulate, make_objective
+
+from conftest import ROOT, tiny_overrides
+
+# 8 MoE layers: 2 a stage, or 2 chunks of 1 under interleaved.
+MOE = ["model.kind=moe", "model.n_layers=8", "model.moe.n_experts=4", "model.moe.top_k=2",
+       "model.moe.d_expert=64", "model.moe.capacity_factor=1.25", "model.moe.aux_loss_coef=0.01",
+       "model.moe.z_loss_coef=0.001", "optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=5",
+       "train.microbatches=4"]
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1}
+PIPELINE = ["mesh.stage=4", "mesh.data=2"]
+STATS = ("aux_loss", "z_loss", "dropped_fraction", "load_per_layer", "load_cv")
+QUICK = {("interleaved", True)}
+
+
+def _trainer(tmp_path, overrides, n_devices):
+    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *MOE, *overrides])
+    devices = jax.devices()[:n_devices]
+    task = check_runtime(cfg, devices)
+    return cfg, task, Trainer(cfg, task, devices)
+
+
+def train_then_grads(tmp_path, overrides, n_devices, steps=3):
+    """Losses of `steps` steps, then the next batch's metrics and gradients at the trained weights."""
+    cfg, task, trainer = _trainer(tmp_path, overrides, n_devices)
+    batches = train_iterator(str(task.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
+    state, losses = trainer.init_state(), []
+    for _ in range(steps):
+        state, metrics = trainer.step_fn(state, trainer.to_device(next(batches)))
+        losses.append(float(metrics["loss"]))
+    accumulate = make_accumulate(trainer.graphdef, make_objective(trainer.graphdef, cfg), cfg.train.microbatches,
+                                 cfg.train.pipeline, cfg.train.virtual_stages)
+    with trainer.context():
+        metrics, grads = jax.jit(accumulate)(state["params"], state["buffers"], trainer.to_device(next(batches)),
+                                             jax.random.key(0))
+    return np.asarray(losses), jax.device_get(metrics), jax.device_get(grads)
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    cache = {}
+
+    def get(tied, *more):
+        if (tied, *more) not in cache:
+            cache[tied, *more] = train_then_grads(tmp_path_factory.mktemp("one"), [
+                "mesh.data=1", f"model.tie_embeddings={tied}", *more], 1)
+        return cache[tied, *more]
+    return get
+
+
+def assert_same_training(got, want, what):
+    (got_losses, got_metrics, got_grads), (want_losses, want_metrics, want_grads) = got, want
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    for k in STATS:  # routing statistics of every MoE layer, in model order
+        np.testing.assert_allclose(got_metrics[k], want_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want_grads)]
+    assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got_grads)] == paths
+    worst = 0.0
+    for path, g, w in zip(paths, jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        scale = float(np.max(np.abs(w)))
+        assert scale > 0, path  # every leaf, the routers included, gets a gradient
+        worst = max(worst, float(np.max(np.abs(g - w))) / scale)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=path)
+    print(f"{what}: {len(paths)} gradient leaves, worst |diff|/max|g| {worst:.2e}, "
+          f"aux_loss {float(got_metrics['aux_loss']):.6f}")
+
+
+@pytest.mark.parametrize("kind, tied", [
+    pytest.param(kind, tied, marks=[] if (kind, tied) in QUICK else [pytest.mark.slow],
+                 id=f"{kind}-{'tied' if tied else 'untied'}") for kind in SCHEDULES for tied in (False, True)])
+def test_every_schedule_trains_the_moe_lm_as_one_device(tmp_path, one_device, kind, tied):
+    got = train_then_grads(tmp_path, [*PIPELINE, f"train.pipeline={kind}", f"train.virtual_stages={SCHEDULES[kind]}",
+                                      f"model.tie_embeddings={tied}"], 8)
+    assert_same_training(got, one_device(tied), f"{kind} tied={tied}")
+
+
+def test_dense_and_moe_runs_repeating_per_stage_pipeline(tmp_path, one_device):
+    """Layers D D M M D D M M on 2 stages x data 2 x fsdp 2: each stage runs D D M M, gathered from
+    the model's four runs."""
+    pattern = ("model.moe.dense_layers=[0,1,4,5]", "train.microbatches=2")
+    got = train_then_grads(tmp_path, ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "rules.preset=fsdp",
+                                      "train.pipeline=1f1b", "model.tie_embeddings=false", *pattern], 8)
+    assert_same_training(got, one_device(False, *pattern), "1f1b D D M M x 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("kind", list(SCHEDULES))
+def test_moe_loss_curve_equals_one_devices(tmp_path_factory, kind, tied):
+    steps = 20
+    one = train_then_grads(tmp_path_factory.mktemp("one"), ["mesh.data=1", f"model.tie_embeddings={tied}"], 1,
+                           steps)[0]
+    got = train_then_grads(tmp_path_factory.mktemp("pp"), [
+        *PIPELINE, f"train.pipeline={kind}", f"train.virtual_stages={SCHEDULES[kind]}",
+        f"model.tie_embeddings={tied}"], 8, steps)[0]
+    print(f"{kind} tied={tied}: loss {one[0]:.4f} -> {one[-1]:.4f}, max relative difference "
+          f"{np.max(np.abs(got - one) / one):.2e}")
+    assert one[-1] < one[0] - 0.3
+    np.testing.assert_allclose(got, one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["rules.preset=cp", "mesh.stage=2", "mesh.sequence=2", "mesh.data=2", "train.pipeline=1f1b"],
+     "context parallelism (cp) inside a pipeline stage is not supported"),
+    (["rules.preset=ep", "model.kind=moe", "mesh.stage=2", "mesh.expert=4", "mesh.data=1", "train.pipeline=1f1b"],
+     "expert parallelism (ep) inside a pipeline stage is not supported"),
+])
+def test_what_stays_refused_says_why_in_one_line(tmp_path, overrides, says):
+    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "model.n_layers=4", *overrides])
+    with pytest.raises(ConfigError, match=re.escape(says)) as e:
+        check_runtime(cfg, jax.devices())
+    assert "\n" not in str(e.value)
