@@ -36,6 +36,9 @@ ROWS = [
     ("fsdp+tp", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], "params over fsdp and tensor", "~4/4"),
     ("dp", ["mesh.stage=4", "mesh.data=2", "model.n_layers=4", "train.pipeline=1f1b", "train.microbatches=4"],
      "layers over stage (1F1B)", "~4/4 of layers"),
+    ("dp", ["mesh.stage=4", "mesh.data=2", "model.n_layers=4", "train.pipeline=1f1b", "train.microbatches=4",
+            "model.kind=moe", "model.moe.n_experts=4", "model.moe.top_k=2"],
+     "MoE layers over stage (1F1B)", "~4/4 of layers"),
 ]
 
 
@@ -54,6 +57,7 @@ def main() -> None:
         cells = [f"{c['count']} / {c['bytes'] / 2**20:.2f} MiB" if c["count"] else "-"
                  for c in rep["collectives"].values()]
         name = preset if "pipeline" not in " ".join(overrides) else "dp+pp (1f1b)"
+        name = f"{name}, MoE" if "model.kind=moe" in overrides else name
         print(f"| {name} | {mesh} | {shards} | {state:.3f} | {formula} | " + " | ".join(cells)
               + f" | {rep['temp_bytes'] / 2**20:.1f} |")
 
