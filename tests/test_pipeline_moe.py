@@ -90,6 +90,7 @@ def test_every_schedule_trains_the_moe_lm_as_one_device(tmp_path, one_device, ki
     assert_same_training(got, one_device(tied), f"{kind} tied={tied}")
 
 
+@pytest.mark.slow
 def test_dense_and_moe_runs_repeating_per_stage_pipeline(tmp_path, one_device):
     """Layers D D M M D D M M on 2 stages x data 2 x fsdp 2: each stage runs D D M M, gathered from
     the model's four runs."""
