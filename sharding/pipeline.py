@@ -103,6 +103,7 @@ def pipeline_value_and_grad(
     head_specs: Any = None,
     virtual_stages: int = 1,
     data_axes: tuple[str, ...] = (),
+    seq_axes: tuple[str, ...] = (),
     context_M: Any = None,
     has_aux: bool = False,
 ) -> tuple[Any, tuple[Any, Any, jax.Array]]:
@@ -150,6 +151,12 @@ def pipeline_value_and_grad(
         all-reduce per gradient leaf), instead of the compiler's all-reduce
         in every backward step. Params sharded over one of them (fsdp on the
         data axis) are refused: leave that axis out (today's path).
+      seq_axes: mesh axes that split dimension 2 of x_M and of every
+        targets_M and context_M leaf (a row's tokens: context parallelism),
+        manual inside the pipeline as data_axes are, so the stages see their
+        tokens only (attention over the whole row is then the stage's own
+        business: ring attention over these axes). loss_fn and the stage
+        losses must be means over the local tokens, equal shards.
 
     Returns:
       (loss, (d_stage_params, d_head_params, d_x_M)): gradients of the mean
@@ -193,12 +200,14 @@ def pipeline_value_and_grad(
                       "chunk c*P+s at [s, c], e.g. blocks (L, ...) reshaped to (v, P, L/(v*P), ...) then swapaxes(0, 1)")
             raise ValueError(f"pipeline: stage_params{jax.tree_util.keystr(path)} has shape {leaf.shape}; every "
                              f"leaf needs leading axes {lead} ({axis_name}={P}, virtual_stages={v}), {layout}")
-    data_axes = tuple(data_axes)
-    for a in data_axes:
+    data_axes, seq_axes = tuple(data_axes), tuple(seq_axes)
+    for a in (*data_axes, *seq_axes):
         if a not in mesh.shape or a == axis_name:
-            raise ValueError(f"pipeline: data_axes entry {a!r} is not a mesh axis other than {axis_name!r}; "
+            raise ValueError(f"pipeline: data_axes/seq_axes entry {a!r} is not a mesh axis other than {axis_name!r}; "
                              f"the mesh has {tuple(mesh.shape)}")
     n_data = math.prod(mesh.shape[a] for a in data_axes)
+    n_seq = math.prod(mesh.shape[a] for a in seq_axes)
+    split = (*data_axes, *seq_axes)  # manual axes besides the stages: each holds a share of the tokens
     one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[len(lead):], a.dtype), stage_params)
     x_in = jax.ShapeDtypeStruct(x_M.shape[1:], x_M.dtype)
     context_in = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), context_M)
@@ -219,10 +228,13 @@ def pipeline_value_and_grad(
     if data_axes and (x_M.ndim < 2 or x_M.shape[1] % n_data):
         raise ValueError(f"pipeline: x_M {x_M.shape} needs a dimension 1 divisible by {n_data}, the size of "
                          f"data_axes={data_axes}")
+    if seq_axes and (x_M.ndim < 3 or x_M.shape[2] % n_seq):
+        raise ValueError(f"pipeline: x_M {x_M.shape} needs a dimension 2 divisible by {n_seq}, the size of "
+                         f"seq_axes={seq_axes}")
     inner_stage_specs = _inner_specs(stage_specs, stage_params, axis_name, "stage_specs", leading=True,
-                                     manual=data_axes)
+                                     manual=split)
     inner_head_specs = _inner_specs(head_specs, head_params, axis_name, "head_specs", leading=False,
-                                    manual=data_axes)
+                                    manual=split)
     plan = buffer_plan(table)
     # Per-step columns of the plan; each stage picks its own entry by axis_index.
     steps = {k: jnp.asarray(v) for k, v in dict(op=table.op, mb=table.mb, chunk=table.chunk, slot=plan.slot,
@@ -230,9 +242,10 @@ def pipeline_value_and_grad(
     # With chunks, device P-1 feeds device 0 (and back): a ring.
     to_next = [(s, (s + 1) % P) for s in range(P if v > 1 else P - 1)]
     to_prev = [((s + 1) % P, s) for s in range(P if v > 1 else P - 1)]
-    manual = (axis_name, *data_axes)
-    # The loss is the mean over microbatches and over the data shards' rows.
-    loss_ct = 1.0 / (M * n_data)
+    manual = (axis_name, *split)
+    # The loss is the mean over microbatches and over the shards' rows and tokens.
+    n_shards = n_data * n_seq
+    loss_ct = 1.0 / (M * n_shards)
 
     def per_stage(stage_params, head_params, x_M, targets_M, context_M):
         stage = jax.lax.axis_index(axis_name)
@@ -245,8 +258,8 @@ def pipeline_value_and_grad(
         # stages, only the last one would reach.
         vary = functools.partial(vary_over, axes=manual)
         head_params = jax.tree.map(vary, head_params)
-        if data_axes:
-            params = jax.tree.map(functools.partial(jax.lax.pcast, axis_name=data_axes, to="varying"), params)
+        if split:
+            params = jax.tree.map(functools.partial(jax.lax.pcast, axis_name=split, to="varying"), params)
         zeros_x = lambda n: vary(jnp.zeros((n, *x_M.shape[1:]), x_M.dtype))  # noqa: E731
         f32_zeros = lambda tree: jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32)), tree)  # noqa: E731
         pin_params = functools.partial(_constrain, specs=inner_stage_specs)
@@ -387,23 +400,23 @@ def pipeline_value_and_grad(
 
         c, _ = jax.lax.scan(step, carry, steps)
         # The only reductions over the data axes: once per gradient leaf, after the schedule.
-        loss = jax.lax.psum(c["loss"], manual) / (M * n_data)
-        stage_loss = jax.lax.psum(c["stage_loss"], manual) / (M * n_data)
+        loss = jax.lax.psum(c["loss"], manual) / (M * n_shards)
+        stage_loss = jax.lax.psum(c["stage_loss"], manual) / (M * n_shards)
         # Statistics are the whole microbatch's on every data shard already (or averaged here).
-        stats = jax.tree.map(lambda a: (jax.lax.pmean(a, data_axes) if data_axes else a)[None], c["stats"])
+        stats = jax.tree.map(lambda a: (jax.lax.pmean(a, split) if split else a)[None], c["stats"])
         d_head = pin_head(jax.tree.map(lambda g, p: jax.lax.psum(g, manual).astype(p.dtype),
                                        c["d_head"], head_params))
         d_x = jax.lax.psum(jnp.where(first, c["dx"], 0), axis_name)
         d_params = c["d_params"]
-        if data_axes:
-            d_params = jax.tree.map(lambda g: jax.lax.psum(g, data_axes), d_params)
+        if split:
+            d_params = jax.tree.map(lambda g: jax.lax.psum(g, split), d_params)
         d_params = pin_params(jax.tree.map(lambda g, p: g.astype(p.dtype), d_params, params))
         d_params = jax.tree.map(lambda g: g[None], d_params)
         return (loss, stage_loss, stats), d_params, d_head, d_x
 
     stage_spec = PartitionSpec(axis_name)
-    rows_spec = PartitionSpec(None, data_axes if len(data_axes) != 1 else data_axes[0]) if data_axes \
-        else PartitionSpec()
+    entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
+    rows_spec = PartitionSpec(*[None, entry(data_axes), entry(seq_axes)][:3 if seq_axes else 2 if data_axes else 0])
     values, d_params, d_head, d_x = jax.shard_map(
         per_stage, mesh=mesh, axis_names=set(manual),
         in_specs=(stage_spec, PartitionSpec(), rows_spec, rows_spec, rows_spec),

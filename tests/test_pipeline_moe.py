@@ -124,8 +124,6 @@ def test_moe_loss_curve_equals_one_devices(tmp_path_factory, kind, tied):
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["rules.preset=cp", "mesh.stage=2", "mesh.sequence=2", "mesh.data=2", "train.pipeline=1f1b"],
-     "context parallelism (cp) inside a pipeline stage is not supported"),
     (["rules.preset=ep", "model.kind=moe", "mesh.stage=2", "mesh.expert=4", "mesh.data=1", "train.pipeline=1f1b"],
      "expert parallelism (ep) inside a pipeline stage is not supported"),
 ])

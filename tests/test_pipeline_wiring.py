@@ -101,6 +101,21 @@ def test_newer_schedules_step_equals_single_device(tmp_path, reference_4_layers,
     assert_same_step(got, reference_4_layers)
 
 
+@pytest.mark.parametrize("kind, v, layout", [
+    ("1f1b", 1, ["rules.preset=cp", "mesh.data=2", "mesh.sequence=2"]),
+    pytest.param("interleaved", 2, ["rules.preset=cp+tp", "mesh.data=1", "mesh.sequence=2", "mesh.tensor=2"],
+                 marks=pytest.mark.slow),
+])
+def test_context_parallelism_inside_a_pipeline_step_equals_single_device(tmp_path, reference_4_layers, kind, v,
+                                                                           layout):
+    """Each stage holds half of every row's tokens (zigzag order) and all-gathers the keys and values."""
+    from test_sharded_step import assert_same_step, one_step
+
+    got = one_step(tmp_path, ["model.n_layers=4", "mesh.stage=2", *layout, f"train.pipeline={kind}",
+                              f"train.virtual_stages={v}", "train.microbatches=2"], 8)
+    assert_same_step(got, reference_4_layers)
+
+
 def test_stage_layout_puts_chunk_c_times_p_plus_s_on_stage_s():
     L, P, v = 8, 2, 2
     blocks = {"w": np.arange(L)}

@@ -77,11 +77,6 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
             raise ConfigError(f"rules.overrides: {name}: {unknown[0]!r} is not a mesh axis; use one of "
                               f"{', '.join(MESH_AXES)} (or null for replicated)")
     seq_axes = split_axes("act_seq", rules, mesh_shape)
-    if seq_axes and cfg.train.pipeline != "none":
-        # Ring attention is a shard_map; nested in the pipeline's, its backward pass does not lower
-        # (jax 0.10 / Shardy: the inner residuals' sharding names the outer manual axes).
-        raise ConfigError("train.pipeline: context parallelism (cp) inside a pipeline stage is not supported (ring "
-                          "attention's backward does not lower nested in the pipeline); drop cp or set train.pipeline=none")
     if split_axes("expert", rules, mesh_shape) and cfg.train.pipeline != "none":
         raise ConfigError("train.pipeline: expert parallelism (ep) inside a pipeline stage is not supported; "
                           "drop ep from rules.preset (the experts stay whole on each stage) or set train.pipeline=none")

@@ -211,6 +211,8 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
                                                            "stage", v) for p in pieces},
                           head_specs=head_specs(head_params, rules))
             layout["data_axes"] = data_axes(rules, mesh_shape, tuple(layout.values()))
+            # Context parallelism: each stage holds its share of every row's tokens (ring attention).
+            layout["seq_axes"] = split_axes("act_seq", rules, mesh_shape)
         values, (d_stages, d_head, d_x_M) = pipeline_value_and_grad(
             stage_fn, loss_fn, stages, head_params, x_M, targets_M, schedule=kind, virtual_stages=v,
             context_M=context_M, has_aux=bool(n_moe), **layout)

@@ -20,7 +20,7 @@ from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.ring_attention import ring_attention
-from meshwork.sharding.rules import compiler_axes, current_rules, split_axes, with_logical_constraint
+from meshwork.sharding.rules import compiler_axes, current_rules, manual_axes, split_axes, with_logical_constraint
 
 
 def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
@@ -91,6 +91,8 @@ def _mask(batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_id
 def _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
     if len(seq_axes) != 1:
         raise ValueError(f"ring attention needs exactly one mesh axis splitting act_seq, got {seq_axes}")
+    if seq_axes[0] in manual_axes():
+        return _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes[0], causal=causal, scale=scale)
     if positions_BL is None:
         B, L = q_BLHK.shape[:2]
         positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
@@ -99,6 +101,26 @@ def _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
     return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
                           batch_axes=compiler_axes(split_axes("act_batch", rules, _mesh_shape())), head_axis=heads[0] if heads else None,
                           causal=causal, scale=scale)
+
+
+def _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis, *, causal, scale):
+    """Context parallelism on this device's tokens, inside a shard_map already manual over the
+    sequence (a pipeline stage): the keys and values of the whole row are all-gathered over
+    `seq_axis` (Llama 3's all-gather context parallelism) and masked by position.
+
+    Not the ring: a pipeline stage runs its layers inside one branch of the schedule's switch,
+    where the other stages run other branches, and XLA:CPU's collective-permute waits for every
+    device of the program, whereas an all-gather (and its transpose, a reduce-scatter) waits only
+    for its group, this stage's sequence shards.
+    """
+    if positions_BL is None:
+        raise ValueError("context parallelism on a sequence shard needs the tokens' positions; pass positions_BL")
+    gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, axis=1, tiled=True)
+    k_pos_BS = gather(positions_BL)
+    mask = jnp.ones((1, 1, 1, 1), bool)
+    if causal:
+        mask = positions_BL[:, None, :, None] >= k_pos_BS[:, None, None, :]
+    return jax.nn.dot_product_attention(q_BLHK, gather(k_BSGK), gather(v_BSGK), scale=scale, mask=mask)
 
 
 def _per_device(kernel, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL=None):

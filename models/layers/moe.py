@@ -156,10 +156,11 @@ class MoE(nnx.Module):
 
 
 def _manual_token_axes() -> tuple[str, ...]:
-    """The batch's mesh axes that are manual where the layer runs (a pipeline stage with its
-    data shards manual): the routing statistics are averaged across them, so they stay the
-    whole batch's."""
+    """The batch's and sequence's mesh axes that are manual where the layer runs (a pipeline
+    stage with its data shards, or context-parallel shards, manual): the routing statistics are
+    averaged across them, so they stay the whole batch's."""
     rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty:
         return ()
-    return tuple(a for a in split_axes("act_batch", rules, dict(mesh.shape)) if a in manual_axes())
+    shape, manual = dict(mesh.shape), manual_axes()
+    return tuple(a for name in ("act_batch", "act_seq") for a in split_axes(name, rules, shape) if a in manual)
