@@ -36,6 +36,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     d.add_argument("--seed", type=int, default=0, help="seed of the sampler's noise")
     d.add_argument("--no-ema", action="store_true", help="sample with the raw weights, not their EMA")
     d.add_argument("--out", default="grid.png", help="PNG file to write")
+    d.add_argument("--patch-parallel", type=int, default=1, metavar="N",
+                   help="DistriFusion: split each image into N horizontal patches, one per device, every UNet "
+                        "layer computed on its patch (N simulated devices on a CPU)")
+    d.add_argument("--warmup", type=int, default=None,
+                   help="with --patch-parallel: synchronous steps before the layers use one-step-stale "
+                        "activations of the other patches (default: 4)")
     from meshwork.inference import lm
 
     lm.add_arguments(sub.add_parser("lm", help="generate text from a trained LM run or a Hugging Face checkpoint",
@@ -71,17 +77,40 @@ def main(argv: list[str]) -> int:
             return export_hf(args.checkpoint, args.out, merge=args.merge, allow_dropless=args.allow_dropless)
         if (args.num is not None and args.num < 1) or args.steps < 1:
             raise ConfigError("--num and --steps must be positive")
+        if args.patch_parallel < 1:
+            raise ConfigError(f"--patch-parallel {args.patch_parallel}: give the number of patches (devices), >= 1")
+        if args.warmup is not None and args.patch_parallel == 1:
+            raise ConfigError("--warmup applies to patch-parallel sampling only; add --patch-parallel N (N > 1)")
+        if args.patch_parallel > 1:
+            _simulate_cpu_devices(args.patch_parallel)
         from meshwork.inference.generate_images import generate_grid
 
         out, accuracy = generate_grid(args.checkpoint, num=args.num, steps=args.steps, sampler=args.sampler,
                                       guidance=args.guidance, labels=args.labels, seed=args.seed,
-                                      ema=not args.no_ema, out=args.out)
+                                      ema=not args.no_ema, out=args.out, patch_parallel=args.patch_parallel,
+                                      warmup=4 if args.warmup is None else args.warmup)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     acc = f"; a digit classifier reads {accuracy:.0%} of them as the class asked for" if accuracy is not None else ""
     print(f"wrote {out}{acc}")
     return 0
+
+
+def _simulate_cpu_devices(n: int) -> None:
+    """Gives the CPU backend n devices, so that --patch-parallel runs on a machine without
+    accelerators; a no-op once jax has started (the devices are then what they are) or when
+    XLA_FLAGS already chooses the count."""
+    import os
+
+    import jax
+
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass
 
 
 def _empty_out_dir(out: str):

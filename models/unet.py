@@ -19,6 +19,13 @@ Letters: B batch, H W image height and width, C channels, T time-embedding
 width, L = H*W tokens in attention, N attention heads (H is taken), K head dim.
 Weights name their output channels `embed` (what FSDP splits); see
 sharding/rules.py for the other names.
+
+Patch-parallel forward (DistriFusion). The same modules run on one horizontal
+patch of the image per device when a sampler traces them under a
+`meshwork.diffusion.patch_exchange.PatchExchange` (meshwork.diffusion.distrifusion):
+3x3 convs take halo rows from the neighbouring patches instead of zero padding,
+GroupNorm combines the patches' statistics, and attention's local queries see
+the keys/values of the whole image. Without one, nothing changes.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.config_sections import UNetConfig
+from meshwork.diffusion import patch_exchange
 from meshwork.models.layers.attention import attend
 from meshwork.models.layers.params import param
 from meshwork.sharding.rules import with_logical_constraint
@@ -62,9 +70,15 @@ class Conv(nnx.Module):
 
     def __call__(self, x_BHWC: jax.Array) -> jax.Array:
         p = self.pad
+        rows = (p, p)
+        exchange = patch_exchange.active()
+        if exchange is not None and p:
+            # DistriFusion: x is one horizontal patch; the rows beyond its edges come from the
+            # neighbouring patches (a halo) instead of zero padding.
+            x_BHWC, rows = exchange.halo(x_BHWC, p, self.stride), (0, 0)
         y_BHWC = jax.lax.conv_general_dilated(
             x_BHWC.astype(self.dtype), self.kernel[...].astype(self.dtype), (self.stride, self.stride),
-            ((p, p), (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            (rows, (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return y_BHWC + self.bias[...].astype(self.dtype)
 
 
@@ -98,8 +112,12 @@ class GroupNorm(nnx.Module):
         B, H, W, C = x_BHWC.shape
         # Statistics in float32 whatever the compute dtype: a bf16 mean over H*W*C/G values drifts.
         x = x_BHWC.astype(F32).reshape(B, H, W, self.groups, C // self.groups)
-        mean = x.mean(axis=(1, 2, 4), keepdims=True)
-        var = jnp.square(x - mean).mean(axis=(1, 2, 4), keepdims=True)
+        exchange = patch_exchange.active()
+        if exchange is None:
+            mean = x.mean(axis=(1, 2, 4), keepdims=True)
+            var = jnp.square(x - mean).mean(axis=(1, 2, 4), keepdims=True)
+        else:  # DistriFusion: x is one patch; the statistics are the whole image's
+            mean, var = exchange.group_moments(x)
         y_BHWC = ((x - mean) * jax.lax.rsqrt(var + self.eps)).reshape(B, H, W, C)
         return (y_BHWC * self.scale[...].astype(F32) + self.bias[...].astype(F32)).astype(self.dtype)
 
@@ -201,6 +219,10 @@ class SpatialAttention(nnx.Module):
         q_BLNK = with_logical_constraint(jnp.einsum("BLC,CNK->BLNK", h_BLC, w(self.wq)) + w(self.bq), act)
         k_BLNK = with_logical_constraint(jnp.einsum("BLC,CNK->BLNK", h_BLC, w(self.wk)) + w(self.bk), act)
         v_BLNK = with_logical_constraint(jnp.einsum("BLC,CNK->BLNK", h_BLC, w(self.wv)) + w(self.bv), act)
+        exchange = patch_exchange.active()
+        if exchange is not None:
+            # DistriFusion: the queries are this patch's; keys and values cover the whole image.
+            k_BLNK, v_BLNK = exchange.keys_values(k_BLNK, v_BLNK)
         o_BLNK = attend(q_BLNK, k_BLNK, v_BLNK, causal=False, impl=self.impl)
         out_BLC = jnp.einsum("BLNK,NKC->BLC", o_BLNK, w(self.wo)) + w(self.bo)
         return with_logical_constraint(x_BHWC.astype(self.dtype) + out_BLC.reshape(B, H, W, C), ACT_BHWC)
@@ -289,7 +311,9 @@ class UNet(nnx.Module):
                              **kw)
 
     def _run(self, block: nnx.Module, *args: jax.Array) -> jax.Array:
-        if self.remat == "none":
+        # A patch-parallel forward is inference (nothing to recompute) and records the values it
+        # exchanges for the next step, which must not be tracers of a checkpointed sub-trace.
+        if self.remat == "none" or patch_exchange.active() is not None:
             return block(*args)
         return nnx.remat(lambda b, *a: b(*a), policy=REMAT_POLICIES[self.remat])(block, *args)
 

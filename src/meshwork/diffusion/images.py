@@ -3,6 +3,7 @@
     images, labels = sample_images(model, cfg, num=40, steps=50)   # (N, H, W, C) in [-1, 1]
     save_class_grid(images, labels, "grid.png")                    # row r: class r; tiles >= 48 px
     save_grid(images, "plain.png")                                 # 8 a row, actual size
+    sample_images(model, cfg, num=40, steps=50, patch_parallel=4, warmup=4)   # DistriFusion on 4 devices
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ def _apply(graphdef, state, x_BHWC, t_B, labels_B):
 
 
 def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "ddim", guidance: float | None = None,
-                  labels: str | int = "cycle", seed: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-    """(images (N, H, W, C) in [-1, 1], the labels asked for or None) from a UNet."""
+                  labels: str | int = "cycle", seed: int = 0, patch_parallel: int = 1,
+                  warmup: int = 4) -> tuple[np.ndarray, np.ndarray | None]:
+    """(images (N, H, W, C) in [-1, 1], the labels asked for or None) from a UNet.
+
+    patch_parallel n > 1: DDIM with the UNet split into n horizontal patches over the
+    first n devices (`meshwork.diffusion.distrifusion`), the first `warmup` steps synchronous.
+    """
     u, d = cfg.model.unet, cfg.model.diffusion
     shape = (num, u.sample_size, u.sample_size, u.in_channels)
     y = None
@@ -41,11 +47,40 @@ def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "d
     # The weights travel as arguments of the jitted sampler, not as constants.
     graphdef, state = nnx.split(model)
     model_fn = jax.tree_util.Partial(_apply, graphdef, state)
-    if sampler == "ddim":
+    if patch_parallel > 1:
+        x = _distrifusion(model_fn, shape, key, d, steps=steps, sampler=sampler, n=patch_parallel, warmup=warmup,
+                          **kw)
+    elif sampler == "ddim":
         x = ddim_sample(model_fn, shape, key, d, steps=steps, clip_sample=1.0, **kw)
     else:
         x = ddpm_sample(model_fn, shape, key, d, steps=steps, clip_sample=1.0, **kw)
     return np.asarray(x), (np.asarray(y) if y is not None else None)
+
+
+def _distrifusion(model_fn, shape, key, d, *, steps, sampler, n, warmup, **kw):
+    from meshwork.diffusion.distrifusion import distrifusion_sample
+    from meshwork.sharding.mesh import make_mesh
+
+    if sampler != "ddim":
+        raise ConfigError(f"--patch-parallel runs DDIM, not {sampler}; drop --sampler {sampler}")
+    if jax.device_count() < n:
+        raise ConfigError(f"--patch-parallel {n} needs {n} devices; this machine has {jax.device_count()} "
+                          f"({jax.devices()[0].platform}); pick at most {jax.device_count()}")
+    if not 1 <= warmup <= steps:
+        raise ConfigError(f"--warmup {warmup} must be between 1 and --steps {steps}")
+    if shape[1] % n:
+        raise ConfigError(f"--patch-parallel {n}: the images' {shape[1]} rows do not split into {n} patches; "
+                          f"pick a divisor of {shape[1]}")
+    mesh = make_mesh({"sequence": n}, devices=jax.devices()[:n])
+    # The weights sit on one device; the patch-parallel program wants them replicated on its mesh.
+    model_fn = jax.device_put(model_fn, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    try:
+        return distrifusion_sample(model_fn, shape, key, d, mesh=mesh, steps=steps, warmup=warmup,
+                                   clip_sample=1.0, **kw)
+    except ValueError as e:  # patch boundaries that the downsampling cannot keep aligned
+        if not str(e).startswith("DistriFusion"):
+            raise
+        raise ConfigError(f"--patch-parallel {n}: {e}") from None
 
 
 def image_grid(images_NHWC, nrow: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0),

@@ -1,6 +1,7 @@
 """Diffusion samplers: DDPM, DDIM, classifier-free guidance, and patch-parallel DDIM.
 
-(Image grids and sampling a trained run's UNet: meshwork.diffusion.images.)
+(Image grids and sampling a trained run's UNet: meshwork.diffusion.images; the UNet
+itself split into patches, DistriFusion: meshwork.diffusion.distrifusion.)
 
 Every sampler drives a generic denoiser
 
@@ -382,13 +383,13 @@ def patch_parallel_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Arra
     What is exchanged. The full method runs the UNet itself on the patch: every
     conv needs a halo of neighbouring rows, every self-attention the keys/values of
     all patches, every GroupNorm the statistics of the whole image, so each layer's
-    activations (or their K/V / group sums) are all-gathered, stale by one step,
-    asynchronously, and each device computes only its 1/n of every layer. This
+    halos, K/V and group statistics are exchanged, stale by one step, asynchronously,
+    and each device computes only its 1/n of every layer: that is
+    `meshwork.diffusion.distrifusion.distrifusion_sample`, for meshwork's UNet. This
     generic version works for any `model_fn`: the only activation it can see is the
     input x_t, so that is what it exchanges (one image per step, the smallest
     message), but each device then runs the whole denoiser on the whole image: it
-    shows the staleness and communication pattern, not the 1/n compute, which needs
-    a patch-aware UNet.
+    shows the staleness and communication pattern, not the 1/n compute.
 
     >>> from meshwork.sharding.mesh import make_mesh
     >>> mesh = make_mesh({"sequence": 4, "data": -1})
