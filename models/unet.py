@@ -315,7 +315,12 @@ class UNet(nnx.Module):
         # exchanges for the next step, which must not be tracers of a checkpointed sub-trace.
         if self.remat == "none" or patch_exchange.active() is not None:
             return block(*args)
-        return nnx.remat(lambda b, *a: b(*a), policy=REMAT_POLICIES[self.remat])(block, *args)
+        # Tree mode (graph=False): the block goes in as a pytree and nothing is written back into
+        # its Variables afterwards. Graph mode writes them back, which fails (TraceContextError)
+        # whenever the UNet was merged in an outer trace and is called in an inner one, as the
+        # samplers do (weights merged under jit, called inside fori_loop). The blocks hold
+        # weights only, no state that a forward changes, so there is nothing to write back.
+        return nnx.remat(lambda b, *a: b(*a), policy=REMAT_POLICIES[self.remat], graph=False)(block, *args)
 
     def __call__(self, x_BHWC: jax.Array, t_B: jax.Array, labels_B: jax.Array | None = None) -> jax.Array:
         """t_B: timesteps (int or float; a scalar is broadcast); labels_B: class ids when

@@ -16,7 +16,9 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from meshwork.inference.diffusers_import import build_unet, config_from_diffusers, load_diffusers_unet
+from meshwork.diffusion import images
 from meshwork.diffusion import schedule as diffusion
+from meshwork.diffusion.sampling import ddim_sample
 from meshwork.config_sections import DiffusionConfig, UNetConfig
 from meshwork.models.unet import UNet
 from meshwork.sharding.mesh import make_mesh
@@ -85,6 +87,32 @@ def test_remat_keeps_values_and_gradients():
     assert float(loss) == pytest.approx(float(loss_remat), rel=1e-6)
     for g, g_remat in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat)):
         np.testing.assert_allclose(g_remat, g, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
+def test_remat_unet_samples(remat):
+    """A run trained with train.remat is sampled with the UNet built the same way (load_run,
+    log.sample_every): the samplers merge the weights under jit and call the UNet inside
+    fori_loop, a trace the remat wrapper must not write back into (it raised TraceContextError).
+    Samples equal the plain UNet's, and the training gradient still checkpoints every block."""
+    cfg = UNetConfig(sample_size=4, block_out_channels=[8], down_block_types=["AttnDownBlock2D"],
+                     up_block_types=["AttnUpBlock2D"], norm_num_groups=4, attention_head_dim=4, num_class_embeds=3)
+    labels = jnp.array([0, 1])
+
+    def sample(remat):
+        graphdef, state = nnx.split(UNet(cfg, remat=remat, rngs=nnx.Rngs(0)))
+        fn = jax.tree_util.Partial(images._apply, graphdef, state)  # as sample_images passes the UNet
+        return ddim_sample(fn, (2, 4, 4, 1), jax.random.key(1), DiffusionConfig(), steps=3, labels=labels,
+                           guidance_scale=2.0, null_label=2)
+
+    np.testing.assert_allclose(sample(remat), sample("none"), atol=1e-5, rtol=1e-5)
+
+    model = UNet(cfg, remat=remat, rngs=nnx.Rngs(0))
+    x, t = jnp.ones((2, 4, 4, 1)), jnp.array([3, 700])
+    jaxpr = jax.make_jaxpr(nnx.grad(lambda m: jnp.mean(m(x, t, labels) ** 2)))(model)
+    levels = [*model.down_blocks, model.mid_block, *model.up_blocks]
+    blocks = sum(len(level.resnets) + len(level.attentions) for level in levels)  # 9 here
+    assert sum(e.primitive.name == "remat2" for e in jaxpr.jaxpr.eqns) == blocks
 
 
 def test_parity_is_sensitive_to_the_conventions(loaded):
