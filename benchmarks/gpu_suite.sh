@@ -336,6 +336,8 @@ if [ -z "${SMOKE:-}" ]; then
     tests/test_sliding_window.py tests/test_packed_documents.py \
     -k "decode_kernel_takes_the_window or attend_paths_agree or computes_what_it_computes_alone"
 fi
+# The paged-attention kernel compiled for the GPU: error vs the gather path, time, K/V bandwidth.
+step paged_attention 60 python3 benchmarks/paged_attention_gpu.py
 
 # ---------------------------------------------------------------- 8. quantized projections on the GPU
 if [ -n "${SMOKE:-}" ]; then QZ=(--train-steps 5 --repeats 3 --matmul 256 512 --val-batches 1)

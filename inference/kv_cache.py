@@ -27,10 +27,13 @@ window). Right-padded prompts therefore need no mask of their own: padding sits
 after the real tokens, and the next real token overwrites the first padded slot
 before anything can attend to it.
 
-Reading a paged cache here gathers each sequence's pages into a contiguous
-(B, S, G, K) view per layer (one copy per step); a paged-attention kernel
-would read the pages in place. Kept simple on purpose: the masking and the
-bookkeeping are the parts worth reading.
+Reading a paged cache: with attention impl "pallas" the paged-attention
+kernel (meshwork.kernels.paged_attention) reads each sequence's pages in place
+through its page table, for decode steps and prefill chunks alike, so no step
+copies the cache. Any other impl keeps the gather fallback: each sequence's
+pages are gathered into a contiguous (B, P * T, G, K) view per layer (one copy
+of every live sequence's cache per step) and XLA attends over it. Two page
+tables may name the same pages (a shared prompt prefix): reads never write.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshwork.config_sections import ModelConfig
 from meshwork.kernels.decode_attention import decode_attention
+from meshwork.kernels.paged_attention import gather_pages, paged_attention
 from meshwork.sharding.rules import Rules, logical_to_sharding
 
 # Logical names of a cache's (layers, batch, seq, kv_heads, head_dim) dimensions.
@@ -78,7 +82,7 @@ def cached_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, po
     >>> cached_attention(q, k, v, jnp.array([[9]]), window=4).shape
     (1, 1, 2, 8)
     """
-    B, L = positions_BL.shape
+    L = positions_BL.shape[1]
     if impl == "pallas" and L == 1:
         return decode_attention(q_BLHK[:, 0], k_BSGK, v_BSGK, positions_BL[:, 0] + 1, window=window)[:, None]
     S = k_BSGK.shape[1]
@@ -177,7 +181,7 @@ class _PagedLayer:
     def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None):
         c = self.cache
         T = c.page_size
-        B, P = c.page_table.shape
+        P = c.page_table.shape[1]
         slot_BL = jnp.minimum(positions_BL // T, P - 1)
         page_BL = jnp.take_along_axis(c.page_table, slot_BL, axis=1)
         # Past the table's reach a write goes to the null page, never into the row's last live page.
@@ -186,9 +190,10 @@ class _PagedLayer:
         k = c.k.at[self.i, page_BL, offset_BL].set(k_BLGK.astype(c.k.dtype))
         v = c.v.at[self.i, page_BL, offset_BL].set(v_BLGK.astype(c.v.dtype))
 
-        def gather(pool):  # this layer's pages of every sequence, in order: (B, P * T, G, K)
-            pages = pool[self.i][c.page_table]  # (B, P, T, G, K)
-            return pages.reshape(B, P * T, *pages.shape[3:]).astype(q_BLHK.dtype)
-
-        o_BLHK = cached_attention(q_BLHK, gather(k), gather(v), positions_BL, impl="xla", window=window)
+        if impl == "pallas":
+            # The kernel takes the whole pool and the layer index: neither this layer nor its pages are copied.
+            o_BLHK = paged_attention(q_BLHK, k, v, c.page_table, positions_BL, layer=self.i, window=window)
+        else:
+            k_BSGK, v_BSGK = (gather_pages(pool, c.page_table, self.i).astype(q_BLHK.dtype) for pool in (k, v))
+            o_BLHK = cached_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl="xla", window=window)
         return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)

@@ -1,0 +1,252 @@
+"""The paged-attention kernel reads K/V pages through the block table and equals the gather path and full attention.
+
+Kernel level: decode (one query) and chunked-prefill (a chunk of queries at
+given positions) rows with ragged lengths, GQA, a sliding window, and two
+block tables that name the same physical pages (a shared prefix, as prefix
+caching makes) give the gather reference's output and plain causal attention
+over each sequence's contiguous keys, under the CPU interpreter and in the GPU
+and TPU configurations; the GPU/TPU code lowers without the device.
+Model level: a paged cache read by the kernel (attention impl pallas) gives
+the gather path's logits and a full forward pass's, and the compiled decode
+step gathers no pages.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental.pallas import tpu as pltpu
+
+from meshwork.config import load_config
+from meshwork.inference import kv_cache
+from meshwork.inference.generate import Generator
+from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
+from meshwork.kernels import paged_attention as pa
+from meshwork.kernels.paged_attention import paged_attention, paged_attention_reference
+from meshwork.models.build import build_model
+
+from conftest import ROOT
+
+TPU_INTERPRET = pltpu.InterpretParams(random_seed=0, out_of_bounds_reads="raise", uninitialized_memory="nan")
+
+
+def rel_err(a, b) -> float:
+    """Max abs error over the largest reference value."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def contiguous_attention(q_LHK, k_SGK, v_SGK, positions_L, window=None):
+    """NumPy causal attention of queries at positions_L over one sequence's contiguous keys (no cache)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q_LHK, k_SGK, v_SGK))
+    L, H, K = q.shape
+    G = k.shape[1]
+    out = np.zeros((L, H, K))
+    for i, p in enumerate(np.asarray(positions_L)):
+        lo = 0 if window is None else max(0, p - window + 1)
+        for h in range(H):
+            g = h // (H // G)
+            s = k[lo:p + 1, g] @ q[i, h] / np.sqrt(K)
+            w = np.exp(s - s.max())
+            out[i, h] = w @ v[lo:p + 1, g] / w.sum()
+    return out
+
+
+def pool_with_shared_prefix(T, P, G, K, lengths, shared_pages, layers=2, layer=1, seed=0):
+    """Contiguous keys/values per sequence and a pool holding them through shuffled block tables.
+
+    Row 2's first `shared_pages` table entries name row 0's pages (the same physical pages,
+    not a copy), so row 2's keys there are row 0's; unused entries name the null page.
+    """
+    rng = np.random.default_rng(seed)
+    B = len(lengths)
+    N = 1 + B * P
+    k_pool = rng.standard_normal((layers, N, T, G, K)).astype(np.float32)
+    v_pool = rng.standard_normal((layers, N, T, G, K)).astype(np.float32)
+    table = np.full((B, P), NULL_PAGE, np.int32)
+    free = list(1 + rng.permutation(N - 1))
+    for b, n in enumerate(lengths):
+        need = -(-n // T)
+        table[b, :need] = [free.pop() for _ in range(need)]
+    table[2, :shared_pages] = table[0, :shared_pages]
+    k_seq = [k_pool[layer][table[b, :-(-n // T)]].reshape(-1, G, K)[:n] for b, n in enumerate(lengths)]
+    v_seq = [v_pool[layer][table[b, :-(-n // T)]].reshape(-1, G, K)[:n] for b, n in enumerate(lengths)]
+    return jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(table), k_seq, v_seq
+
+
+CONFIGS = {
+    "cpu": dict(T=4, kw=dict(pages_per_split=3, block_rows=8)),
+    "gpu-config": dict(T=16, kw=dict(backend="gpu", interpret=True, pages_per_split=1)),
+    "tpu-config": dict(T=16, kw=dict(backend="tpu", interpret=TPU_INTERPRET)),
+}
+
+
+# Quick tier: each configuration once, both query kinds and both masks among them; slow: the rest.
+QUICK = {("cpu", 1, None), ("cpu", 5, 6), ("gpu-config", 5, 6), ("tpu-config", 1, 6), ("tpu-config", 5, None)}
+KERNEL_CASES = [pytest.param(c, L, w, id=f"{c}-{'decode' if L == 1 else f'chunk{L}'}-window{w}",
+                             marks=() if (c, L, w) in QUICK else pytest.mark.slow)
+                for c in CONFIGS for L in (1, 5) for w in (None, 6)]
+
+
+@pytest.mark.parametrize("config, L, window", KERNEL_CASES)
+def test_kernel_equals_gather_and_contiguous_attention(config, L, window):
+    """Ragged rows (one sees a single key), a shared prefix, GQA; every query within 1e-5 of both references."""
+    T, kw = CONFIGS[config]["T"], CONFIGS[config]["kw"]
+    B, P, H, G, K = 3, 4, 4, 2, 16
+    # Row 0 ends early in its last page; row 1 sees one key (decode) or straddles a page; row 2 shares row 0's
+    # first two pages and reads past them.
+    last = [2 * T + 1, L - 1, 3 * T + 2]
+    lengths = [p + 1 for p in last]
+    k_pool, v_pool, table, k_seq, v_seq = pool_with_shared_prefix(T, P, G, K, lengths, shared_pages=2)
+    assert (np.asarray(table)[0, :2] == np.asarray(table)[2, :2]).all()
+    positions = jnp.asarray([np.arange(p - L + 1, p + 1) for p in last], jnp.int32)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((B, L, H, K)), jnp.float32)
+    got = jax.jit(lambda *a: paged_attention(*a, layer=1, window=window, **kw))(q, k_pool, v_pool, table, positions)
+    want = paged_attention_reference(q, k_pool, v_pool, table, positions, layer=1, window=window)
+    assert rel_err(got, want) <= 1e-5
+    for b in range(B):
+        full = contiguous_attention(q[b], k_seq[b], v_seq[b], positions[b], window)
+        assert rel_err(got[b], full) <= 1e-5, b
+
+
+def test_every_output_element_is_written():
+    """Outputs start as NaN (poisoned); splits past a row's pages and padding rows must still be written."""
+    T, B, P, H, G, K = 4, 3, 4, 4, 2, 16
+    k_pool, v_pool, table, _, _ = pool_with_shared_prefix(T, P, G, K, [9, 3, 14], shared_pages=2)
+    q = jnp.ones((B, 3, H, K))
+    cfg = pa._Config(scale=0.25, page_size=T, pages_per_split=1, rows=8, head_dim=K, backend="cpu",
+                     interpret=True, poison=True)
+    pos = jnp.asarray([[6, 7, 8], [0, 1, 2], [11, 12, 13]], jnp.int32)
+    o, lse = pa._paged_splits(q, k_pool, v_pool, table, pos, jnp.asarray(1), 2, cfg)
+    assert o.shape[3] == P, "one split per page: most splits of the short row see nothing"
+    assert not np.isnan(np.asarray(o)).any() and not np.isnan(np.asarray(lse)).any()
+
+
+@pytest.mark.parametrize("platform, backend, marker", [("cuda", "gpu", "__gpu$xla.gpu.triton"),
+                                                       ("tpu", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize("L", [1, 7], ids=["decode", "chunk7"])
+def test_lowers_without_the_device(platform, backend, marker, L):
+    """One kernel call, and the pool reaches it whole: no gather of pages around it."""
+    B, N, T, G, K, H, P = 2, 9, 16, 2, 64, 8, 4
+    q, pool = jnp.ones((B, L, H, K), jnp.bfloat16), jnp.ones((3, N, T, G, K), jnp.bfloat16)
+    table, pos = jnp.ones((B, P), jnp.int32), jnp.full((B, L), 40, jnp.int32)
+    fn = functools.partial(paged_attention, layer=2, backend=backend, window=20)
+    text = jax.jit(fn).trace(q, pool, pool, table, pos).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count(marker) == 1
+    assert "gather" not in text
+
+
+def test_triton_refuses_pages_it_cannot_tile():
+    q, pool = jnp.ones((1, 1, 4, 32)), jnp.ones((5, 8, 2, 32))
+    with pytest.raises(ValueError, match="page_size and head_dim powers of two >= 16, got page_size 8"):
+        paged_attention(q, pool, pool, jnp.ones((1, 2), jnp.int32), jnp.ones((1, 1), jnp.int32), backend="gpu")
+
+
+# --------------------------------------------------------------------------
+# The paged KV cache reads through the kernel
+# --------------------------------------------------------------------------
+
+T_MODEL, P_MODEL, CHUNK, NEW = 4, 8, 5, 4
+PROMPTS = (13, 7, 11)  # row 2 shares row 0's first 2 pages (8 tokens) and prefills only what follows
+SHARED = 2
+
+
+@pytest.fixture(scope="module")
+def models():
+    """lm_tiny with 2 layers: the pallas-attention model and an xla one with the same weights."""
+    over = ["model.n_layers=2", "model.init_std=0.1"]
+    pallas_model = build_model(load_config(ROOT / "configs/lm_tiny.yaml", ["model.attention=pallas", *over]))
+    xla_model = build_model(load_config(ROOT / "configs/lm_tiny.yaml", over))
+    nnx.update(xla_model, nnx.state(pallas_model))
+    return pallas_model, xla_model
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, 256, n + NEW).astype(np.int32) for n in PROMPTS]
+    seqs[2][:SHARED * T_MODEL] = seqs[0][:SHARED * T_MODEL]
+    return seqs
+
+
+def paged_run(model, sequences) -> list[np.ndarray]:
+    """Chunked prefill (CHUNK tokens per call, one row at a time), then NEW batched decode steps.
+
+    Row 2's table starts with row 0's first SHARED pages, which row 0's prefill wrote: row 2
+    prefills from position SHARED * T on, as it would after a prefix-cache hit. Returns each
+    row's logits at the positions it computed.
+    """
+    gen = Generator(model)
+    B = len(sequences)
+    cache = PagedKVCache.zeros(model.cfg, n_pages=1 + B * P_MODEL, page_size=T_MODEL, batch=B,
+                               pages_per_seq=P_MODEL)
+    table = 1 + np.random.default_rng(1).permutation(B * P_MODEL).reshape(B, P_MODEL).astype(np.int32)
+    table[2, :SHARED] = table[0, :SHARED]
+    k, v = cache.k, cache.v
+    out = [[] for _ in sequences]
+    for b, (seq, n) in enumerate(zip(sequences, PROMPTS)):
+        for start in range(SHARED * T_MODEL if b == 2 else 0, n, CHUNK):
+            # The last chunk is right-padded at the following positions (overwritten before they are read).
+            tokens = np.zeros((1, CHUNK), np.int32)
+            real = seq[start:min(start + CHUNK, n)]
+            tokens[0, :len(real)] = real
+            logits, c = gen.forward(tokens, np.arange(start, start + CHUNK)[None],
+                                    PagedKVCache(k, v, jnp.asarray(table[b:b + 1])))
+            k, v = c.k, c.v
+            out[b] += list(np.asarray(logits[0, :len(real)]))
+    for step in range(NEW):
+        pos = np.array([n + step for n in PROMPTS], np.int32)
+        tok = np.array([s[p] for s, p in zip(sequences, pos)], np.int32)
+        logits, c = gen.forward(tok[:, None], pos[:, None], PagedKVCache(k, v, jnp.asarray(table)))
+        k, v = c.k, c.v
+        for b in range(B):
+            out[b].append(np.asarray(logits[b, 0]))
+    return [np.stack(rows) for rows in out]
+
+
+def test_paged_kernel_equals_gather_path_and_full_recomputation(models, sequences):
+    pallas_model, xla_model = models
+    kernel, gather = paged_run(pallas_model, sequences), paged_run(xla_model, sequences)
+    # One causal forward over the batch right-padded to the longest row (no cache).
+    tokens = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
+    for b, s in enumerate(sequences):
+        tokens[b, :len(s)] = s
+    logits = np.asarray(xla_model(jnp.asarray(tokens)))
+    full = [logits[b, :len(s)] for b, s in enumerate(sequences)]
+    full[2] = full[2][SHARED * T_MODEL:]  # row 2 computed only the positions after the shared pages
+    for b in range(len(sequences)):
+        assert kernel[b].shape == full[b].shape
+        assert rel_err(kernel[b], gather[b]) <= 1e-5, b
+        assert rel_err(kernel[b], full[b]) <= 1e-5, b
+        assert rel_err(gather[b], full[b]) <= 1e-5, b
+
+
+def page_gathers(hlo: str, page: tuple[int, ...]) -> list[str]:
+    """The shapes of an optimized HLO text's gathers whose output ends in whole pages (T, G, K)."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} gather\(", hlo)
+    return [s for s in shapes if tuple(int(d) for d in s.split(",") if d)[-3:] == page]
+
+
+def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
+    """The XLA path gathers every row's whole page table (B x P pages) per layer; the kernel path none."""
+    B, cfg = 4, models[0].cfg
+    T, G, K = 16, cfg.n_kv_heads, cfg.resolved_head_dim
+    cache = PagedKVCache.zeros(cfg, n_pages=1 + B * P_MODEL, page_size=T, batch=B, pages_per_seq=P_MODEL)
+    args = lambda gen: (gen.state, jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.int32), cache)
+    texts = {}
+    for name, model in zip(("pallas", "xla"), models):
+        gen = Generator(model)
+        texts[name] = gen._forward.lower(*args(gen)).compile().as_text()
+    # B x P pages of k and of v, in the scanned layer body (run once per layer).
+    assert page_gathers(texts["xla"], (T, G, K)) == [f"{B * P_MODEL},1,{T},{G},{K}"] * 2
+    assert page_gathers(texts["pallas"], (T, G, K)) == []
+    # The same step lowered for a GPU: one Triton call in the layer scan's body and no gather of pages.
+    monkeypatch.setattr(kv_cache, "paged_attention", functools.partial(paged_attention, backend="gpu"))
+    gen = Generator(models[0])
+    text = jax.jit(gen._forward_fn).trace(*args(gen)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert not [ln for ln in text.splitlines() if "stablehlo.gather" in ln and f"x{T}x{G}x{K}x" in ln]
