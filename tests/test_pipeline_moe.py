@@ -100,13 +100,27 @@ def test_dense_and_moe_runs_repeating_per_stage_pipeline(tmp_path, one_device):
     assert_same_training(got, one_device(False, *pattern), "1f1b D D M M x 2")
 
 
+CURVE_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def one_device_curve(tmp_path_factory):
+    cache = {}
+
+    def get(tied):
+        if tied not in cache:
+            cache[tied] = train_then_grads(tmp_path_factory.mktemp("one"), [
+                "mesh.data=1", f"model.tie_embeddings={tied}"], 1, CURVE_STEPS)[0]
+        return cache[tied]
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("kind", list(SCHEDULES))
-def test_moe_loss_curve_equals_one_devices(tmp_path_factory, kind, tied):
-    steps = 20
-    one = train_then_grads(tmp_path_factory.mktemp("one"), ["mesh.data=1", f"model.tie_embeddings={tied}"], 1,
-                           steps)[0]
+def test_moe_loss_curve_equals_one_devices(tmp_path_factory, one_device_curve, kind, tied):
+    steps = CURVE_STEPS
+    one = one_device_curve(tied)
     got = train_then_grads(tmp_path_factory.mktemp("pp"), [
         *PIPELINE, f"train.pipeline={kind}", f"train.virtual_stages={SCHEDULES[kind]}",
         f"model.tie_embeddings={tied}"], 8, steps)[0]
