@@ -9,8 +9,11 @@ How the collectives are counted:
 - Per train step. Scanned layers compile to a `while` loop; a collective in
   its body runs once per iteration, so counts and bytes are multiplied by the
   product of the enclosing loops' `known_trip_count` (a loop without one
-  counts once). Called computations (`calls=`, `to_apply=`, branches) run
-  with their caller's multiplier.
+  counts once). Called computations (`calls=`, `to_apply=`) run with their
+  caller's multiplier. A conditional runs one branch per execution: it counts
+  as its branch with the most collective bytes, an upper bound where the
+  branches differ (a pipeline schedule's switch between forward and backward
+  steps counts every time step as its heaviest operation).
 - Bytes are what one device sends under ring algorithms, for a per-device
   buffer of S bytes in a group of g devices: all-reduce 2(g-1)/g * S,
   all-gather (g-1)/g * S_out, reduce-scatter (g-1)/g * S_in, all-to-all
@@ -39,7 +42,7 @@ import math
 import re
 from collections import defaultdict
 
-from meshwork.sharding.hlo_parse import Instr, callees, multipliers, param_index, parse_module, shape_bytes
+from meshwork.sharding.hlo_parse import _TRIP, Instr, branches, callees, multipliers, param_index, parse_module, shape_bytes
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction `%name = type op(...)`; async pairs count once, by their -start.
@@ -104,7 +107,8 @@ class _Module:
         self.comps, self.entry = parse_module(hlo_text)
         m = re.search(r"num_partitions=(\d+)", hlo_text)
         self.n_devices = int(m.group(1)) if m else 1
-        self.mult = multipliers(self.comps, self.entry)
+        self._cost: dict[str, float] = {}
+        self.mult = multipliers(self.comps, self.entry, branch_cost=self.collective_payload)
         self.users: dict[str, dict[str, list[Instr]]] = {}
         self.callers: dict[str, list[tuple[str, Instr]]] = defaultdict(list)
         for cname, instrs in self.comps.items():
@@ -117,6 +121,29 @@ class _Module:
             self.users[cname] = users
         self._partition_memo: dict[tuple[str, str], bool] = {}
         self._visiting: set[tuple[str, str]] = set()
+
+    def collective_payload(self, comp: str, depth: int = 0) -> float:
+        """Bytes of collective results one run of `comp` produces, through what it calls (loops
+        times their trip counts, a conditional as its heaviest branch): how the branches of a
+        conditional are told apart."""
+        if comp in self._cost:
+            return self._cost[comp]
+        total = 0.0
+        for instr in self.comps.get(comp, {}).values():
+            kind = instr.op[:-len("-start")] if instr.op.endswith("-start") else instr.op
+            if kind in COLLECTIVES:
+                total += sum(map(shape_bytes, instr.shapes))
+            if depth > 64 or instr.op in ("async-update", "async-done"):
+                continue
+            alternatives = [b for b in branches(instr) if b in self.comps]
+            if alternatives:
+                total += max(self.collective_payload(b, depth + 1) for b in alternatives)
+                continue
+            trip = _TRIP.search(instr.attrs) if instr.op == "while" else None
+            total += sum(self.collective_payload(c, depth + 1) for c in callees(instr) if c in self.comps) * \
+                (int(trip.group(1)) if trip else 1)
+        self._cost[comp] = total
+        return total
 
     def operand_shapes(self, comp: str, instr: Instr) -> list[tuple[str, tuple[int, ...]]]:
         """The operands' shapes (a `-start` op's result also holds its output)."""

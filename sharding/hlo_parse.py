@@ -21,8 +21,9 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 
-__all__ = ["Instr", "callees", "host_memory_bytes", "multipliers", "param_index", "parse_module", "shape_bytes"]
+__all__ = ["Instr", "branches", "callees", "host_memory_bytes", "multipliers", "param_index", "parse_module", "shape_bytes"]
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
              "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
@@ -149,11 +150,24 @@ def callees(instr: Instr) -> list[str]:
     return names
 
 
-def multipliers(comps: dict[str, dict[str, Instr]], entry: str) -> dict[str, int]:
+def branches(instr: Instr) -> list[str]:
+    """A conditional's alternative computations (index or predicate form), in order."""
+    if instr.op != "conditional":
+        return []
+    names = [n.strip().lstrip("%") for group in _BRANCHES.findall(instr.attrs) for n in group.split(",") if n.strip()]
+    pred = re.findall(r"\b(true|false)_computation=%?([^\s,{}]+)", instr.attrs)
+    return names + [name for _, name in sorted(pred, key=lambda kv: kv[0] != "true")]
+
+
+def multipliers(comps: dict[str, dict[str, Instr]], entry: str,
+                branch_cost: Callable[[str], float] | None = None) -> dict[str, int]:
     """How many times each computation runs per execution of ENTRY.
 
     A while body runs trip-count times per run of its caller; every other
     callee once per call. Summed over call sites (HLO's call graph is a DAG).
+    A conditional runs one of its branches: without `branch_cost` every branch
+    is counted as if it ran (each gets the caller's count); with it, only the
+    branch of highest cost does (an upper bound on what one execution runs).
     """
     mult: dict[str, int] = defaultdict(int)
 
@@ -165,8 +179,10 @@ def multipliers(comps: dict[str, dict[str, Instr]], entry: str) -> dict[str, int
             if instr.op in ("async-update", "async-done"):
                 continue  # the same wrapped computation as its async-start
             trip = _TRIP.search(instr.attrs) if instr.op == "while" else None
+            alternatives = [b for b in branches(instr) if b in comps] if branch_cost is not None else []
+            chosen = max(alternatives, key=branch_cost) if alternatives else None
             for callee in callees(instr):
-                if callee in comps:
+                if callee in comps and (chosen is None or callee not in alternatives or callee == chosen):
                     walk(callee, m * (int(trip.group(1)) if trip else 1), depth + 1)
 
     if entry:
