@@ -61,7 +61,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                 "adapter_model.safetensors into")
     f.add_argument("--base", default=None, help="base_model_name_or_path to record (default: the run's "
                                                 "finetune.base; export that run with export-hf for peft)")
+    add_serve_arguments(sub.add_parser(
+        "serve", help="serve an LM over HTTP with OpenAI's API (continuous batching)", formatter_class=HelpWithDefaults,
+        description="Serve a trained LM run or a Hugging Face checkpoint over HTTP: OpenAI's /v1/completions and "
+                    "/v1/chat/completions (stream: true for server-sent events), /v1/models and /health, over the "
+                    "continuous-batching server. SIGTERM lets running requests finish, then exits 0."))
     return p.parse_args(argv)
+
+
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--checkpoint", required=True,
+                   help="the run.dir of a meshwork LM run, or a Hugging Face checkpoint folder")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port; the first line printed "
+                                                          "names it)")
+    s.add_argument("--model-name", default=None, help="the model id clients send (default: the folder's name)")
+    s.add_argument("--slots", type=int, default=8, help="requests decoded together (batch rows)")
+    s.add_argument("--max-len", type=int, default=512, help="longest sequence, prompt + new tokens")
+    s.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    s.add_argument("--pages", type=int, default=None,
+                   help="pages in the KV pool (default: half of slots x max-len, plus the null page)")
+    s.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill long prompts this many tokens per step, between decode steps (default: whole "
+                        "prompts at admission)")
+    s.add_argument("--prefix-caching", action="store_true",
+                   help="share the KV pages of equal prompt prefixes between requests")
+    s.add_argument("--max-tokens", type=int, default=256, help="most new tokens one request may ask for")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot before new ones get 429")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running requests finish before cancelling them")
+    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (info logs every request)")
 
 
 def main(argv: list[str]) -> int:
@@ -71,6 +102,10 @@ def main(argv: list[str]) -> int:
             from meshwork.inference import lm
 
             return lm.run(args)
+        if args.command == "serve":
+            from meshwork.inference.http_server import serve
+
+            return serve(args)
         if args.command == "export-peft":
             return export_peft(args.checkpoint, args.out, base=args.base)
         if args.command == "export-hf":

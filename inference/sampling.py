@@ -14,9 +14,16 @@ Per row (request), in float32:
 5. draw with `jax.random.categorical` over the kept logits.
 
 Every setting is a (B,) array, so requests with different settings share one
-batch, and top-k / top-p use one stable descending sort per row plus masks
-(k varies per row, so `lax.top_k` with a static k does not fit). Ties go to
-the lower token id, as in `jnp.argmax`.
+batch. Nothing sorts the vocabulary: a batch of greedy rows is one argmax
+(the sampling branch is skipped under `lax.cond`), and top-k / top-p read the
+`TOP_K_BOUND` most likely tokens from `lax.top_k` (a static bound; a row's k
+is a mask over those ranks). A row whose nucleus or k reaches past that bound
+(a flat distribution, a huge k) finds its cut by a threshold search instead:
+32 bisection passes over the float bit patterns, each a compare and a sum over
+the vocabulary. Ties go to the lower token id, as in `jnp.argmax` (the
+threshold search alone keeps every token tied at its cut).
+`sample_reference` is the plain full-sort sampler, kept for tests and
+benchmarks.
 
 Randomness is per row: row b draws with
 `fold_in(jax.random.key(seed_b), position_b)`, position_b being the position
@@ -33,7 +40,7 @@ any batch, and after a restart, and a given token can be reproduced from
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -100,9 +107,99 @@ class SamplingArrays:
                    seed=column("seed", jnp.uint32))
 
 
+TOP_K_BOUND = 64  # ranks read by lax.top_k; top-k and nuclei within them need no threshold search
+
+
+def _penalize(logits_BV: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array | None) -> jax.Array:
+    logits_BV = logits_BV.astype(jnp.float32)
+    if seen_BV is None:
+        return logits_BV
+    p_B1 = arrays.repetition_penalty[:, None]
+    penalized_BV = jnp.where(logits_BV > 0, logits_BV / p_B1, logits_BV * p_B1)
+    return jnp.where(seen_BV, penalized_BV, logits_BV)
+
+
+def _draw(keep_BV: jax.Array, scaled_BV: jax.Array, positions_B: jax.Array, seed_B: jax.Array) -> jax.Array:
+    keys_B = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, positions_B)
+    return jax.vmap(jax.random.categorical)(keys_B, jnp.where(keep_BV, scaled_BV, -jnp.inf))
+
+
+def _order_key(x_BV: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values (bit tricks: sign-magnitude -> offset binary)."""
+    i_BV = jax.lax.bitcast_convert_type(x_BV, jnp.int32)
+    i_BV = jnp.where(i_BV < 0, i_BV ^ jnp.int32(0x7FFFFFFF), i_BV)
+    return jax.lax.bitcast_convert_type(i_BV, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _largest_threshold(holds: Callable[[jax.Array], jax.Array], B: int) -> jax.Array:
+    """Per row, the largest uint32 t with holds(t) true, for a holds() that is true at 0 and
+    monotone (true below some t, false above): built bit by bit from the top, 32 passes."""
+    def bit(j, t_B):
+        candidate_B = t_B | (jnp.uint32(1) << (31 - j).astype(jnp.uint32))
+        return jnp.where(holds(candidate_B), candidate_B, t_B)
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(B, jnp.uint32))
+
+
+def _threshold_keep(scaled_BV: jax.Array, k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """The top-k / top-p mask by threshold search (no sort): for rows the top_k ranks do not cover."""
+    B, V = scaled_BV.shape
+    key_BV = _order_key(scaled_BV)
+    k_B = jnp.where((k_B <= 0) | (k_B > V), V, k_B)
+    t_k_B = _largest_threshold(lambda t_B: (key_BV >= t_B[:, None]).sum(-1) >= k_B, B)
+    keep_BV = key_BV >= t_k_B[:, None]
+    probs_BV = jax.nn.softmax(jnp.where(keep_BV, scaled_BV, -jnp.inf), axis=-1)
+    t_p_B = _largest_threshold(
+        lambda t_B: jnp.where(key_BV >= t_B[:, None], probs_BV, 0).sum(-1) >= jnp.minimum(top_p_B, 1.0), B)
+    return keep_BV & ((top_p_B[:, None] >= 1) | (key_BV >= t_p_B[:, None]))
+
+
 def sample(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
            seen_BV: jax.Array | None = None) -> jax.Array:
     """int32 (B,) next tokens, row b drawn with `fold_in(key(seed_b), positions_B[b])`. Jittable.
+
+    positions_B[b] is the position the sampled token will occupy; seen_BV (bool) marks
+    the tokens the repetition penalty applies to (None: no penalty).
+    """
+    B, V = logits_BV.shape
+    logits_BV = _penalize(logits_BV, arrays, seen_BV)
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    temperature_B = arrays.temperature
+
+    def sampled(_):
+        scaled_BV = logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+        K = min(V, TOP_K_BOUND)
+        top_BK, order_BK = jax.lax.top_k(scaled_BV, K)  # ties: lower id first, as the stable sort
+        rank_K = jnp.arange(K)
+        k_B, top_p_B = arrays.top_k, arrays.top_p
+        whole_B = (k_B <= 0) | (k_B >= V)               # k keeps the whole vocabulary
+        in_prefix_B = ~whole_B & (k_B <= K)             # k keeps exactly the first k ranks
+        keep_BK = whole_B[:, None] | (rank_K < k_B[:, None])
+        # Probabilities over what k keeps: normalized over the first k ranks or the whole vocabulary.
+        lse_B = jnp.where(in_prefix_B, jax.nn.logsumexp(jnp.where(keep_BK, top_BK, -jnp.inf), axis=-1),
+                          jax.nn.logsumexp(scaled_BV, axis=-1))
+        probs_BK = jnp.where(keep_BK, jnp.exp(top_BK - lse_B[:, None]), 0.0)
+        cum_BK = jnp.cumsum(probs_BK, axis=-1)
+        nucleus_BK = (top_p_B[:, None] >= 1) | (cum_BK - probs_BK < top_p_B[:, None]) | (rank_K == 0)
+        # The prefix decides a row when k lies within it, or when its nucleus closes inside it.
+        nucleus_closes_B = (top_p_B < 1) & (cum_BK[:, -1] >= top_p_B)
+        decided_B = in_prefix_B | (whole_B & ((top_p_B >= 1) | nucleus_closes_B))
+        rows_B1 = jnp.arange(B)[:, None]
+        keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BK].set(keep_BK & nucleus_BK)
+        keep_BV |= (whole_B & (top_p_B >= 1))[:, None]
+        keep_BV = jax.lax.cond(jnp.any(~decided_B & (temperature_B > 0)),
+                               lambda: jnp.where(decided_B[:, None], keep_BV,
+                                                 _threshold_keep(scaled_BV, k_B, top_p_B)),
+                               lambda: keep_BV)
+        drawn_B = _draw(keep_BV, scaled_BV, positions_B, arrays.seed)
+        return jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
+
+    # A batch of greedy rows (the common serving case) never reaches top_k, softmax or the draw.
+    return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda _: greedy_B, None)
+
+
+def sample_reference(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
+                     seen_BV: jax.Array | None = None) -> jax.Array:
+    """`sample` by one stable descending sort of every row: the definition the fast path must equal.
 
     positions_B[b] is the position the sampled token will occupy; seen_BV (bool) marks
     the tokens the repetition penalty applies to (None: no penalty).

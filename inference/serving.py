@@ -1,34 +1,64 @@
 """Continuous batching over a paged KV cache: requests join and leave the running batch between decode steps.
 
-    server = Server(model, slots=8, page_size=16, max_len=512)
+    server = Server(model, slots=8, page_size=16, max_len=512, prefix_caching=True, prefill_chunk=256)
     results = server.run([Request("a", prompt_ids), Request("b", other_ids, SamplingParams(top_p=0.9))])
-    results["a"].tokens, results["a"].finish        # "stop", "length" or "error"
+    results["a"].tokens, results["a"].finish        # "stop", "length", "error" or "cancelled"
+    server.submit(r); events = server.step(); server.cancel("b")   # driving it yourself
 
-The batch has a fixed number of slots; each decode step advances every live
-slot by one token. Between steps, finished requests leave (their slot and
-pages are freed) and waiting requests are prefilled into free slots, so a
-short request never waits for the longest one in its batch (Orca's
-iteration-level scheduling).
+The batch has a fixed number of slots. Between decode dispatches, finished
+requests leave (their slot and pages are freed) and waiting requests are
+prefilled into free slots, so a short request never waits for the longest one
+in its batch (Orca's iteration-level scheduling).
 
 Memory is a pool of fixed-size pages (kv_cache.PagedKVCache). A request gets
-the pages its prompt needs when admitted and one more page each time its
-length crosses a page boundary; so the pool holds what live sequences use,
-not slots x max_len. When a sequence needs a page and none is free, the most
-recently admitted other request is preempted: its pages are freed and it goes
-back to the front of the queue, to be prefilled again from its prompt and the
+the pages its prompt needs when admitted and more as its length crosses page
+boundaries; so the pool holds what live sequences use, not slots x max_len.
+When a sequence needs a page and none is available, the most recently
+admitted other request is preempted: its pages are released and it goes back
+to the front of the queue, to be prefilled again from its prompt and the
 tokens it already produced (vLLM's recompute preemption). Sampling keys
 depend only on (seed, position), so a preempted request continues exactly as
 it would have.
 
+Prefix caching (`prefix_caching=True`, vLLM's automatic prefix caching): every
+full page of a sequence is entered in a table under a chained hash of its
+tokens (the hash of page i covers tokens 0..(i+1)*page_size-1, so equal hashes
+mean equal prefixes). A new request looks its prompt's full pages up and holds
+the ones found (reference counts in `PageAllocator`) instead of computing and
+storing them again; it prefills only the rest. Shared pages are only ever
+read: a request's writes start after its last shared page, and the page of
+its last prompt token is never shared (its logits are needed), so the partial
+last page is recomputed rather than copied on write. A page no sequence holds
+stays cached until the pool runs short, then is evicted least recently
+released first.
+
+Chunked prefill (`prefill_chunk=N`, Sarathi/vLLM): a step prefills at most N
+prompt tokens (over the keys already cached, at their positions), then runs a
+decode step for every running request, so a long prompt no longer stalls the
+running ones. Unchunked (None), each prompt is prefilled whole as it is
+admitted.
+
+Decode (`steps_per_dispatch`): one jitted call runs up to that many decode
+steps in a device-side while loop; a row that samples a stop token or reaches
+its max_new_tokens stops writing (to the null page) from then on, and the loop
+ends when every row is done, or after a step in which one finished while
+requests wait for a slot. The pages the next steps need are handed out before
+the call; when the pool cannot cover them, the server falls back to one step
+per call with preemption. So the host sees one call and one copy of tokens
+per dispatch, not per token. The sampler does not sort (sampling.py).
+
 A bad request (empty, longer than the cache, token ids outside the
 vocabulary, bad sampling settings) gets a Result with finish "error" and a
-one-line reason; the others keep being served.
+one-line reason; the others keep being served. `cancel(id)` stops a waiting
+or running request (finish "cancelled", its tokens so far) and frees its slot
+and pages.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
@@ -41,7 +71,7 @@ from jax.sharding import Mesh
 from meshwork.config import ConfigError
 from meshwork.inference.generate import PROMPT_BUCKET, Generator
 from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
-from meshwork.inference.sampling import SamplingArrays, SamplingParams
+from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules
 
@@ -57,31 +87,102 @@ class Request:
 class Result:
     id: Hashable
     tokens: list[int]
-    finish: str                 # "stop" (a stop token, included), "length" (max_new_tokens) or "error"
+    finish: str                 # "stop" (a stop token, included), "length" (max_new_tokens), "error" or "cancelled"
     error: str | None = None
 
 
 class PageAllocator:
-    """Pages 1..n-1 of the pool (0 is the null page); each page belongs to at most one sequence."""
+    """Pages 1..n-1 of the pool (0 is the null page), reference-counted, with a prefix cache.
+
+    A page is free, held (by one or more sequences; `owners`), or cached: no
+    longer held but still holding the keys/values of a full page of tokens,
+    found by the chained hash of those tokens (`lookup`) and handed out again
+    as it is (`share`). Cached pages are evicted least recently released first
+    when `allocate` runs out of free ones.
+
+        pages = PageAllocator(8)
+        a = pages.allocate("a", 2); pages.register(a[0], digest)  # a's first page is full
+        pages.release("a", a)                                     # a[0] stays cached, a[1] is free
+        pages.lookup([digest]) == a[:1]; pages.share("b", a[:1])
+    """
 
     def __init__(self, n_pages: int):
         self.n_pages = n_pages
         self.free: collections.deque[int] = collections.deque(range(1, n_pages))
-        self.owner: dict[int, Hashable] = {}
+        self.owners: dict[int, list[Hashable]] = {}          # held pages -> the sequences holding them
+        self.cached: dict[bytes, int] = {}                    # chained token hash -> page
+        self.digest: dict[int, bytes] = {}                    # the reverse, for registered pages
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, not held
+        self.evictions = 0
+
+    @property
+    def available(self) -> int:
+        """Pages `allocate` can hand out: the free ones and the cached ones it may evict."""
+        return len(self.free) + len(self.lru)
 
     def allocate(self, owner: Hashable, n: int) -> list[int] | None:
-        """n pages for `owner`, or None (nothing taken) when fewer are free."""
-        if n > len(self.free):
+        """n fresh pages for `owner`, or None (nothing taken) when fewer are available."""
+        if n > self.available:
             return None
-        pages = [self.free.popleft() for _ in range(n)]
-        self.owner.update(dict.fromkeys(pages, owner))
+        pages = []
+        for _ in range(n):
+            if self.free:
+                pages.append(self.free.popleft())
+            else:  # evict the least recently released cached page
+                page, _ = self.lru.popitem(last=False)
+                del self.cached[self.digest.pop(page)]
+                self.evictions += 1
+                pages.append(page)
+        for p in pages:
+            self.owners[p] = [owner]
         return pages
+
+    def lookup(self, digests: Sequence[bytes]) -> list[int]:
+        """The pages of the longest run of `digests` (a sequence's full pages, in order) that is cached."""
+        pages = []
+        for d in digests:
+            if d not in self.cached:
+                break
+            pages.append(self.cached[d])
+        return pages
+
+    def share(self, owner: Hashable, pages: Iterable[int]) -> None:
+        """`owner` holds cached pages too (their keys/values are reused, never written)."""
+        for p in pages:
+            self.lru.pop(p, None)
+            self.owners.setdefault(p, []).append(owner)
+
+    def register(self, page: int, digest: bytes) -> None:
+        """`page` now holds the full page of tokens that `digest` names; a digest already cached keeps
+        its page (this one is freed as usual when released)."""
+        if digest not in self.cached and page not in self.digest:
+            self.cached[digest] = page
+            self.digest[page] = digest
 
     def release(self, owner: Hashable, pages: Iterable[int]) -> None:
         for p in pages:
-            if self.owner.pop(p, None) != owner:
+            holders = self.owners.get(p, [])
+            if owner not in holders:
                 raise RuntimeError(f"page {p} released by {owner!r}, which does not own it")
-            self.free.append(p)
+            holders.remove(owner)
+            if holders:
+                continue
+            del self.owners[p]
+            if p in self.digest:
+                self.lru[p] = None  # most recently released: evicted last
+            else:
+                self.free.append(p)
+
+
+def page_digests(tokens: Sequence[int], page_size: int, previous: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full pages of `tokens`: page i's digest covers tokens 0..(i+1)*page_size-1,
+    so equal digests mean equal prefixes, not just equal pages. `previous`: the digest before tokens[0]."""
+    digests = []
+    for i in range(len(tokens) // page_size):
+        block = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64).tobytes()
+        previous = hashlib.sha256(previous + block).digest()
+        digests.append(previous)
+    return digests
 
 
 @dataclasses.dataclass
@@ -91,16 +192,40 @@ class _Live:
     length: int          # tokens whose keys/values are cached (positions 0..length-1)
     produced: list[int]  # sampled so far; the last one is fed at position `length` next
     admitted: int        # admission order, for choosing whom to preempt
+    context: int         # tokens to prefill before decoding: the prompt (+ what a preempted run produced, bar one)
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages registered so far
+
+    def tokens(self) -> list[int]:
+        """The sequence so far: cached positions 0..length-1 hold tokens()[:length]."""
+        return list(self.request.prompt) + self.produced
+
+    @property
+    def prefilling(self) -> bool:
+        return self.length < self.context
 
 
 class Server:
-    """A continuous-batching generation server over one model (see the module docstring)."""
+    """A continuous-batching generation server over one model (see the module docstring).
+
+    prefix_caching: share full pages of equal prefixes between requests (off: no page is ever shared).
+    prefill_chunk: prefill at most this many prompt tokens per step, between decode steps (None: whole
+        prompts at admission).
+    steps_per_dispatch: decode steps run on the device per call (a while loop that stops early when
+        every row is done, or when one finishes while requests wait for a slot).
+    """
 
     def __init__(self, model: nnx.Module, *, slots: int = 8, page_size: int = 16, max_len: int = 512,
                  n_pages: int | None = None, mesh: Mesh | None = None, rules: Rules | None = None,
-                 cache_dtype: jnp.dtype | None = None):
+                 cache_dtype: jnp.dtype | None = None, prefix_caching: bool = False,
+                 prefill_chunk: int | None = None, steps_per_dispatch: int = 8):
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk={prefill_chunk}: use a positive token count, or None for whole prompts")
+        if steps_per_dispatch < 1:
+            raise ConfigError(f"steps_per_dispatch={steps_per_dispatch}: use at least 1")
         self.gen = Generator(model, mesh=mesh, rules=rules, cache_dtype=cache_dtype)
         self.cfg, self.page_size, self.max_len = self.gen.cfg, page_size, max_len
+        self.prefix_caching, self.prefill_chunk, self.steps_per_dispatch = \
+            prefix_caching, prefill_chunk, steps_per_dispatch
         self.pages_per_seq = math.ceil(max_len / page_size)
         # Default pool: half of what slots x max_len would need, plus the null page.
         n_pages = n_pages or slots * self.pages_per_seq // 2 + 1
@@ -114,9 +239,15 @@ class Server:
         self.waiting: collections.deque[tuple[Request, list[int]]] = collections.deque()
         self.results: dict[Hashable, Result] = {}
         self.steps = self.preemptions = self.peak_pages = 0
+        # Counters for measurements: calls of the decode loop, prompt tokens computed by prefill and
+        # those found in the prefix cache instead.
+        self.dispatches = self.prefill_tokens = self.cached_tokens = 0
         self._admitted = 0
-        self._arrays: SamplingArrays | None = None
+        self._arrays: tuple[SamplingArrays, jax.Array] | None = None
         self._set_seen = jax.jit(lambda seen, row, slot: seen.at[slot].set(row), donate_argnums=0)
+        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5))
+        self._loop = jax.jit(self._loop_fn, donate_argnums=(3, 4, 6))
+        self._table: tuple[np.ndarray, jax.Array] | None = None  # the last page table sent, on the device
 
     # -- requests ---------------------------------------------------------------
 
@@ -140,6 +271,21 @@ class Server:
             return
         self.waiting.append((request, []))
 
+    def cancel(self, request_id: Hashable) -> bool:
+        """Stops a waiting or running request now: its slot and pages are freed and its Result (the
+        tokens produced so far, finish "cancelled") recorded. False when it is not waiting or running."""
+        for entry in self.waiting:
+            if entry[0].id == request_id:
+                self.waiting.remove(entry)
+                self.results[request_id] = Result(request_id, list(entry[1]), "cancelled")
+                return True
+        for i, s in enumerate(self.slots):
+            if s is not None and s.request.id == request_id:
+                self.results[request_id] = Result(request_id, s.produced, "cancelled")
+                self._free(i)
+                return True
+        return False
+
     def run(self, requests: Iterable[Request] = (),
             on_token: Callable[[Hashable, int], None] | None = None) -> dict[Hashable, Result]:
         """Submits `requests` and steps until nothing is live or waiting; returns all results."""
@@ -152,68 +298,197 @@ class Server:
         return self.results
 
     def live_pages(self) -> dict[Hashable, list[int]]:
+        """The pages each running request holds (with prefix caching, shared pages appear under each holder)."""
         return {s.request.id: list(s.pages) for s in self.slots if s}
+
+    # -- the jitted pieces ------------------------------------------------------------
+
+    def _chunk_fn(self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V):
+        """Prefills tokens at positions start.. (the first n_real are real) over the cached ones before
+        them; samples the token after the last real one (used when this chunk ends the prompt)."""
+        C = tokens_1C.shape[1]
+        positions_1C = start + jnp.arange(C, dtype=jnp.int32)[None]
+        logits_1CV, cache = self.gen._forward_fn(state, tokens_1C, positions_1C, PagedKVCache(k, v, table_1P))
+        last_1V = jax.lax.dynamic_index_in_dim(logits_1CV, n_real - 1, axis=1, keepdims=False)
+        return sample(last_1V, (start + n_real)[None], arrays, seen_1V), cache.k, cache.v
+
+    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BS):
+        """Up to n_steps decode steps on the device. Row b feeds tokens_B[b] at positions_B[b] and is
+        done after remaining_B[b] tokens or a stop token; a done row writes to the null page from then
+        on. The loop ends when every row is done, or (halt_on_finish) after a step in which one finished.
+        rows_3B = (tokens, positions, remaining) and control_2 = (n_steps, halt_on_finish) travel as one
+        array each (a transfer per argument is a cost per dispatch). Returns the (N, B) tokens (-1 where a
+        row was done; a step ran iff its row has a token), the pool and seen."""
+        (tokens_B, positions_B, remaining_B), n_steps, halt_on_finish = rows_3B, control_2[0], control_2[1] != 0
+        B, N = tokens_B.shape[0], self.steps_per_dispatch
+        beyond = table_BP.shape[1] * self.page_size  # past the page table: writes go to the null page
+
+        def cond(carry):
+            i, _, _, remaining_B, _, _, _, _, halted = carry
+            return (i < n_steps) & jnp.any(remaining_B > 0) & ~halted
+
+        def body(carry):
+            i, tokens_B, positions_B, remaining_B, k, v, seen_BV, out_NB, _ = carry
+            active_B = remaining_B > 0
+            at_B = jnp.where(active_B, positions_B, beyond)
+            seen_BV = mark_seen(seen_BV, tokens_B)
+            logits_B1V, cache = self.gen._forward_fn(state, tokens_B[:, None], at_B[:, None],
+                                                     PagedKVCache(k, v, table_BP))
+            new_B = sample(logits_B1V[:, 0], at_B + 1, arrays, seen_BV)
+            out_NB = out_NB.at[i].set(jnp.where(active_B, new_B, -1))
+            stopped_B = active_B & jnp.any(new_B[:, None] == stop_BS, axis=-1)
+            remaining_B = jnp.where(stopped_B, 0, remaining_B - active_B)
+            finished = jnp.any(active_B & (remaining_B == 0))
+            return (i + 1, jnp.where(active_B, new_B, tokens_B), positions_B + active_B, remaining_B,
+                    cache.k, cache.v, seen_BV, out_NB, halt_on_finish & finished)
+
+        carry = (jnp.int32(0), tokens_B, positions_B, remaining_B, k, v, seen_BV,
+                 jnp.full((N, B), -1, jnp.int32), jnp.bool_(False))
+        _, _, _, _, k, v, seen_BV, out_NB, _ = jax.lax.while_loop(cond, body, carry)
+        return out_NB, k, v, seen_BV
 
     # -- one iteration ------------------------------------------------------------
 
     def step(self) -> list[tuple[Hashable, int]]:
-        """Admits what fits, then one decode step for every live slot: the (request id, token) sampled."""
+        """Admits what fits, prefills (a chunk of) the waiting prompts, then decodes every prefilled
+        slot for up to `steps_per_dispatch` steps: the (request id, token) pairs sampled, in order."""
         events = self._admit()
-        for i in range(len(self.slots)):  # a page for the position each live slot writes next
-            if self.slots[i] is not None:
-                self._ensure_page(i)
-        live = [i for i, s in enumerate(self.slots) if s and s.length // self.page_size < len(s.pages)]
-        if not live:
-            return events
-        B = len(self.slots)
-        tokens, positions = np.zeros(B, np.int32), np.zeros(B, np.int32)
-        table = np.full((B, self.pages_per_seq), NULL_PAGE, np.int32)  # idle rows write to the null page
-        for i in live:
-            s = self.slots[i]
-            tokens[i], positions[i] = s.produced[-1], s.length
-            table[i, :len(s.pages)] = s.pages
-        # The Generator's jitted decode step, over the paged cache (built anew each step: the page
-        # table changes between steps; the pool arrays are donated and updated in place).
-        out, _, cache, self.seen = self.gen._in_context(
-            self.gen._decode, self.gen.state, jnp.asarray(tokens), jnp.asarray(positions),
-            PagedKVCache(self.k, self.v, jnp.asarray(table)), self._sampling_arrays(), self.seen)
-        self.k, self.v = cache.k, cache.v
-        self.steps += 1
-        out = np.asarray(out)
-        for i in live:
-            s = self.slots[i]
-            s.length += 1
-            events += self._emit(i, int(out[i]))
-        return events
+        events += self._prefill()
+        return events + self._decode()
 
     def _admit(self) -> list[tuple[Hashable, int]]:
-        events = []
+        """Gives waiting requests free slots and the pages of their context (+1 position), reusing
+        cached pages of an equal prefix. Unchunked, each prompt is prefilled as it is admitted, so the
+        next admission already finds its pages in the prefix cache; chunked, `_prefill` does it."""
+        T, events = self.page_size, []
         while self.waiting and None in self.slots:
             request, produced = self.waiting[0]
             # A preempted request resumes from its prompt plus what it produced, bar the pending last token.
             context = list(request.prompt) + produced[:-1]
-            pages = self.pages.allocate(request.id, math.ceil((len(context) + 1) / self.page_size))
-            if pages is None:
+            digests, hits = [], []
+            if self.prefix_caching:
+                # Full pages only, and never the page of the last context token: its logits are needed.
+                digests = page_digests(context[:len(context) - 1], T)
+                hits = self.pages.lookup(digests)
+                self.pages.share(request.id, hits)
+            fresh = self.pages.allocate(request.id, math.ceil((len(context) + 1) / T) - len(hits))
+            if fresh is None:
+                self.pages.release(request.id, hits)
                 break
             self.waiting.popleft()
             slot = self.slots.index(None)
-            self.slots[slot] = _Live(request, pages, len(context), list(produced), self._admitted)
+            self.slots[slot] = _Live(request, hits + fresh, len(hits) * T, list(produced), self._admitted,
+                                     len(context), digests[:len(hits)])
             self._admitted += 1
             self._arrays = None
-            self.peak_pages = max(self.peak_pages, len(self.pages.owner))
-            L = min(round_up(len(context), PROMPT_BUCKET), self.pages_per_seq * self.page_size)
-            tokens = np.zeros((1, L), np.int32)
-            tokens[0, :len(context)] = context
-            table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
-            table[0, :len(pages)] = pages
-            token, _, cache, seen_1V = self.gen._in_context(
-                self.gen._prefill, self.gen.state, jnp.asarray(tokens), jnp.asarray([len(context)], np.int32),
-                PagedKVCache(self.k, self.v, jnp.asarray(table)), SamplingArrays.stack([request.params]))
-            self.k, self.v = cache.k, cache.v
-            self.seen = self._set_seen(self.seen, seen_1V[0], slot)
-            if not produced:  # a fresh request: the prefill sampled its first token
-                events += self._emit(slot, int(np.asarray(token)[0]))
+            self.cached_tokens += len(hits) * T
+            self.peak_pages = max(self.peak_pages, len(self.pages.owners))
+            seen_V = np.zeros(self.cfg.vocab_size, bool)
+            seen_V[np.asarray(context, np.int64)] = True
+            self.seen = self._set_seen(self.seen, jnp.asarray(seen_V), slot)
+            if self.prefill_chunk is None:
+                events += self._prefill_slot(slot, len(context) - len(hits) * T)
         return events
+
+    def _prefill(self) -> list[tuple[Hashable, int]]:
+        """Prefills prompts in admission order, `prefill_chunk` tokens in all per step (None: all of them)."""
+        events = []
+        budget = self.prefill_chunk or math.inf
+        for i in sorted((i for i, s in enumerate(self.slots) if s and s.prefilling),
+                        key=lambda i: self.slots[i].admitted):
+            if budget <= 0:
+                break
+            n = int(min(self.slots[i].context - self.slots[i].length, budget))
+            budget -= n
+            events += self._prefill_slot(i, n)
+        return events
+
+    def _prefill_slot(self, i: int, n: int) -> list[tuple[Hashable, int]]:
+        """Computes the next n context tokens of slot i; at the end of a fresh prompt, its first token."""
+        s = self.slots[i]
+        C = min(round_up(n, PROMPT_BUCKET), self.pages_per_seq * self.page_size)
+        tokens = np.zeros((1, C), np.int32)
+        tokens[0, :n] = s.tokens()[s.length:s.length + n]
+        table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
+        table[0, :len(s.pages)] = s.pages
+        token, self.k, self.v = self.gen._in_context(
+            self._chunk, self.gen.state, jnp.asarray(tokens), jnp.int32(s.length), jnp.int32(n),
+            self.k, self.v, jnp.asarray(table), SamplingArrays.stack([s.request.params]), self.seen[i:i + 1])
+        s.length += n
+        self.prefill_tokens += n
+        self._register(s)
+        if not s.prefilling and not s.produced:  # a fresh request: its prefill sampled its first token
+            return self._emit(i, int(np.asarray(token)[0]))
+        return []
+
+    def _decode(self) -> list[tuple[Hashable, int]]:
+        """One dispatch of up to `steps_per_dispatch` decode steps for every prefilled slot."""
+        T = self.page_size
+
+        def ready() -> list[int]:
+            return [i for i, s in enumerate(self.slots) if s and not s.prefilling]
+
+        # One step at a time while a prompt is being prefilled in chunks, so its chunks keep coming.
+        n = 1 if any(s and s.prefilling for s in self.slots) else self.steps_per_dispatch
+        steps = {i: min(n, self.slots[i].request.params.max_new_tokens - len(self.slots[i].produced))
+                 for i in ready()}
+        short = {i: math.ceil((self.slots[i].length + steps[i]) / T) - len(self.slots[i].pages) for i in steps}
+        if n > 1 and sum(max(0, m) for m in short.values()) <= self.pages.available:
+            for i, m in short.items():  # the pages of the next n positions, ahead
+                if m > 0:
+                    self.slots[i].pages += self.pages.allocate(self.slots[i].request.id, m)
+        else:  # the pool is short: one step, a page per slot that crosses a boundary, preempting if need be
+            n = 1
+            for i in range(len(self.slots)):
+                if self.slots[i] is not None and not self.slots[i].prefilling:
+                    self._ensure_page(i)
+        self.peak_pages = max(self.peak_pages, len(self.pages.owners))
+        live = [i for i in ready() if self.slots[i].length // T < len(self.slots[i].pages)]
+        if not live:
+            return []
+        B = len(self.slots)
+        rows = np.zeros((3, B), np.int32)  # tokens, positions, remaining
+        table = np.full((B, self.pages_per_seq), NULL_PAGE, np.int32)  # idle rows write to the null page
+        for i in live:
+            s = self.slots[i]
+            rows[:, i] = s.produced[-1], s.length, s.request.params.max_new_tokens - len(s.produced)
+            table[i, :len(s.pages)] = s.pages
+        if self._table is None or not np.array_equal(self._table[0], table):
+            self._table = table, jnp.asarray(table)
+        arrays, stops = self._sampling_arrays()
+        out, self.k, self.v, self.seen = self.gen._in_context(
+            self._loop, self.gen.state, jnp.asarray(rows), jnp.asarray([n, bool(self.waiting)], np.int32),
+            self.k, self.v, self._table[1], self.seen, arrays, stops)
+        out = np.asarray(out)
+        count = int((out >= 0).any(axis=1).sum())
+        self.steps += count
+        self.dispatches += 1
+        events = []
+        for j in range(count):
+            for i in live:
+                s = self.slots[i]
+                if s is None or out[j, i] < 0:
+                    continue
+                s.length += 1
+                events += self._emit(i, int(out[j, i]))
+        for i in live:
+            if self.slots[i] is not None:
+                self._register(self.slots[i])
+        return events
+
+    def _register(self, s: _Live) -> None:
+        """Enters the sequence's newly completed full pages into the prefix cache."""
+        if not self.prefix_caching:
+            return
+        full = s.length // self.page_size
+        if full <= len(s.digests):
+            return
+        T = self.page_size
+        start = len(s.digests)
+        new = page_digests(s.tokens()[start * T:full * T], T, s.digests[-1] if s.digests else b"")
+        for page, digest in zip(s.pages[start:full], new):
+            self.pages.register(page, digest)
+        s.digests += new
 
     def _ensure_page(self, i: int) -> bool:
         """Gives slot i the page its next position needs, preempting another request if none is free."""
@@ -222,7 +497,7 @@ class Server:
             page = self.pages.allocate(s.request.id, 1)
             if page is not None:
                 s.pages += page
-                self.peak_pages = max(self.peak_pages, len(self.pages.owner))
+                self.peak_pages = max(self.peak_pages, len(self.pages.owners))
                 return True
             victims = [j for j, o in enumerate(self.slots) if o is not None and j != i]
             if not victims:
@@ -232,11 +507,15 @@ class Server:
 
     def _preempt(self, j: int) -> None:
         s = self.slots[j]
-        self.pages.release(s.request.id, s.pages)
         self.waiting.appendleft((s.request, s.produced))
-        self.slots[j] = None
-        self._arrays = None
+        self._free(j)
         self.preemptions += 1
+
+    def _free(self, slot: int) -> None:
+        s = self.slots[slot]
+        self.pages.release(s.request.id, s.pages)
+        self.slots[slot] = None
+        self._arrays = None
 
     def _emit(self, slot: int, token: int) -> list[tuple[Hashable, int]]:
         """Records a sampled token; frees the slot when its request is done."""
@@ -246,13 +525,16 @@ class Server:
         finish = "stop" if token in p.stop_tokens else "length" if len(s.produced) >= p.max_new_tokens else None
         if finish:
             self.results[s.request.id] = Result(s.request.id, s.produced, finish)
-            self.pages.release(s.request.id, s.pages)
-            self.slots[slot] = None
-            self._arrays = None
+            self._free(slot)
         return [(s.request.id, token)]
 
-    def _sampling_arrays(self) -> SamplingArrays:
+    def _sampling_arrays(self) -> tuple[SamplingArrays, jax.Array]:
+        """Each slot's sampling settings and stop tokens (B, S), padded with -1 (matches no token)."""
         if self._arrays is None:
             idle = SamplingParams(temperature=0.0)
-            self._arrays = SamplingArrays.stack([s.request.params if s else idle for s in self.slots])
+            params = [s.request.params if s else idle for s in self.slots]
+            stops = np.full((len(params), max([1] + [len(p.stop_tokens) for p in params])), -1, np.int32)
+            for i, p in enumerate(params):
+                stops[i, :len(p.stop_tokens)] = p.stop_tokens
+            self._arrays = SamplingArrays.stack(params), jnp.asarray(stops)
         return self._arrays
