@@ -93,6 +93,7 @@ def test_prefix_cache_16_requests_sharing_256_tokens(model, gen):
     assert stats[True] == (264 + 15 * 8, 15 * 256, 16 + 16 * 1)
 
 
+@pytest.mark.slow  # 16 s; the quick tier keeps the 16 x 256 sharing and chunked prefill
 def test_prefix_pages_outlive_their_request_and_resume_preempted_requests(model, gen):
     """Cached pages of a finished request serve a later one; with a pool that runs dry, requests are
     preempted and cached pages evicted, and every request still gets its solo tokens."""
