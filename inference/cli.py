@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "layer computed on its patch (N simulated devices on a CPU)")
     d.add_argument("--warmup", type=int, default=None,
                    help="with --patch-parallel: synchronous steps before the layers use one-step-stale "
-                        "activations of the other patches (default: 4)")
+                        "activations of the other patches (default: 4, or --steps if fewer)")
     from meshwork.inference import lm
 
     lm.add_arguments(sub.add_parser("lm", help="generate text from a trained LM run or a Hugging Face checkpoint",
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
         out, accuracy = generate_grid(args.checkpoint, num=args.num, steps=args.steps, sampler=args.sampler,
                                       guidance=args.guidance, labels=args.labels, seed=args.seed,
                                       ema=not args.no_ema, out=args.out, patch_parallel=args.patch_parallel,
-                                      warmup=4 if args.warmup is None else args.warmup)
+                                      warmup=min(4, args.steps) if args.warmup is None else args.warmup)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
