@@ -27,8 +27,6 @@ CPU with 8 simulated devices. Per step:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import pathlib
 import sys
@@ -44,16 +42,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from meshwork.config import load_config  # noqa: E402
 from meshwork.diffusion import distrifusion as df  # noqa: E402
 from meshwork.diffusion.images import _apply, sample_images  # noqa: E402
 from meshwork.diffusion.sampling import patch_parallel_sample  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from diffusion_figures import _train  # noqa: E402  (the same unet_digits run when none is given)
 from meshwork.evaluation.digit_quality import DigitClassifier  # noqa: E402
 from meshwork.models.unet import ResnetBlock, TimeEmbedding  # noqa: E402
 from meshwork.sharding.hlo import collective_summary  # noqa: E402
 from meshwork.sharding.mesh import make_mesh  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def replicated_flops(model, batch: int) -> int:
@@ -139,16 +138,6 @@ def _all_gather_everything(shapes: dict, n: int, itemsize: int = 4) -> int:
         elif kind == "kv":
             total += (n - 1) * int(np.prod(s)) * itemsize // n
     return total
-
-
-def _train(run_dir: pathlib.Path, steps: int) -> None:
-    from meshwork.train.loop import train
-
-    cfg = load_config(ROOT / "configs/unet_digits.yaml", [
-        f"run.dir={run_dir}", f"train.steps={steps}", f"checkpoint.every={steps}", "log.progress=false",
-        "log.tensorboard=false", f"log.eval_every={steps}"])
-    with contextlib.redirect_stdout(io.StringIO()):
-        train(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -197,3 +197,23 @@ def test_all_to_all_errors_name_the_bad_value():
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_conditional_counts_as_its_heaviest_branch():
+    """One branch of a `switch` runs per execution (a pipeline step runs one op): the report counts
+    the branch with the most collective bytes, not the sum of all branches."""
+    from meshwork.sharding.hlo import collective_summary
+
+    mesh = make_mesh({"data": 8})
+
+    def per_device(i, x):
+        one = lambda x: lax.psum(x, "data")  # noqa: E731
+        two = lambda x: lax.psum(jnp.sin(lax.psum(x, "data")), "data")  # noqa: E731
+        return lax.switch(i, [one, two, lambda x: x * 2], x)
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("data")),
+                              out_specs=PartitionSpec("data"), check_vma=False))
+    hlo = f.lower(jnp.int32(0), jnp.ones(8 * 64)).compile().as_text()
+    summary = collective_summary(hlo)["all-reduce"]
+    assert summary["count"] == 2, summary  # branch `two`; all branches summed would say 3
+    assert summary["payload_bytes"] == 2 * 64 * 4

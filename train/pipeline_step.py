@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from meshwork.config_sections import LayerRun
+from meshwork.config_sections import LayerRun, chunk_runs
 from meshwork.evaluation.lm_loss import token_cross_entropy
 from meshwork.models.transformer import apply_layers
 from meshwork.sharding.pipeline import pipeline_value_and_grad
@@ -102,29 +102,6 @@ def model_runs(model: nnx.Module) -> tuple[LayerRun, ...]:
     return getattr(model, "runs", None) or (LayerRun("blocks", False, 0, model.cfg.n_layers),)
 
 
-def chunk_runs(runs: tuple[LayerRun, ...], n_chunks: int) -> tuple[LayerRun, ...] | None:
-    """The runs of one pipeline chunk (names `run0`, `run1`, ...; starts within the chunk) when
-    all `n_chunks` equal chunks of the layers have the same dense/MoE pattern; None otherwise.
-
-    >>> [tuple(r) for r in chunk_runs((LayerRun("a", False, 0, 1), LayerRun("b", True, 1, 1),
-    ...                                LayerRun("c", False, 2, 1), LayerRun("d", True, 3, 1)), 2)]
-    [('run0', False, 0, 1), ('run1', True, 1, 1)]
-    >>> chunk_runs((LayerRun("a", False, 0, 1), LayerRun("b", True, 1, 3)), 2) is None
-    True
-    """
-    kinds = [run.moe for run in runs for _ in range(run.count)]
-    n = len(kinds) // n_chunks
-    if len(kinds) % n_chunks or any(kinds[c * n:(c + 1) * n] != kinds[:n] for c in range(n_chunks)):
-        return None
-    out: list[list] = []
-    for i, moe in enumerate(kinds[:n]):
-        if out and out[-1][0] == moe:
-            out[-1][2] += 1
-        else:
-            out.append([moe, i, 1])
-    return tuple(LayerRun(f"run{j}", moe, start, count) for j, (moe, start, count) in enumerate(out))
-
-
 def _gather_chunk_run(states: dict[str, nnx.State], runs: tuple[LayerRun, ...], piece: LayerRun,
                       n_chunks: int, per_chunk: int) -> nnx.State:
     """Chunk-run `piece` of every chunk, stacked (n_chunks * piece.count, ...) in model order,
@@ -134,7 +111,7 @@ def _gather_chunk_run(states: dict[str, nnx.State], runs: tuple[LayerRun, ...], 
     slices = []
     for c in range(n_chunks):
         first = c * per_chunk + piece.start
-        run = next(r for r in runs if r.start <= first < r.start + r.count)
+        run = _run_at(runs, first)
         lo = first - run.start
         slices.append(jax.tree.map(lambda a, lo=lo: a[lo:lo + piece.count], states[run.name]))
     if len(slices) == 1:
@@ -207,7 +184,7 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
         # accumulators split like them, and sums gradients over the data axes once, after the schedule.
         rules, layout = current_rules(), {}
         if rules is not None:
-            layout = dict(stage_specs={p.name: stage_specs(states[_run_of(runs, p).name], rules,
+            layout = dict(stage_specs={p.name: stage_specs(states[_run_at(runs, p.start).name], rules,
                                                            "stage", v) for p in pieces},
                           head_specs=head_specs(head_params, rules))
             layout["data_axes"] = data_axes(rules, mesh_shape, tuple(layout.values()))
@@ -233,9 +210,9 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
     return value_and_grad
 
 
-def _run_of(runs: tuple[LayerRun, ...], piece: LayerRun) -> LayerRun:
-    """The model run holding chunk 0's part `piece` (its Variables give the piece's layout)."""
-    return next(r for r in runs if r.start <= piece.start < r.start + r.count)
+def _run_at(runs: tuple[LayerRun, ...], layer: int) -> LayerRun:
+    """The model run holding `layer` (a chunk's run lies inside one; its Variables give its layout)."""
+    return next(r for r in runs if r.start <= layer < r.start + r.count)
 
 
 def _routing_metrics(stats_stages: dict[str, jax.Array], virtual_stages: int) -> dict[str, jax.Array]:

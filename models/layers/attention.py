@@ -117,9 +117,7 @@ def _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis, *, causal, scal
         raise ValueError("context parallelism on a sequence shard needs the tokens' positions; pass positions_BL")
     gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, axis=1, tiled=True)
     k_pos_BS = gather(positions_BL)
-    mask = jnp.ones((1, 1, 1, 1), bool)
-    if causal:
-        mask = positions_BL[:, None, :, None] >= k_pos_BS[:, None, None, :]
+    mask = positions_BL[:, None, :, None] >= k_pos_BS[:, None, None, :] if causal else None
     return jax.nn.dot_product_attention(q_BLHK, gather(k_BSGK), gather(v_BSGK), scale=scale, mask=mask)
 
 

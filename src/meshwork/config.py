@@ -34,6 +34,7 @@ from meshwork.config_sections import (
     RunConfig,
     Section,
     TrainConfig,
+    chunk_runs,
 )
 
 
@@ -161,14 +162,13 @@ def _check_moe_pipeline(m, stage: int, virtual_stages: int) -> None:
     if stage <= 0:
         return  # mesh.stage=-1: checked once the mesh is known
     n_chunks = stage * virtual_stages
-    dense = set(m.moe.dense_layer_indices(m.n_layers))
-    kinds = [i not in dense for i in range(m.n_layers)]
-    n = m.n_layers // n_chunks
-    if m.n_layers % n_chunks == 0 and any(kinds[c * n:(c + 1) * n] != kinds[:n] for c in range(n_chunks)):
-        raise _KeyError("model.moe", f"dense layers {sorted(dense)} of {m.n_layers} differ between the pipeline's "
-                        f"{n_chunks} chunks of {n} layers; every stage runs one program, so use a pattern that "
-                        "repeats per chunk (e.g. no dense layers) or train.pipeline=none")
-    for run in m.moe.layer_runs(m.n_layers):
+    runs = m.moe.layer_runs(m.n_layers)
+    if m.n_layers % n_chunks == 0 and chunk_runs(runs, n_chunks) is None:
+        raise _KeyError("model.moe", f"dense layers {list(m.moe.dense_layer_indices(m.n_layers))} of {m.n_layers} "
+                        f"differ between the pipeline's {n_chunks} chunks of {m.n_layers // n_chunks} layers; every "
+                        "stage runs one program, so use a pattern that repeats per chunk (e.g. no dense layers) or "
+                        "train.pipeline=none")
+    for run in runs:
         if run.count % stage:
             raise _KeyError("model.moe", f"the run of {run.count} {'MoE' if run.moe else 'dense'} layers from layer "
                             f"{run.start} cannot be split over mesh.stage={stage} (each run of layers is stored "

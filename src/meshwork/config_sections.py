@@ -463,3 +463,26 @@ class FinetuneConfig(Section):
     """Prefix tuning: hidden width of the reparameterization MLP (0: train the prefixes directly)."""
     group_size: int = pydantic.Field(32, gt=0)
     """QLoRA: weights per 4-bit quantization group (along the input dimension)."""
+
+
+def chunk_runs(runs: tuple[LayerRun, ...], n_chunks: int) -> tuple[LayerRun, ...] | None:
+    """The runs of one pipeline chunk (names `run0`, `run1`, ...; starts within the chunk) when
+    all `n_chunks` equal chunks of the layers have the same dense/MoE pattern; None otherwise.
+
+    >>> [tuple(r) for r in chunk_runs((LayerRun("a", False, 0, 1), LayerRun("b", True, 1, 1),
+    ...                                LayerRun("c", False, 2, 1), LayerRun("d", True, 3, 1)), 2)]
+    [('run0', False, 0, 1), ('run1', True, 1, 1)]
+    >>> chunk_runs((LayerRun("a", False, 0, 1), LayerRun("b", True, 1, 3)), 2) is None
+    True
+    """
+    kinds = [run.moe for run in runs for _ in range(run.count)]
+    n = len(kinds) // n_chunks
+    if len(kinds) % n_chunks or any(kinds[c * n:(c + 1) * n] != kinds[:n] for c in range(n_chunks)):
+        return None
+    out: list[list] = []
+    for i, moe in enumerate(kinds[:n]):
+        if out and out[-1][0] == moe:
+            out[-1][2] += 1
+        else:
+            out.append([moe, i, 1])
+    return tuple(LayerRun(f"run{j}", moe, start, count) for j, (moe, start, count) in enumerate(out))

@@ -29,7 +29,6 @@ serves it.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -38,8 +37,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshwork.config_sections import DiffusionConfig
 from meshwork.diffusion.patch_exchange import PatchExchange, exchanging, sent_bytes
-from meshwork.diffusion.sampling import (_check_guidance, _combine, _ddim_update, _guided, _partition, _start,
-                                         sampling_timesteps)
+from meshwork.diffusion.sampling import (_check_guidance, _check_patch_layout, _combine, _ddim_update, _guided,
+                                         _partition, _start)
 from meshwork.diffusion.schedule import ModelFn, alphas_cumprod
 
 F32 = jnp.float32
@@ -107,24 +106,11 @@ def _program(static, n_arrays, has_labels, *, mesh, axis, batch_axes, **body_kw)
     return jax.jit(f)
 
 
-def _check(shape, cfg, mesh, axis, batch_axes, steps, warmup, who="distrifusion_sample"):
-    missing = [a for a in (axis, *batch_axes) if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(f"{who}: mesh axes {missing} are not in the mesh {tuple(mesh.axis_names)}")
-    n, nb = mesh.shape[axis], math.prod(mesh.shape[a] for a in batch_axes)
-    if shape[1] % n or shape[0] % nb:
-        raise ValueError(f"{who}: height {shape[1]} must be divisible by mesh axis {axis!r} (size {n}) and batch "
-                         f"{shape[0]} by {batch_axes} (size {nb}); change the shape or mesh")
-    if not 1 <= warmup <= len(sampling_timesteps(cfg, steps)):
-        raise ValueError(f"{who}: warmup={warmup} must be in [1, steps={steps}]; the first step is always "
-                         "synchronous since no previous activations exist yet")
-
-
 def _setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", batch_axes=(), steps=50, eta=0.0, warmup=4,
            labels=None, guidance_scale=None, null_label=None, x_T=None, clip_sample=None):
     shape, batch_axes = tuple(int(s) for s in shape), tuple(batch_axes)
     _check_guidance(shape, labels, guidance_scale, null_label)
-    _check(shape, cfg, mesh, axis, batch_axes, steps, warmup)
+    _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, "distrifusion_sample")
     x_T, k_steps, t_S, prev_S, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "distrifusion_sample")
     guided = guidance_scale is not None
     labels = None if labels is None else jnp.asarray(labels, jnp.int32)

@@ -320,22 +320,28 @@ def _patch_parallel_body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, sc
     return x_own
 
 
+def _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, who):
+    """The checks both patch-parallel samplers (this file's and meshwork.diffusion.distrifusion's) make:
+    the mesh has the axes, the patches and batch shards divide the image and batch, and warmup is a step."""
+    missing = [a for a in (axis, *batch_axes) if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"{who}: mesh axes {missing} are not in the mesh {tuple(mesh.axis_names)}")
+    n, nb = mesh.shape[axis], math.prod(mesh.shape[a] for a in batch_axes)
+    if shape[1] % n or shape[0] % nb:
+        raise ValueError(f"{who}: height {shape[1]} must be divisible by mesh axis {axis!r} (size {n}) and batch "
+                         f"{shape[0]} by {batch_axes} (size {nb}); change the shape or mesh")
+    if not 1 <= warmup <= len(sampling_timesteps(cfg, steps)):
+        raise ValueError(f"{who}: warmup={warmup} must be in [1, steps={steps}]; the first step is always "
+                         "synchronous since no previous activations exist yet")
+
+
 def _patch_parallel_setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", batch_axes=(), steps=50, eta=0.0,
                           warmup=4, labels=None, guidance_scale=None, null_label=None, x_T=None, clip_sample=None):
     """(jitted program, its arguments) for `patch_parallel_sample` and `patch_parallel_hlo`."""
     shape = tuple(int(s) for s in shape)
     _check_guidance(shape, labels, guidance_scale, null_label)
     batch_axes = tuple(batch_axes)
-    missing = [a for a in (axis, *batch_axes) if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(f"patch_parallel_sample: mesh axes {missing} are not in the mesh {tuple(mesh.axis_names)}")
-    n, nb = mesh.shape[axis], math.prod(mesh.shape[a] for a in batch_axes)
-    if shape[1] % n or shape[0] % nb:
-        raise ValueError(f"patch_parallel_sample: height {shape[1]} must be divisible by mesh axis {axis!r} "
-                         f"(size {n}) and batch {shape[0]} by {batch_axes} (size {nb}); change the shape or mesh")
-    if not 1 <= warmup <= len(sampling_timesteps(cfg, steps)):
-        raise ValueError(f"patch_parallel_sample: warmup={warmup} must be in [1, steps]; the first step is "
-                         f"always synchronous since no previous activations exist yet")
+    _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, "patch_parallel_sample")
     x_T, k_steps, t_S, prev_S, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T,
                                                        "patch_parallel_sample")
     guided = guidance_scale is not None

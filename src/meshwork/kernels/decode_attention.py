@@ -78,6 +78,17 @@ class _Config:
     window: int | None = None  # keys at lengths_B[b] - window .. lengths_B[b] - 1 only
 
 
+def online_softmax_step(m, l, acc, scores, mask, v, prec):
+    """One block of keys folded into a running softmax (flash attention's update): the row maxima
+    m, denominators l and unnormalized outputs acc after `scores` (rows, keys), masked where `mask`
+    is False, and the block's values v (keys, head_dim). Shared by the decode and paged kernels."""
+    scores = jnp.where(mask, scores, MASKED)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + dot(p.astype(v.dtype), v, (1, 0), prec)
+
+
 def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
     length = len_ref[pl.program_id(0)]
     chunk_start = pl.program_id(2) * cfg.chunk
@@ -94,12 +105,7 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
         s = dot(q, k, (1, 1), prec) * cfg.scale
         key = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         mask = (key < n_valid) & (key >= first) if cfg.window else key < n_valid
-        s = jnp.where(mask, s, MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-        alpha = jnp.exp(m - m_new)
-        return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), \
-            alpha * acc + dot(p.astype(v.dtype), v, (1, 0), prec)
+        return online_softmax_step(m, l, acc, s, mask, v, prec)
 
     rows = cfg.rows
     init = (jnp.full((rows, 1), MASKED, F32), jnp.zeros((rows, 1), F32), jnp.zeros((rows, cfg.head_dim), F32))

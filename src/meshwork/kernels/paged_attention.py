@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from meshwork.kernels.decode_attention import merge_chunks
+from meshwork.kernels.decode_attention import merge_chunks, online_softmax_step
 from meshwork.kernels.pallas_backend import (
     F32,
     MASKED,
@@ -104,12 +104,7 @@ def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v
         mask = key <= pos
         if cfg.window:
             mask &= key > pos - cfg.window
-        scores = jnp.where(mask, scores, MASKED)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
-        alpha = jnp.exp(m - m_new)
-        return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), \
-            alpha * acc + dot(p.astype(v.dtype), v, (1, 0), prec)
+        return online_softmax_step(m, l, acc, scores, mask, v, prec)
 
     init = (jnp.full((cfg.rows, 1), MASKED, F32), jnp.zeros((cfg.rows, 1), F32),
             jnp.zeros((cfg.rows, cfg.head_dim), F32))
