@@ -58,27 +58,11 @@ FALLBACK_CHAT_TEMPLATE = "{role}: {content}\n"
 
 def cancel_request(server: Server, rid: Hashable) -> bool:
     """Takes `rid` out of the server's queue or frees its slot and pages; False when it is not there.
-    Call it only between two `step()`s, on the thread that steps.
-
-    Uses `Server.cancel` where the server has one (dropping the "cancelled" Result it records: the
-    HTTP client is gone); otherwise reaches into its queue and slots.
-    """
-    if hasattr(server, "cancel"):
-        found = server.cancel(rid)
-        server.results.pop(rid, None)
-        return found
-    for k, (request, _) in enumerate(server.waiting):
-        if request.id == rid:
-            del server.waiting[k]
-            return True
-    for i, live in enumerate(server.slots):
-        if live is not None and live.request.id == rid:
-            server.pages.release(rid, live.pages)
-            server.slots[i] = None
-            server._arrays = None  # the batch's sampling settings are rebuilt without this row
-            return True
+    Call it only between two `step()`s, on the thread that steps. The "cancelled" Result the server
+    records is dropped: the HTTP client is gone."""
+    found = server.cancel(rid)
     server.results.pop(rid, None)
-    return False
+    return found
 
 
 Sink = Callable[[str, Any], None]  # ("token", id) ... then ("done", Result); called on the engine thread
@@ -131,7 +115,7 @@ class Engine:
         s = self.server
         held = {p for pages in s.live_pages().values() for p in pages}
         return {"slots": len(s.slots), "slots_live": sum(x is not None for x in s.slots),
-                "pages_total": s.pages.n_pages - 1, "pages_held": len(held), "pages_free": len(s.pages.free),
+                "pages_total": s.pages.usable, "pages_held": len(held), "pages_free": len(s.pages.free),
                 "pages_cached": len(getattr(s.pages, "lru", ())),  # a prefix cache's pages, held by no one
                 "queued": len(self._queued), "completed": self.completed, "cancelled": self.cancelled,
                 "steps": s.steps, "preemptions": s.preemptions}
@@ -396,9 +380,9 @@ def check_request(server: Server, prompt: list[int], params: SamplingParams) -> 
     except ConfigError as e:
         raise _Bad(str(e), "prompt" if "prompt" in str(e) or "token ids" in str(e) else None) from None
     worst = -(-(len(prompt) + params.max_new_tokens) // server.page_size)
-    if worst > server.pages.n_pages - 1:
-        raise _Bad(f"the request needs up to {worst} pages of {server.page_size} tokens but the pool has "
-                   f"{server.pages.n_pages - 1}; shorten the prompt or lower max_tokens", "max_tokens")
+    if worst > server.pages.per_replica - 1:
+        raise _Bad(f"the request needs up to {worst} pages of {server.page_size} tokens but a replica's pool "
+                   f"has {server.pages.per_replica - 1}; shorten the prompt or lower max_tokens", "max_tokens")
 
 
 # ----------------------------------------------------------------------------- the app
@@ -666,7 +650,7 @@ def serve(args) -> int:
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     print(f"serving {served.name} on http://{host}:{port}/v1 (slots {args.slots}, max_len {args.max_len}, "
-          f"pages {engine.server.pages.n_pages - 1} of {args.page_size} tokens)", flush=True)
+          f"pages {engine.server.pages.usable} of {args.page_size} tokens)", flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down, which would end the
     # process with that signal's status; a graceful shutdown exits 0, so the handler it restores
     # and re-raises is this no-op.

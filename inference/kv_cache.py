@@ -39,20 +39,23 @@ tables may name the same pages (a shared prompt prefix): reads never write.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshwork.config_sections import ModelConfig
 from meshwork.kernels.decode_attention import decode_attention
 from meshwork.kernels.paged_attention import gather_pages, paged_attention
-from meshwork.sharding.rules import Rules, logical_to_sharding
+from meshwork.sharding.rules import Rules, compiler_axes, current_rules, logical_to_sharding, split_axes
 
 # Logical names of a cache's (layers, batch, seq, kv_heads, head_dim) dimensions.
 CACHE_AXES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
-# The paged pool is shared by all sequences, so its page dimension is not split.
-POOL_AXES = ("layers", None, None, "act_kv_heads", "act_head_dim")
+# The paged pool's pages are split over the data axes, one range per data-parallel replica
+# (_attend_per_replica); its sequences' rows are split the same way.
+POOL_AXES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
 NULL_PAGE = 0
 
 
@@ -180,20 +183,75 @@ class _PagedLayer:
 
     def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None):
         c = self.cache
-        T = c.page_size
-        P = c.page_table.shape[1]
-        slot_BL = jnp.minimum(positions_BL // T, P - 1)
-        page_BL = jnp.take_along_axis(c.page_table, slot_BL, axis=1)
-        # Past the table's reach a write goes to the null page, never into the row's last live page.
-        page_BL = jnp.where(positions_BL < P * T, page_BL, NULL_PAGE)
-        offset_BL = positions_BL % T
-        k = c.k.at[self.i, page_BL, offset_BL].set(k_BLGK.astype(c.k.dtype))
-        v = c.v.at[self.i, page_BL, offset_BL].set(v_BLGK.astype(c.v.dtype))
-
-        if impl == "pallas":
-            # The kernel takes the whole pool and the layer index: neither this layer nor its pages are copied.
-            o_BLHK = paged_attention(q_BLHK, k, v, c.page_table, positions_BL, layer=self.i, window=window)
+        attend = functools.partial(_attend_pages, impl=impl, window=window)
+        rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+        if rules is None or mesh.empty or all(n == 1 for n in mesh.shape.values()):
+            o_BLHK, k, v = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, c.k, c.v, c.page_table, self.i)
         else:
-            k_BSGK, v_BSGK = (gather_pages(pool, c.page_table, self.i).astype(q_BLHK.dtype) for pool in (k, v))
-            o_BLHK = cached_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl="xla", window=window)
+            o_BLHK, k, v = _attend_per_replica(attend, rules, dict(mesh.shape), q_BLHK, k_BLGK, v_BLGK,
+                                               positions_BL, c.k, c.v, c.page_table, self.i)
         return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
+
+
+def _attend_pages(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i, *, impl, window):
+    """Writes the new keys/values into their pages, then attends the queries over the sequence's pages."""
+    T, P = k_pool.shape[2], table_BP.shape[1]
+    slot_BL = jnp.minimum(positions_BL // T, P - 1)
+    page_BL = jnp.take_along_axis(table_BP, slot_BL, axis=1)
+    # Past the table's reach a write goes to the null page, never into the row's last live page.
+    page_BL = jnp.where(positions_BL < P * T, page_BL, NULL_PAGE)
+    offset_BL = positions_BL % T
+    k = k_pool.at[i, page_BL, offset_BL].set(k_BLGK.astype(k_pool.dtype))
+    v = v_pool.at[i, page_BL, offset_BL].set(v_BLGK.astype(v_pool.dtype))
+    if impl == "pallas":
+        # The kernel takes the whole pool and the layer index: neither this layer nor its pages are copied.
+        o_BLHK = paged_attention(q_BLHK, k, v, table_BP, positions_BL, layer=i, window=window)
+    else:
+        k_BSGK, v_BSGK = (gather_pages(pool, table_BP, i).astype(q_BLHK.dtype) for pool in (k, v))
+        o_BLHK = cached_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl="xla", window=window)
+    return o_BLHK, k, v
+
+
+def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool,
+                        table_BP, i):
+    """`attend` on each device's share of the pool, inside `shard_map`.
+
+    The pool's pages are split over the data axes: data-parallel replica r
+    holds pages r*N/D .. (r+1)*N/D - 1 (N pages, D replicas), the first of
+    them its own null page, and its rows' page tables name only those
+    (serving.py allocates per replica). Kv heads are split over `tensor` as
+    in training. So each device writes and reads only pages it holds: no
+    collective touches the cache. Rows split over the data axes like the
+    pool (decode: each replica runs its own rows); a batch that does not
+    divide (a one-row prefill chunk) is replicated instead, every replica
+    writes only the pages it holds (the others' land on its null page) and
+    the owner's output is summed across the replicas.
+    """
+    data = compiler_axes(split_axes("act_batch", rules, mesh_shape))
+    heads = compiler_axes(split_axes("act_kv_heads", rules, mesh_shape))
+    if heads != compiler_axes(split_axes("act_heads", rules, mesh_shape)):
+        raise ValueError("a paged cache needs query heads and kv heads split over the same mesh axes; "
+                         "map act_heads and act_kv_heads alike in the rules")
+    D = math.prod(mesh_shape[a] for a in data)
+    rows_split = q_BLHK.shape[0] % D == 0
+    row_axes = (data or None) if rows_split else None
+    row = PartitionSpec(row_axes, None)
+    act = PartitionSpec(row_axes, None, heads or None, None)
+    pool = PartitionSpec(None, data or None, None, heads or None, None)
+
+    def body(q, k_new, v_new, positions, k_pool, v_pool, table, i):
+        r = jax.lax.axis_index(data) if data else 0
+        per_replica = k_pool.shape[1]
+        local = table - r * per_replica
+        local = jnp.where((local >= 0) & (local < per_replica), local, NULL_PAGE)  # others' pages: the null page
+        o, k, v = attend(q, k_new, v_new, positions, k_pool, v_pool, local, i)
+        if data and not rows_split:
+            mine = table[:, 0] // per_replica == r  # a row's pages all belong to one replica
+            o = jax.lax.psum(jnp.where(mine[:, None, None, None], o, 0), data)
+        return o, k, v
+
+    # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
+    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                         in_specs=(act, act, act, row, pool, pool, row, PartitionSpec()),
+                         out_specs=(act, pool, pool), check_vma=False)(
+        q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i)

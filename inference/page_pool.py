@@ -16,7 +16,13 @@ import numpy as np
 
 
 class PageAllocator:
-    """Pages 1..n-1 of the pool (0 is the null page), reference-counted, with a prefix cache.
+    """The pool's pages, reference-counted, with a prefix cache; split into `replicas` equal ranges.
+
+    Replica r owns pages r*n/replicas .. (r+1)*n/replicas - 1, of which the
+    first is its null page (never handed out). With one replica that is pages
+    1..n-1 and null page 0. A sharded server keeps replica r's range on the
+    devices of data-parallel replica r (kv_cache.py), so a sequence only ever
+    holds pages of its own replica, and the prefix cache is per replica.
 
     A page is free, held (by one or more sequences; `owners`), or cached: no
     longer held but still holding the keys/values of a full page of tokens,
@@ -30,57 +36,88 @@ class PageAllocator:
         pages.lookup([digest]) == a[:1]; pages.share("b", a[:1])
     """
 
-    def __init__(self, n_pages: int):
-        self.n_pages = n_pages
-        self.free: collections.deque[int] = collections.deque(range(1, n_pages))
-        self.owners: dict[int, list[Hashable]] = {}          # held pages -> the sequences holding them
-        self.cached: dict[bytes, int] = {}                    # chained token hash -> page
-        self.digest: dict[int, bytes] = {}                    # the reverse, for registered pages
-        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, not held
+    def __init__(self, n_pages: int, replicas: int = 1):
+        if replicas < 1 or n_pages % replicas or n_pages // replicas < 2:
+            raise ValueError(f"{n_pages} pages cannot be split into {replicas} replicas of at least 2 pages "
+                             f"(a null page and one to hand out); use a multiple of {replicas} pages")
+        self.n_pages, self.replicas = n_pages, replicas
+        self.per_replica = n_pages // replicas
+        self._free = [collections.deque(range(r * self.per_replica + 1, (r + 1) * self.per_replica))
+                      for r in range(replicas)]
+        self.owners: dict[int, list[Hashable]] = {}           # held pages -> the sequences holding them
+        self._cached: list[dict[bytes, int]] = [{} for _ in range(replicas)]  # chained token hash -> page
+        self.digest: dict[int, bytes] = {}                     # the reverse, for registered pages
+        # Per replica: cached pages no one holds, least recently released first.
+        self._lru: list[collections.OrderedDict[int, None]] = [collections.OrderedDict() for _ in range(replicas)]
         self.evictions = 0
 
     @property
-    def available(self) -> int:
-        """Pages `allocate` can hand out: the free ones and the cached ones it may evict."""
-        return len(self.free) + len(self.lru)
+    def usable(self) -> int:
+        """Pages that can ever be handed out: all but the null pages."""
+        return self.n_pages - self.replicas
 
-    def allocate(self, owner: Hashable, n: int) -> list[int] | None:
-        """n fresh pages for `owner`, or None (nothing taken) when fewer are available."""
-        if n > self.available:
+    @property
+    def free(self) -> list[int]:
+        return [p for q in self._free for p in q]
+
+    @property
+    def lru(self) -> list[int]:
+        """Cached pages that no sequence holds."""
+        return [p for q in self._lru for p in q]
+
+    @property
+    def available(self) -> int:
+        """Pages `allocate` can hand out, over all replicas: the free ones and the cached ones it may evict."""
+        return sum(self.available_in(r) for r in range(self.replicas))
+
+    def available_in(self, replica: int) -> int:
+        return len(self._free[replica]) + len(self._lru[replica])
+
+    def replica_of(self, page: int) -> int:
+        return page // self.per_replica
+
+    def null_page(self, replica: int) -> int:
+        return replica * self.per_replica
+
+    def allocate(self, owner: Hashable, n: int, replica: int = 0) -> list[int] | None:
+        """n fresh pages of `replica` for `owner`, or None (nothing taken) when fewer are available."""
+        if n > self.available_in(replica):
             return None
+        free, lru, cached = self._free[replica], self._lru[replica], self._cached[replica]
         pages = []
         for _ in range(n):
-            if self.free:
-                pages.append(self.free.popleft())
+            if free:
+                pages.append(free.popleft())
             else:  # evict the least recently released cached page
-                page, _ = self.lru.popitem(last=False)
-                del self.cached[self.digest.pop(page)]
+                page, _ = lru.popitem(last=False)
+                del cached[self.digest.pop(page)]
                 self.evictions += 1
                 pages.append(page)
         for p in pages:
             self.owners[p] = [owner]
         return pages
 
-    def lookup(self, digests: Sequence[bytes]) -> list[int]:
-        """The pages of the longest run of `digests` (a sequence's full pages, in order) that is cached."""
+    def lookup(self, digests: Sequence[bytes], replica: int = 0) -> list[int]:
+        """The pages of the longest run of `digests` (a sequence's full pages, in order) cached in `replica`."""
         pages = []
         for d in digests:
-            if d not in self.cached:
+            if d not in self._cached[replica]:
                 break
-            pages.append(self.cached[d])
+            pages.append(self._cached[replica][d])
         return pages
 
     def share(self, owner: Hashable, pages: Iterable[int]) -> None:
         """`owner` holds cached pages too (their keys/values are reused, never written)."""
         for p in pages:
-            self.lru.pop(p, None)
+            self._lru[self.replica_of(p)].pop(p, None)
             self.owners.setdefault(p, []).append(owner)
 
     def register(self, page: int, digest: bytes) -> None:
         """`page` now holds the full page of tokens that `digest` names; a digest already cached keeps
         its page (this one is freed as usual when released)."""
-        if digest not in self.cached and page not in self.digest:
-            self.cached[digest] = page
+        cached = self._cached[self.replica_of(page)]
+        if digest not in cached and page not in self.digest:
+            cached[digest] = page
             self.digest[page] = digest
 
     def release(self, owner: Hashable, pages: Iterable[int]) -> None:
@@ -93,9 +130,9 @@ class PageAllocator:
                 continue
             del self.owners[p]
             if p in self.digest:
-                self.lru[p] = None  # most recently released: evicted last
+                self._lru[self.replica_of(p)][p] = None  # most recently released: evicted last
             else:
-                self.free.append(p)
+                self._free[self.replica_of(p)].append(p)
 
 
 def page_digests(tokens: Sequence[int], page_size: int, previous: bytes = b"") -> list[bytes]:

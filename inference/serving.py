@@ -133,14 +133,24 @@ class Server:
         self.prefix_caching, self.prefill_chunk, self.steps_per_dispatch = \
             prefix_caching, prefill_chunk, steps_per_dispatch
         self.pages_per_seq = math.ceil(max_len / page_size)
-        # Default pool: half of what slots x max_len would need, plus the null page.
-        n_pages = n_pages or slots * self.pages_per_seq // 2 + 1
+        # Under a mesh each data-parallel replica serves slots/replicas rows from its own range of pages
+        # (kv_cache._attend_per_replica): the pool is split, not copied.
+        self.replicas = self.gen.batch_multiple
+        if slots % self.replicas:
+            raise ConfigError(f"slots={slots} cannot be split over {self.replicas} data-parallel replicas; "
+                              f"use a multiple of {self.replicas}")
+        if mesh is not None and dict(mesh.shape).get("stage", 1) > 1:
+            raise ConfigError("serving does not split layers over mesh.stage; serve with stage 1 "
+                              "(data replicas and tensor-parallel heads)")
+        # Default pool: half of what slots x max_len would need, plus a null page per replica.
+        n_pages = n_pages or slots * self.pages_per_seq // 2 + self.replicas
+        n_pages = round_up(n_pages, self.replicas)
         sharding = PagedKVCache.shardings(mesh, rules).k if mesh is not None else None
         pool = PagedKVCache.zeros(self.cfg, n_pages, page_size, slots, self.pages_per_seq,
                                   self.gen.cache_dtype, sharding)
         self.k, self.v = pool.k, pool.v
         self.seen = jnp.zeros((slots, self.cfg.vocab_size), bool)
-        self.pages = PageAllocator(n_pages)
+        self.pages = PageAllocator(n_pages, self.replicas)
         self.slots: list[_Live | None] = [None] * slots
         self.waiting: collections.deque[tuple[Request, list[int]]] = collections.deque()
         self.results: dict[Hashable, Result] = {}
@@ -169,9 +179,9 @@ class Server:
             request.params.check(self.cfg.vocab_size)
             self.gen.check_prompt(request.prompt, request.params.max_new_tokens, self.max_len)
             worst = math.ceil((len(request.prompt) + request.params.max_new_tokens) / self.page_size)
-            if worst > self.pages.n_pages - 1:
-                raise ConfigError(f"request needs up to {worst} pages of {self.page_size} tokens but the pool has "
-                                  f"{self.pages.n_pages - 1}; raise n_pages or shorten the request")
+            if worst > self.pages.per_replica - 1:
+                raise ConfigError(f"request needs up to {worst} pages of {self.page_size} tokens but a replica's "
+                                  f"pool has {self.pages.per_replica - 1}; raise n_pages or shorten the request")
         except ConfigError as e:
             self.results[request.id] = Result(request.id, [], "error", str(e))
             return
@@ -271,18 +281,17 @@ class Server:
             request, produced = self.waiting[0]
             # A preempted request resumes from its prompt plus what it produced, bar the pending last token.
             context = list(request.prompt) + produced[:-1]
-            digests, hits = [], []
-            if self.prefix_caching:
-                # Full pages only, and never the page of the last context token: its logits are needed.
-                digests = page_digests(context[:len(context) - 1], T)
-                hits = self.pages.lookup(digests)
-                self.pages.share(request.id, hits)
-            fresh = self.pages.allocate(request.id, math.ceil((len(context) + 1) / T) - len(hits))
+            # Full pages only, and never the page of the last context token: its logits are needed.
+            digests = page_digests(context[:len(context) - 1], T) if self.prefix_caching else []
+            slot = self._place(digests)
+            replica = self._replica(slot)
+            hits = self.pages.lookup(digests, replica)
+            self.pages.share(request.id, hits)
+            fresh = self.pages.allocate(request.id, math.ceil((len(context) + 1) / T) - len(hits), replica)
             if fresh is None:
                 self.pages.release(request.id, hits)
                 break
             self.waiting.popleft()
-            slot = self.slots.index(None)
             self.slots[slot] = _Live(request, hits + fresh, len(hits) * T, list(produced), self._admitted,
                                      len(context), digests[:len(hits)])
             self._admitted += 1
@@ -295,6 +304,20 @@ class Server:
             if self.prefill_chunk is None:
                 events += self._prefill_slot(slot, len(context) - len(hits) * T)
         return events
+
+    def _replica(self, slot: int) -> int:
+        """The data-parallel replica whose devices hold the slot's row and pages."""
+        return slot // (len(self.slots) // self.replicas)
+
+    def _place(self, digests: list[bytes]) -> int:
+        """A free slot for a new request: in the replica that has most of its prefix cached, then the
+        most pages available (one replica: the first free slot)."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        best = {}
+        for i in free:
+            best.setdefault(self._replica(i), i)
+        return max(best.values(), key=lambda i: (len(self.pages.lookup(digests, self._replica(i))),
+                                                 self.pages.available_in(self._replica(i)), -i))
 
     def _prefill(self) -> list[tuple[Hashable, int]]:
         """Prefills prompts in admission order, `prefill_chunk` tokens in all per step (None: all of them)."""
@@ -339,10 +362,13 @@ class Server:
         steps = {i: min(n, self.slots[i].request.params.max_new_tokens - len(self.slots[i].produced))
                  for i in ready()}
         short = {i: math.ceil((self.slots[i].length + steps[i]) / T) - len(self.slots[i].pages) for i in steps}
-        if n > 1 and sum(max(0, m) for m in short.values()) <= self.pages.available:
+        wanted = collections.Counter()
+        for i, m in short.items():
+            wanted[self._replica(i)] += max(0, m)
+        if n > 1 and all(m <= self.pages.available_in(r) for r, m in wanted.items()):
             for i, m in short.items():  # the pages of the next n positions, ahead
                 if m > 0:
-                    self.slots[i].pages += self.pages.allocate(self.slots[i].request.id, m)
+                    self.slots[i].pages += self.pages.allocate(self.slots[i].request.id, m, self._replica(i))
         else:  # the pool is short: one step, a page per slot that crosses a boundary, preempting if need be
             n = 1
             for i in range(len(self.slots)):
@@ -399,13 +425,15 @@ class Server:
     def _ensure_page(self, i: int) -> bool:
         """Gives slot i the page its next position needs, preempting another request if none is free."""
         s = self.slots[i]
+        replica = self._replica(i)
         while s.length // self.page_size >= len(s.pages):
-            page = self.pages.allocate(s.request.id, 1)
+            page = self.pages.allocate(s.request.id, 1, replica)
             if page is not None:
                 s.pages += page
                 self.peak_pages = max(self.peak_pages, len(self.pages.owners))
                 return True
-            victims = [j for j, o in enumerate(self.slots) if o is not None and j != i]
+            victims = [j for j, o in enumerate(self.slots)
+                       if o is not None and j != i and self._replica(j) == replica]
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda j: self.slots[j].admitted))

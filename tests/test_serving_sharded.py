@@ -1,0 +1,112 @@
+"""Sharded serving on 8 devices: the page pool split over `data` (each data-parallel replica serves
+its own rows from its own pages) and kv heads over `tensor`, through `shard_map` around the cache
+write and the attention (kernel or gather). Every request gets the one-device server's tokens, each
+device holds 1/(data x tensor) of the pool, and the compiled decode loop moves no page between
+devices."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from meshwork.config import ConfigError, load_config
+from meshwork.inference.sampling import SamplingParams
+from meshwork.inference.serving import Request, Server
+from meshwork.models.build import build_model
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.rules import rules_for
+
+from conftest import ROOT
+
+DATA, TENSOR = 4, 2
+SERVER = dict(slots=8, page_size=8, max_len=128, prefix_caching=True, prefill_chunk=32)
+SYSTEM = list(range(40, 80))  # a shared 40-token prefix: five full pages for the prefix cache
+
+
+def small_model(impl: str):
+    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+        f"model.attention={impl}"])
+    return build_model(cfg, seed=3)
+
+
+@pytest.fixture(scope="module")
+def requests():
+    """Ragged prompts, half with the shared prefix, greedy and sampled, long enough to cross pages."""
+    rng = np.random.default_rng(11)
+    out = []
+    for i in range(12):
+        prompt = [int(t) for t in rng.integers(0, 256, int(rng.integers(3, 50)))]
+        out.append(Request(f"r{i}", SYSTEM + prompt if i % 2 else prompt,
+                           SamplingParams(temperature=0.0 if i % 3 else 0.9, top_p=0.9, seed=i,
+                                          max_new_tokens=int(rng.integers(2, 24)))))
+    return out
+
+
+def serve(model, requests, mesh=None, **kw):
+    server = Server(model, mesh=mesh, rules=rules_for("tp") if mesh is not None else None, **{**SERVER, **kw})
+    results = server.run(requests)
+    assert not server.live_pages() and server.pages.available == server.pages.usable
+    return server, {rid: r.tokens for rid, r in results.items()}
+
+
+def collective_shapes(hlo: str) -> list[tuple[str, list[int]]]:
+    """(op, result dims) of every collective in an optimized HLO text."""
+    ops = re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} (all-gather|all-reduce|collective-permute|all-to-all|"
+                     r"reduce-scatter)(?:-start)?\(", hlo)
+    return [(op, [int(d) for d in dims.split(",") if d]) for dims, op in ops]
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_sharded_server_equals_one_device(impl, requests):
+    """data 4 x tensor 2: the same tokens for every request, with prefix caching, chunked prefill and
+    (a pool short enough) preemption inside a replica; the pool's shards hold 1/8 of it each."""
+    model = small_model(impl)
+    _, alone = serve(model, requests)
+    mesh = make_mesh({"data": DATA, "tensor": TENSOR})
+    # 4 slots and 15 pages per replica (14 to hand out, as many as the longest request needs): the
+    # replicas' requests cannot all grow, so some are preempted.
+    server, sharded = serve(model, requests, mesh, slots=16, n_pages=DATA * 15)
+    assert sharded == alone
+    assert server.preemptions > 0 and server.cached_tokens > 0
+
+    L, N, T, G, K = server.k.shape
+    assert N == DATA * 15
+    shards = {s.data.shape for s in server.k.addressable_shards}
+    assert shards == {(L, N // DATA, T, G // TENSOR, K)}
+    assert sum(s.data.nbytes for s in server.k.addressable_shards) == server.k.nbytes  # no copy anywhere
+
+
+def test_decode_loop_moves_no_pages():
+    """The compiled decode loop's collectives (tensor-parallel sums, the sampler's batch) never carry
+    pages: each device reads and writes only its own share of the pool."""
+    model = small_model("xla")
+    server = Server(model, mesh=make_mesh({"data": DATA, "tensor": TENSOR}), rules=rules_for("tp"), **SERVER)
+    loop, seen = server._loop, {}
+
+    def spy(*args):  # the decode loop's arguments, as shapes and shardings, for lowering it again
+        seen["args"] = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
+                        else jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+                        for x in jax.tree.leaves(args)]
+        seen["tree"] = jax.tree.structure(args)
+        return loop(*args)
+
+    server._loop = spy
+    server.run([Request("a", list(range(20)), SamplingParams(temperature=0.0, max_new_tokens=12))])
+    args = jax.tree.unflatten(seen["tree"], seen["args"])
+    hlo = server.gen._in_context(lambda *a: loop.lower(*a).compile().as_text(), *args)
+    L, N, T, G, K = server.k.shape
+    collectives = collective_shapes(hlo)
+    assert collectives, "the tensor-parallel layers must sum across tensor"
+    page_like = [(op, dims) for op, dims in collectives
+                 if dims[-3:] in ([T, G, K], [T, G // TENSOR, K]) or N in dims or N // DATA in dims]
+    assert page_like == []
+
+
+def test_slots_must_split_over_the_replicas():
+    model = small_model("xla")
+    with pytest.raises(ConfigError, match="slots=6 cannot be split over 4 data-parallel replicas"):
+        Server(model, mesh=make_mesh({"data": DATA, "tensor": TENSOR}), rules=rules_for("tp"),
+               **{**SERVER, "slots": 6})
