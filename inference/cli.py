@@ -86,6 +86,10 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                         "prompts at admission)")
     s.add_argument("--prefix-caching", action="store_true",
                    help="share the KV pages of equal prompt prefixes between requests")
+    s.add_argument("--data", type=int, default=1,
+                   help="data-parallel replicas: each serves slots/data requests from its own share of the pages")
+    s.add_argument("--tensor", type=int, default=1, help="split attention heads and MLP columns over this many "
+                                                         "devices (data x tensor = the host's devices)")
     s.add_argument("--max-tokens", type=int, default=256, help="most new tokens one request may ask for")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot before new ones get 429")
@@ -103,7 +107,7 @@ def main(argv: list[str]) -> int:
 
             return lm.run(args)
         if args.command == "serve":
-            from meshwork.inference.http_server import serve
+            from meshwork.inference.serve_cli import serve
 
             return serve(args)
         if args.command == "export-peft":

@@ -8,9 +8,10 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream: true` as server-sent events), `GET /v1/models`, `GET /health` (the
 pool's state: live slots, free pages, queued requests).
 
-The batching loop runs on its own thread (`Engine`), fed by a queue of
-commands (submit, cancel, stop); between two decode steps it applies what
-arrived, so requests join and leave the running batch as in `serving.py`.
+The batching loop runs on its own thread (`Engine`, inference/serve_engine.py),
+fed by a queue of commands (submit, cancel, stop); between two decode steps it
+applies what arrived, so requests join and leave the running batch as in
+`serving.py`. The command line is inference/serve_cli.py.
 Each request's tokens go back to the asyncio loop of its HTTP handler through
 `call_soon_threadsafe`. A handler whose client has gone (polled between
 tokens) cancels its request: the engine takes it out of the queue or frees
@@ -32,12 +33,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
-import threading
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,144 +43,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshwork.config import ConfigError
 from meshwork.inference.sampling import SamplingParams
+from meshwork.inference.serve_engine import Engine, QueueFull
 from meshwork.inference.serving import Request, Result, Server
 
 # Without a chat template in the checkpoint's tokenizer files, messages are rendered as
 # "role: content" lines and the prompt ends with "assistant:", the model to continue from there.
 FALLBACK_CHAT_TEMPLATE = "{role}: {content}\n"
-
-
-# ----------------------------------------------------------------------------- the engine thread
-
-
-def cancel_request(server: Server, rid: Hashable) -> bool:
-    """Takes `rid` out of the server's queue or frees its slot and pages; False when it is not there.
-    Call it only between two `step()`s, on the thread that steps. The "cancelled" Result the server
-    records is dropped: the HTTP client is gone."""
-    found = server.cancel(rid)
-    server.results.pop(rid, None)
-    return found
-
-
-Sink = Callable[[str, Any], None]  # ("token", id) ... then ("done", Result); called on the engine thread
-
-
-class QueueFull(Exception):
-    pass
-
-
-class Engine:
-    """Runs `server` on a thread of its own: `submit` and `cancel` from any thread, `start`/`stop`."""
-
-    def __init__(self, server: Server, *, max_queue: int = 64):
-        self.server, self.max_queue = server, max_queue
-        self._commands: queue.Queue = queue.Queue()
-        self._sinks: dict[Hashable, Sink] = {}
-        self._lock = threading.Lock()
-        self._queued: set[Hashable] = set()  # submitted, no token yet (what max_queue bounds)
-        self._thread: threading.Thread | None = None
-        self.cancelled = self.completed = 0
-        self.failure: str | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="meshwork-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancels whatever is left and joins the thread."""
-        if self._thread is not None and self._thread.is_alive():
-            self._commands.put(("stop",))
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
-
-    def submit(self, request: Request, sink: Sink) -> None:
-        """Queues `request`; its tokens and then its Result go to `sink`. QueueFull past max_queue."""
-        with self._lock:
-            if len(self._queued) >= self.max_queue:
-                raise QueueFull(f"{len(self._queued)} requests are waiting, the limit (--max-queue) is "
-                                f"{self.max_queue}; retry later")
-            self._queued.add(request.id)
-        self._commands.put(("submit", request, sink))
-
-    def cancel(self, rid: Hashable) -> None:
-        self._commands.put(("cancel", rid))
-
-    def stats(self) -> dict:
-        s = self.server
-        held = {p for pages in s.live_pages().values() for p in pages}
-        return {"slots": len(s.slots), "slots_live": sum(x is not None for x in s.slots),
-                "pages_total": s.pages.usable, "pages_held": len(held), "pages_free": len(s.pages.free),
-                "pages_cached": len(getattr(s.pages, "lru", ())),  # a prefix cache's pages, held by no one
-                "queued": len(self._queued), "completed": self.completed, "cancelled": self.cancelled,
-                "steps": s.steps, "preemptions": s.preemptions}
-
-    # -- the thread -------------------------------------------------------------
-
-    def _loop(self) -> None:
-        s = self.server
-        try:
-            while True:
-                busy = bool(s.waiting) or any(s.slots)
-                try:
-                    commands = [self._commands.get(block=not busy)]
-                except queue.Empty:
-                    commands = []
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                for command in commands:
-                    if command[0] == "stop":  # what is left is cancelled, and its handler told so
-                        for rid, sink in list(self._sinks.items()):
-                            self._cancel(rid)
-                            sink("done", Result(rid, [], "error", "the server is shutting down"))
-                        return
-                    if command[0] == "submit":
-                        _, request, sink = command
-                        self._sinks[request.id] = sink
-                        s.submit(request)
-                        self._finish_if_done(request.id)
-                    else:
-                        self._cancel(command[1])
-                if bool(s.waiting) or any(s.slots):
-                    # A step may give a request several tokens (decode steps per dispatch), the last of
-                    # which finished it: deliver them all, then the results.
-                    events = s.step()
-                    for rid, token in events:
-                        sink = self._sinks.get(rid)
-                        if sink is not None:
-                            self._dequeue(rid)
-                            sink("token", token)
-                    for rid in dict.fromkeys(rid for rid, _ in events):
-                        if rid in self._sinks:
-                            self._finish_if_done(rid)
-        except Exception as e:  # the engine is broken: every open request hears why, /health says so
-            self.failure = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-            for rid, sink in list(self._sinks.items()):
-                sink("done", Result(rid, [], "error", f"the engine failed: {self.failure}"))
-            self._sinks.clear()
-
-    def _dequeue(self, rid: Hashable) -> None:
-        with self._lock:
-            self._queued.discard(rid)
-
-    def _finish_if_done(self, rid: Hashable) -> None:
-        result = self.server.results.pop(rid, None)
-        if result is not None:
-            self._dequeue(rid)
-            self.completed += 1
-            self._sinks.pop(rid)("done", result)
-
-    def _cancel(self, rid: Hashable) -> None:
-        sink = self._sinks.pop(rid, None)
-        self._dequeue(rid)
-        if cancel_request(self.server, rid) and sink is not None:
-            self.cancelled += 1
 
 
 # ----------------------------------------------------------------------------- text in, text out
@@ -574,119 +439,3 @@ async def _sse(request, engine: Engine, rid: str, events: asyncio.Queue, reply: 
             engine.cancel(rid)
 
 
-# ----------------------------------------------------------------------------- `python3 -m inference serve`
-
-
-def load_served(checkpoint: str, name: str | None = None):
-    """(model, Served) from a meshwork run dir (config.yaml) or a Hugging Face folder (config.json)."""
-    import pathlib
-
-    from meshwork.inference.lm import load_lm
-
-    path = pathlib.Path(checkpoint).expanduser()
-    if (path / "config.yaml").is_file():
-        model, tokenizer, stops = load_lm(str(path), None)
-        from meshwork.config import load_config
-
-        spec = load_config(path / "config.yaml").data.tokenizer
-        folder = None if not spec else pathlib.Path(spec).expanduser()
-        folder = folder.parent if folder is not None and folder.suffix == ".json" else folder
-    elif (path / "config.json").is_file():
-        model, tokenizer, stops = load_lm(None, str(path))
-        folder = path
-    else:
-        raise ConfigError(f"--checkpoint: {path} holds neither config.yaml (a meshwork run) nor config.json "
-                          "(a Hugging Face checkpoint); pass one of those folders")
-    template, special = chat_template_of(folder) if folder is not None and folder.is_dir() else (None, {})
-    return model, Served(name or path.resolve().name, tokenizer, list(stops), template, special)
-
-
-def _engine_options(args) -> dict:
-    """--prefill-chunk and --prefix-caching as Server keywords, passed only when asked for (and refused
-    in one line by a Server that does not take them)."""
-    import inspect
-
-    asked = {"prefill_chunk": args.prefill_chunk, "prefix_caching": args.prefix_caching or None}
-    options = {k: v for k, v in asked.items() if v is not None}
-    taken = inspect.signature(Server).parameters
-    for key in options:
-        if key not in taken:
-            raise ConfigError(f"--{key.replace('_', '-')}: this version of inference/serving.py has no {key}")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise ConfigError(f"--prefill-chunk {args.prefill_chunk}: give a positive token count")
-    return options
-
-
-def serve(args) -> int:
-    """Loads the checkpoint, binds the port, serves until SIGTERM/SIGINT, and returns 0."""
-    import signal
-    import socket
-    import sys
-
-    import uvicorn
-
-    for flag, value, low in (("--slots", args.slots, 1), ("--max-len", args.max_len, 2),
-                             ("--page-size", args.page_size, 1), ("--max-tokens", args.max_tokens, 1),
-                             ("--max-queue", args.max_queue, 1)):
-        if value < low:
-            raise ConfigError(f"{flag} {value}: use at least {low}")
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port {args.port}: give a TCP port in [0, 65535] (0: any free port)")
-    options = _engine_options(args)
-    if args.pages is not None and args.pages < 2:
-        raise ConfigError(f"--pages {args.pages}: the pool needs at least 2 pages (page 0 is the null page)")
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:  # before loading the model: a taken port fails at once
-        sock.bind((args.host, args.port))
-        sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
-    except OSError as e:
-        raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); pick another "
-                          "port (0: any free one)") from None
-    model, served = load_served(args.checkpoint, args.model_name)
-    engine = Engine(Server(model, slots=args.slots, page_size=args.page_size, max_len=args.max_len,
-                           n_pages=args.pages, **options), max_queue=args.max_queue)
-    app = create_app(engine, served, Limits(max_tokens=args.max_tokens))
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
-    host, port = sock.getsockname()[:2]
-    print(f"serving {served.name} on http://{host}:{port}/v1 (slots {args.slots}, max_len {args.max_len}, "
-          f"pages {engine.server.pages.usable} of {args.page_size} tokens)", flush=True)
-    # uvicorn re-raises the signal that stopped it once it has shut down, which would end the
-    # process with that signal's status; a graceful shutdown exits 0, so the handler it restores
-    # and re-raises is this no-op.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
-    print("shut down", file=sys.stderr, flush=True)
-    return 0
-
-
-class ThreadedServer:
-    """uvicorn serving `app` on 127.0.0.1 (any free port) from a background thread, for tests and
-    benchmarks in one process:
-
-        with ThreadedServer(create_app(engine, served)) as url: OpenAI(base_url=url + "/v1", api_key="-")
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        import socket
-
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind((host, port))
-        self.url = "http://%s:%d" % self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)

@@ -23,7 +23,9 @@ import pytest
 
 from meshwork.inference.cli import main
 from meshwork.inference.generate import Generator
-from meshwork.inference.http_server import (Engine, Limits, QueueFull, ThreadedServer, create_app, load_served)
+from meshwork.inference.http_server import Limits, create_app
+from meshwork.inference.serve_cli import ThreadedServer, load_served
+from meshwork.inference.serve_engine import Engine, QueueFull
 from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serving import Request, Server
 
@@ -270,6 +272,10 @@ def test_bad_command_lines_exit_2_with_one_line(tmp_path, lm_tiny_runs, capsys):
     assert code == 2 and len(err) == 1 and "--port 70000" in err[0]
     code, err = serve("--checkpoint", run_dir, "--slots", "0")
     assert code == 2 and len(err) == 1 and "--slots 0" in err[0]
+    code, err = serve("--checkpoint", run_dir, "--data", "3")  # 8 devices here
+    assert code == 2 and len(err) == 1 and "--data 3 x --tensor 1 = 3 devices" in err[0]
+    code, err = serve("--checkpoint", run_dir, "--data", "4", "--tensor", "2", "--slots", "6")
+    assert code == 2 and len(err) == 1 and "give a multiple of 4" in err[0]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

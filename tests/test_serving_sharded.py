@@ -4,6 +4,7 @@ write and the attention (kernel or gather). Every request gets the one-device se
 device holds 1/(data x tensor) of the pool, and the compiled decode loop moves no page between
 devices."""
 
+import concurrent.futures
 import re
 
 import jax
@@ -11,6 +12,9 @@ import numpy as np
 import pytest
 
 from meshwork.config import ConfigError, load_config
+from meshwork.inference.http_server import Limits, Served, create_app
+from meshwork.inference.serve_cli import ThreadedServer
+from meshwork.inference.serve_engine import Engine
 from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serving import Request, Server
 from meshwork.models.build import build_model
@@ -58,16 +62,22 @@ def collective_shapes(hlo: str) -> list[tuple[str, list[int]]]:
     return [(op, [int(d) for d in dims.split(",") if d]) for dims, op in ops]
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
-def test_sharded_server_equals_one_device(impl, requests):
-    """data 4 x tensor 2: the same tokens for every request, with prefix caching, chunked prefill and
-    (a pool short enough) preemption inside a replica; the pool's shards hold 1/8 of it each."""
-    model = small_model(impl)
+@pytest.fixture(scope="module", params=["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def runs(request, requests):
+    """(the one-device tokens, the data 4 x tensor 2 server and its tokens) for one attention impl.
+    4 slots and 15 pages per replica (14 to hand out, as many as the longest request needs): the
+    replicas' requests cannot all grow, so some are preempted."""
+    model = small_model(request.param)
     _, alone = serve(model, requests)
-    mesh = make_mesh({"data": DATA, "tensor": TENSOR})
-    # 4 slots and 15 pages per replica (14 to hand out, as many as the longest request needs): the
-    # replicas' requests cannot all grow, so some are preempted.
-    server, sharded = serve(model, requests, mesh, slots=16, n_pages=DATA * 15)
+    server, sharded = serve(model, requests, make_mesh({"data": DATA, "tensor": TENSOR}), slots=16,
+                            n_pages=DATA * 15)
+    return alone, server, sharded
+
+
+def test_sharded_server_equals_one_device(runs):
+    """data 4 x tensor 2: the same tokens for every request, with prefix caching, chunked prefill and
+    preemption inside a replica; the pool's shards hold 1/8 of it each."""
+    alone, server, sharded = runs
     assert sharded == alone
     assert server.preemptions > 0 and server.cached_tokens > 0
 
@@ -76,6 +86,31 @@ def test_sharded_server_equals_one_device(impl, requests):
     shards = {s.data.shape for s in server.k.addressable_shards}
     assert shards == {(L, N // DATA, T, G // TENSOR, K)}
     assert sum(s.data.nbytes for s in server.k.addressable_shards) == server.k.nbytes  # no copy anywhere
+
+
+def test_sharded_server_over_http_with_the_openai_client(runs, requests):
+    """The sharded server behind the OpenAI API: 12 concurrent clients (greedy and sampled, streamed
+    or not) each get the one-device tokens."""
+    openai = pytest.importorskip("openai")  # the test extra installs it
+    alone, server, _ = runs
+    engine = Engine(server, max_queue=64)  # the app's lifespan starts and stops it
+    served = Served("sharded", None)  # no tokenizer: prompts go as token ids
+
+    def ask(client, r, stream):
+        p = r.params
+        kw = dict(model="sharded", prompt=list(r.prompt), max_tokens=p.max_new_tokens, temperature=p.temperature,
+                  top_p=p.top_p, seed=p.seed)
+        if not stream:
+            return client.completions.create(**kw).choices[0].model_extra["token_ids"]
+        return [t for chunk in client.completions.create(**kw, stream=True)
+                for t in chunk.choices[0].model_extra["token_ids"]]
+
+    with ThreadedServer(create_app(engine, served, Limits(max_tokens=64))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-")
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            got = list(pool.map(lambda ir: ask(client, ir[1], ir[0] % 2), enumerate(requests)))
+    assert {r.id: ids for r, ids in zip(requests, got)} == alone
+    assert not server.live_pages() and server.pages.available == server.pages.usable
 
 
 def test_decode_loop_moves_no_pages():

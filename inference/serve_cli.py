@@ -1,0 +1,144 @@
+"""`python3 -m inference serve`: load a checkpoint, bind the port, serve the OpenAI API until SIGTERM.
+
+    python3 -m inference serve --checkpoint runs/lm_tiny --port 8000 [--data 4 --tensor 2]
+
+With `--data`/`--tensor` the model and the KV page pool are split over a mesh of this host's
+devices: the pool's pages over `data` (each data-parallel replica serves its own slots from its own
+pages) and heads over `tensor` (inference/kv_cache.py, serving.py).
+`ThreadedServer` runs an app on a background thread, for tests and benchmarks in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from meshwork.config import ConfigError
+from meshwork.inference.http_server import Limits, Served, chat_template_of, create_app
+from meshwork.inference.serve_engine import Engine
+from meshwork.inference.serving import Server
+
+
+def load_served(checkpoint: str, name: str | None = None):
+    """(model, Served) from a meshwork run dir (config.yaml) or a Hugging Face folder (config.json)."""
+    import pathlib
+
+    from meshwork.inference.lm import load_lm
+
+    path = pathlib.Path(checkpoint).expanduser()
+    if (path / "config.yaml").is_file():
+        model, tokenizer, stops = load_lm(str(path), None)
+        from meshwork.config import load_config
+
+        spec = load_config(path / "config.yaml").data.tokenizer
+        folder = None if not spec else pathlib.Path(spec).expanduser()
+        folder = folder.parent if folder is not None and folder.suffix == ".json" else folder
+    elif (path / "config.json").is_file():
+        model, tokenizer, stops = load_lm(None, str(path))
+        folder = path
+    else:
+        raise ConfigError(f"--checkpoint: {path} holds neither config.yaml (a meshwork run) nor config.json "
+                          "(a Hugging Face checkpoint); pass one of those folders")
+    template, special = chat_template_of(folder) if folder is not None and folder.is_dir() else (None, {})
+    return model, Served(name or path.resolve().name, tokenizer, list(stops), template, special)
+
+
+def _mesh_options(args) -> dict:
+    """--data and --tensor as the Server's mesh and rules (none for one device)."""
+    if args.data * args.tensor == 1:
+        return {}
+    import jax
+
+    from meshwork.sharding.mesh import make_mesh
+    from meshwork.sharding.rules import rules_for
+
+    n = jax.device_count()
+    if args.data * args.tensor != n:
+        raise ConfigError(f"--data {args.data} x --tensor {args.tensor} = {args.data * args.tensor} devices, but "
+                          f"this host has {n}; give sizes whose product is {n}")
+    mesh = make_mesh({"data": args.data, "tensor": args.tensor})
+    return {"mesh": mesh, "rules": rules_for("tp" if args.tensor > 1 else "dp")}
+
+
+def serve(args) -> int:
+    """Loads the checkpoint, binds the port, serves until SIGTERM/SIGINT, and returns 0."""
+    import signal
+    import socket
+    import sys
+
+    import uvicorn
+
+    for flag, value, low in (("--slots", args.slots, 1), ("--max-len", args.max_len, 2),
+                             ("--page-size", args.page_size, 1), ("--max-tokens", args.max_tokens, 1),
+                             ("--max-queue", args.max_queue, 1), ("--data", args.data, 1),
+                             ("--tensor", args.tensor, 1)):
+        if value < low:
+            raise ConfigError(f"{flag} {value}: use at least {low}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: give a TCP port in [0, 65535] (0: any free port)")
+    options = _mesh_options(args)
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk {args.prefill_chunk}: give a positive token count")
+    if args.pages is not None and args.pages < 2 * args.data:
+        raise ConfigError(f"--pages {args.pages}: the pool needs at least 2 pages per data replica (a null page "
+                          f"and one to hand out); give at least {2 * args.data}")
+    if args.slots % args.data:
+        raise ConfigError(f"--slots {args.slots}: each of the --data {args.data} replicas serves its own slots; "
+                          f"give a multiple of {args.data}")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # before loading the model: a taken port fails at once
+        sock.bind((args.host, args.port))
+        sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
+    except OSError as e:
+        raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); pick another "
+                          "port (0: any free one)") from None
+    model, served = load_served(args.checkpoint, args.model_name)
+    engine = Engine(Server(model, slots=args.slots, page_size=args.page_size, max_len=args.max_len,
+                           n_pages=args.pages, prefill_chunk=args.prefill_chunk,
+                           prefix_caching=args.prefix_caching, **options), max_queue=args.max_queue)
+    app = create_app(engine, served, Limits(max_tokens=args.max_tokens))
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    host, port = sock.getsockname()[:2]
+    layout = f", data {args.data} x tensor {args.tensor}" if options else ""
+    print(f"serving {served.name} on http://{host}:{port}/v1 (slots {args.slots}, max_len {args.max_len}, "
+          f"pages {engine.server.pages.usable} of {args.page_size} tokens{layout})", flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down, which would end the
+    # process with that signal's status; a graceful shutdown exits 0, so the handler it restores
+    # and re-raises is this no-op.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    print("shut down", file=sys.stderr, flush=True)
+    return 0
+
+
+class ThreadedServer:
+    """uvicorn serving `app` on 127.0.0.1 (any free port) from a background thread, for tests and
+    benchmarks in one process:
+
+        with ThreadedServer(create_app(engine, served)) as url: OpenAI(base_url=url + "/v1", api_key="-")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import socket
+
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind((host, port))
+        self.url = "http://%s:%d" % self.sock.getsockname()[:2]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)

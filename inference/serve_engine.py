@@ -1,0 +1,151 @@
+"""The serving engine's thread: the continuous-batching `Server` stepped on a thread of its own,
+fed by a queue of commands (submit, cancel, stop) that it applies between two decode steps, so that
+requests join and leave the running batch as in `serving.py` while HTTP handlers wait on their own
+event loop (inference/http_server.py).
+
+    engine = Engine(Server(model, slots=8, max_len=512), max_queue=64); engine.start()
+    engine.submit(Request("a", prompt_ids), sink)   # sink("token", id) ..., then sink("done", Result)
+    engine.cancel("a"); engine.stop()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from meshwork.inference.serving import Request, Result, Server
+
+
+def cancel_request(server: Server, rid: Hashable) -> bool:
+    """Takes `rid` out of the server's queue or frees its slot and pages; False when it is not there.
+    Call it only between two `step()`s, on the thread that steps. The "cancelled" Result the server
+    records is dropped: the HTTP client is gone."""
+    found = server.cancel(rid)
+    server.results.pop(rid, None)
+    return found
+
+
+Sink = Callable[[str, Any], None]  # ("token", id) ... then ("done", Result); called on the engine thread
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    """Runs `server` on a thread of its own: `submit` and `cancel` from any thread, `start`/`stop`."""
+
+    def __init__(self, server: Server, *, max_queue: int = 64):
+        self.server, self.max_queue = server, max_queue
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[Hashable, Sink] = {}
+        self._lock = threading.Lock()
+        self._queued: set[Hashable] = set()  # submitted, no token yet (what max_queue bounds)
+        self._thread: threading.Thread | None = None
+        self.cancelled = self.completed = 0
+        self.failure: str | None = None
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():  # two threads stepping one Server would corrupt it
+            raise RuntimeError("the engine is already running (create_app's lifespan starts it)")
+        self._thread = threading.Thread(target=self._loop, name="meshwork-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancels whatever is left and joins the thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        """Queues `request`; its tokens and then its Result go to `sink`. QueueFull past max_queue."""
+        with self._lock:
+            if len(self._queued) >= self.max_queue:
+                raise QueueFull(f"{len(self._queued)} requests are waiting, the limit (--max-queue) is "
+                                f"{self.max_queue}; retry later")
+            self._queued.add(request.id)
+        self._commands.put(("submit", request, sink))
+
+    def cancel(self, rid: Hashable) -> None:
+        self._commands.put(("cancel", rid))
+
+    def stats(self) -> dict:
+        s = self.server
+        held = {p for pages in s.live_pages().values() for p in pages}
+        return {"slots": len(s.slots), "slots_live": sum(x is not None for x in s.slots),
+                "pages_total": s.pages.usable, "pages_held": len(held), "pages_free": len(s.pages.free),
+                "pages_cached": len(getattr(s.pages, "lru", ())),  # a prefix cache's pages, held by no one
+                "queued": len(self._queued), "completed": self.completed, "cancelled": self.cancelled,
+                "steps": s.steps, "preemptions": s.preemptions}
+
+    # -- the thread -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        s = self.server
+        try:
+            while True:
+                busy = bool(s.waiting) or any(s.slots)
+                try:
+                    commands = [self._commands.get(block=not busy)]
+                except queue.Empty:
+                    commands = []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for command in commands:
+                    if command[0] == "stop":  # what is left is cancelled, and its handler told so
+                        for rid, sink in list(self._sinks.items()):
+                            self._cancel(rid)
+                            sink("done", Result(rid, [], "error", "the server is shutting down"))
+                        return
+                    if command[0] == "submit":
+                        _, request, sink = command
+                        self._sinks[request.id] = sink
+                        s.submit(request)
+                        self._finish_if_done(request.id)
+                    else:
+                        self._cancel(command[1])
+                if bool(s.waiting) or any(s.slots):
+                    # A step may give a request several tokens (decode steps per dispatch), the last of
+                    # which finished it: deliver them all, then the results.
+                    events = s.step()
+                    for rid, token in events:
+                        sink = self._sinks.get(rid)
+                        if sink is not None:
+                            self._dequeue(rid)
+                            sink("token", token)
+                    for rid in dict.fromkeys(rid for rid, _ in events):
+                        if rid in self._sinks:
+                            self._finish_if_done(rid)
+        except Exception as e:  # the engine is broken: every open request hears why, /health says so
+            self.failure = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            for rid, sink in list(self._sinks.items()):
+                sink("done", Result(rid, [], "error", f"the engine failed: {self.failure}"))
+            self._sinks.clear()
+
+    def _dequeue(self, rid: Hashable) -> None:
+        with self._lock:
+            self._queued.discard(rid)
+
+    def _finish_if_done(self, rid: Hashable) -> None:
+        result = self.server.results.pop(rid, None)
+        if result is not None:
+            self._dequeue(rid)
+            self.completed += 1
+            self._sinks.pop(rid)("done", result)
+
+    def _cancel(self, rid: Hashable) -> None:
+        sink = self._sinks.pop(rid, None)
+        self._dequeue(rid)
+        if cancel_request(self.server, rid) and sink is not None:
+            self.cancelled += 1
