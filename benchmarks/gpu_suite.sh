@@ -319,6 +319,13 @@ else
        model.d_model=2048 model.n_layers=16 model.n_heads=16 model.n_kv_heads=8 model.d_ff=5632)
 fi
 step generate 100 python3 benchmarks/generate.py "${GEN[@]}" train.compute_dtype=bfloat16 train.param_dtype=bfloat16
+# The serving engine's decode (several steps per dispatch, the paged cache by gather and by the
+# paged-attention kernel) against the same roofline: issue #25's target is >= 60% at batch 1.
+if [ -n "${SMOKE:-}" ]; then SR=(--batches 1 --steps 8 --repeats 1 --bandwidth-mib 64)
+else SR=(--batches 1 16 64 --prompt-len 128 --steps 64 --repeats 3 --bandwidth-mib 4096
+         model.d_model=2048 model.n_layers=16 model.n_heads=16 model.n_kv_heads=8 model.d_ff=5632); fi
+step serve_roofline 90 python3 benchmarks/serve_roofline.py "${SR[@]}" train.compute_dtype=bfloat16 \
+  train.param_dtype=bfloat16
 
 # ---------------------------------------------------------------- 6. non-causal attention, fwd+bwd
 step attention_noncausal 45 python3 benchmarks/attention.py --seq $ATT_SEQ $ATT_EXTRA --causal false \

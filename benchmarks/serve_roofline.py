@@ -1,0 +1,93 @@
+"""The serving engine's decode step against the memory-bandwidth roofline, per attention path.
+
+    python3 benchmarks/serve_roofline.py                          # lm_tiny-sized, CPU
+    python3 benchmarks/serve_roofline.py --batches 1 16 64 --prompt-len 128 --steps 64 \\
+        model.d_model=2048 model.n_layers=16 model.n_heads=16 model.n_kv_heads=8 model.d_ff=5632 \\
+        train.compute_dtype=bfloat16 train.param_dtype=bfloat16     # the 756M model (gpu_suite.sh)
+
+A decode step must read every weight once and each sequence's cached keys and
+values; at the device's read bandwidth that bounds it from below
+(benchmarks/generate.py's `roofline`, the bandwidth measured in this process).
+Here the step is the one `Server` (inference/serving.py) runs: greedy rows,
+`--dispatch` decode steps per device call, the paged KV cache read by the
+gather (`attention=xla`) or by the paged-attention kernel (`attention=pallas`).
+The decode time per step is the run with --steps new tokens minus the same run
+with one (the prefill), over steps - 1: best of --repeats after a compiling
+run. Prints, per path and batch, ms per step, tokens/s and the fraction of the
+roofline reached; random weights (a step's cost does not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_overhead import decode_step_s, serve_once  # noqa: E402
+from generate import measure_bandwidth, roofline, weights_read_per_step  # noqa: E402
+
+from meshwork.config import ConfigError, load_config  # noqa: E402
+from meshwork.inference.kv_cache import cache_bytes_per_token  # noqa: E402
+from meshwork.inference.serving import Server  # noqa: E402
+from meshwork.models.build import build_model  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--dispatch", type=int, default=8, help="decode steps per device call")
+    ap.add_argument("--impls", default="xla,pallas", help="attention paths: xla (gather), pallas (paged kernel)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth measurement")
+    ap.add_argument("overrides", nargs="*", help="config overrides, key=value (on configs/lm_tiny.yaml)")
+    args = ap.parse_args(argv)
+    impls = args.impls.split(",")
+    for name, value in (("--steps", args.steps), ("--prompt-len", args.prompt_len), ("--dispatch", args.dispatch),
+                        ("--repeats", args.repeats), *(("--batches", b) for b in args.batches)):
+        if value < (2 if name == "--steps" else 1):
+            ap.error(f"{name} {value}: too small (--steps needs 2, the rest 1)")
+    if bad := [i for i in impls if i not in ("xla", "pallas")]:
+        ap.error(f"--impls: {bad[0]!r} is not a path; use xla and/or pallas")
+    try:
+        configs = {impl: load_config(os.path.join(ROOT, "configs/lm_tiny.yaml"),
+                                     [*args.overrides, f"model.attention={impl}"]) for impl in impls}
+    except ConfigError as e:
+        ap.error(str(e))
+
+    bandwidth = measure_bandwidth(args.bandwidth_mib * 2**20)
+    print(f"{jax.devices()[0].device_kind}: measured read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print("| attention | batch | ms/step | tok/s | steps/dispatch | roofline tok/s | of roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for impl in impls:
+        model = build_model(configs[impl])
+        total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        per_token = cache_bytes_per_token(model.cfg, model.dtype)
+        for B in args.batches:
+            max_len = args.prompt_len + args.steps + 16
+            server = Server(model, slots=B, page_size=16, max_len=max_len, n_pages=B * -(-max_len // 16) + 1,
+                            steps_per_dispatch=args.dispatch)
+            rng = np.random.default_rng(0)
+            serve_once(server, B, args.prompt_len, args.steps, "warm", rng)  # compiles
+            serve_once(server, B, args.prompt_len, 1, "warm1", rng)
+            runs = [decode_step_s(server, B, args, r) for r in range(args.repeats)]
+            step_s, per_dispatch = min(s for s, _ in runs), runs[0][1]
+            bound = roofline(weights_read_per_step(model, total, B), per_token, B,
+                             args.prompt_len + args.steps / 2, bandwidth)
+            tok_s = B / step_s
+            print(f"| {impl} | {B} | {step_s * 1e3:.3f} | {tok_s:,.0f} | {per_dispatch:.2f} | "
+                  f"{bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |", flush=True)
+            del server
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
