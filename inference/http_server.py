@@ -24,8 +24,8 @@ a bad field, 404 for another model's name, 429 when the queue is full.
 Beyond OpenAI's fields a request may give `top_k`, `repetition_penalty`,
 `stop_token_ids` and `ignore_eos` (vLLM's names), and every choice carries
 `token_ids`, the ids it generated (the stop token included), so a client can
-compare them with a solo run. Stop *strings* are refused (400): the engine
-stops on token ids.
+compare them with a solo run. Stop strings (`stop`) are matched in the text
+here: the text ends before the first one and the request is cancelled.
 """
 
 from __future__ import annotations
@@ -118,21 +118,42 @@ def chat_template_of(folder) -> tuple[str | None, dict]:
 
 class TextStream:
     """Turns tokens into text deltas: bytes of one character may arrive in several tokens, so text that
-    ends in an unfinished character (U+FFFD) is held back until it completes or the request ends."""
+    ends in an unfinished character (U+FFFD) is held back until it completes or the request ends.
 
-    def __init__(self, served: Served, stops: tuple[int, ...]):
-        self.served, self.stops = served, stops
+    Stop strings (OpenAI's `stop`): once the text contains one, it ends just before it (`stopped`; the
+    handler then cancels the request). Text that may be the start of a stop string is held back
+    until the next tokens tell whether it is one."""
+
+    def __init__(self, served: Served, stops: tuple[int, ...], stop_strings: tuple[str, ...] = ()):
+        self.served, self.stops, self.stop_strings = served, stops, stop_strings
         self.ids: list[int] = []
         self.sent = ""
+        self.stopped = False
 
     def push(self, token: int) -> str:
-        if token in self.stops:  # a stop token ends the text and adds none
+        if token in self.stops or self.stopped:  # a stop token ends the text and adds none
             return ""
         self.ids.append(token)
-        return self._delta(self.served.decode(self.ids).rstrip("\ufffd"))
+        text = self._cut(self.served.decode(self.ids).rstrip("\ufffd"))
+        if not self.stopped:
+            text = text[:len(text) - self._partial_stop(text)]
+        return self._delta(text)
 
     def flush(self) -> str:
-        return self._delta(self.served.decode(self.ids))
+        return self._delta(self._cut(self.served.decode(self.ids)))
+
+    def _cut(self, text: str) -> str:
+        """`text` up to the earliest stop string in it (and `stopped` set), or all of it."""
+        hits = [i for i in (text.find(stop) for stop in self.stop_strings) if i >= 0]
+        if hits:
+            self.stopped = True
+            return text[:min(hits)]
+        return text
+
+    def _partial_stop(self, text: str) -> int:
+        """The length of the longest end of `text` that begins a stop string."""
+        return max((n for stop in self.stop_strings for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                    if text.endswith(stop[:n])), default=0)
 
     def _delta(self, text: str) -> str:
         if not text.startswith(self.sent):
@@ -186,8 +207,6 @@ def parse_sampling(body: dict, served: Served, limits: Limits, prompt_len: int, 
         raise _Bad("echo is not supported", "echo")
     if body.get("best_of") not in (None, 1):
         raise _Bad("best_of is not supported", "best_of")
-    if body.get("stop") not in (None, [], ""):
-        raise _Bad("stop strings are not supported; give stop_token_ids (token ids) instead", "stop")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     room = max_len - prompt_len
     default = min(limits.max_tokens, room) if chat else limits.default_max_tokens
@@ -205,6 +224,19 @@ def parse_sampling(body: dict, served: Served, limits: Limits, prompt_len: int, 
                             top_k=_number(body, "top_k", 0, int), max_new_tokens=max_tokens, stop_tokens=stops,
                             repetition_penalty=_number(body, "repetition_penalty", 1.0), seed=seed)
     return params
+
+
+def parse_stop(body: dict, served: Served) -> tuple[str, ...]:
+    """OpenAI's `stop`: a string or a list of up to 4, matched in the generated text."""
+    stop = body.get("stop")
+    if stop in (None, [], ""):
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops) or len(stops) > 4:
+        raise _Bad("stop: give a string or a list of up to 4 non-empty strings", "stop")
+    if served.tokenizer is None:
+        raise _Bad("stop strings need a tokenizer, which this model has not here; give stop_token_ids", "stop")
+    return tuple(stops)
 
 
 def completion_prompt(body: dict, served: Served) -> list[int]:
@@ -310,6 +342,7 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
             body = await read_body(request)
             prompt = chat_prompt(body, served) if chat else completion_prompt(body, served)
             params = parse_sampling(body, served, limits, len(prompt), engine.server.max_len, chat)
+            stop_strings = parse_stop(body, served)
             check_request(engine.server, prompt, params)
             if not engine.alive:
                 raise _Bad(f"the engine is not running ({engine.failure or 'shutting down'})", None, 503,
@@ -322,7 +355,7 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
             return bad(e)
         except QueueFull as e:
             return bad(_Bad(str(e), None, 429, "queue_full", "rate_limit_error"))
-        reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens), len(prompt))
+        reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens, stop_strings), len(prompt))
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_sse(request, engine, rid, events, reply, usage), media_type="text/event-stream")
@@ -332,6 +365,10 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
                 if kind == "done":
                     break
                 reply.stream.push(x)
+                if reply.stream.stopped:  # a stop string: the request ends here
+                    engine.cancel(rid)
+                    x = Result(rid, list(reply.stream.ids), "stop")
+                    break
         except _Gone:
             engine.cancel(rid)
             return JSONResponse(error_body("client disconnected"), 499)
@@ -422,6 +459,10 @@ async def _sse(request, engine: Engine, rid: str, events: asyncio.Queue, reply: 
                 break
             n += 1
             yield reply.chunk(reply.stream.push(x), [x], None)
+            if reply.stream.stopped:  # a stop string: the request ends here
+                engine.cancel(rid)
+                done, x = True, Result(rid, list(reply.stream.ids), "stop")
+                break
         if x.finish == "error":
             yield f"data: {json.dumps(error_body(x.error or 'the request failed', 'server_error'))}\n\n"
             return

@@ -114,7 +114,7 @@ def bad_requests(s: Served, chat_model: str):
         lambda: c.completions.create(model=chat_model, prompt=too_long, max_tokens=4),
         lambda: c.completions.create(model=chat_model, prompt="a", max_tokens=4, temperature=-1),
         lambda: c.completions.create(model=chat_model, prompt=[5, 100000], max_tokens=4),
-        lambda: c.completions.create(model=chat_model, prompt="a", max_tokens=4, stop=["\n"]),
+        lambda: c.completions.create(model=chat_model, prompt="a", max_tokens=4, stop=["a", "b", "c", "d", "e"]),
         lambda: c.chat.completions.create(model=chat_model, messages=[], max_tokens=4),
         lambda: fetch(s.url + "/v1/completions", b"{not json"),
     ]
@@ -197,6 +197,28 @@ def test_chat_without_a_template_uses_the_plain_fallback(servers):
     r = s.client.chat.completions.create(model=s.served.name, messages=[{"role": "user", "content": "def main("}],
                                          max_tokens=8, temperature=0)
     assert r.choices[0].model_extra["token_ids"] == s.solo(ids, 8)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_text_before_them_and_free_the_slot(servers, stream):
+    """A stop string taken from the middle of a solo run's text: the reply is that text up to it
+    (streamed chunks too, never a piece of the stop string), finish "stop", and the request is
+    cancelled there, so its slot and pages come back."""
+    s = servers("lm_tiny")
+    prompt = "def main(argv):\n    "
+    alone = s.text(s.solo(s.served.encode(prompt), 40))
+    stop = alone[12:15]
+    assert len(stop) == 3
+    cut = alone[:alone.find(stop)]
+    kw = dict(model=s.served.name, prompt=prompt, max_tokens=40, temperature=0, stop=["never there", stop])
+    if stream:
+        chunks = list(s.client.completions.create(**kw, stream=True))
+        text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        r = s.client.completions.create(**kw)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert (text, finish) == (cut, "stop")
+    wait_idle(s)
 
 
 def wait_idle(s: Served, timeout: float = 30.0) -> dict:
