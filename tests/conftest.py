@@ -85,24 +85,55 @@ LM_TINY_LAYOUTS = {
 }
 
 
+# Layouts whose tests need only the run dir and losses, not the final state in memory: shared by
+# the xdist workers (a 100-step run costs 30-40 s per worker).
+SHARED_LAYOUTS = ("1dev",)
+
+
 class _LazyRuns(dict):
     def __init__(self, tmp_path_factory):
         super().__init__()
         self.tmp_path_factory = tmp_path_factory
 
     def __missing__(self, name):
+        if name in SHARED_LAYOUTS:
+            self[name] = self._shared(name)
+        else:
+            self[name] = self._train(name, self.tmp_path_factory.mktemp(f"lm_tiny_{name}"))
+        return self[name]
+
+    @staticmethod
+    def _train(name, run_dir):
         import jax
 
         from meshwork.config import load_config
         from meshwork.train.loop import train
 
         layout = LM_TINY_LAYOUTS[name]
-        run_dir = self.tmp_path_factory.mktemp(f"lm_tiny_{name}")
         cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
             f"run.dir={run_dir}", f"train.steps={LM_TINY_STEPS}", "log.eval_every=100", "log.progress=false",
             optimized_override(), *layout["overrides"]])
-        self[name] = train(cfg, devices=jax.devices()[: layout["devices"]])
-        return self[name]
+        return train(cfg, devices=jax.devices()[: layout["devices"]])
+
+    def _shared(self, name):
+        """The run trained once per session, not once per pytest-xdist worker: the first worker to ask
+        trains it under a file lock in the session's shared temp folder and writes its summary (all
+        but the final state) beside it; the others wait for the lock and read the summary."""
+        import json
+
+        from filelock import FileLock
+
+        base = self.tmp_path_factory.getbasetemp()
+        root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's folder
+        run_dir, summary_file = root / f"lm_tiny_{name}_shared", root / f"lm_tiny_{name}_shared.json"
+        with FileLock(str(root / f"lm_tiny_{name}_shared.lock")):
+            if not summary_file.exists():
+                summary = self._train(name, run_dir)
+                kept = {k: v for k, v in summary.items() if k in ("run_dir", "val_loss", "last_step", "resumed_from")}
+                summary_file.write_text(json.dumps(kept))
+            summary = json.loads(summary_file.read_text())
+        summary["val_loss"] = {int(k): v for k, v in summary["val_loss"].items()}  # JSON keys are strings
+        return summary
 
 
 @pytest.fixture(scope="session")
