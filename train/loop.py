@@ -21,7 +21,7 @@ from meshwork.models.build import ema_decay
 from meshwork.models.layers.mlp import use_collective_matmul
 from meshwork.partitioning import indivisible, logical_specs
 from meshwork.perf.flops import param_counts
-from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings, storage_full_message
+from meshwork.run.checkpoint import Checkpointer, CheckpointSchedule, abstract_with_shardings, storage_full_message
 from meshwork.run.durable import StorageFull, storage_problem
 from meshwork.run.goodput_clock import GoodputClock
 from meshwork.run.metrics import MetricsWriter
@@ -39,13 +39,22 @@ from meshwork.train.comm import (
     outer_optimizer,
     uses_comm,
 )
+from meshwork.train.elastic import Elastic
 from meshwork.train.finetune import base_data_config, check_base, describe, load_base_params, with_base_model
 from meshwork.train.logger import StepLogger, to_host
 from meshwork.train.optim import make_optimizer
 from meshwork.train.preemption import PreemptionGuard
 from meshwork.train.run_dir import record_changes, write_config
 from meshwork.train.run_lock import RunDirLock
-from meshwork.train.startup import check_checkpoints, check_fits, open_checkpoints, take_run_dir
+from meshwork.train.startup import (
+    check_checkpoints,
+    check_fits,
+    newest_tier,
+    open_checkpoints,
+    open_fast_tier,
+    restore_newest,
+    take_run_dir,
+)
 from meshwork.train.state import abstract_state, init_state, param_count, state_shardings
 from meshwork.train.step import make_accumulate, make_eval_step, make_objective, make_train_step
 from meshwork.train.stops import NonFiniteLoss
@@ -246,12 +255,23 @@ class Trainer:
         return format_report(self.report_dict(), self.cfg, self.mesh)
 
 
-def _restore(trainer: Trainer, ckpt: Checkpointer, step: int | None, data_iter, first_position: dict):
-    """(state, progress) at checkpoint `step`, the data iterator moved there; a fresh state when None."""
+def trainer_on(cfg: Config, devices: list, task: LMTask | DiffusionTask) -> Trainer:
+    """A Trainer for `cfg` compiled on `devices` (an elastic change's new device set; the task is the run's)."""
+    return Trainer(cfg, task, devices)
+
+
+def _restore(trainer: Trainer, ckpt: Checkpointer, step: int | None, data_iter, first_position: dict,
+             fast=None, snapshot=None):
+    """(state, progress) at checkpoint `step`, the data iterator moved there; a fresh state when None.
+    With `snapshot` (the fast tier's, of `step`) the state comes from it instead of the persistent tier."""
     if step is None:
         data_iter.set_state(first_position)
         return trainer.init_state(), {}
-    state, progress = ckpt.restore(step, abstract_with_shardings(trainer.abstract, trainer.shardings))
+    target = abstract_with_shardings(trainer.abstract, trainer.shardings)
+    if snapshot is not None and snapshot.step == step:
+        state, progress = fast.restore(snapshot, target), snapshot.progress
+    else:
+        state, progress = ckpt.restore(step, target)
     data_iter.set_state(progress["iterator"])
     return state, progress
 
@@ -289,18 +309,23 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
 def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pathlib.Path, lock: RunDirLock,
            is_main: bool, say, guard: PreemptionGuard | None) -> dict[str, Any]:
     start, changes = None, {}
+    taken = False  # take_run_dir has run: the same on every process, where lock.held is process 0's alone
     if not dry_run:
         # Every refusal (another trainer, another run, unreadable checkpoints) comes before the compile,
         # and nothing in the run dir changes until the compile is done: a kill during it leaves the
         # run dir as it was, and a new run dir does not exist yet.
         if run_dir.is_dir():
             take_run_dir(lock, is_main, say)
+            taken = True
         start, changes = check_checkpoints(cfg, run_dir)
         if start is not None and start >= cfg.train.steps:
             say(f"already at step {start} of train.steps={cfg.train.steps}; nothing to train (raise train.steps "
                 f"to train further)")
             return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
                     "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start, "state": None}
+    # A fault file that names devices this run lacks is refused before the compile.
+    elastic = Elastic(cfg, devices or jax.devices(), run_dir, say) if cfg.train.elastic and not dry_run else None
+
     def announce(trainer: Trainer) -> None:  # the start-up block, before the compile's silence
         if dry_run == "json":
             return
@@ -323,7 +348,7 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
         return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": True,
                 "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start or 0, "state": None}
 
-    if not lock.held:  # a new run dir: create it and own it before writing into it
+    if not taken:  # a new run dir: create it and own it before writing into it
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
         take_run_dir(lock, is_main, say)
@@ -334,7 +359,8 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
             record_changes(run_dir, start or 0, changes)
             say(f"changed from step {start}: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
     ckpt = open_checkpoints(cfg, run_dir, say)
-    start = ckpt.latest_step()
+    fast = open_fast_tier(cfg)
+    start, snapshot = newest_tier(cfg, ckpt, fast, say)
     data_iter = trainer.task.train_iterator()
     first_position = data_iter.get_state()
     val_set = trainer.task.eval_batches()
@@ -344,12 +370,17 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
     if start is not None:
         say(f"restoring the checkpoint of step {start}...")
     with clock.phase("restore" if start is not None else "compile"):
-        state, progress = _restore(trainer, ckpt, start, data_iter, first_position)
+        state, progress = _restore(trainer, ckpt, start, data_iter, first_position, fast, snapshot)
     clock.resume(progress.get("goodput"))
     skipped = set(progress.get("skipped_steps", []))  # batches a rollback threw out, for good
     writer = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=is_main)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
-                               "nonfinite_steps": []}
+                               "nonfinite_steps": [], "restored_tier": "fast" if snapshot is not None else
+                               ("persistent" if start is not None else None), "elastic": []}
+    schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.run.mttf_hours, start or 0, clock.totals["productive"])
+
+    def progress() -> dict[str, Any]:  # what a checkpoint of the current step keeps beside the state
+        return {"iterator": data_iter.get_state(), "skipped_steps": sorted(skipped), "goodput": clock.snapshot()}
 
     def evaluate(step: int) -> dict[str, float]:
         with clock.phase("eval"):
@@ -424,18 +455,36 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
         preempted = guard.should_stop(step)
         if step == last or preempted:  # the invocation's time account joins its last row
             logger.add(step, **{f"time_{k}" if k.endswith("_s") else k: v for k, v in clock.breakdown().items()})
-        if step % cfg.checkpoint.every == 0 or step == last or preempted:
+        if schedule.due(step) or step == last or preempted:
             # The step's own row and finiteness are settled before its checkpoint exists.
             if (bad := nonfinite(logger.flush())) is not None:
                 step = roll_back(bad)
                 continue
-            progress = {"iterator": data_iter.get_state(), "skipped_steps": sorted(skipped),
-                        "goodput": clock.snapshot()}
             if step == last or preempted:  # the run's last write: the summary waits for it
                 say(f"saving the checkpoint of step {step}...")
             with clock.phase("checkpoint"):
-                ckpt.save(step, state, progress, cfg.to_dict(), force=True)
+                ckpt.save(step, state, progress(), cfg.to_dict(), force=True)
             clock.checkpointed()
+            if row := schedule.measured(step, ckpt.stalls, clock.totals["productive"]):
+                say(schedule.describe(row))
+                writer.write(step, row)
+        if fast is not None and fast.due(step) and step != last:
+            with clock.phase("checkpoint"):
+                fast.save(step, state, progress(), cfg.to_dict())
+        if elastic is not None and (lost := elastic.poll(step)) is not None:
+            logger.flush()  # the last step's metrics, read while its devices are still there
+            with clock.phase("lost"):
+                moved = elastic.change(lost, trainer, state, step, fast, lambda t: restore_newest(ckpt, fast, t),
+                                       trainer_on)
+            trainer, state, logger.n_devices = moved.trainer, moved.state, moved.trainer.mesh.size
+            if moved.rolled_back_to is not None:  # shards were lost for good: train the steps since again
+                step = moved.rolled_back_to
+                data_iter.set_state((moved.progress or {}).get("iterator", first_position))
+                writer.truncate(step)
+                clock.rollback()
+            summary["elastic"].append({"step": step, **moved.row})
+            writer.write(step, moved.row)
+            logger.restart_timer()
         if preempted:
             summary["preempted"] = True
             say(f"preempted: checkpoint of step {step} saved; run the same command to resume")
@@ -443,6 +492,9 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
     logger.close()
     with clock.phase("checkpoint"):
         ckpt.close()
+        if fast is not None:
+            fast.close()
+    summary["checkpoint_stalls"] = {"persistent": ckpt.stalls, "fast": fast.stalls if fast is not None else []}
     summary["goodput"] = clock.breakdown()
     writer.close()
     summary.update(state=state, last_step=step)

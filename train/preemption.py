@@ -10,7 +10,15 @@ the process exits at once, and the last committed checkpoint still holds.
 With several processes, every one must stop at the same step or the others
 hang in the step's collectives; there the decision is JAX's own: its
 distributed runtime catches SIGTERM on any host and agrees on a step
-(`reached_preemption_sync_point`), so no handler is installed here.
+(`reached_preemption_sync_point`), so no handler is installed here. JAX sets
+that step to one past the largest count any process last passed it, so the
+guard passes its own count of calls (1, 2, ... in this invocation; the same on
+every process, which step in lockstep) rather than the training step: a
+SIGTERM during the compile or the restore of a resumed run (no call yet, so
+count 0) then stops after the invocation's first step, where the step number
+(start + 1, never 1) would never meet the sync point and the notice would be
+lost. JAX's handler replaces SIGTERM's default action there, so a second
+SIGTERM does not end the process at once (SIGKILL does).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ class PreemptionGuard:
 
     def __init__(self):
         self.signal: int | None = None
+        self._calls = 0  # should_stop calls in this invocation: JAX's preemption sync counter
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "PreemptionGuard":
@@ -58,8 +67,10 @@ class PreemptionGuard:
         say(f"{signal.Signals(signum).name}: saving a checkpoint after the current step (send it again to exit at once)")
 
     def should_stop(self, step: int) -> bool:
+        """Whether to checkpoint `step` and stop; call once per step boundary, on every process."""
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
+            self._calls += 1
+            return multihost_utils.reached_preemption_sync_point(self._calls)
         return self.signal is not None

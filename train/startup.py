@@ -17,7 +17,8 @@ import numpy as np
 from meshwork.config import Config, ConfigError
 from meshwork.perf.hardware import device_memory_bytes
 from meshwork.run.checkpoint import Checkpointer, committed_steps, leftovers, manifest_problem
-from meshwork.train.run_dir import claim
+from meshwork.run.fast_tier import FastTier, Snapshot
+from meshwork.train.run_dir import claim, differences
 from meshwork.train.run_lock import RunDirLock
 
 
@@ -76,8 +77,51 @@ def open_checkpoints(cfg: Config, run_dir: pathlib.Path, say) -> Checkpointer:
         for path in leftovers(directory):
             shutil.rmtree(path, ignore_errors=True)
             say(f"warning: removed {path}, left by an interrupted checkpoint write or delete")
-    ckpt = Checkpointer(directory, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+    every = 1 if cfg.checkpoint.every == "auto" else cfg.checkpoint.every  # the loop decides (CheckpointSchedule)
+    ckpt = Checkpointer(directory, every=every, keep=cfg.checkpoint.keep,
                         use_async=cfg.checkpoint.async_)
     for message in ckpt.set_aside_unverified(run_dir):  # newer steps that failed verification
         say(f"warning: {message}")
     return ckpt
+
+
+def open_fast_tier(cfg: Config) -> FastTier | None:
+    """The fast tier checkpoint.fast_every asks for (RAM, or checkpoint.fast_path), or None."""
+    ck = cfg.checkpoint
+    if ck.fast_every is None:
+        return None
+    fast = FastTier(ck.fast_every, ck.fast_path, buffered=ck.async_)
+    fast.remove_leftovers()
+    return fast
+
+
+def newest_tier(cfg: Config, ckpt: Checkpointer, fast: FastTier | None, say) -> tuple[int | None, Snapshot | None]:
+    """(the step to resume from, the fast tier's snapshot when it is the newest complete and verified tier).
+
+    A fast snapshot counts only if it belongs to this run (the identity keys of run_dir.py) and
+    is newer than the persistent tier; fast snapshots past the chosen step are dropped, so a
+    fresh run never meets another run's.
+    """
+    step = ckpt.latest_step()
+    snap = fast.latest() if fast is not None else None
+    if snap is not None and (differences(snap.identity, cfg.to_dict()) or (step is not None and snap.step <= step)):
+        snap = None
+    if snap is not None:
+        say(f"the fast tier holds step {snap.step}, newer than the persistent tier's "
+            f"{step if step is not None else 'none'}: restoring from it")
+        return snap.step, snap
+    if fast is not None:
+        fast.discard_after(step)
+    return step, None
+
+
+def restore_newest(ckpt: Checkpointer, fast: FastTier | None, target) -> tuple[int | None, object, dict]:
+    """(step, state placed as `target` says, progress) from the newest tier; (None, None, {}) when none."""
+    ckpt.wait()
+    step, snap = ckpt.latest_step(), fast.latest() if fast is not None else None
+    if snap is not None and (step is None or snap.step >= step):
+        return snap.step, fast.restore(snap, target), snap.progress
+    if step is None:
+        return None, None, {}
+    state, progress = ckpt.restore(step, target)
+    return step, state, progress

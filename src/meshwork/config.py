@@ -113,12 +113,16 @@ class Config(Section):
             raise _KeyError("train.offload.params", f"parameter offload streams the dense transformer's scanned "
                             f"layers (model.kind={m.kind}, train.pipeline={t.pipeline}, finetune.method="
                             f"{ft.method}); use model.kind=transformer, train.pipeline=none, finetune none or full")
+        if t.loss_chunk is not None and (t.pipeline != "none" or m.kind == "unet"):
+            raise _KeyError("train.loss_chunk", f"the chunked loss is for unpipelined language models (train.pipeline="
+                            f"{t.pipeline}, model.kind={m.kind}); unset train.loss_chunk")
         if t.remat == "offload_dots" and m.kind == "unet":
             raise _KeyError("train.remat", "offload_dots is a policy of the scanned transformer layers; "
                             "use none, full or dots_saveable for model.kind=unet")
         if o.params and not t.scan_layers:
             raise _KeyError("train.offload.params", "parameter offload streams one layer per scan step; "
                             "set train.scan_layers=true")
+        _check_tiers_and_elasticity(self)
         if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
         if self.data.source == "text":
@@ -135,6 +139,29 @@ class _KeyError(ValueError):
     def __init__(self, key: str, msg: str):
         super().__init__(msg)
         self.key, self.msg = key, msg
+
+
+def _check_tiers_and_elasticity(cfg: "Config") -> None:
+    """checkpoint.every=auto, the fast tier and train.elastic: what each needs from the others."""
+    ck, t, c = cfg.checkpoint, cfg.train, cfg.comm
+    if ck.every == "auto" and cfg.run.mttf_hours is None:
+        raise _KeyError("checkpoint.every", "auto picks the Young/Daly interval from the measured checkpoint "
+                        "cost and the job's mean time to failure; set run.mttf_hours (e.g. 24), or a number of steps")
+    if ck.fast_path is not None and ck.fast_every is None:
+        raise _KeyError("checkpoint.fast_path", f"{ck.fast_path} is the fast tier's folder, but no fast tier is "
+                        "written; set checkpoint.fast_every (e.g. 5) or drop checkpoint.fast_path")
+    if ck.fast_every is not None and ck.fast_path is None and not t.elastic:
+        raise _KeyError("checkpoint.fast_every", "a fast tier in host RAM dies with the process and only "
+                        "train.elastic reads it back; set checkpoint.fast_path to a local disk folder, or "
+                        "train.elastic=true")
+    if t.elastic and cfg.mesh.stage != 1:
+        raise _KeyError("train.elastic", f"mesh.stage={cfg.mesh.stage}: pipeline stages cannot shrink (each "
+                        "holds its own layers); elasticity shrinks the data-parallel axes, so set mesh.stage=1 "
+                        "and train.pipeline=none, or train.elastic=false")
+    if t.elastic and (c.compression != "none" or c.stale_gradients or c.local_steps > 1):
+        raise _KeyError("train.elastic", "comm.compression, comm.stale_gradients and comm.local_steps > 1 keep "
+                        "state per data-parallel replica, which a changing device count would orphan; turn "
+                        "them off, or train.elastic=false")
 
 
 def _check_dense_layers(dense: tuple[int, ...] | None, first_dense: int, n_layers: int) -> None:

@@ -48,6 +48,9 @@ class RunConfig(Section):
     from the run stored in `dir` when it resumes: the change applies from the resumed step on
     and is recorded in `dir`/config_history.jsonl. Any other difference from the stored run is
     refused (the checkpoints hold its shapes, data order and batch)."""
+    mttf_hours: float | None = pydantic.Field(None, gt=0)
+    """Mean time to failure of the whole job, in hours: what checkpoint.every=auto trades the
+    checkpoint cost against (perf/reliability.py `cluster_mttf` turns a device MTTF into it)."""
 
     @pydantic.field_validator("allow_changes")
     @classmethod
@@ -332,9 +335,16 @@ class TrainConfig(Section):
     """Model chunks per pipeline stage under pipeline=interleaved (Narayanan et al. 2021):
     stage s holds layer chunks s, s+P, s+2P, ... of n_layers / (stage x virtual_stages)
     layers each, and the bubble shrinks about v times; 1 for every other schedule."""
-    remat: Literal["none", "full", "dots_saveable", "offload_dots"] = "none"
-    """What the scanned layers keep for the backward pass (jax.checkpoint policy); offload_dots
-    keeps every weight matmul's output in pinned host memory instead of recomputing it."""
+    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj",
+                   "save_out_proj", "save_qkv_and_out_proj", "offload_dots"] = "none"
+    """What the scanned layers keep for the backward pass (jax.checkpoint policy): full keeps only
+    each layer's input, dots_saveable every matmul's output, dots_with_no_batch_dims_saveable the
+    weight matmuls' (not attention's), save_qkv_proj / save_out_proj / save_qkv_and_out_proj the
+    attention projections named so; offload_dots keeps every weight matmul's output in pinned host
+    memory instead of recomputing it."""
+    loss_chunk: int | None = pydantic.Field(None, gt=0)
+    """Token rows (of the batch's B x L) per chunk of a fused head + cross-entropy that never holds
+    the whole (B*L, V) float32 logits nor their gradient (evaluation/fused_ce.py); null: plain loss."""
     offload: OffloadConfig = OffloadConfig()
     """Which parts of the train state live in host memory between steps."""
     scan_layers: bool = True
@@ -348,6 +358,14 @@ class TrainConfig(Section):
     the offending batch; stop: end the run with status 3, naming the step."""
     inject_nan_at: list[int] = []
     """Fault injection for testing on_nan: these steps' loss and gradients become NaN."""
+    elastic: bool = False
+    """In-process elasticity (train/elastic.py): at each step boundary the trainer reads fault_file;
+    devices it names are lost, the mesh shrinks onto the others (a smaller data-parallel size) and
+    grows back when they are named no more, without the process exiting."""
+    fault_file: str | None = None
+    """The file that names lost devices, one fault per line: `4 5 6 7` (lost now) or
+    `4 5 6 7 @ 10-20` (a drill: lost after step 10, back after step 20); null: run.dir/lost_devices.
+    A missing or empty file: every device is there."""
 
 
 class MeshConfig(Section):
@@ -385,11 +403,26 @@ class RulesConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = pydantic.Field(100, gt=0)
-    """Save every this many steps (and always after the last step)."""
+    every: int | Literal["auto"] = 100
+    """Save the persistent tier every this many steps (and always after the last step); auto: the
+    Young/Daly interval from this run's measured checkpoint stall and run.mttf_hours, recomputed
+    after every save (`CheckpointSchedule`, src/meshwork/run/checkpoint.py)."""
     keep: int = pydantic.Field(2, gt=0)
     async_: bool = pydantic.Field(True, alias="async")
-    """Write checkpoints in a background thread while training continues."""
+    """Write checkpoints in a background thread while training continues (both tiers: the step
+    that saves only copies the state to host memory); false: the step waits for the write."""
+    fast_every: int | None = pydantic.Field(None, gt=0)
+    """The fast tier (src/meshwork/run/fast_tier.py): a host copy of the state every this many
+    steps, kept in RAM (fast_path null) or written to fast_path; null: no fast tier."""
+    fast_path: str | None = None
+    """A local-disk folder for the fast tier; it survives a kill of the process (RAM does not)."""
+
+    @pydantic.field_validator("every", mode="before")
+    @classmethod
+    def _positive_every(cls, v: int | str) -> int | str:
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1):
+            raise ValueError("must be a positive number of steps or auto")
+        return v
 
 
 class LogConfig(Section):

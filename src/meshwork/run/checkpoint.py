@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from meshwork.perf.reliability import daly_interval, young_interval
 from meshwork.run.durable import StorageFull, replace_file, storage_problem
 
 MANIFEST = "meshwork_manifest.json"
@@ -49,6 +50,7 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         self.keep, self.use_async = keep, use_async
         self._saving: int | None = None  # the step Orbax is committing in the background
+        self.stalls: list[float] = []  # seconds each save held the step loop
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
         self._verifying: concurrent.futures.Future | None = None
         # Retention is ours (after verification), so Orbax keeps everything it writes.
@@ -107,6 +109,7 @@ class Checkpointer:
         """
         if not (force or self.manager.should_save(step)):
             return False
+        t0 = time.perf_counter()
         self.wait()  # one write in flight at a time (Orbax would wait here too)
         with self._storage_errors():
             self._saving = step
@@ -115,6 +118,7 @@ class Checkpointer:
                 data_iter=ocp.args.JsonSave(progress),
                 config=ocp.args.JsonSave(config)))
             self.poll()
+        self.stalls.append(time.perf_counter() - t0)  # what the step loop paid: the cost Young/Daly weigh
         return saved
 
     def poll(self) -> None:
@@ -213,6 +217,59 @@ def _drop_late_writer_callbacks() -> None:
 
     hook.drops_late_writer_callbacks = True
     sys.unraisablehook = hook
+
+
+class CheckpointSchedule:
+    """When the persistent tier saves: every `every` steps, or with every="auto" at the interval
+    Young/Daly find from this run's measured checkpoint cost and the job's MTTF.
+
+        schedule = CheckpointSchedule("auto", mttf_hours=24, start=0, productive_s=0.0)
+        if schedule.due(step): ...save...; row = schedule.measured(step, ckpt.stalls, productive_s)
+
+    The cost C is the mean stall of this invocation's saves (what the step loop pays each time);
+    Daly's interval tau (meshwork.perf.reliability) is in seconds of training and becomes steps
+    through the measured step time. Under auto the first save comes after the first step, to
+    measure C; every later save measures again and the interval follows.
+    """
+
+    def __init__(self, every: int | str, mttf_hours: float | None, start: int, productive_s: float):
+        self.auto = every == "auto"
+        self.every = 1 if self.auto else int(every)
+        self.mttf_s = None if mttf_hours is None else mttf_hours * 3600.0
+        self.last_save = start
+        self.start = (start, productive_s)  # where this invocation's step-time measurement begins
+
+    def due(self, step: int) -> bool:
+        if self.auto:
+            return step - self.last_save >= self.every
+        return step % self.every == 0
+
+    def measured(self, step: int, stalls: list[float], productive_s: float) -> dict[str, Any] | None:
+        """After a save at `step` (`productive_s`: the run's productive seconds so far): under auto, the new
+        interval as a metrics row when it changed (else None)."""
+        self.last_save = step
+        if not self.auto or not stalls or step <= self.start[0]:
+            return None
+        step_time_s = (productive_s - self.start[1]) / (step - self.start[0])
+        cost = sum(stalls) / len(stalls)
+        cost = max(cost, 1e-6)  # a save too quick to time still costs something
+        tau = daly_interval(cost, self.mttf_s)
+        every = max(1, round(tau / step_time_s)) if step_time_s > 0 else self.every
+        changed = every != self.every
+        self.every = every
+        if not changed and len(stalls) > 1:
+            return None
+        return {"checkpoint_every": every, "checkpoint_cost_s": cost, "checkpoint_interval_s": tau,
+                "checkpoint_young_s": young_interval(cost, self.mttf_s), "checkpoint_step_time_s": step_time_s,
+                "checkpoint_saves": len(stalls), "mttf_s": self.mttf_s}
+
+    @staticmethod
+    def describe(row: dict[str, Any]) -> str:
+        """The say() line of a new auto interval."""
+        return (f"checkpoint.every=auto: every {row['checkpoint_every']} steps (Daly's interval "
+                f"{row['checkpoint_interval_s']:.2f} s from a measured cost of {row['checkpoint_cost_s']:.3f} s per "
+                f"checkpoint, {row['checkpoint_step_time_s'] * 1e3:.0f} ms per step and an MTTF of "
+                f"{row['mttf_s'] / 3600:g} h)")
 
 
 # ---------------------------------------------------------------- on disk, without Orbax
