@@ -2,7 +2,6 @@
 like one process with 8 devices: same batches, same losses."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -10,17 +9,13 @@ import pytest
 
 from meshwork.run.metrics import read_metrics
 
+from processes import free_port, wait_all
+
 from conftest import ROOT, tiny_overrides
 
 STEPS = 20
 ARGS = ["train.steps=20", "log.every=1", "log.eval_every=20", "checkpoint.every=10",
         "mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(run_dir, n_local_devices, extra_args=(), process_id=None):
@@ -32,31 +27,18 @@ def _launch(run_dir, n_local_devices, extra_args=(), process_id=None):
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log
 
 
-def _wait_all(procs, timeout=420):
-    try:
-        for p, _ in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:  # a hung peer must not hang the suite
-                p.kill()
-                p.wait()
-            log.close()
-    return [p.returncode for p, _ in procs]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     multi = tmp_path / "multi"
     procs = [_launch(multi, 4, ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
                                 "--process-id", str(i)], process_id=i) for i in range(2)]
-    codes = _wait_all(procs)
+    codes = wait_all(procs, 420)
     logs = "\n".join((tmp_path / f"multi.{i}.log").read_text()[-3000:] for i in range(2))
     assert codes == [0, 0], logs
 
     single = tmp_path / "single"
-    assert _wait_all([_launch(single, 8, process_id=0)]) == [0], (tmp_path / "single.0.log").read_text()[-3000:]
+    assert wait_all([_launch(single, 8, process_id=0)], 420) == [0], (tmp_path / "single.0.log").read_text()[-3000:]
 
     loss = lambda d: [(r["step"], r["loss"]) for r in read_metrics(d) if "loss" in r]  # noqa: E731
     multi_losses, single_losses = loss(multi), loss(single)

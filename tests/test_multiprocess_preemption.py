@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from meshwork.run.checkpoint import manifest_problem
 from meshwork.run.metrics import read_metrics
 from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
 
+from processes import free_port, wait_all
+
 from conftest import FAST_COMPILE_FLAGS, ROOT, tiny_overrides
 
 # JAX's SIGTERM listener polls once a second, so the run must have more than a second of steps left
@@ -30,15 +31,9 @@ ARGS = [f"train.steps={STEPS}", "log.every=1", f"log.eval_every={STEPS}", f"chec
         "mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_pair(run_dir, tag):
     """Two processes x 4 CPU devices on 127.0.0.1, each logging to run_dir.parent/<tag>.<i>.log."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=4", *FAST_COMPILE_FLAGS])}
     procs = []
@@ -49,19 +44,6 @@ def _launch_pair(run_dir, tag):
         log = open(run_dir.parent / f"{tag}.{i}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
     return procs
-
-
-def _wait_all(procs, timeout=300):
-    try:
-        for p, _ in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:  # a hung peer must not hang the suite
-                p.kill()
-                p.wait()
-            log.close()
-    return [p.returncode for p, _ in procs]
 
 
 def _logs(tmp_path, tag):
@@ -106,7 +88,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
     procs = _launch_pair(run, "first")
     _wait_until(lambda: _last_logged_step(run) >= SIGNAL_AFTER, procs, tmp_path, "first")
     procs[1][0].send_signal(signal.SIGTERM)
-    codes = _wait_all(procs)
+    codes = wait_all(procs, 300)
     logs = _logs(tmp_path, "first")
     assert codes != [0, 0], f"the run ended before JAX's notice (steps this fast want a larger STEPS)\n{logs}"
     assert codes == [PREEMPTED_EXIT_STATUS] * 2, logs
@@ -125,17 +107,17 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
     _wait_until(lambda: "compiling the train step" in (tmp_path / "second.0.log").read_text(),
                 procs, tmp_path, "second")
     procs[0][0].send_signal(signal.SIGTERM)
-    codes = _wait_all(procs)
+    codes = wait_all(procs, 300)
     logs = _logs(tmp_path, "second")
     assert codes == [PREEMPTED_EXIT_STATUS] * 2, logs
     assert _stopped_at(tmp_path, "second") == [[str(stop + 1)]] * 2, logs
     assert manifest_problem(run / "checkpoints" / str(stop + 1)) is None
 
-    codes = _wait_all(_launch_pair(run, "third"))
+    codes = wait_all(_launch_pair(run, "third"), 300)
     assert codes == [0, 0], _logs(tmp_path, "third")
 
     straight = tmp_path / "straight"
-    codes = _wait_all(_launch_pair(straight, "straight"))
+    codes = wait_all(_launch_pair(straight, "straight"), 300)
     assert codes == [0, 0], _logs(tmp_path, "straight")
 
     # Bit for bit: every step's loss, the validation losses and the final state (parameters,
