@@ -85,6 +85,14 @@ class MoETransformer(nnx.Module):
     def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
               noise_key: jax.Array | None = None,
               segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        h_BLD, stats = self.apply_hidden(tokens_BL, positions_BL, noise_key=noise_key, segment_ids_BL=segment_ids_BL)
+        return self.head.project(h_BLD, self.embed), stats
+
+    def apply_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+                     noise_key: jax.Array | None = None,
+                     segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`apply` without the output projection: (final-normed hidden states, routing statistics),
+        as `Transformer.apply_hidden`."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         # One key per MoE layer, drawn for all of them at once: each layer's noise does not depend on
         # how the layers are grouped into runs.
@@ -103,7 +111,11 @@ class MoETransformer(nnx.Module):
             done += run.count
         # Each statistic with a leading axis over the MoE layers, in layer order.
         stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_run)
-        return self.head(x_BLD, self.embed), routing_summary(stats)
+        return self.head.final_norm(x_BLD), routing_summary(stats)
+
+    def head_weight(self) -> jax.Array:
+        """The output projection, (D, V), as `Transformer.head_weight`."""
+        return self.head.weight_DV(self.embed)
 
     def _moe_layers(self, graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
                     positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,

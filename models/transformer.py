@@ -16,16 +16,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.config_sections import ModelConfig
-from meshwork.models.layers.attention import Attention
+from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ, Attention
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param, training_key
 from meshwork.sharding.rules import with_logical_constraint
 
+_cp = jax.checkpoint_policies
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "full": _cp.nothing_saveable,
+    "dots_saveable": _cp.dots_saveable,
+    # The weight matmuls' outputs, not attention's batched (score and value) dots.
+    "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
+    # By the names models/layers/attention.py tags: the q/k/v projections (MaxText's
+    # save_qkv_proj) and the attention output projection; everything else is recomputed.
+    "save_qkv_proj": _cp.save_only_these_names(*QKV_PROJ),
+    "save_out_proj": _cp.save_only_these_names(OUT_PROJ),
+    "save_qkv_and_out_proj": _cp.save_only_these_names(*QKV_PROJ, OUT_PROJ),
     # Activation offload: the weight matmuls' outputs go to pinned host memory in the forward
     # pass and come back for the backward pass, instead of staying on the device
     # (dots_saveable) or being recomputed (full); attention's batched dots are recomputed.
@@ -167,13 +175,25 @@ class LMHead(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, embed: Embed | None = None) -> jax.Array:
         """`embed`: the input embedding, used as the projection when embeddings are tied."""
-        x_BLD = self.final_norm(x_BLD)
+        return self.project(self.final_norm(x_BLD), embed)
+
+    def project(self, x_BLD: jax.Array, embed: Embed | None = None) -> jax.Array:
+        """Logits of hidden states that have been through `final_norm`."""
         if self.tied:
             logits_BLV = embed.attend(x_BLD)
         else:
             logits_BLV = matmul("BLD,DV->BLV", x_BLD, self.lm_head, self.dtype)
         logits_BLV = with_logical_constraint(logits_BLV, ("act_batch", "act_seq", "act_vocab"))
         return logits_BLV.astype(jnp.float32)
+
+    def weight_DV(self, embed: Embed | None = None) -> jax.Array:
+        """The projection as a (D, V) array (the embedding table transposed when tied): what a
+        fused loss multiplies the normed hidden states by (src/meshwork/evaluation/fused_ce.py)."""
+        w = embed.table if self.tied else self.lm_head
+        if not isinstance(w, nnx.Variable) or not isinstance(w.get_value(), jax.Array):
+            raise ValueError("train.loss_chunk needs a plain head weight, not a quantized or wrapped one; "
+                             "unset train.loss_chunk")
+        return w[...].T if self.tied else w[...]
 
 
 class Transformer(nnx.Module):
@@ -197,10 +217,14 @@ class Transformer(nnx.Module):
         order than 0..L-1 (context parallelism's zigzag); None means 0..L-1.
         dropout_key: training randomness for LoRA dropout (models/lora.py); None: none.
         segment_ids_BL: each token's document when several are packed in a row; None: one."""
+        return self.head(self._trunk(tokens_BL, positions_BL, dropout_key, segment_ids_BL), self.embed)
+
+    def _trunk(self, tokens_BL: jax.Array, positions_BL: jax.Array | None, dropout_key: jax.Array | None,
+               segment_ids_BL: jax.Array | None) -> jax.Array:
+        """Embedding and blocks: the residual stream before the head."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
-        x_BLD = apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat, dropout_key,
-                             unroll=not self.scan_layers, segment_ids_BL=segment_ids_BL)
-        return self.head(x_BLD, self.embed)
+        return apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat, dropout_key,
+                            unroll=not self.scan_layers, segment_ids_BL=segment_ids_BL)
 
     def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
               noise_key: jax.Array | None = None,
@@ -211,6 +235,18 @@ class Transformer(nnx.Module):
         in training only) draws the dropout of LoRA branches when there are any.
         """
         return self(tokens_BL, positions_BL, dropout_key=noise_key, segment_ids_BL=segment_ids_BL), {}
+
+    def apply_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
+                     noise_key: jax.Array | None = None,
+                     segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`apply` without the output projection: (final-normed hidden states, statistics), for a
+        loss that multiplies them by `head_weight()` itself, chunk by chunk (train.loss_chunk)."""
+        x_BLD = self._trunk(tokens_BL, positions_BL, noise_key, segment_ids_BL)
+        return self.head.final_norm(x_BLD), {}
+
+    def head_weight(self) -> jax.Array:
+        """The output projection, (D, V): logits = apply_hidden(...)[0] @ head_weight()."""
+        return self.head.weight_DV(self.embed)
 
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""

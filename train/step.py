@@ -43,7 +43,9 @@ def make_diffusion_loss_fn(graphdef: nnx.GraphDef, cfg: Config) -> Callable[...,
 
 def make_objective(graphdef: nnx.GraphDef, cfg: Config) -> Callable[..., tuple[jax.Array, dict]]:
     """The training objective of `cfg`'s task."""
-    return make_diffusion_loss_fn(graphdef, cfg) if cfg.model.kind == "unet" else make_loss_fn(graphdef)
+    if cfg.model.kind == "unet":
+        return make_diffusion_loss_fn(graphdef, cfg)
+    return make_loss_fn(graphdef, cfg.train.loss_chunk)
 
 
 def make_accumulate(graphdef: nnx.GraphDef, loss_fn: Callable | None, microbatches: int = 1,

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
@@ -21,6 +22,11 @@ from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.ring_attention import ring_attention
 from meshwork.sharding.rules import compiler_axes, current_rules, manual_axes, split_axes, with_logical_constraint
+
+
+# Names of the projections' outputs, for remat policies that save them by name (models/transformer.py).
+QKV_PROJ = ("query_proj", "key_proj", "value_proj")
+OUT_PROJ = "out_proj"
 
 
 def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
@@ -201,7 +207,7 @@ class Attention(nnx.Module):
         else:
             o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl,
                             segment_ids_BL=segment_ids_BL, window=self.window)
-        return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype)
+        return checkpoint_name(matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), OUT_PROJ)
 
     def cached(self, x_BLD: jax.Array, positions_BL: jax.Array, kv):
         """Attention of new tokens at `positions_BL` over a KV cache: (output, updated cache).
@@ -228,6 +234,7 @@ class Attention(nnx.Module):
         if self.qkv_bias:
             w = lambda p: p[...].astype(self.dtype)  # noqa: E731
             q_BLHK, k_BLGK, v_BLGK = q_BLHK + w(self.bq), k_BLGK + w(self.bk), v_BLGK + w(self.bv)
+        q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, name) for x, name in zip((q_BLHK, k_BLGK, v_BLGK), QKV_PROJ))
         if self.qk_norm:
             q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
         q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta, self._scaling),

@@ -116,8 +116,8 @@ class Config(Section):
         if t.loss_chunk is not None and (t.pipeline != "none" or m.kind == "unet"):
             raise _KeyError("train.loss_chunk", f"the chunked loss is for unpipelined language models (train.pipeline="
                             f"{t.pipeline}, model.kind={m.kind}); unset train.loss_chunk")
-        if t.remat == "offload_dots" and m.kind == "unet":
-            raise _KeyError("train.remat", "offload_dots is a policy of the scanned transformer layers; "
+        if t.remat not in ("none", "full", "dots_saveable") and m.kind == "unet":
+            raise _KeyError("train.remat", f"{t.remat} is a policy of the scanned transformer layers; "
                             "use none, full or dots_saveable for model.kind=unet")
         if o.params and not t.scan_layers:
             raise _KeyError("train.offload.params", "parameter offload streams one layer per scan step; "

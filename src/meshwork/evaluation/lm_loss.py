@@ -14,22 +14,33 @@ import numpy as np
 import optax
 from flax import nnx
 
+from meshwork.evaluation.fused_ce import fused_cross_entropy
+
 Batch = dict[str, jax.Array]
 
 
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, dict]]:
+def make_loss_fn(graphdef: nnx.GraphDef, loss_chunk: int | None = None) -> Callable[..., tuple[jax.Array, dict]]:
     """loss_fn(params, buffers, batch, noise_key=None) -> (objective, metrics).
 
     The objective is the next-token cross-entropy plus the model's auxiliary
     terms (MoE load balancing and router z-loss, with the coefficients of its
     config); metrics["loss"] is the cross-entropy alone, comparable with the
     validation loss, beside the model's statistics (expert load, drops).
+
+    `loss_chunk` (train.loss_chunk): compute the head and the cross-entropy that many token
+    rows at a time (evaluation/fused_ce.py), from the model's `apply_hidden` and
+    `head_weight`, never holding the whole batch's logits; None: the logits of `apply`.
     """
     def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
         model = nnx.merge(graphdef, params, buffers)
-        logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), noise_key=noise_key,
-                                        segment_ids_BL=batch.get("segment_ids"))
-        ce = token_cross_entropy(logits_BLV, batch)
+        kw = dict(noise_key=noise_key, segment_ids_BL=batch.get("segment_ids"))
+        if loss_chunk is not None:
+            h_BLD, stats = model.apply_hidden(batch["inputs"], batch.get("positions"), **kw)
+            ce = fused_cross_entropy(h_BLD, model.head_weight(), batch["targets"], batch.get("loss_mask"),
+                                     chunk=loss_chunk, dtype=model.dtype)
+        else:
+            logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), **kw)
+            ce = token_cross_entropy(logits_BLV, batch)
         objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
         return objective, {"loss": ce, **stats}
     return loss_fn

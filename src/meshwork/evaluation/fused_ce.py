@@ -1,0 +1,117 @@
+"""Fused, chunked LM-head cross-entropy: the loss from hidden states and the head weight, without
+ever holding the (B*L, V) float32 logits or their gradient.
+
+The plain path (`lm_loss.token_cross_entropy` on the head's logits) keeps the full logits for
+the backward pass, and its backward builds a second array of that size (softmax - onehot):
+at a 128k vocabulary these two are the largest activations of a step. Here the token rows
+are processed `chunk` at a time inside a `lax.scan`: the forward keeps only each row's
+logsumexp (B*L floats), and a `jax.custom_vjp` backward recomputes one chunk's logits, turns
+them into (softmax - onehot) * weight and multiplies them into dh and dW at once, as
+Liger-Kernel's fused linear cross-entropy and MaxText's vocabulary tiling do.
+
+Chunk c takes rows c, c + C, c + 2C, ... (C chunks in all), not a contiguous block: with the
+batch split over devices each chunk then holds rows of every device, so no device idles
+while another works through its block (the same striding as train/step.py's microbatches).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshwork.sharding.rules import with_logical_constraint
+
+ACT_NV = ("act_batch", "act_vocab")  # a chunk's logits: rows split like the batch, vocabulary like the head
+
+
+def fused_cross_entropy(h_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array,
+                        loss_mask_BL: jax.Array | None = None, *, chunk: int,
+                        dtype: jnp.dtype | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of logits = h @ w, computed `chunk` token rows at a time.
+
+    Equals `token_cross_entropy(h @ w, batch)` (lm_loss.py), its mask semantics included (the mean
+    over the rows where `loss_mask_BL` is 1, or over all rows without a mask), and so do its
+    gradients with respect to h and w. `dtype`: the matmul's operand dtype (the model's compute
+    dtype; None: h's); the products accumulate, and the logsumexp runs, in float32.
+    `chunk` need not divide B*L (the last chunk is padded with rows of weight 0).
+
+    >>> h, w = jnp.ones((2, 8, 4)), jnp.ones((4, 16))
+    >>> round(float(fused_cross_entropy(h, w, jnp.zeros((2, 8), jnp.int32), chunk=5)), 4)  # uniform: log 16
+    2.7726
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}; give a positive number of token rows per chunk")
+    B, L, D = h_BLD.shape
+    N = B * L
+    dtype = dtype or h_BLD.dtype
+    if loss_mask_BL is None:
+        weight_N = jnp.full((N,), 1.0 / N, jnp.float32)
+    else:
+        mask_N = loss_mask_BL.reshape(N).astype(jnp.float32)
+        weight_N = mask_N / jnp.maximum(mask_N.sum(), 1.0)
+    chunk = min(chunk, N)
+    C = -(-N // chunk)  # number of chunks
+    pad = C * chunk - N
+    h_ND = h_BLD.reshape(N, D).astype(dtype)
+    t_N = targets_BL.reshape(N).astype(jnp.int32)
+    if pad:
+        h_ND = jnp.pad(h_ND, ((0, pad), (0, 0)))
+        t_N, weight_N = jnp.pad(t_N, (0, pad)), jnp.pad(weight_N, (0, pad))
+    # Row r*C + c goes to chunk c: (chunk, C, ...) -> (C, chunk, ...).
+    strided = lambda x: x.reshape(chunk, C, *x.shape[1:]).swapaxes(0, 1)  # noqa: E731
+    return _chunked_ce(strided(h_ND), w_DV.astype(dtype), strided(t_N), strided(weight_N))
+
+
+def _chunk_logits(h_ND: jax.Array, w_DV: jax.Array) -> jax.Array:
+    logits_NV = jnp.einsum("ND,DV->NV", h_ND, w_DV, preferred_element_type=jnp.float32)
+    return with_logical_constraint(logits_NV, ACT_NV)
+
+
+def _target_logit(logits_NV: jax.Array, t_N: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(logits_NV, t_N[:, None], axis=-1)[:, 0]
+
+
+@jax.custom_vjp
+def _chunked_ce(h_CND: jax.Array, w_DV: jax.Array, t_CN: jax.Array, weight_CN: jax.Array) -> jax.Array:
+    return _forward(h_CND, w_DV, t_CN, weight_CN)[0]
+
+
+def _forward(h_CND, w_DV, t_CN, weight_CN):
+    def body(total, xs):
+        h_ND, t_N, weight_N = xs
+        logits_NV = _chunk_logits(h_ND, w_DV)
+        lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
+        ce_N = lse_N - _target_logit(logits_NV, t_N)
+        return total + (ce_N * weight_N).sum(), lse_N
+
+    loss, lse_CN = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_CND, t_CN, weight_CN))
+    return loss, lse_CN
+
+
+def _fwd(h_CND, w_DV, t_CN, weight_CN):
+    loss, lse_CN = _forward(h_CND, w_DV, t_CN, weight_CN)
+    # Residuals: the inputs and one float per row, never a (rows, V) array.
+    return loss, (h_CND, w_DV, t_CN, weight_CN, lse_CN)
+
+
+def _bwd(res, g):
+    h_CND, w_DV, t_CN, weight_CN, lse_CN = res
+    V = w_DV.shape[1]
+
+    def body(dw_DV, xs):
+        h_ND, t_N, weight_N, lse_N = xs
+        logits_NV = _chunk_logits(h_ND, w_DV)
+        # d(loss)/d(logits) of this chunk: (softmax - onehot) * the row's weight * g.
+        p_NV = jnp.exp(logits_NV - lse_N[:, None])
+        dlogits_NV = (p_NV - jax.nn.one_hot(t_N, V, dtype=jnp.float32)) * (weight_N * g)[:, None]
+        dlogits_NV = with_logical_constraint(dlogits_NV, ACT_NV).astype(h_ND.dtype)
+        dh_ND = jnp.einsum("NV,DV->ND", dlogits_NV, w_DV, preferred_element_type=jnp.float32)
+        dw_DV = dw_DV + jnp.einsum("ND,NV->DV", h_ND, dlogits_NV, preferred_element_type=jnp.float32)
+        return dw_DV, dh_ND.astype(h_ND.dtype)
+
+    dw_DV, dh_CND = jax.lax.scan(body, jnp.zeros(w_DV.shape, jnp.float32), (h_CND, t_CN, weight_CN, lse_CN))
+    return dh_CND, dw_DV.astype(w_DV.dtype), None, None
+
+
+_chunked_ce.defvjp(_fwd, _bwd)
+

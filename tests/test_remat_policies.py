@@ -1,0 +1,92 @@
+"""Every train.remat policy computes the same loss and gradients as none; they differ only in
+what the layer scan keeps for the backward pass, read from the traced program's residuals."""
+
+import contextlib
+import io
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from meshwork.config import load_config
+from meshwork.evaluation.lm_loss import make_loss_fn
+from meshwork.models.build import build_model, split_model
+from meshwork.models.transformer import REMAT_POLICIES
+
+from conftest import ROOT, tiny_overrides
+
+POLICIES = ("none", *REMAT_POLICIES)
+BYTES = {"f32": 4, "bf16": 2, "s32": 4, "i32": 4, "bool": 1}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    tokens = jax.random.randint(jax.random.key(3), (4, 33), 0, 256)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def objective(tmp_path, batch, config="lm_tiny", *extra):
+    cfg = load_config(ROOT / f"configs/{config}.yaml", [*tiny_overrides(tmp_path), *extra])
+    graphdef, params, buffers = split_model(build_model(cfg))
+    loss_fn = make_loss_fn(graphdef)
+    return (lambda p: loss_fn(p, buffers, batch)[0]), params
+
+
+def layer_residual_bytes(f, params) -> int:
+    """Bytes of what the layer scan saves for the backward pass (`print_saved_residuals`'s lines
+    for the outputs of `apply_layers`' scan), stacked over the layers."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(f, params)
+    total = 0
+    for line in out.getvalue().splitlines():
+        if "apply_layers" in line and (m := re.match(r"(\w+)\[([\d,]*)\]", line)):
+            total += BYTES[m[1]] * int(np.prod([int(d) for d in m[2].split(",") if d]))
+    return total
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, batch):
+    """policy -> (loss, grads, layer residual bytes, compiled temp bytes)."""
+    out = {}
+    for policy in POLICIES:
+        f, params = objective(tmp_path_factory.mktemp(policy), batch, "lm_tiny", f"train.remat={policy}")
+        fn = jax.jit(jax.value_and_grad(f))
+        loss, grads = fn(params)
+        temp = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
+        out[policy] = (loss, grads, layer_residual_bytes(f, params), temp)
+    return out
+
+
+def max_rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_policy_changes_no_value_or_gradient(results, policy):
+    loss, grads, *_ = results[policy]
+    loss0, grads0, *_ = results["none"]
+    errs = max_rel(loss, loss0), max(max_rel(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
+    print(f"{policy}: loss, grads max relative difference vs none {errs}")
+    assert max(errs) < 1e-6, errs
+
+
+def test_policies_differ_in_what_they_save(results):
+    saved = {p: r[2] for p, r in results.items()}
+    print("layer residual bytes:", saved, "compiled temp bytes:", {p: r[3] for p, r in results.items()})
+    assert saved["full"] < saved["save_qkv_proj"] < saved["dots_saveable"], saved
+    assert saved["full"] < saved["save_out_proj"] < saved["save_qkv_and_out_proj"], saved
+    assert saved["save_qkv_proj"] < saved["save_qkv_and_out_proj"] < saved["dots_with_no_batch_dims_saveable"], saved
+    # Attention's batched dots (scores, probabilities x values) are what dots_saveable adds.
+    assert saved["dots_with_no_batch_dims_saveable"] < saved["dots_saveable"] < saved["none"], saved
+
+
+def test_named_policy_in_a_moe_model(tmp_path, batch):
+    f0, params = objective(tmp_path / "none", batch, "moe_tiny")
+    f1, _ = objective(tmp_path / "qkv", batch, "moe_tiny", "train.remat=save_qkv_and_out_proj")
+    (l0, g0), (l1, g1) = jax.jit(jax.value_and_grad(f0))(params), jax.jit(jax.value_and_grad(f1))(params)
+    errs = max_rel(l1, l0), max(max_rel(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)))
+    print(f"moe save_qkv_and_out_proj: loss, grads max relative difference vs none {errs}")
+    assert max(errs) < 1e-6, errs
