@@ -79,5 +79,8 @@ def _plain(v: Any) -> Any:
 
 
 def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
-    path = pathlib.Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+    """The rows of run_dir/metrics.jsonl. A last line without its newline is a row still being
+    written (read while the trainer runs) and is left out."""
+    text = (pathlib.Path(run_dir) / "metrics.jsonl").read_text()
+    complete = text if text.endswith("\n") else text[:text.rfind("\n") + 1]
+    return [json.loads(ln) for ln in complete.splitlines() if ln]
