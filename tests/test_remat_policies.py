@@ -48,14 +48,13 @@ def layer_residual_bytes(f, params) -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, batch):
-    """policy -> (loss, grads, layer residual bytes, compiled temp bytes)."""
+    """policy -> (loss, grads, layer residual bytes). One compile per policy: the compiled temp
+    bytes are not asserted (XLA's scheduling of the recomputation moves the peak; RESULTS.md)."""
     out = {}
     for policy in POLICIES:
         f, params = objective(tmp_path_factory.mktemp(policy), batch, "lm_tiny", f"train.remat={policy}")
-        fn = jax.jit(jax.value_and_grad(f))
-        loss, grads = fn(params)
-        temp = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
-        out[policy] = (loss, grads, layer_residual_bytes(f, params), temp)
+        loss, grads = jax.jit(jax.value_and_grad(f))(params)
+        out[policy] = (loss, grads, layer_residual_bytes(f, params))
     return out
 
 
@@ -75,7 +74,7 @@ def test_policy_changes_no_value_or_gradient(results, policy):
 
 def test_policies_differ_in_what_they_save(results):
     saved = {p: r[2] for p, r in results.items()}
-    print("layer residual bytes:", saved, "compiled temp bytes:", {p: r[3] for p, r in results.items()})
+    print("layer residual bytes:", saved)
     assert saved["full"] < saved["save_qkv_proj"] < saved["dots_saveable"], saved
     assert saved["full"] < saved["save_out_proj"] < saved["save_qkv_and_out_proj"], saved
     assert saved["save_qkv_proj"] < saved["save_qkv_and_out_proj"] < saved["dots_with_no_batch_dims_saveable"], saved
