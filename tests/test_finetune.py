@@ -7,8 +7,10 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshwork.config import load_config
+from meshwork.inference.runs import load_run
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main as train_main
 from meshwork.train.finetune import describe
@@ -69,7 +71,7 @@ def test_only_the_lora_matrices_are_trained(base, tuned):
     moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim > 0]
     assert sum(m.size for m in moments) == 2 * sum(p.size for p in params)
     # The frozen base is bit for bit the base run's weights.
-    base_params = jax.tree.leaves(base["state"]["params"])
+    base_params = jax.tree.leaves(nnx.state(load_run(base["run_dir"])[1], nnx.Param))  # its last checkpoint
     frozen = jax.tree.leaves(state["buffers"])
     assert len(frozen) == len(base_params)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(frozen, base_params))
