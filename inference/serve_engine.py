@@ -81,7 +81,7 @@ class Engine:
         held = {p for pages in s.live_pages().values() for p in pages}
         return {"slots": len(s.slots), "slots_live": sum(x is not None for x in s.slots),
                 "pages_total": s.pages.usable, "pages_held": len(held), "pages_free": len(s.pages.free),
-                "pages_cached": len(getattr(s.pages, "lru", ())),  # a prefix cache's pages, held by no one
+                "pages_cached": len(s.pages.lru),  # a prefix cache's pages, held by no one
                 "queued": len(self._queued), "completed": self.completed, "cancelled": self.cancelled,
                 "steps": s.steps, "preemptions": s.preemptions}
 
