@@ -4,6 +4,12 @@ and achieved FLOP/s as a fraction of this machine's measured matmul peak.
     python benchmarks/train_step.py [--steps 30] [key=value ...]
     python benchmarks/train_step.py --mfu      # CPU MFU: lm_tiny and a d512 x 8-layer LM,
                                                # remat on/off, scanned/unrolled, vs the planner
+    python benchmarks/train_step.py --matched  # MaxText's tiny Llama (vocab 32000, d 256 x 4,
+                                               # seq 256, batch 8, bf16, full remat): tokens/s on
+                                               # 1 and 2 devices, loss and remat variants,
+                                               # FLOP/s over the bf16 matmul peak, load average
+    python benchmarks/train_step.py --profile  # where that step's time goes (perf/step_profile.py),
+                                               # also at d 512 x 8, seq 512, on 1 and 2 devices
 
 All layouts run in one process, one after another, so the ratios compare like
 with like. On a CPU host the 8 "devices" share the same cores: the figures
@@ -30,6 +36,7 @@ from meshwork.config import load_config  # noqa: E402
 from meshwork.data.text import train_iterator  # noqa: E402
 from meshwork.perf.flops import train_flops_per_token  # noqa: E402
 from meshwork.perf.hardware import measure_cpu_peak  # noqa: E402
+from meshwork.perf.step_profile import profile_steps  # noqa: E402
 from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,8 +48,9 @@ LAYOUTS = {
 }
 
 
-def time_layout(n_devices: int, overrides: list[str], steps: int) -> tuple[float, float]:
-    """(median seconds per step, FLOPs per step)."""
+def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool = False):
+    """(median seconds per step, FLOPs per step), and with `profile` the traced breakdown of
+    `steps` more steps (meshwork.perf.step_profile.StepProfile) as a third element."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", *overrides])
         devices = jax.devices()[:n_devices]
@@ -59,7 +67,75 @@ def time_layout(n_devices: int, overrides: list[str], steps: int) -> tuple[float
             if i >= 3:  # warm-up steps excluded
                 times.append(time.perf_counter() - t0)
         flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * cfg.train.global_batch * cfg.data.seq_len
-        return statistics.median(times), flops
+        if not profile:
+            return statistics.median(times), flops
+        holder = {"state": state}
+
+        def step(batch):  # threads the donated state through the traced steps
+            holder["state"], metrics = trainer.step_fn(holder["state"], batch)
+            return metrics
+
+        batches = ((trainer.to_device(next(it)),) for _ in range(steps))
+        prof = profile_steps(step, batches, trainer.step_fn.as_text(), steps=steps, n_devices=n_devices)
+        return statistics.median(times), flops, prof
+
+
+# MaxText's tiny Llama as the issue measured it side by side (bf16 compute, full remat), and
+# the larger CPU model of the MFU target (d 512 x 8 layers, seq 512).
+MATCHED = ["model.vocab_size=32000", "model.d_model=256", "model.n_layers=4", "model.n_heads=4",
+           "model.n_kv_heads=4", "model.d_ff=1024", "data.seq_len=256", "train.global_batch=8",
+           "train.compute_dtype=bfloat16", "train.remat=full"]
+D512 = ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
+        "model.d_ff=2048", "data.seq_len=512", "train.global_batch=8", "train.compute_dtype=bfloat16",
+        "train.remat=full"]
+ONE = ["mesh.data=1"]
+TWO_FSDP = ["mesh.data=1", "mesh.fsdp=2", "rules.preset=fsdp"]
+MATCHED_VARIANTS = {  # (devices, overrides) beyond the shape
+    "1 device, plain loss": (1, ONE + ["train.loss_chunk=null"]),
+    "1 device": (1, ONE),
+    "2 devices fsdp, plain loss": (2, TWO_FSDP + ["train.loss_chunk=null"]),
+    "2 devices fsdp": (2, TWO_FSDP),
+    "2 devices dp": (2, ["mesh.data=2", "rules.preset=dp"]),
+    "1 device, remat none": (1, ONE + ["train.remat=none"]),
+    "1 device, remat save_qkv_and_out_proj": (1, ONE + ["train.remat=save_qkv_and_out_proj"]),
+}
+
+
+def load() -> str:
+    return "{:.1f}".format(os.getloadavg()[0])
+
+
+def matched_table(steps: int, overrides: list[str]) -> None:
+    """Tokens/s of the MaxText-matched shape (and of d 512 x 8), with the load average beside each row."""
+    peak16 = measure_cpu_peak("bfloat16", accumulate="float32")
+    print(f"measured bf16 x bf16 -> f32 matmul peak (1024^3, all cores): {peak16 / 1e9:.1f} GFLOP/s")
+    print("| shape | variant | ms/step | tokens/s | model GFLOP/s | of bf16 peak | load avg |")
+    print("|---|---|---|---|---|---|---|")
+    for shape, shape_ov in (("matched (d256 x 4, seq 256)", MATCHED), ("d512 x 8, seq 512", D512)):
+        for name, (n, ov) in MATCHED_VARIANTS.items():
+            if shape_ov is D512 and "remat" in name:
+                continue
+            t, flops = time_layout(n, [*shape_ov, *ov, *overrides], steps)
+            tokens = flops / train_flops_per_token(load_config(ROOT / "configs/lm_tiny.yaml",
+                                                               [*shape_ov, *overrides]).model,
+                                                   int(_value(shape_ov, "data.seq_len")))
+            print(f"| {shape} | {name} | {t * 1e3:.0f} | {tokens / t:,.0f} | {flops / t / 1e9:.1f} | "
+                  f"{flops / t / peak16:.1%} | {load()} |", flush=True)
+
+
+def _value(overrides: list[str], key: str) -> str:
+    return next(o.split("=", 1)[1] for o in overrides if o.startswith(key + "="))
+
+
+def profile_table(steps: int, overrides: list[str]) -> None:
+    """The step-time breakdown of both shapes on 1 and 2 devices (fsdp)."""
+    for shape, shape_ov in (("matched (d256 x 4, seq 256)", MATCHED), ("d512 x 8, seq 512", D512)):
+        for name, (n, ov) in (("1 device", (1, ONE)), ("2 devices fsdp", (2, TWO_FSDP))):
+            t, _, prof = time_layout(n, [*shape_ov, *ov, *overrides], steps, profile=True)
+            print(f"\n### {shape}, {name}: {t * 1e3:.0f} ms/step untraced (load avg {load()})\n")
+            print(prof.table())
+            print("\nlargest ops: " + "; ".join(f"{op} {s * 1e3:.1f} ms ({part}, {kind})"
+                                               for op, s, part, kind in prof.top_ops[:6]), flush=True)
 
 
 # The two models of the MFU table: lm_tiny as configured, and a CPU-sized LM with long sequences.
@@ -112,8 +188,15 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--mfu", action="store_true", help="the CPU MFU table instead of the layout comparison")
+    p.add_argument("--matched", action="store_true", help="tokens/s at MaxText's tiny-Llama shape and d512 x 8")
+    p.add_argument("--profile", action="store_true", help="the step-time breakdown at those shapes")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.matched or args.profile:
+        print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
+              f"{date.today()}; load avg before {load()}")
+        (matched_table if args.matched else profile_table)(args.steps, args.overrides)
+        return
     if args.mfu:
         print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
               f"{date.today()}")

@@ -18,17 +18,21 @@ from flax import nnx
 from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ, Attention
 from meshwork.models.layers.embed import Embed
+from meshwork.models.layers.mixed_matmul import MATMUL
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param, training_key
 from meshwork.sharding.rules import with_logical_constraint
 
 _cp = jax.checkpoint_policies
+# The weight products (models/layers/mixed_matmul.py) run inside a custom_vjp, where the
+# dot_general-seeking policies cannot see them: those policies take them by their name, MATMUL.
 REMAT_POLICIES = {
     "full": _cp.nothing_saveable,
-    "dots_saveable": _cp.dots_saveable,
+    "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _cp.save_only_these_names(MATMUL)),
     # The weight matmuls' outputs, not attention's batched (score and value) dots.
-    "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
+    "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
+                                                                    _cp.save_only_these_names(MATMUL)),
     # By the names models/layers/attention.py tags: the q/k/v projections (MaxText's
     # save_qkv_proj) and the attention output projection; everything else is recomputed.
     "save_qkv_proj": _cp.save_only_these_names(*QKV_PROJ),
@@ -37,7 +41,9 @@ REMAT_POLICIES = {
     # Activation offload: the weight matmuls' outputs go to pinned host memory in the forward
     # pass and come back for the backward pass, instead of staying on the device
     # (dots_saveable) or being recomputed (full); attention's batched dots are recomputed.
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload_dots": _cp.save_and_offload_only_these_names(names_which_can_be_saved=[],
+                                                          names_which_can_be_offloaded=[MATMUL],
+                                                          offload_src="device", offload_dst="pinned_host"),
 }
 ACT_BLD = ("act_batch", "act_norm_seq", "act_embed")  # the residual stream
 
@@ -175,7 +181,8 @@ class LMHead(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, embed: Embed | None = None) -> jax.Array:
         """`embed`: the input embedding, used as the projection when embeddings are tied."""
-        return self.project(self.final_norm(x_BLD), embed)
+        with jax.named_scope("lm_head"):
+            return self.project(self.final_norm(x_BLD), embed)
 
     def project(self, x_BLD: jax.Array, embed: Embed | None = None) -> jax.Array:
         """Logits of hidden states that have been through `final_norm`."""
@@ -242,7 +249,8 @@ class Transformer(nnx.Module):
         """`apply` without the output projection: (final-normed hidden states, statistics), for a
         loss that multiplies them by `head_weight()` itself, chunk by chunk (train.loss_chunk)."""
         x_BLD = self._trunk(tokens_BL, positions_BL, noise_key, segment_ids_BL)
-        return self.head.final_norm(x_BLD), {}
+        with jax.named_scope("lm_head"):
+            return self.head.final_norm(x_BLD), {}
 
     def head_weight(self) -> jax.Array:
         """The output projection, (D, V): logits = apply_hidden(...)[0] @ head_weight()."""

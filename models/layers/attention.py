@@ -29,7 +29,15 @@ QKV_PROJ = ("query_proj", "key_proj", "value_proj")
 OUT_PROJ = "out_proj"
 
 
-def attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
+def attend(*args, **kwargs) -> jax.Array:
+    """softmax(q k^T * scale + mask) v: `_attend` (below, which documents the arguments) under the name
+    scope `attention_core`, so that profiles (perf/step_profile.py) tell the attention itself from
+    the projections around it."""
+    with jax.named_scope("attention_core"):
+        return _attend(*args, **kwargs)
+
+
+def _attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
            causal: bool = True, scale: float | None = None, impl: str = "xla",
            segment_ids_BL: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """softmax(q k^T * scale + mask) v, with G key/value heads shared by H/G query heads.

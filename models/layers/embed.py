@@ -21,8 +21,9 @@ class Embed(nnx.Module):
         # the looked-up rows then come out split by batch like the tokens,
         # instead of split by embed, which the backward pass cannot undo cheaply
         # on a data x fsdp mesh. A vocab split (tensor parallelism) stays.
-        table_VD = with_logical_constraint(self.table[...], ("act_vocab", "act_embed"))
-        return jnp.take(table_VD, tokens_BL, axis=0).astype(self.dtype)
+        with jax.named_scope("embed"):
+            table_VD = with_logical_constraint(self.table[...], ("act_vocab", "act_embed"))
+            return jnp.take(table_VD, tokens_BL, axis=0).astype(self.dtype)
 
     def attend(self, x_BLD: jax.Array) -> jax.Array:
         """Logits against the embedding table (tied output projection)."""

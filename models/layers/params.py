@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from meshwork.models.layers.mixed_matmul import weight_einsum
+
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
 
@@ -44,7 +46,7 @@ def matmul(spec: str, x: jax.Array, weight: nnx.Param | nnx.Module, dtype: jnp.d
         return weight.matmul(spec, x, dtype)
     w = weight.get_value()
     if isinstance(w, jax.Array | np.ndarray):
-        return jnp.einsum(spec, x, w.astype(dtype))
+        return weight_einsum(spec, x, w.astype(dtype))
     return w.matmul(spec, x, dtype)
 
 

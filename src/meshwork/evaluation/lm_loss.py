@@ -36,11 +36,13 @@ def make_loss_fn(graphdef: nnx.GraphDef, loss_chunk: int | None = None) -> Calla
         kw = dict(noise_key=noise_key, segment_ids_BL=batch.get("segment_ids"))
         if loss_chunk is not None:
             h_BLD, stats = model.apply_hidden(batch["inputs"], batch.get("positions"), **kw)
-            ce = fused_cross_entropy(h_BLD, model.head_weight(), batch["targets"], batch.get("loss_mask"),
-                                     chunk=loss_chunk, dtype=model.dtype)
+            with jax.named_scope("loss"):  # the scope profiles group by (perf/step_profile.py)
+                ce = fused_cross_entropy(h_BLD, model.head_weight(), batch["targets"], batch.get("loss_mask"),
+                                         chunk=loss_chunk, dtype=model.dtype)
         else:
             logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), **kw)
-            ce = token_cross_entropy(logits_BLV, batch)
+            with jax.named_scope("loss"):
+                ce = token_cross_entropy(logits_BLV, batch)
         objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
         return objective, {"loss": ce, **stats}
     return loss_fn
