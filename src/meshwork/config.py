@@ -113,9 +113,9 @@ class Config(Section):
             raise _KeyError("train.offload.params", f"parameter offload streams the dense transformer's scanned "
                             f"layers (model.kind={m.kind}, train.pipeline={t.pipeline}, finetune.method="
                             f"{ft.method}); use model.kind=transformer, train.pipeline=none, finetune none or full")
-        if t.loss_chunk is not None and (t.pipeline != "none" or m.kind == "unet"):
+        if isinstance(t.loss_chunk, int) and (t.pipeline != "none" or m.kind == "unet"):
             raise _KeyError("train.loss_chunk", f"the chunked loss is for unpipelined language models (train.pipeline="
-                            f"{t.pipeline}, model.kind={m.kind}); unset train.loss_chunk")
+                            f"{t.pipeline}, model.kind={m.kind}); set train.loss_chunk to auto or null")
         if t.remat not in ("none", "full", "dots_saveable") and m.kind == "unet":
             raise _KeyError("train.remat", f"{t.remat} is a policy of the scanned transformer layers; "
                             "use none, full or dots_saveable for model.kind=unet")

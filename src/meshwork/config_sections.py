@@ -10,7 +10,7 @@ that depend on each other.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import pydantic
 
@@ -342,9 +342,11 @@ class TrainConfig(Section):
     weight matmuls' (not attention's), save_qkv_proj / save_out_proj / save_qkv_and_out_proj the
     attention projections named so; offload_dots keeps every weight matmul's output in pinned host
     memory instead of recomputing it."""
-    loss_chunk: int | None = pydantic.Field(None, gt=0)
+    loss_chunk: Annotated[int, pydantic.Field(gt=0)] | Literal["auto"] | None = "auto"
     """Token rows (of the batch's B x L) per chunk of a fused head + cross-entropy that never holds
-    the whole (B*L, V) float32 logits nor their gradient (evaluation/fused_ce.py); null: plain loss."""
+    the whole (B*L, V) float32 logits nor their gradient (evaluation/fused_ce.py); null: plain loss;
+    auto: fused for a language model with a vocabulary of 8,192 or more and a plain head weight,
+    in chunks of at most 256 MiB of float32 logits (lm_loss.auto_loss_chunk), plain otherwise."""
     offload: OffloadConfig = OffloadConfig()
     """Which parts of the train state live in host memory between steps."""
     scan_layers: bool = True

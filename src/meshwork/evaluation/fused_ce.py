@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from meshwork.sharding.rules import with_logical_constraint
 
 ACT_NV = ("act_batch", "act_vocab")  # a chunk's logits: rows split like the batch, vocabulary like the head
+W_DV = ("embed", "vocab")  # the head weight's logical axes (tied: the embedding table's, transposed)
 
 
 def fused_cross_entropy(h_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array,
@@ -96,22 +97,32 @@ def _fwd(h_CND, w_DV, t_CN, weight_CN):
     """The loss and, in the same pass over the chunks, its gradients for a cotangent of 1."""
     V = w_DV.shape[1]
 
-    def body(carry, xs):
-        total, dw_DV = carry
-        h_ND, t_N, weight_N = xs
+    def chunk(h_ND, t_N, weight_N):
+        """(loss, dW, dh) of one chunk."""
         logits_NV = _chunk_logits(h_ND, w_DV)
         lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
-        total = total + ((lse_N - _target_logit(logits_NV, t_N)) * weight_N).sum()
+        loss = ((lse_N - _target_logit(logits_NV, t_N)) * weight_N).sum()
         # d(loss)/d(logits) of this chunk: (softmax - onehot) * the row's weight.
         p_NV = jnp.exp(logits_NV - lse_N[:, None])
         dlogits_NV = (p_NV - jax.nn.one_hot(t_N, V, dtype=jnp.float32)) * weight_N[:, None]
         dlogits_NV = with_logical_constraint(dlogits_NV, ACT_NV).astype(h_ND.dtype)
         dh_ND = jnp.einsum("NV,DV->ND", dlogits_NV, w_DV, preferred_element_type=jnp.float32)
-        dw_DV = dw_DV + jnp.einsum("ND,NV->DV", h_ND, dlogits_NV, preferred_element_type=jnp.float32)
-        return (total, dw_DV), dh_ND.astype(h_ND.dtype)
+        # Laid out like the weight: under FSDP each chunk's dW is reduce-scattered to its
+        # owners, not all-reduced in full.
+        dw_DV = with_logical_constraint(jnp.einsum("ND,NV->DV", h_ND, dlogits_NV,
+                                                   preferred_element_type=jnp.float32), W_DV)
+        return loss, dw_DV, dh_ND.astype(h_ND.dtype)
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(w_DV.shape, jnp.float32))
-    (loss, dw_DV), dh_CND = jax.lax.scan(body, init, (h_CND, t_CN, weight_CN))
+    def body(carry, xs):
+        loss, dw_DV, dh_ND = chunk(*xs)
+        return (carry[0] + loss, carry[1] + dw_DV), dh_ND
+
+    # The first chunk outside the scan starts the sums: no zero-filled (D, V) buffer to add to.
+    loss, dw_DV, dh_ND = chunk(h_CND[0], t_CN[0], weight_CN[0])
+    if h_CND.shape[0] == 1:
+        return loss, (dh_ND[None], dw_DV)
+    (loss, dw_DV), dh_rest = jax.lax.scan(body, (loss, dw_DV), (h_CND[1:], t_CN[1:], weight_CN[1:]))
+    dh_CND = jnp.concatenate([dh_ND[None], dh_rest])
     # Residuals: the two gradients (the sizes of h and w), never a (rows, V) array.
     return loss, (dh_CND, dw_DV)
 

@@ -19,7 +19,28 @@ from meshwork.evaluation.fused_ce import fused_cross_entropy
 Batch = dict[str, jax.Array]
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, loss_chunk: int | None = None) -> Callable[..., tuple[jax.Array, dict]]:
+# `auto` fuses the loss from this vocabulary size up (below it the logits are small and the plain
+# loss is as fast), in chunks whose float32 logits take at most AUTO_CHUNK_BYTES.
+AUTO_MIN_VOCAB = 8192
+AUTO_CHUNK_BYTES = 256 * 2**20
+
+
+def auto_loss_chunk(vocab_size: int, rows: int) -> int | None:
+    """train.loss_chunk=auto: the chunk (token rows) for a batch of `rows` = B*L tokens, or None
+    for the plain loss. Chunks are as large as the byte budget allows (fewer, larger matmuls)
+    and split the rows evenly.
+
+    >>> auto_loss_chunk(256, 2048), auto_loss_chunk(32000, 2048), auto_loss_chunk(128256, 8192)
+    (None, 2048, 512)
+    """
+    if vocab_size < AUTO_MIN_VOCAB:
+        return None
+    most = max(1, AUTO_CHUNK_BYTES // (4 * vocab_size))
+    chunks = -(-rows // most)
+    return -(-rows // chunks)
+
+
+def make_loss_fn(graphdef: nnx.GraphDef, loss_chunk: int | str | None = None) -> Callable[..., tuple[jax.Array, dict]]:
     """loss_fn(params, buffers, batch, noise_key=None) -> (objective, metrics).
 
     The objective is the next-token cross-entropy plus the model's auxiliary
@@ -29,16 +50,18 @@ def make_loss_fn(graphdef: nnx.GraphDef, loss_chunk: int | None = None) -> Calla
 
     `loss_chunk` (train.loss_chunk): compute the head and the cross-entropy that many token
     rows at a time (evaluation/fused_ce.py), from the model's `apply_hidden` and
-    `head_weight`, never holding the whole batch's logits; None: the logits of `apply`.
+    `head_weight`, never holding the whole batch's logits; None: the logits of `apply`;
+    "auto": `auto_loss_chunk` of the model's vocabulary, where its head weight is a plain array.
     """
     def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
         model = nnx.merge(graphdef, params, buffers)
         kw = dict(noise_key=noise_key, segment_ids_BL=batch.get("segment_ids"))
-        if loss_chunk is not None:
+        chunk = _resolve_chunk(model, loss_chunk, batch["targets"].size)
+        if chunk is not None:
             h_BLD, stats = model.apply_hidden(batch["inputs"], batch.get("positions"), **kw)
             with jax.named_scope("loss"):  # the scope profiles group by (perf/step_profile.py)
                 ce = fused_cross_entropy(h_BLD, model.head_weight(), batch["targets"], batch.get("loss_mask"),
-                                         chunk=loss_chunk, dtype=model.dtype)
+                                         chunk=chunk, dtype=model.dtype)
         else:
             logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), **kw)
             with jax.named_scope("loss"):
@@ -46,6 +69,18 @@ def make_loss_fn(graphdef: nnx.GraphDef, loss_chunk: int | None = None) -> Calla
         objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
         return objective, {"loss": ce, **stats}
     return loss_fn
+
+
+def _resolve_chunk(model: nnx.Module, loss_chunk: int | str | None, rows: int) -> int | None:
+    if loss_chunk != "auto":
+        return loss_chunk
+    if not hasattr(model, "apply_hidden") or not hasattr(model, "cfg"):
+        return None
+    try:
+        model.head_weight()
+    except ValueError:  # a quantized or LoRA-wrapped head: the plain loss
+        return None
+    return auto_loss_chunk(model.cfg.vocab_size, rows)
 
 
 def token_cross_entropy(logits_BLV: jax.Array, batch: Batch) -> jax.Array:

@@ -88,7 +88,8 @@ def classify(instr: Instruction, computations: dict[str, set[str]]) -> tuple[str
     """(part, kind) of one instruction: the part from its name stack, the kind from its opcode
     (a fusion is a matmul when its body holds a dot or convolution, a move when it holds only
     copies, converts and reshapes)."""
-    part = next((p for p, scope in PARTS if re.search(rf"\b{scope}\b", instr.op_name)), None)
+    stack = instr.op_name.split("/", 1)[-1]  # without the jitted function's own name: jit(loss)/...
+    part = next((p for p, scope in PARTS if re.search(rf"\b{scope}\b", stack)), None)
     if part is None:
         part = "layers (projections, MLP, norms)" if "while/body" in instr.op_name or "checkpoint" in instr.op_name \
             else "other"
@@ -96,7 +97,7 @@ def classify(instr: Instruction, computations: dict[str, set[str]]) -> tuple[str
     if instr.opcode == "fusion":
         ops = set().union(*(computations.get(c, set()) for c in instr.calls)) or {"fusion"}
     base = {op.removesuffix("-start").removesuffix("-done") for op in ops}
-    if base & {"dot", "convolution", "custom-call"} and not base & set(COLLECTIVES):
+    if base & {"dot", "convolution"} and not base & set(COLLECTIVES):
         kind = "matmul"
     elif base & set(COLLECTIVES):
         kind = "collective"
@@ -158,7 +159,7 @@ def profile_steps(fn: Callable, args_for_step: Iterable[tuple], compiled_text: s
 
     `compiled_text`: the compiled program's HLO (`jitted.lower(...).compile().as_text()`), to
     name each op's part and kind. `module`: only ops of this HLO module (default: the module
-    the text declares)."""
+    the text declares). Call `fn` once before: a compile inside the trace counts as wall time."""
     instructions, computations = parse_hlo(compiled_text)
     module = module or re.search(r"HloModule\s+([\w.\-]+)", compiled_text).group(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,6 +171,8 @@ def profile_steps(fn: Callable, args_for_step: Iterable[tuple], compiled_text: s
         wall = (time.perf_counter() - t0) / steps
         jax.profiler.stop_trace()
         files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+        if not files:
+            raise RuntimeError(f"jax.profiler wrote no trace under {tmp}; is another trace running?")
         data = jax.profiler.ProfileData.from_file(files[0])
         by_part_kind: dict[tuple[str, str], float] = defaultdict(float)
         by_op: dict[str, float] = defaultdict(float)
