@@ -50,7 +50,8 @@ LAYOUTS = {
 
 def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool = False):
     """(median seconds per step, FLOPs per step), and with `profile` the traced breakdown of
-    `steps` more steps (meshwork.perf.step_profile.StepProfile) as a third element."""
+    `steps` more steps (meshwork.perf.step_profile.StepProfile) as a third element. The compiled
+    step's temp bytes (XLA's memory_analysis) are left in LAST_TEMP_BYTES."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", *overrides])
         devices = jax.devices()[:n_devices]
@@ -67,6 +68,7 @@ def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool 
             if i >= 3:  # warm-up steps excluded
                 times.append(time.perf_counter() - t0)
         flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * cfg.train.global_batch * cfg.data.seq_len
+        LAST_TEMP_BYTES[0] = trainer.step_fn.memory_analysis().temp_size_in_bytes
         if not profile:
             return statistics.median(times), flops
         holder = {"state": state}
@@ -75,10 +77,12 @@ def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool 
             holder["state"], metrics = trainer.step_fn(holder["state"], batch)
             return metrics
 
-        batches = ((trainer.to_device(next(it)),) for _ in range(steps))
+        batches = [(trainer.to_device(next(it)),) for _ in range(steps)]  # copied in before the trace
         prof = profile_steps(step, batches, trainer.step_fn.as_text(), steps=steps, n_devices=n_devices)
         return statistics.median(times), flops, prof
 
+
+LAST_TEMP_BYTES = [0]
 
 # MaxText's tiny Llama as the issue measured it side by side (bf16 compute, full remat), and
 # the larger CPU model of the MFU target (d 512 x 8 layers, seq 512).
@@ -109,8 +113,8 @@ def matched_table(steps: int, overrides: list[str]) -> None:
     """Tokens/s of the MaxText-matched shape (and of d 512 x 8), with the load average beside each row."""
     peak16 = measure_cpu_peak("bfloat16", accumulate="float32")
     print(f"measured bf16 x bf16 -> f32 matmul peak (1024^3, all cores): {peak16 / 1e9:.1f} GFLOP/s")
-    print("| shape | variant | ms/step | tokens/s | model GFLOP/s | of bf16 peak | load avg |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | variant | ms/step | tokens/s | model GFLOP/s | of bf16 peak | temp MiB | load avg |")
+    print("|---|---|---|---|---|---|---|---|")
     for shape, shape_ov in (("matched (d256 x 4, seq 256)", MATCHED), ("d512 x 8, seq 512", D512)):
         for name, (n, ov) in MATCHED_VARIANTS.items():
             if shape_ov is D512 and "remat" in name:
@@ -120,7 +124,7 @@ def matched_table(steps: int, overrides: list[str]) -> None:
                                                                [*shape_ov, *overrides]).model,
                                                    int(_value(shape_ov, "data.seq_len")))
             print(f"| {shape} | {name} | {t * 1e3:.0f} | {tokens / t:,.0f} | {flops / t / 1e9:.1f} | "
-                  f"{flops / t / peak16:.1%} | {load()} |", flush=True)
+                  f"{flops / t / peak16:.1%} | {LAST_TEMP_BYTES[0] / 2**20:.0f} | {load()} |", flush=True)
 
 
 def _value(overrides: list[str], key: str) -> str:
