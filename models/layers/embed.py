@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -43,7 +45,9 @@ def _lookup_in_embed_shards(table_VD: jax.Array, tokens_BL: jax.Array, dtype: jn
     columns. The backward pass is the mirror image: an all-to-all, then a scatter-add into
     this device's columns only. The gathered (V, D) table of the plain path, its zero-filled
     (V, D) gradient buffer and that gradient's all-reduce (3 x V x D x 4 bytes per device per
-    step: 390 MiB at vocabulary 32,000, d 1024) become 2 x B x L x D activations.
+    step: 390 MiB at vocabulary 32,000, d 1024) become 2 x B x L x D activations. Only worth it
+    when the table has more rows than a device has tokens (V > B x L per device): a small
+    vocabulary's table is cheaper to gather.
     """
     rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
     if rules is None or mesh.empty or manual_axes():
@@ -52,6 +56,8 @@ def _lookup_in_embed_shards(table_VD: jax.Array, tokens_BL: jax.Array, dtype: jn
     embed, batch = split_axes("embed", rules, shape), split_axes("act_batch", rules, shape)
     if (not embed or not set(embed) <= set(batch) or split_axes("vocab", rules, shape)
             or split_axes("act_norm_seq", rules, shape) or split_axes("act_embed", rules, shape)):
+        return None
+    if table_VD.shape[0] <= tokens_BL.size // math.prod(shape[a] for a in batch):
         return None
 
     def lookup(table_Vd: jax.Array, tokens_bL: jax.Array) -> jax.Array:

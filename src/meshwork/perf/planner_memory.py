@@ -244,7 +244,8 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     table: M under GPipe, min(P, M) under 1F1B) and the output cotangents
     waiting for a backward (`cotangent_stash_size`), and recomputes a stage's forward inside its backward, so holds one
     stage's activations at a time. Logits are float32: the logits and their
-    gradient, (b s V / t) x 4 bytes each.
+    gradient, (b s V / t) x 4 bytes each, for the rows the loss holds at once: all of the
+    microbatch's, or one chunk's under the fused loss (train.loss_chunk).
     """
     m, p = cfg.model, ITEMSIZE[cfg.train.compute_dtype]
     ts = token_shape(cfg, layout)
@@ -272,8 +273,22 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
         out["layers"] = stage + (working if layout.remat == "full" else 0.0)
     else:
         out["layers"] = layers(layout.remat) + (working if layout.remat == "full" else 0.0)
-    out["logits"] = 2 * ts.tokens * m.vocab_size / ts.t_vocab * 4
+    out["logits"] = 2 * ts.tokens * _loss_rows_fraction(cfg, layout) * m.vocab_size / ts.t_vocab * 4
     return out
+
+
+def _loss_rows_fraction(cfg: Config, layout: Layout) -> float:
+    """The share of a microbatch's token rows whose logits the loss holds at once: 1 for the
+    plain loss, chunk / rows for the fused one (its chunks are strided over the devices)."""
+    from meshwork.evaluation.lm_loss import auto_loss_chunk
+
+    rows = cfg.train.global_batch * cfg.data.seq_len // cfg.train.microbatches
+    chunk = cfg.train.loss_chunk
+    if layout.pipeline != "none" or cfg.model.kind == "unet":
+        return 1.0
+    if chunk == "auto":
+        chunk = auto_loss_chunk(cfg.model.vocab_size, rows)
+    return 1.0 if chunk is None else min(1.0, chunk / rows)
 
 
 def kv_cache_bytes(m: ModelConfig, batch: int, seq_len: int, dtype_bytes: int = 2, tensor: int = 1) -> float:
