@@ -22,22 +22,23 @@ def report(tmp_path_factory):
 
 
 def test_kernels_far_fewer_than_jaxpr_ops(report):
-    # Measured (jax 0.10.2, 8 CPU devices, dp; benchmarks/graph_counts.py): 860 jaxpr ops vs 326
-    # HLO kernels (1756 HLO ops inside 271 fusions); per step 1051 vs 476. At lm_tiny's own shape
-    # (docs/graph-insight.md's dry-run): 860 vs 327. The counts are asserted within 5%: a different jax may
-    # fuse a little differently, a broken fusion pass or a lost op shows.
+    # Measured (jax 0.10.2, 8 CPU devices, dp; benchmarks/graph_counts.py, 2026-12-02, after the NaN
+    # guard became a lax.cond): 814 jaxpr ops vs 309 HLO kernels (1337 HLO ops inside 278 fusions);
+    # per step 1009 vs 451. At lm_tiny's own shape (docs/graph-insight.md's dry-run): 814 vs 309.
+    # The counts are asserted within 5%: a different jax may fuse a little differently, a broken
+    # fusion pass or a lost op shows.
     h, jaxpr = report["hlo"], report["jaxpr"]
-    assert jaxpr["ops"] == pytest.approx(860, rel=0.05) and h["kernels"] == pytest.approx(326, rel=0.05), (jaxpr, h)
-    assert jaxpr["per_step"] == pytest.approx(1051, rel=0.05) and h["kernels_per_step"] == pytest.approx(476, rel=0.05)
-    assert h["fusions"] == pytest.approx(271, rel=0.05) and h["fused_ops"] == pytest.approx(1756, rel=0.05)
+    assert jaxpr["ops"] == pytest.approx(814, rel=0.05) and h["kernels"] == pytest.approx(309, rel=0.05), (jaxpr, h)
+    assert jaxpr["per_step"] == pytest.approx(1009, rel=0.05) and h["kernels_per_step"] == pytest.approx(451, rel=0.05)
+    assert h["fusions"] == pytest.approx(278, rel=0.05) and h["fused_ops"] == pytest.approx(1337, rel=0.05)
     assert h["kernels"] < jaxpr["ops"] / 2
 
 
 def test_fusion_saves_the_measured_share_of_bytes(report):
-    # Measured: fusion saves 68.7% of the unfused bytes at this shape; 53.6% at lm_tiny's own shape
-    # (docs/graph-insight.md's "54%"; benchmarks/graph_counts.py prints both).
+    # Measured: fusion saves 62.4% of the unfused bytes at this shape; 49.4% at lm_tiny's own shape
+    # (docs/graph-insight.md's "49%"; benchmarks/graph_counts.py prints both).
     h = report["hlo"]
-    assert h["saved_bytes"] / h["unfused_bytes"] == pytest.approx(0.687, abs=0.05)
+    assert h["saved_bytes"] / h["unfused_bytes"] == pytest.approx(0.624, abs=0.05)
 
 
 def test_fusion_saves_bytes_and_every_fusion_moves_at_most_its_ops_bytes(report):

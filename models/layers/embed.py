@@ -57,8 +57,9 @@ def _lookup_in_embed_shards(table_VD: jax.Array, tokens_BL: jax.Array, dtype: jn
     if (not embed or not set(embed) <= set(batch) or split_axes("vocab", rules, shape)
             or split_axes("act_norm_seq", rules, shape) or split_axes("act_embed", rules, shape)):
         return None
-    if table_VD.shape[0] <= tokens_BL.size // math.prod(shape[a] for a in batch):
-        return None
+    ways = math.prod(shape[a] for a in batch)
+    if tokens_BL.ndim != 2 or tokens_BL.shape[0] % ways or table_VD.shape[0] <= tokens_BL.size // ways:
+        return None  # (shard_map needs whole rows per device; a small table is cheaper to gather)
 
     def lookup(table_Vd: jax.Array, tokens_bL: jax.Array) -> jax.Array:
         group_tokens = jax.lax.all_gather(tokens_bL, embed, axis=0, tiled=True)

@@ -21,13 +21,14 @@ from jax.experimental import pallas as pl
 from meshwork.kernels.flash_attention_kernels import BlockSizes, FlashConfig, flash_backward, flash_forward
 from meshwork.kernels.pallas_backend import F32, MASKED, fit_block, resolve_backend
 
-# Starting points, not tuned on hardware. GPU: 128x64 forward tiles are the
-# usual Triton FlashAttention-2 choice; the backward holds two accumulators so
-# it takes 64x64. TPU: the key block is the lane dim of the score tile
+# Starting points. GPU: from the one autotuning run on an H200 (benchmarks/RESULTS.md,
+# 2026-11-30: causal S=4096, K=128, fwd+bwd): 64x64 tiles with 4 warps took 3.90 ms
+# where the earlier 128x64 / 8-warp defaults took 7.11 ms; other S and head dims
+# wait for the next lent device (gpu_suite.sh's autotune step). TPU: the key block is the lane dim of the score tile
 # (multiple of 128); bigger tiles amortize the ~0.35 us per-step overhead.
 # CPU: the interpreter pays per grid step, so few large blocks are fastest.
 DEFAULT_BLOCKS = {
-    "gpu": BlockSizes(q=128, kv=64, bwd_q=64, bwd_kv=64),
+    "gpu": BlockSizes(q=64, kv=64, bwd_q=64, bwd_kv=64),
     "tpu": BlockSizes(q=512, kv=512, bwd_q=256, bwd_kv=512),
     "cpu": BlockSizes(q=128, kv=128, bwd_q=128, bwd_kv=128),
 }
