@@ -142,6 +142,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
 
+        # What a step may change besides its counter: `update` computes these, `keep` returns them as they were.
+        changed = ("params", "buffers", "opt_state", *(("comm",) if comm_grads is not None else ()),
+                   *(("ema",) if ema_decay else ()))
+
         def update(_):
             with jax.named_scope("optimizer"):  # the scope profiles group by (perf/step_profile.py)
                 updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -155,10 +159,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
                 new["comm"] = comm
             if ema_decay:  # weights averaged over steps: what diffusion samples with
                 new["ema"] = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
-            return new
+            return {k: new[k] for k in changed}
 
         def keep(_):
-            return {k: state[k] for k in jax.eval_shape(update, None)}
+            return {k: state[k] for k in changed}
 
         # A step whose loss or gradient is not finite leaves the state as it was. A branch on the
         # device, not a select of new and old: with the old state still needed after the update,
