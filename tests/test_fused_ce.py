@@ -180,3 +180,27 @@ def test_loss_chunk_refuses_pipelines(tmp_path):
     with pytest.raises(ConfigError, match="train.loss_chunk"):
         cfg_with(tmp_path, "train.loss_chunk=64", "mesh.stage=2", "mesh.data=4", "train.pipeline=gpipe",
                  "train.microbatches=2")
+
+
+def test_fsdp_gathers_the_head_once_and_reduces_its_gradient_once(tmp_path, batch):
+    """However many chunks, one all-gather of the head weight and one reduction of its gradient
+    per step: each device sums its own rows' dW over the chunks before any communication."""
+    cfg = cfg_with(tmp_path, "model.tie_embeddings=false")
+    graphdef, params, buffers = split_model(build_model(cfg))
+    mesh, rules = make_mesh({"data": 1, "fsdp": 8}), rules_for("fsdp")
+    D = cfg.model.d_model
+    with jax.set_mesh(mesh), use_rules(rules):
+        placed = jax.device_put(params, variable_shardings(params, mesh, rules))
+        sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+        loss_fn = make_loss_fn(graphdef, 16)  # 128 rows: 8 chunks
+        fn = jax.jit(jax.grad(lambda p, b: loss_fn(p, buffers, b)[0]))
+        hlo = fn.lower(placed, sharded).compile().as_text()
+    # Only the entry computation runs once per step: a collective in the chunk loop's body runs per chunk.
+    entry = hlo[hlo.index("\nENTRY"):]
+    full = rf"\w+\[{D},{V}\]"
+    count = {what: (len(re.findall(pattern, hlo)), len(re.findall(pattern, entry))) for what, pattern in {
+        "all-gather": rf"= {full}\S* all-gather\(",
+        "reduction": rf"= (?:\([^)]*)?{full}[^=]*? (?:all-reduce|reduce-scatter)\(",
+    }.items()}
+    print(f"(D, V) collectives (in the program, in its entry): {count}")
+    assert count == {"all-gather": (1, 1), "reduction": (1, 1)}, count

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from meshwork.matmul import f32_product
+from meshwork.models.layers.attention import attend
 from meshwork.models.layers.mixed_matmul import MATMUL, weight_einsum
 from meshwork.models.transformer import REMAT_POLICIES
 
@@ -115,15 +117,72 @@ def test_the_dtype_check_sees_jaxs_own_upcast_backward():
     assert ("f32", "f32", "f32") in dots
 
 
+def compiled_dot_operand_types(fn, *args) -> list[tuple[str, str]]:
+    """(lhs, rhs) element types of every dot, fused or not, in fn's compiled (XLA:CPU) program."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    types = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\w+)\[", text, flags=re.MULTILINE))
+    dots = re.findall(r"= \w+\[[^\]]*\]\S* dot\(%?([\w.\-]+), %?([\w.\-]+)\)", text)
+    return [(types[a], types[b]) for a, b in dots]
+
+
 def test_compiled_backward_has_no_f32_dot():
     """In the compiled (XLA:CPU) program too, every dot, fused or not, reads bf16 operands."""
     spec = "BLD,DHK->BLHK"
     x, w, r = _operands(spec, BF16)
-    text = _value_and_grads(weight_einsum, spec).lower(x, w, r).compile().as_text()
-    types = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\w+)\[", text, flags=re.MULTILINE))
-    dots = re.findall(r"= \w+\[[^\]]*\]\S* dot\(%?([\w.\-]+), %?([\w.\-]+)\)", text)
-    assert len(dots) == 3, text
-    assert all(types[a] == types[b] == "bf16" for a, b in dots), [(types[a], types[b]) for a, b in dots]
+    assert compiled_dot_operand_types(_value_and_grads(weight_einsum, spec), x, w, r) == [("bf16", "bf16")] * 3
+
+
+def test_f32_product_keeps_a_transposed_left_operand_in_bf16():
+    """h^T @ g (a weight gradient, one summed index leading the left operand): XLA:CPU runs
+    einsum's version as a float32 dot, f32_product's on the bf16 operands; same values."""
+    h = jax.random.normal(jax.random.key(0), (64, 24), BF16)
+    g = jax.random.normal(jax.random.key(1), (64, 40), BF16)
+    assert compiled_dot_operand_types(lambda h, g: jnp.einsum("ND,NV->DV", h, g, preferred_element_type=F32),
+                                      h, g) == [("f32", "f32")]
+    assert compiled_dot_operand_types(lambda h, g: f32_product("ND,NV->DV", h, g), h, g) == [("bf16", "bf16")]
+    want = jnp.einsum("ND,NV->DV", h.astype(F32), g.astype(F32), precision="highest")
+    got = f32_product("ND,NV->DV", h, g)
+    assert got.dtype == F32
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-6 * float(jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("mask", ["causal", "segments"])
+def test_bf16_attention_products_are_bf16_and_track_jax(mask):
+    """The xla attention path in bf16 (models/layers/attention.py): every product of the forward
+    and backward reads bf16 operands (jax.nn.dot_product_attention's has float32 ones), and its
+    values and gradients are as close to the float32 result as JAX's own bf16 attention is."""
+    B, L, H, G, K = 2, 32, 4, 2, 16  # grouped: two query heads per key/value head
+    q, k, v = (jax.random.normal(key, shape) for key, shape in
+               zip(jax.random.split(jax.random.key(2), 3), [(B, L, H, K), (B, L, G, K), (B, L, G, K)]))
+    seg = jnp.repeat(jnp.array([[0, 1], [0, 0]]), L // 2, axis=1) if mask == "segments" else None
+    dense_mask = jnp.tril(jnp.ones((L, L), bool))[None, None]
+    if seg is not None:
+        dense_mask = dense_mask & (seg[:, None, :, None] == seg[:, None, None, :])
+
+    def ours(q, k, v):
+        return attend(q, k, v, segment_ids_BL=seg)
+
+    def jaxs(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=dense_mask)
+
+    def loss(attn):
+        return lambda q, k, v: (attn(q, k, v).astype(F32) ** 2).sum()
+
+    bf = [x.astype(BF16) for x in (q, k, v)]
+    assert all(t == ("bf16", "bf16") for t in compiled_dot_operand_types(jax.grad(loss(ours), (0, 1, 2)), *bf))
+    assert ("f32", "f32") in compiled_dot_operand_types(jax.grad(loss(jaxs), (0, 1, 2)), *bf)
+    want = [jaxs(q, k, v), *jax.grad(loss(jaxs), (0, 1, 2))(q, k, v)]
+    for name, attn in (("ours", ours), ("jax", jaxs)):
+        got = [attn(*bf), *jax.grad(loss(attn), (0, 1, 2))(*bf)]
+        err = [_rel_err(a, b) for a, b in zip(got, want)]
+        print(name, "output, dq, dk, dv relative error vs f32:", err)
+        if name == "ours":
+            ours_err = err
+    assert all(e < 0.02 for e in ours_err) and all(a <= 1.5 * b + 1e-3 for a, b in zip(ours_err, err))
+
+
+def _rel_err(got, want) -> float:
+    return float(jnp.linalg.norm(got.astype(F32) - want) / jnp.linalg.norm(want))
 
 
 

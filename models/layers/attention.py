@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from meshwork.kernels.tuning import tuned_blocks
+from meshwork.models.layers.mixed_matmul import mixed_einsum
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
@@ -67,9 +68,13 @@ def _attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_B
     if positions_BL is not None and causal and impl != "xla":
         raise ValueError(f"attention impl {impl!r} takes tokens in order 0..L-1; use xla for permuted positions")
     if impl == "xla":
+        mask = None
         if (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
-            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale,
-                                                mask=_mask(q_BLHK.shape[:2], positions_BL, segment_ids_BL, window))
+            mask = _mask(q_BLHK.shape[:2], positions_BL, segment_ids_BL, window)
+        if q_BLHK.dtype != jnp.float32:
+            return _mixed_precision_attention(q_BLHK, k_BSGK, v_BSGK, mask, causal=causal, scale=scale)
+        if mask is not None:
+            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
         return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
     if impl == "cudnn":
         if segment_ids_BL is not None:
@@ -86,6 +91,24 @@ def _attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_B
         kernel = functools.partial(flash_attention, causal=causal, scale=scale, window=window, **blocks)
         return _per_device(kernel, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
     raise ValueError(f"attention impl {impl!r}; choose xla, pallas, cudnn or reference")
+
+
+def _mixed_precision_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_B1LS: jax.Array | None,
+                               *, causal: bool, scale: float | None) -> jax.Array:
+    """jax.nn.dot_product_attention's XLA formula for bf16 (or f16) q, k, v, with every product,
+    forward and backward, taking operands in that dtype and accumulating in float32
+    (mixed_matmul.mixed_einsum). JAX's own weighs the values with a bf16 x bf16 -> bf16 product,
+    and its backward multiplies float32 cotangents, both of which XLA:CPU runs as float32 dots
+    behind conversions. Scores and softmax stay float32, as there."""
+    (B, L, H, K), (_, S, G, _) = q_BLHK.shape, k_BSGK.shape
+    q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
+    s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * (scale or K ** -0.5)
+    if mask_B1LS is None and causal:
+        mask_B1LS = jnp.tril(jnp.ones((L, S), bool))[None, None]
+    if mask_B1LS is not None:
+        s_BGRLS = jnp.where(mask_B1LS[:, :, None], s_BGRLS, jnp.finfo(jnp.float32).min)
+    p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1).astype(q_BLHK.dtype)
+    return mixed_einsum("BGRLS,BSGK->BLGRK", p_BGRLS, v_BSGK).reshape(B, L, H, K)
 
 
 def _mask(batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from meshwork.matmul import f32_product
+
 MATMUL = "weight_matmul"
 
 
@@ -35,29 +37,37 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
     `spec` is a two-operand einsum without indices summed inside one operand
     (e.g. "BLD,DHK->BLHK"); anything else falls back to jnp.einsum."""
+    return checkpoint_name(mixed_einsum(spec, x, w), MATMUL)
+
+
+def mixed_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """weight_einsum without the remat name, for products of two activations (attention's scores
+    and its weighted values), which the remat policies must not save as weight products.
+    `out_dtype`: the result's dtype (default x's), e.g. float32 scores for a softmax; the backward
+    products still read the cotangent rounded to x's dtype."""
     ins, _, out = spec.replace(" ", "").partition("->")
     xs, _, ws = ins.partition(",")
     plain = (not out or x.dtype != w.dtype or set(xs) - set(ws + out) or set(ws) - set(xs + out)
              or any(len(set(s)) != len(s) for s in (xs, ws, out)))
     if plain:
-        return checkpoint_name(jnp.einsum(spec, x, w), MATMUL)
-    return checkpoint_name(_einsum(f"{xs},{ws}->{out}", x, w), MATMUL)
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+    return _einsum(f"{xs},{ws}->{out}", jnp.dtype(out_dtype or x.dtype), x, w)
 
 
 def _forward_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return f32_product(spec, x, w).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _forward_product(spec, x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum(spec: str, out_dtype: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    return f32_product(spec, x, w).astype(out_dtype)
 
 
-def _einsum_fwd(spec: str, x: jax.Array, w: jax.Array):
-    return _forward_product(spec, x, w), (x, w)
+def _einsum_fwd(spec: str, out_dtype: jnp.dtype, x: jax.Array, w: jax.Array):
+    return f32_product(spec, x, w).astype(out_dtype), (x, w)
 
 
-def _einsum_bwd(spec: str, residuals, ct: jax.Array):
+def _einsum_bwd(spec: str, out_dtype: jnp.dtype, residuals, ct: jax.Array):
     x, w = residuals
     (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
     ct = ct.astype(x.dtype)

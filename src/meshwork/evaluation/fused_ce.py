@@ -20,13 +20,19 @@ while another works through its block (the same striding as train/step.py's micr
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 
-from meshwork.sharding.rules import with_logical_constraint
+from meshwork.matmul import f32_product
+from meshwork.sharding.rules import compiler_axes, current_rules, split_axes, with_logical_constraint
 
 ACT_NV = ("act_batch", "act_vocab")  # a chunk's logits: rows split like the batch, vocabulary like the head
 W_DV = ("embed", "vocab")  # the head weight's logical axes (tied: the embedding table's, transposed)
+W_GATHERED = (None, "vocab")  # the weight as every chunk reads it: whole, but for a vocabulary split
+PARTIAL_DV = ("act_batch", None, "act_vocab")  # one (D, V) partial sum of dW per device that holds rows
 
 
 def fused_cross_entropy(h_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array,
@@ -64,7 +70,17 @@ def fused_cross_entropy(h_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array
         t_N, weight_N = jnp.pad(t_N, (0, pad)), jnp.pad(weight_N, (0, pad))
     # Row r*C + c goes to chunk c: (chunk, C, ...) -> (C, chunk, ...).
     strided = lambda x: x.reshape(chunk, C, *x.shape[1:]).swapaxes(0, 1)  # noqa: E731
-    return _chunked_ce(strided(h_ND), w_DV.astype(dtype), strided(t_N), strided(weight_N))
+    parts = _row_shards()
+    parts = parts if chunk % parts == 0 else 1
+    return _chunked_ce(parts, strided(h_ND), w_DV.astype(dtype), strided(t_N), strided(weight_N))
+
+
+def _row_shards() -> int:
+    """How many devices split the token rows (the batch's axes of the current rules and mesh)."""
+    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return 1
+    return math.prod(mesh.shape[a] for a in compiler_axes(split_axes("act_batch", rules, mesh.shape)))
 
 
 def _chunk_logits(h_ND: jax.Array, w_DV: jax.Array) -> jax.Array:
@@ -76,8 +92,9 @@ def _target_logit(logits_NV: jax.Array, t_N: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logits_NV, t_N[:, None], axis=-1)[:, 0]
 
 
-@jax.custom_vjp
-def _chunked_ce(h_CND: jax.Array, w_DV: jax.Array, t_CN: jax.Array, weight_CN: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_ce(parts: int, h_CND: jax.Array, w_DV: jax.Array, t_CN: jax.Array, weight_CN: jax.Array) -> jax.Array:
+    del parts
     return _forward(h_CND, w_DV, t_CN, weight_CN)[0]
 
 
@@ -93,9 +110,18 @@ def _forward(h_CND, w_DV, t_CN, weight_CN):
     return loss, lse_CN
 
 
-def _fwd(h_CND, w_DV, t_CN, weight_CN):
-    """The loss and, in the same pass over the chunks, its gradients for a cotangent of 1."""
-    V = w_DV.shape[1]
+def _fwd(parts, h_CND, w_DV, t_CN, weight_CN):
+    """The loss and, in the same pass over the chunks, its gradients for a cotangent of 1.
+
+    dW is summed per row shard: each chunk's rows are grouped by the `parts` devices that hold
+    them, and each device adds its rows' product into its own (D, V) float32 partial sum. The
+    partial sums are added across devices once, after the last chunk; constraining each chunk's
+    dW to the weight's layout instead cost a (D, V) all-reduce per chunk."""
+    D, V = w_DV.shape
+    # Gathered once, inside the custom VJP: left to the partitioner, the first chunk and the scan
+    # over the rest each gathered the FSDP-split weight; constrained outside, the constraint's
+    # transpose gathered dW back in full.
+    w_DV = with_logical_constraint(w_DV, W_GATHERED)
 
     def chunk(h_ND, t_N, weight_N):
         """(loss, dW, dh) of one chunk."""
@@ -107,27 +133,27 @@ def _fwd(h_CND, w_DV, t_CN, weight_CN):
         dlogits_NV = (p_NV - jax.nn.one_hot(t_N, V, dtype=jnp.float32)) * weight_N[:, None]
         dlogits_NV = with_logical_constraint(dlogits_NV, ACT_NV).astype(h_ND.dtype)
         dh_ND = jnp.einsum("NV,DV->ND", dlogits_NV, w_DV, preferred_element_type=jnp.float32)
-        # Laid out like the weight: under FSDP each chunk's dW is reduce-scattered to its
-        # owners, not all-reduced in full.
-        dw_DV = with_logical_constraint(jnp.einsum("ND,NV->DV", h_ND, dlogits_NV,
-                                                   preferred_element_type=jnp.float32), W_DV)
-        return loss, dw_DV, dh_ND.astype(h_ND.dtype)
+        dw_PDV = f32_product("PND,PNV->PDV", h_ND.reshape(parts, -1, D), dlogits_NV.reshape(parts, -1, V))
+        return loss, with_logical_constraint(dw_PDV, PARTIAL_DV), dh_ND.astype(h_ND.dtype)
 
     def body(carry, xs):
-        loss, dw_DV, dh_ND = chunk(*xs)
-        return (carry[0] + loss, carry[1] + dw_DV), dh_ND
+        loss, dw_PDV, dh_ND = chunk(*xs)
+        return (carry[0] + loss, carry[1] + dw_PDV), dh_ND
 
     # The first chunk outside the scan starts the sums: no zero-filled (D, V) buffer to add to.
-    loss, dw_DV, dh_ND = chunk(h_CND[0], t_CN[0], weight_CN[0])
-    if h_CND.shape[0] == 1:
-        return loss, (dh_ND[None], dw_DV)
-    (loss, dw_DV), dh_rest = jax.lax.scan(body, (loss, dw_DV), (h_CND[1:], t_CN[1:], weight_CN[1:]))
-    dh_CND = jnp.concatenate([dh_ND[None], dh_rest])
+    loss, dw_PDV, dh_ND = chunk(h_CND[0], t_CN[0], weight_CN[0])
+    dh_CND = dh_ND[None]
+    if h_CND.shape[0] > 1:
+        (loss, dw_PDV), dh_rest = jax.lax.scan(body, (loss, dw_PDV), (h_CND[1:], t_CN[1:], weight_CN[1:]))
+        dh_CND = jnp.concatenate([dh_CND, dh_rest])
+    # Laid out like the weight: under FSDP the partial sums are reduce-scattered to the owners.
+    dw_DV = with_logical_constraint(dw_PDV.sum(0), W_DV)
     # Residuals: the two gradients (the sizes of h and w), never a (rows, V) array.
     return loss, (dh_CND, dw_DV)
 
 
-def _bwd(res, g):
+def _bwd(parts, res, g):
+    del parts
     dh_CND, dw_DV = res  # h and w share the compute dtype (fused_cross_entropy casts both)
     return (dh_CND * g).astype(dh_CND.dtype), (dw_DV * g).astype(dh_CND.dtype), None, None
 
