@@ -6,8 +6,8 @@ asynchronously, and a reader of the compiled schedule that shows whether they do
     >>> gradients_issued_before_backward_end(compiled.as_text())        # doctest: +SKIP
     True
 
-The options (names checked against jaxlib 0.10.2: each one below compiles; a
-name XLA does not know raises "No such compile option"):
+The options (names checked against jaxlib 0.10.2 and 0.12.0: each one below
+compiles; a name XLA does not know raises "No such compile option"):
 
 - `xla_gpu_enable_latency_hiding_scheduler` (default false). XLA's
   latency-hiding scheduler (LHS) orders the program so that each async
@@ -28,7 +28,10 @@ name XLA does not know raises "No such compile option"):
   (defaults false / false / true): the collective pipeliner moves a scanned
   layer's collective into the neighbouring loop iteration, so layer i's
   gradient reduce-scatter overlaps layer i-1's backward and layer i+1's
-  weights are all-gathered during layer i (FSDP prefetch).
+  weights are all-gathered during layer i (FSDP prefetch). Newer jaxlibs
+  replace these booleans by enums, `xla_gpu_pipeline_all_reduce` / ... =
+  `COLLECTIVE_PIPELINING_MODE_ON` (jaxlib 0.12 rejects the booleans);
+  `compiler_options` passes the enums where this jaxlib knows them.
 - Combine thresholds, the JAX analogue of DDP's gradient buckets:
   `xla_gpu_all_reduce_combine_threshold_bytes`,
   `xla_gpu_all_gather_combine_threshold_bytes`,
@@ -107,8 +110,11 @@ collective on GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
+
+import jax
 
 from meshwork.sharding.hlo import COLLECTIVES
 from meshwork.sharding.hlo_parse import callees, parse_module
@@ -128,10 +134,8 @@ _BODY = re.compile(r"\bbody=%?([^\s,{}]+)")
 _GPU_OVERLAP = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_highest_priority_async_stream": True,
-    "xla_gpu_enable_pipelined_all_reduce": True,
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
 }
+_PIPELINED = ("all_reduce", "all_gather", "reduce_scatter")
 _GPU_THRESHOLDS = ("xla_gpu_all_reduce_combine_threshold_bytes", "xla_gpu_all_gather_combine_threshold_bytes",
                    "xla_gpu_reduce_scatter_combine_threshold_bytes")
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
@@ -161,7 +165,7 @@ def compiler_options(comm_cfg: Any, platform: str) -> dict[str, bool | int | str
     opts: dict[str, bool | int | str] = {}
     if kind == "gpu":
         if comm_cfg.overlap:
-            opts.update(_GPU_OVERLAP)
+            opts.update(_GPU_OVERLAP, **_gpu_pipeliner_options())
         if comm_cfg.combine_threshold_bytes is not None:
             opts.update(dict.fromkeys(_GPU_THRESHOLDS, int(comm_cfg.combine_threshold_bytes)))
     elif kind == "tpu":
@@ -171,6 +175,21 @@ def compiler_options(comm_cfg: Any, platform: str) -> dict[str, bool | int | str
         opts["xla_cpu_scheduler_type"] = "CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED"
     opts.update(comm_cfg.xla_options or {})
     return opts
+
+
+@functools.cache
+def _gpu_pipeliner_options() -> dict[str, bool | str]:
+    """The collective pipeliner's "on" switches, named as this jaxlib's DebugOptions name them.
+
+    Only a compile tells which names a jaxlib accepts, so one tiny program is compiled
+    (once per process) with the enum names; a jaxlib without them gets the booleans.
+    """
+    enums = {f"xla_gpu_pipeline_{kind}": "COLLECTIVE_PIPELINING_MODE_ON" for kind in _PIPELINED}
+    try:
+        jax.jit(lambda x: x + 1).lower(0.0).compile(compiler_options=enums)
+    except jax.errors.JaxRuntimeError:
+        return {f"xla_gpu_enable_pipelined_{kind}": True for kind in _PIPELINED}
+    return enums
 
 
 # ---------------------------------------------------------------------------

@@ -188,9 +188,11 @@ def test_counted_flops_match_the_attention_flop_count():
 def test_gpu_candidate_reaches_the_lowered_triton_calls():
     shape = dict(B=1, L=256, S=256, H=2, G=2, K=64, causal=True)
     cand = search.Candidate(block_q=64, block_kv=32, num_warps=8, num_stages=3)
-    traced, kernels = _kernels(shape, cand, "gpu")
+    with pb.lowering_target("cuda"):  # the trace carries the abstract GPU into the lowering
+        traced, kernels = _kernels(shape, cand, "gpu")
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert {(kn.num_warps, kn.num_stages) for kn in kernels} == {(8, 3)}
-    assert kc.triton_launches(traced.lower(lowering_platforms=("cuda",)).as_text()) == [(8, 3)] * 3
+    assert kc.triton_launches(text) == [(8, 3)] * 3
     assert pb.compiler_params("gpu", 3, 64).num_warps == 4, "the defaults are unchanged"
     cost, facts = cm.gpu_cost(kernels, "NVIDIA H100", "bfloat16")
     assert 0 < cost < math.inf and facts["smem_kib"] > 0

@@ -243,7 +243,8 @@ def test_lowers_without_the_device(platform, backend, marker, what):
         "forward+backward": (jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)), 3),
         "decode": (lambda q, k, v: decode_attention(q[:, 0], k, v, jnp.array([150]), backend=backend), 1),
     }[what]
-    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()
+    with pb.lowering_target(platform):
+        text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == n_kernels
 
 
@@ -254,7 +255,8 @@ def test_triton_launch_parameters_reach_the_lowered_calls():
 
     def launches(**kw):
         loss = lambda q, k, v: flash_attention(q, k, v, backend="gpu", **kw).astype(jnp.float32).sum()  # noqa: E731
-        text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+        with pb.lowering_target("cuda"):
+            text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
         calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
         return [(int(re.search(r"num_warps = (\d+)", c)[1]), int(re.search(r"num_stages = (\d+)", c)[1]))
                 for c in calls]

@@ -69,6 +69,8 @@ def test_options_are_known_to_this_jaxlib(mlp_lowered):
         mlp_lowered.compile(compiler_options=opts)
     gpu = compiler_options(comm(overlap=True, combine_threshold_bytes=1 << 20), "cuda")
     assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
+    # The collective pipeliner, under the names this jaxlib knows (booleans in 0.10, enums in 0.12).
+    assert sum("pipeline" in name for name in gpu) == 3
     assert gpu["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 1 << 20
     # The "overlap off" arm of a GPU comparison.
     mlp_lowered.compile(compiler_options={"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES",

@@ -26,6 +26,7 @@ from meshwork.inference import kv_cache
 from meshwork.inference.generate import Generator
 from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.kernels import paged_attention as pa
+from meshwork.kernels.pallas_backend import lowering_target
 from meshwork.kernels.paged_attention import paged_attention, paged_attention_reference
 from meshwork.models.build import build_model
 
@@ -135,7 +136,8 @@ def test_lowers_without_the_device(platform, backend, marker, L):
     q, pool = jnp.ones((B, L, H, K), jnp.bfloat16), jnp.ones((3, N, T, G, K), jnp.bfloat16)
     table, pos = jnp.ones((B, P), jnp.int32), jnp.full((B, L), 40, jnp.int32)
     fn = functools.partial(paged_attention, layer=2, backend=backend, window=20)
-    text = jax.jit(fn).trace(q, pool, pool, table, pos).lower(lowering_platforms=(platform,)).as_text()
+    with lowering_target(platform):
+        text = jax.jit(fn).trace(q, pool, pool, table, pos).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 1
     assert "gather" not in text
 
@@ -247,6 +249,7 @@ def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
     # The same step lowered for a GPU: one Triton call in the layer scan's body and no gather of pages.
     monkeypatch.setattr(kv_cache, "paged_attention", functools.partial(paged_attention, backend="gpu"))
     gen = Generator(models[0])
-    text = jax.jit(gen._forward_fn).trace(*args(gen)).lower(lowering_platforms=("cuda",)).as_text()
+    with lowering_target("cuda"):
+        text = jax.jit(gen._forward_fn).trace(*args(gen)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert not [ln for ln in text.splitlines() if "stablehlo.gather" in ln and f"x{T}x{G}x{K}x" in ln]

@@ -58,7 +58,20 @@ def stage_layout(blocks: nnx.State, n_stages: int, virtual_stages: int = 1) -> n
     P, v = n_stages, virtual_stages
     if v == 1:
         return jax.tree.map(lambda a: a.reshape(P, a.shape[0] // P, *a.shape[1:]), blocks)
-    return jax.tree.map(lambda a: a.reshape(v, P, a.shape[0] // (P * v), *a.shape[1:]).swapaxes(0, 1), blocks)
+    mesh = jax.sharding.get_abstract_mesh()
+    reshard = not mesh.empty and "stage" in mesh.axis_names
+
+    def chunks(a):
+        a = a.reshape(v, P, a.shape[0] // (P * v), *a.shape[1:]).swapaxes(0, 1)
+        if reshard:
+            # Named as two shardings of one array (model order: stage splits v; then stage
+            # order), the move is an all-to-all both ways; left to the transpose, jax 0.12's
+            # partitioner replicated the gradients on the way back (all-gathers) instead.
+            rest = [PartitionSpec.UNCONSTRAINED] * (a.ndim - 2)
+            a = jax.lax.with_sharding_constraint(a, PartitionSpec(None, "stage", *rest))
+            a = jax.lax.with_sharding_constraint(a, PartitionSpec("stage", None, *rest))
+        return a
+    return jax.tree.map(chunks, blocks)
 
 
 def stage_specs(blocks: nnx.State, rules: Rules, axis_name: str = "stage", virtual_stages: int = 1) -> nnx.State:

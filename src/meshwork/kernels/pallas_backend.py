@@ -14,6 +14,8 @@ pure-JAX references share (float32-accumulating dots, the masked-score value).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -44,6 +46,33 @@ def resolve_backend(backend: str | None, interpret=None) -> tuple[str, object]:
     # An interpreter object (pltpu.InterpretParams: NaN-filled memory, out-of-bounds
     # checks, shuffled parallel grid) passes through to pallas_call as is.
     return backend, interpret if not isinstance(interpret, (bool, int)) else bool(interpret)
+
+
+# The chip a lowering for a platform targets when none is attached: in jax 0.12, Pallas's
+# Triton lowering and some Mosaic rules read the chip (compute capability, TPU generation) from
+# the abstract mesh's device, else from the default device, which on a CPU host is no target.
+# The H200 is the GPU this project tunes on; a v5e is the TPU the tuning
+# table's example names.
+ABSTRACT_DEVICES = {"cuda": jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
+                    "tpu": jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")}
+
+
+@contextlib.contextmanager
+def lowering_target(platform: str):
+    """Lets `.lower(lowering_platforms=(platform,))` run on a machine without that device.
+
+    Sets the platform's abstract device on the current abstract mesh (same axes); a no-op for a
+    platform without an entry in ABSTRACT_DEVICES or when that device is the default backend.
+    Wrap the trace too: a `Traced` lowers under the abstract mesh it was traced under.
+    """
+    device = ABSTRACT_DEVICES.get(platform)
+    if device is None or jax.default_backend() == device.platform:
+        yield
+        return
+    mesh = jax.sharding.get_abstract_mesh()
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+            mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types, abstract_device=device)):
+        yield
 
 
 def compiler_params(backend: str, grid_rank: int, head_dim: int, *, num_warps: int | None = None,
