@@ -102,7 +102,8 @@ def _mixed_precision_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax
     behind conversions. Scores and softmax stay float32, as there."""
     (B, L, H, K), (_, S, G, _) = q_BLHK.shape, k_BSGK.shape
     q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
-    s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * (scale or K ** -0.5)
+    scale = K ** -0.5 if scale is None else scale
+    s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * scale
     if mask_B1LS is None and causal:
         mask_B1LS = jnp.tril(jnp.ones((L, S), bool))[None, None]
     if mask_B1LS is not None:
