@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from meshwork.kernels.tuning import tuned_blocks
+from meshwork.models.layers.causal_blocks import QUERY_BLOCK, causal_blocks
 from meshwork.models.layers.mixed_matmul import mixed_einsum
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
@@ -99,17 +100,29 @@ def _mixed_precision_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax
     forward and backward, taking operands in that dtype and accumulating in float32
     (mixed_matmul.mixed_einsum). JAX's own weighs the values with a bf16 x bf16 -> bf16 product,
     and its backward multiplies float32 cotangents, both of which XLA:CPU runs as float32 dots
-    behind conversions. Scores and softmax stay float32, as there."""
+    behind conversions. Scores and softmax stay float32, as there. A plain causal mask over a
+    long enough sequence is computed by query blocks that skip the masked keys (causal_blocks.py)."""
     (B, L, H, K), (_, S, G, _) = q_BLHK.shape, k_BSGK.shape
     q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
     scale = K ** -0.5 if scale is None else scale
-    s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * scale
+    formula = functools.partial(_softmax_weighted_values, scale=scale)
+    if mask_B1LS is None and causal and L == S and L >= 2 * QUERY_BLOCK:
+        return causal_blocks(formula, q_BLGRK, k_BSGK, v_BSGK, QUERY_BLOCK).reshape(B, L, H, K)
     if mask_B1LS is None and causal:
         mask_B1LS = jnp.tril(jnp.ones((L, S), bool))[None, None]
-    if mask_B1LS is not None:
-        s_BGRLS = jnp.where(mask_B1LS[:, :, None], s_BGRLS, jnp.finfo(jnp.float32).min)
-    p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1).astype(q_BLHK.dtype)
-    return mixed_einsum("BGRLS,BSGK->BLGRK", p_BGRLS, v_BSGK).reshape(B, L, H, K)
+    return formula(q_BLGRK, k_BSGK, v_BSGK, mask_B1LS).reshape(B, L, H, K)
+
+
+def _softmax_weighted_values(q_BLGRK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                             mask: jax.Array | None, *, scale: float) -> jax.Array:
+    """softmax(q k^T * scale, where `mask`) v in the compute dtype, scores in float32; `mask` is
+    (L, S) or (B, 1, L, S), True where a query sees a key, or None."""
+    s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * scale
+    if mask is not None:
+        mask_BGRLS = mask[:, :, None] if mask.ndim == 4 else mask
+        s_BGRLS = jnp.where(mask_BGRLS, s_BGRLS, jnp.finfo(jnp.float32).min)
+    p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1).astype(q_BLGRK.dtype)
+    return mixed_einsum("BGRLS,BSGK->BLGRK", p_BGRLS, v_BSGK)
 
 
 def _mask(batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,

@@ -116,7 +116,10 @@ def _fwd(parts, h_CND, w_DV, t_CN, weight_CN):
     dW is summed per row shard: each chunk's rows are grouped by the `parts` devices that hold
     them, and each device adds its rows' product into its own (D, V) float32 partial sum. The
     partial sums are added across devices once, after the last chunk; constraining each chunk's
-    dW to the weight's layout instead cost a (D, V) all-reduce per chunk."""
+    dW to the weight's layout instead cost a (D, V) all-reduce per chunk. One sum shared by all
+    devices (parts = 1) also keeps the reduction out of the loop, but measured 7% slower at the
+    MaxText-matched shape on 2 CPU devices (1010 against 938 ms per step, interleaved in one
+    process, 2026-12-03) with 12% more temp memory (141 against 126 MiB)."""
     D, V = w_DV.shape
     # Gathered once, inside the custom VJP: left to the partitioner, the first chunk and the scan
     # over the rest each gathered the FSDP-split weight; constrained outside, the constraint's
