@@ -76,9 +76,11 @@ def assert_same_training(got, want, what):
         scale = float(np.max(np.abs(w)))
         assert scale > 0, path  # every leaf, the routers included, gets a gradient
         worst = max(worst, float(np.max(np.abs(g - w))) / scale)
-        # 2e-5 of the leaf's scale: the weight products' backward (models/layers/mixed_matmul.py)
-        # contracts in its own order, measured at 1.13e-5 on one element of 8192.
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-5 * scale, err_msg=path)
+        # 1e-4 of the leaf's scale: the weight products' backward (models/layers/mixed_matmul.py)
+        # contracts in its own order, measured at 1.13e-5 on an AVX-512 host and 3.3e-5 on an
+        # AVX2-only one (its float32 kernels sum in another order); a wrong stage, chunk or tie
+        # is off by the order of the scale itself.
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4 * scale, err_msg=path)
     print(f"{what}: {len(paths)} gradient leaves, worst |diff|/max|g| {worst:.2e}, "
           f"aux_loss {float(got_metrics['aux_loss']):.6f}")
 
