@@ -37,7 +37,8 @@ def test_blocks_equal_the_plain_formula_values_and_grads(block):
     """L = 40 is not a multiple of 16: the last block is shorter."""
     q, k, v = _qkv(2, 40, 2, 3, 16)
     blocked = functools.partial(causal_blocks, formula, block=block)
-    got = [blocked(q, k, v), *jax.grad(_loss(blocked), (0, 1, 2))(q, k, v)]
+    # Jitted: op by op, the blocks' backward dispatches hundreds of small ops (20 s on 2 cores).
+    got = [jax.jit(blocked)(q, k, v), *jax.jit(jax.grad(_loss(blocked), (0, 1, 2)))(q, k, v)]
     want = [_plain(q, k, v), *jax.grad(_loss(_plain), (0, 1, 2))(q, k, v)]
     for g, w in zip(got, want):
         assert g.shape == w.shape
