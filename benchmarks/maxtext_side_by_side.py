@@ -14,7 +14,10 @@ first 3 steps (compile and warm-up). MaxText measures S as wall time between
 consecutive step dispatches, so in steady state it is the step time. The
 "other procs' CPU" column is machine-wide busy CPU (/proc/stat) minus MaxText's
 own, per second of the run: above ~0.2 cores the run was contended and its
-figure is not comparable.
+figure is not comparable. "MaxText's cores busy" is its own CPU time (all
+threads, /proc/<pid>/stat) over the wall time from step 3 to its last step:
+how much of the machine its step uses, to set beside train_step.py --matched's
+"cores busy" for meshwork.
 
 The MaxText venv (MaxText 0.2.5 declares a pinned CUDA environment, so install
 it without dependencies and add only what the CPU training path imports):
@@ -79,7 +82,16 @@ def children_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def run_maxtext(python: str, ndev: int, steps: int, out_dir: str) -> tuple[float, list[float], float]:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of a running process, from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": fields 3 onward
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_maxtext(python: str, ndev: int, steps: int, out_dir: str) -> tuple[float, list[float], float, float]:
+    """(median step seconds, the steps' seconds, other processes' cores, MaxText's own cores busy
+    between its step SKIP and its last step: CPU seconds of all its threads over wall seconds)."""
     base_yml = subprocess.check_output(
         [python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"],
         text=True,
@@ -89,13 +101,23 @@ def run_maxtext(python: str, ndev: int, steps: int, out_dir: str) -> tuple[float
            f"base_output_directory={out_dir}", f"jax_cache_dir={out_dir}/jax_cache", f"steps={steps}",
            f"per_device_batch_size={GLOBAL_BATCH // ndev}", f"ici_fsdp_parallelism={ndev}", *SHAPE]
     busy0, mine0, t0 = busy_cpu_s(), children_cpu_s(), time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, marks = [], []  # marks: (wall, MaxText's CPU seconds) as steps SKIP.. complete
+    for line in proc.stdout:
+        out.append(line)
+        m = STEP_RE.search(line)
+        if m and int(m.group(1)) >= SKIP:
+            marks.append((time.monotonic(), process_cpu_s(proc.pid)))
+    proc.wait()
     # Cores kept busy by *other* processes during the run (contention indicator).
     others = ((busy_cpu_s() - busy0) - (children_cpu_s() - mine0)) / (time.monotonic() - t0)
-    times = [float(s) for n, s in STEP_RE.findall(proc.stdout + proc.stderr) if int(n) >= SKIP]
+    text = "".join(out)
+    times = [float(s) for n, s in STEP_RE.findall(text) if int(n) >= SKIP]
     if proc.returncode != 0 or not times:
-        sys.exit(f"MaxText failed on {ndev} device(s) (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return statistics.median(times), times, max(others, 0.0)
+        sys.exit(f"MaxText failed on {ndev} device(s) (rc={proc.returncode}):\n{text[-3000:]}")
+    (w0, c0), (w1, c1) = marks[0], marks[-1]
+    cores = (c1 - c0) / (w1 - w0) if w1 > w0 else float("nan")
+    return statistics.median(times), times, max(others, 0.0), cores
 
 
 def main() -> None:
@@ -120,13 +142,15 @@ def main() -> None:
         for r in range(args.rounds):
             for ndev in (1, 2):
                 before = loadavg()
-                med, times, others = run_maxtext(args.maxtext_python, ndev, args.steps, out_dir)
-                rows.append((r + 1, ndev, med, min(times), max(times), before, loadavg(), others))
+                med, times, others, cores = run_maxtext(args.maxtext_python, ndev, args.steps, out_dir)
+                rows.append((r + 1, ndev, med, min(times), max(times), before, loadavg(), others, cores))
                 print(f"  round {r + 1}, {ndev} dev: median {med:.3f} s/step over {len(times)} steps", flush=True)
-    print("\n| round | devices | MaxText s/step (median) | min | max | loadavg before | loadavg after | other procs' CPU (cores) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r, ndev, med, lo, hi, before, after, others in rows:
-        print(f"| {r} | {ndev} | {med:.3f} | {lo:.3f} | {hi:.3f} | {before} | {after} | {others:.2f} |")
+    print("\n| round | devices | MaxText s/step (median) | min | max | loadavg before | loadavg after "
+          "| other procs' CPU (cores) | MaxText's cores busy (steps) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r, ndev, med, lo, hi, before, after, others, cores in rows:
+        print(f"| {r} | {ndev} | {med:.3f} | {lo:.3f} | {hi:.3f} | {before} | {after} | {others:.2f} "
+              f"| {cores:.2f} of {os.cpu_count()} |")
     print("\n| devices | median over rounds (s/step) | tokens/s |")
     print("|---|---|---|")
     for ndev in (1, 2):

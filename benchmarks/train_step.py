@@ -7,7 +7,8 @@ and achieved FLOP/s as a fraction of this machine's measured matmul peak.
     python benchmarks/train_step.py --matched  # MaxText's tiny Llama (vocab 32000, d 256 x 4,
                                                # seq 256, batch 8, bf16, full remat): tokens/s on
                                                # 1 and 2 devices, loss and remat variants,
-                                               # FLOP/s over the bf16 matmul peak, load average
+                                               # FLOP/s over the bf16 matmul peak, cores busy,
+                                               # load average (--shapes matched: that shape alone)
     python benchmarks/train_step.py --profile  # where that step's time goes (perf/step_profile.py),
                                                # also at d 512 x 8, seq 512, on 1 and 2 devices
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import tempfile
@@ -51,7 +53,8 @@ LAYOUTS = {
 def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool = False):
     """(median seconds per step, FLOPs per step), and with `profile` the traced breakdown of
     `steps` more steps (meshwork.perf.step_profile.StepProfile) as a third element. The compiled
-    step's temp bytes (XLA's memory_analysis) are left in LAST_TEMP_BYTES."""
+    step's temp bytes (XLA's memory_analysis) are left in LAST_TEMP_BYTES, and the cores the
+    process kept busy during the timed steps (CPU seconds over wall seconds) in LAST_CORES_BUSY."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", *overrides])
         devices = jax.devices()[:n_devices]
@@ -59,14 +62,16 @@ def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool 
         trainer = Trainer(cfg, files, devices)
         it = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)
         state = trainer.init_state()
-        times = []
+        times, cpu_s = [], 0.0
         for i in range(steps + 3):
             batch = trainer.to_device(next(it))
-            t0 = time.perf_counter()
+            cpu0, t0 = _cpu_seconds(), time.perf_counter()
             state, metrics = trainer.step_fn(state, batch)
             jax.block_until_ready(metrics)
             if i >= 3:  # warm-up steps excluded
                 times.append(time.perf_counter() - t0)
+                cpu_s += _cpu_seconds() - cpu0
+        LAST_CORES_BUSY[0] = cpu_s / sum(times)
         flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * cfg.train.global_batch * cfg.data.seq_len
         LAST_TEMP_BYTES[0] = trainer.step_fn.memory_analysis().temp_size_in_bytes
         if not profile:
@@ -83,6 +88,13 @@ def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool 
 
 
 LAST_TEMP_BYTES = [0]
+LAST_CORES_BUSY = [0.0]
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process, all its threads (XLA's compute pools included), user + system."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 # MaxText's tiny Llama as the issue measured it side by side (bf16 compute, full remat), and
 # the larger CPU model of the MFU target (d 512 x 8 layers, seq 512).
@@ -109,15 +121,23 @@ def load() -> str:
     return "{:.1f}".format(os.getloadavg()[0])
 
 
-def matched_table(steps: int, overrides: list[str]) -> None:
+SHAPES = {"matched": ("matched (d256 x 4, seq 256)", MATCHED), "d512": ("d512 x 8, seq 512", D512)}
+
+
+def matched_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
     """Tokens/s of the MaxText-matched shape (and of d 512 x 8), with the load average beside each row.
+
+    "cores busy" is the process's CPU time over the wall time of the timed steps: on a host
+    with C cores, n simulated devices can only beat one device by up to C / (one device's
+    cores busy), whatever the program.
 
     The bf16 peak is measured before and after each row and the higher figure taken: on a shared
     host one measurement can read 40% low (214 against 371 GFLOP/s within a minute on
     2026-12-03), which would flatter the fraction."""
-    print("| shape | variant | ms/step | tokens/s | model GFLOP/s | bf16 peak GFLOP/s | of bf16 peak | temp MiB | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for shape, shape_ov in (("matched (d256 x 4, seq 256)", MATCHED), ("d512 x 8, seq 512", D512)):
+    print("| shape | variant | ms/step | tokens/s | model GFLOP/s | bf16 peak GFLOP/s | of bf16 peak | temp MiB "
+          "| cores busy | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for shape, shape_ov in (SHAPES[s] for s in shapes):
         for name, (n, ov) in MATCHED_VARIANTS.items():
             if n > jax.device_count():
                 continue
@@ -128,7 +148,8 @@ def matched_table(steps: int, overrides: list[str]) -> None:
                                                                [*shape_ov, *overrides]).model,
                                                    int(_value(shape_ov, "data.seq_len")))
             print(f"| {shape} | {name} | {t * 1e3:.0f} | {tokens / t:,.0f} | {flops / t / 1e9:.1f} | "
-                  f"{peak16 / 1e9:.0f} | {flops / t / peak16:.1%} | {LAST_TEMP_BYTES[0] / 2**20:.0f} | {load()} |",
+                  f"{peak16 / 1e9:.0f} | {flops / t / peak16:.1%} | {LAST_TEMP_BYTES[0] / 2**20:.0f} | "
+                  f"{LAST_CORES_BUSY[0]:.2f} of {os.cpu_count()} | {load()} |",
                   flush=True)
 
 
@@ -141,9 +162,9 @@ def _value(overrides: list[str], key: str) -> str:
     return next(o.split("=", 1)[1] for o in overrides if o.startswith(key + "="))
 
 
-def profile_table(steps: int, overrides: list[str]) -> None:
-    """The step-time breakdown of both shapes on 1 and 2 devices (fsdp)."""
-    for shape, shape_ov in (("matched (d256 x 4, seq 256)", MATCHED), ("d512 x 8, seq 512", D512)):
+def profile_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
+    """The step-time breakdown of the shapes on 1 and 2 devices (fsdp)."""
+    for shape, shape_ov in (SHAPES[s] for s in shapes):
         for name, (n, ov) in (("1 device", (1, ONE)), ("2 devices fsdp", (2, TWO_FSDP))):
             if n > jax.device_count():  # a GPU machine lends one
                 continue
@@ -206,12 +227,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--mfu", action="store_true", help="the CPU MFU table instead of the layout comparison")
     p.add_argument("--matched", action="store_true", help="tokens/s at MaxText's tiny-Llama shape and d512 x 8")
     p.add_argument("--profile", action="store_true", help="the step-time breakdown at those shapes")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["matched", "d512"],
+                   help="the shapes of --matched and --profile (default both)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     if args.matched or args.profile:
         print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
               f"{date.today()}; load avg before {load()}")
-        (matched_table if args.matched else profile_table)(args.steps, args.overrides)
+        (matched_table if args.matched else profile_table)(args.steps, args.overrides, args.shapes)
         return
     if args.mfu:
         print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
