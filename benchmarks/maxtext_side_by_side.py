@@ -96,7 +96,9 @@ def run_maxtext(python: str, ndev: int, steps: int, out_dir: str) -> tuple[float
         [python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"],
         text=True,
     ).strip()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev}")
+    # Unbuffered, so each step's line arrives as MaxText prints it and its CPU time is read then.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev}",
+               PYTHONUNBUFFERED="1")
     cmd = [python, "-m", "maxtext.trainers.pre_train.train", base_yml, f"run_name=side_by_side_{ndev}dev",
            f"base_output_directory={out_dir}", f"jax_cache_dir={out_dir}/jax_cache", f"steps={steps}",
            f"per_device_batch_size={GLOBAL_BATCH // ndev}", f"ici_fsdp_parallelism={ndev}", *SHAPE]

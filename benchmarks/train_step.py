@@ -129,7 +129,8 @@ def matched_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
 
     "cores busy" is the process's CPU time over the wall time of the timed steps: on a host
     with C cores, n simulated devices can only beat one device by up to C / (one device's
-    cores busy), whatever the program.
+    cores busy), unless the n-device program does less work than the one-device one (time
+    both pinned to one core, `taskset -c 0`, to see which).
 
     The bf16 peak is measured before and after each row and the higher figure taken: on a shared
     host one measurement can read 40% low (214 against 371 GFLOP/s within a minute on
