@@ -17,7 +17,9 @@ from meshwork.perf.step_profile import (
 LAYERS = "layers (projections, MLP, norms)"
 
 # Hand-written, in the form XLA prints: a fusion whose body holds a dot, a convert, a fusion of
-# elementwise ops inside a scan body, a while loop, and a tuple-typed ROOT.
+# elementwise ops inside a scan body, a while loop, a tuple-typed ROOT, and a dot fusion XLA left
+# without a name stack (read through an unnamed bitcast by a named add, as the chunked loss's
+# weight-gradient dot is).
 HLO = """\
 HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[2]{0}, f32[2,2]{1,0})->(f32[2]{0}, s32[])}
 
@@ -50,6 +52,9 @@ ENTRY %main.9 (x: f32[2], w: f32[2,2]) -> (f32[2], s32[]) {
   %dot_fusion = f32[2]{0} fusion(%w, %x), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(step)/transpose(jvp(attention_core))/dot_general" stack_frame_id=1}
   %convert.3 = bf16[2]{0} convert(%dot_fusion), metadata={op_name="jit(step)/jvp(lm_head)/convert_element_type"}
   %mul_fusion = f32[2]{0} fusion(%x), kind=kLoop, calls=%fused_mul, metadata={op_name="jit(step)/while/body/mul"}
+  %unnamed_dot = f32[2]{0} fusion(%w, %x), kind=kOutput, calls=%fused_dot
+  %bitcast.8 = f32[1,2]{1,0} bitcast(%unnamed_dot)
+  %add.7 = f32[1,2]{1,0} add(%bitcast.8, %bitcast.8), metadata={op_name="jit(step)/jvp(loss)/while/body/add"}
   %c = s32[] constant(0)
   %tuple.4 = (s32[], f32[2]{0}) tuple(%c, %mul_fusion)
   %while.1 = (s32[], f32[2]{0}) while(%tuple.4), condition=%cond.1, body=%fused_mul
@@ -66,30 +71,35 @@ def test_parse_hlo_opcodes_names_and_computations():
         "param_0.1": "parameter", "constant.1": "constant", "broadcast.1": "broadcast", "multiply.1": "multiply",
         "arg.1": "parameter", "gte.1": "get-tuple-element", "constant.2": "constant", "lt.1": "compare",
         "x": "parameter", "w": "parameter", "dot_fusion": "fusion", "convert.3": "convert",
-        "mul_fusion": "fusion", "c": "constant", "tuple.4": "tuple", "while.1": "while", "tuple.5": "tuple",
+        "mul_fusion": "fusion", "unnamed_dot": "fusion", "bitcast.8": "bitcast", "add.7": "add", "c": "constant", "tuple.4": "tuple", "while.1": "while", "tuple.5": "tuple",
     }
     assert instructions["dot_fusion"].calls == ("fused_dot",)
     assert instructions["dot_fusion"].op_name == "jit(step)/transpose(jvp(attention_core))/dot_general"
     assert set(instructions["while.1"].calls) == {"cond.1", "fused_mul"}
     assert instructions["tuple.5"].op_name == "" and instructions["tuple.5"].calls == ()
+    assert instructions["dot_fusion"].operands == ("w", "x") and instructions["tuple.5"].operands == ("mul_fusion", "c")
+    # Unnamed instructions take their nearest named user's name stack, through unnamed ones;
+    # one nothing reads (the ROOT tuple) keeps none.
+    assert instructions["unnamed_dot"].op_name == instructions["bitcast.8"].op_name == "jit(step)/jvp(loss)/while/body/add"
     assert computations == {
         "fused_dot": {"parameter", "dot"},
         "fused_mul": {"parameter", "constant", "broadcast", "multiply"},
         "cond.1": {"parameter", "get-tuple-element", "constant", "compare"},
-        "main.9": {"parameter", "fusion", "convert", "constant", "tuple", "while"},
+        "main.9": {"parameter", "fusion", "convert", "constant", "tuple", "while", "bitcast", "add"},
     }
 
 
 def test_classify_the_parsed_instructions():
     instructions, computations = parse_hlo(HLO)
     got = {name: classify(instructions[name], computations)
-           for name in ("dot_fusion", "convert.3", "mul_fusion", "tuple.5", "dot.1")}
+           for name in ("dot_fusion", "convert.3", "mul_fusion", "tuple.5", "dot.1", "unnamed_dot")}
     assert got == {
         "dot_fusion": ("attention core", "matmul"),  # a fusion is a matmul when its body holds a dot
         "convert.3": ("LM head + loss", "copy/convert"),
         "mul_fusion": (LAYERS, "elementwise/other"),
         "tuple.5": ("other", "copy/convert"),
         "dot.1": ("attention core", "matmul"),
+        "unnamed_dot": ("LM head + loss", "matmul"),  # named after the add that reads it
     }
 
 

@@ -45,21 +45,27 @@ class Instruction:
     opcode: str
     op_name: str  # the JAX name stack, e.g. jit(step)/transpose(jvp(attention_core))/dot_general
     calls: tuple[str, ...]  # computations it calls (a fusion's body)
+    operands: tuple[str, ...] = ()  # the instructions it reads
 
 
-def _opcode(rhs: str) -> str:
-    """The opcode of `type opcode(operands), attrs`, where type may be a parenthesized tuple."""
-    if rhs.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rhs):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                rhs = rhs[i + 1:]
-                break
-    else:
-        rhs = rhs.split(" ", 1)[1] if " " in rhs else rhs
-    return rhs.strip().split("(", 1)[0].strip()
+def _balanced(text: str) -> int:
+    """The index just past the parenthesized group `text` starts with."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _opcode_and_operands(rhs: str) -> tuple[str, tuple[str, ...]]:
+    """The opcode and operand names of `type opcode(operands), attrs`, where type may be a
+    parenthesized tuple."""
+    rhs = rhs[_balanced(rhs):] if rhs.startswith("(") else (rhs.split(" ", 1)[1] if " " in rhs else rhs)
+    opcode, _, rest = rhs.strip().partition("(")
+    group = rest[:_balanced("(" + rest) - 1]
+    return opcode.strip(), tuple(re.findall(r"%([\w.\-]+)", group))
 
 
 def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
@@ -71,17 +77,40 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
         m = _INSTR.match(line)
         if m and "=" in line.split("(", 1)[0]:
             name, rhs = m.groups()
-            opcode = _opcode(rhs)
+            opcode, operands = _opcode_and_operands(rhs)
             op_name = re.search(r'op_name="([^"]*)"', rhs)
             calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", rhs)
-            instructions[name] = Instruction(opcode, op_name.group(1) if op_name else "", tuple(calls))
+            instructions[name] = Instruction(opcode, op_name.group(1) if op_name else "", tuple(calls), operands)
             if current is not None:
                 computations[current].add(opcode)
             continue
         c = _COMPUTATION.match(line)
         if c:
             current = c.group(1)
-    return instructions, computations
+    return _named_after_users(instructions), computations
+
+
+def _named_after_users(instructions: dict[str, Instruction]) -> dict[str, Instruction]:
+    """Instructions XLA created without a name stack (a dot it rewrote, say the LM head's weight
+    gradient accumulated in the chunked loss's scan) take the one of their nearest user that has
+    one: they exist to compute what that user reads."""
+    users: dict[str, list[str]] = defaultdict(list)
+    for name, instr in instructions.items():
+        for operand in instr.operands:
+            users[operand].append(name)
+    out = dict(instructions)
+    for name, instr in instructions.items():
+        if instr.op_name:
+            continue
+        seen, frontier = {name}, list(users[name])
+        while frontier:
+            named = next((u for u in frontier if instructions[u].op_name), None)
+            if named is not None:
+                out[name] = dataclasses.replace(instr, op_name=instructions[named].op_name)
+                break
+            frontier = [u for f in frontier for u in users[f] if u not in seen]
+            seen.update(frontier)
+    return out
 
 
 def classify(instr: Instruction, computations: dict[str, set[str]]) -> tuple[str, str]:
