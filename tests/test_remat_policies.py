@@ -13,6 +13,10 @@ from meshwork.config import load_config
 from meshwork.evaluation.lm_loss import make_loss_fn
 from meshwork.models.build import build_model, split_model
 from meshwork.models.transformer import REMAT_POLICIES
+from meshwork.perf import planner_remat
+from meshwork.perf.planner import step_flops
+from meshwork.perf.planner_layout import make_layout
+from meshwork.perf.planner_memory import ITEMSIZE, layer_activation_bytes, token_shape
 
 from conftest import ROOT, tiny_overrides
 
@@ -48,13 +52,17 @@ def layer_residual_bytes(f, params) -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, batch):
-    """policy -> (loss, grads, layer residual bytes). One compile per policy: the compiled temp
-    bytes are not asserted (XLA's scheduling of the recomputation moves the peak; RESULTS.md)."""
+    """policy -> (loss, grads, layer residual bytes, compiled FLOPs). One compile per policy: the
+    compiled temp bytes are not asserted (XLA's scheduling of the recomputation moves the peak;
+    RESULTS.md)."""
     out = {}
     for policy in POLICIES:
         f, params = objective(tmp_path_factory.mktemp(policy), batch, "lm_tiny", f"train.remat={policy}")
-        loss, grads = jax.jit(jax.value_and_grad(f))(params)
-        out[policy] = (loss, grads, layer_residual_bytes(f, params))
+        compiled = jax.jit(jax.value_and_grad(f)).lower(params).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict on older jax
+        loss, grads = compiled(params)
+        out[policy] = (loss, grads, layer_residual_bytes(f, params), cost["flops"])
     return out
 
 
@@ -89,3 +97,51 @@ def test_named_policy_in_a_moe_model(tmp_path, batch):
     errs = max_rel(l1, l0), max(max_rel(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)))
     print(f"moe save_qkv_and_out_proj: loss, grads max relative difference vs none {errs}")
     assert max(errs) < 1e-6, errs
+
+
+def planner_cfg(tmp_path, batch):
+    """lm_tiny at the test's batch, as the planner reads it."""
+    B, L = batch["inputs"].shape
+    return load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), f"train.global_batch={B}",
+                                                       f"data.seq_len={L}"])
+
+
+def test_the_planner_knows_every_policy():
+    assert set(planner_remat.POLICIES) == set(POLICIES)
+
+
+# Partial policies: those between none and full (offload_dots keeps its products on the host).
+PARTIAL = [p for p in POLICIES if p not in ("none", "full", "offload_dots")]
+
+
+def test_planner_kept_bytes_equal_the_saved_residuals(tmp_path, batch, results):
+    """What the planner says each policy keeps beyond full is what jax saves: exactly. (jax also
+    keeps a small per-layer tensor under every policy, so the comparison is against full.)"""
+    cfg = planner_cfg(tmp_path, batch)
+    ts, p = token_shape(cfg, make_layout()), ITEMSIZE[cfg.train.compute_dtype]
+
+    def planned(policy):
+        return cfg.model.n_layers * layer_activation_bytes(cfg.model, ts, p, policy)
+    for policy in PARTIAL:
+        measured = results[policy][2] - results["full"][2]
+        print(f"{policy}: kept beyond full, planned {planned(policy) - planned('full'):.0f} B, saved {measured} B")
+        assert planned(policy) - planned("full") == measured, policy
+
+
+def test_planner_recompute_matches_the_compiled_flops(tmp_path, batch, results):
+    """The products each policy's backward runs again, against XLA's count of the compiled
+    gradient's FLOPs (its scan body counted once: one layer) over none's. XLA's count also
+    holds the recomputed elementwise work, a few percent of a layer's forward; full's planned
+    recompute also counts the down projection, which the backward never reads."""
+    cfg = planner_cfg(tmp_path, batch)
+
+    def planned(policy):
+        return step_flops(cfg, make_layout(remat=policy))["recompute"] / cfg.model.n_layers
+    layer_forward = planned("full")
+    for policy in POLICIES:
+        extra = results[policy][3] - results["none"][3]
+        print(f"{policy}: recompute per layer planned {planned(policy):.0f}, compiled over none {extra:.0f} FLOPs")
+        if policy == "full":
+            assert planned(policy) > extra > 0.7 * planned(policy)
+        else:
+            assert planned(policy) <= extra <= planned(policy) + 0.1 * layer_forward, policy

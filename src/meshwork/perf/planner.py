@@ -26,7 +26,8 @@ Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
 
 Model FLOPs are `meshwork.perf.flops.train_flops_per_token` (6N + the PaLM
 attention term); remat "full" recomputes the layers' forward pass (+1/3 of
-their 6N), and a meshwork pipeline recomputes each stage's forward inside its
+their 6N), a partial policy the products it does not keep (planner_remat.py;
+"offload_dots" streams the kept ones over the host link), and a meshwork pipeline recomputes each stage's forward inside its
 backward (twice under zb-h1: in the input and in the weight half). The
 optimizer update is memory-bound: it reads and writes the state once
 (bytes / HBM bandwidth).
@@ -52,6 +53,7 @@ from meshwork.perf.flops import train_flops_per_token
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_comm import Collective, CommOptions, collective_time, placement, step_collectives, summarize
 from meshwork.perf.planner_layout import REMATS, Layout, layout_from_config, make_layout
+from meshwork.perf.planner_remat import recompute_fraction
 from meshwork.perf.planner_memory import (
     StateBytes,
     activation_memory,
@@ -143,6 +145,20 @@ def _layer_flops_per_token(cfg: Config) -> float:
     return train_flops_per_token(m, cfg.data.seq_len) - 6 * m.vocab_size * m.d_model
 
 
+def _layer_forward_flops(cfg: Config) -> dict[str, float]:
+    """Forward FLOPs per token of the layers by product (planner_remat's tensors): q/k/v, the
+    attention scores and values, the output projection, and the MLP's (or experts') rest split
+    2:1 between gate and up and the down projection."""
+    m = cfg.model
+    q, kv = m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
+    total = _layer_flops_per_token(cfg) / 3
+    parts = {"qkv": 2 * m.d_model * (q + 2 * kv) * m.n_layers,
+             "attention": 4 * q * cfg.data.seq_len * m.n_layers,
+             "out_proj": 2 * q * m.d_model * m.n_layers}
+    mlp = max(total - sum(parts.values()), 0.0)
+    return {**parts, "mlp_in": 2 / 3 * mlp, "mlp_out": mlp / 3, "total": total}
+
+
 def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
     """FLOPs of one step, all devices together: `model` (useful work, MFU's
     numerator), `recompute` (remat, pipeline), `padding` (MoE capacity slots),
@@ -156,7 +172,8 @@ def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
     m, tokens = cfg.model, cfg.train.global_batch * cfg.data.seq_len
     model = train_flops_per_token(m, cfg.data.seq_len) * tokens
     # A pipeline backward recomputes its stage's forward; zb-h1's input and weight halves each do.
-    forwards = (layout.remat == "full") + {"none": 0, "zb-h1": 2}.get(layout.pipeline, 1)
+    forwards = recompute_fraction(layout.remat, _layer_forward_flops(cfg)) + \
+        {"none": 0, "zb-h1": 2}.get(layout.pipeline, 1)
     recompute = forwards * _layer_flops_per_token(cfg) / 3 * tokens
     padding = 0.0
     if m.kind == "moe" and m.moe.capacity_factor and m.moe.capacity_factor > 1:
@@ -202,7 +219,7 @@ def memory(cfg: Config, layout: Layout, accounting: StateBytes | None = None) ->
     mem["gathered_weights"] = gathered_weight_bytes(cfg, layout, accounting)
     mem["total"] = sum(mem.values())
     off = cfg.train.offload
-    if off.optimizer or off.params:  # train.offload: those bytes live in host memory, not on the device
+    if off.optimizer or off.params or layout.remat == "offload_dots":  # bytes in host memory, not on the device
         mem["host"] = offload_memory(cfg, layout, accounting)["host"]
         mem["total"] -= mem["host"]
     return mem
@@ -224,11 +241,13 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
     flops = step_flops(cfg, layout)
     compute = (flops["model"] + flops["padding"]) / layout.devices / (peak * options.efficiency)
     recompute = flops["recompute"] / layout.devices / (peak * options.efficiency)
-    if layout.remat == "dots_saveable":
+    if layout.remat not in ("none", "full"):
         # Recomputing norms, softmax and activations is memory-bound: read the saved
-        # tensors and write what was not kept once more.
-        unsaved = activation_memory(cfg, dataclasses.replace(layout, remat="none"))["layers"] - mem["layers"]
-        recompute += 2 * unsaved / hw.hbm_bandwidth
+        # tensors and write what was not kept once more (offload_dots: what came back).
+        kept = layout.remat if layout.remat != "offload_dots" else "dots_with_no_batch_dims_saveable"
+        unsaved = (activation_memory(cfg, dataclasses.replace(layout, remat="none"))["layers"]
+                   - activation_memory(cfg, dataclasses.replace(layout, remat=kept))["layers"])
+        recompute += 2 * max(unsaved, 0.0) / hw.hbm_bandwidth
 
     timed = [(c, *collective_time(c, layout, hw, dpn, options.algorithm))
              for c in step_collectives(cfg, layout, options.comm, acc)]

@@ -20,12 +20,14 @@ import math
 from typing import TYPE_CHECKING
 
 from meshwork.config import Config, ConfigError
+from meshwork.perf.planner_remat import POLICIES
 from meshwork.sharding.mesh import MESH_AXES
 from meshwork.sharding.rules import axes_of, rules_for
 
 if TYPE_CHECKING:
     from meshwork.perf.planner_weights import Weight
 
+# The policies the layout search tries (any of planner_remat.POLICIES can be planned).
 REMATS = ("none", "dots_saveable", "full")
 
 
@@ -143,8 +145,8 @@ def make_layout(*, data: int = 1, fsdp: int = 1, expert: int = 1, sequence: int 
     """
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero={zero}: the ZeRO stages are 0, 1, 2 and 3 (= fsdp)")
-    if remat not in REMATS:
-        raise ConfigError(f"remat={remat!r}; choose one of {', '.join(REMATS)}")
+    if remat not in POLICIES:
+        raise ConfigError(f"remat={remat!r}; choose one of {', '.join(POLICIES)}")
     parts = ["fsdp" if fsdp > 1 or zero == 3 else ("dp", "zero1", "zero2")[zero]]
     if tensor > 1:
         parts.append("sp" if sequence_parallel else "tp")

@@ -30,6 +30,7 @@ from meshwork.config import Config
 from meshwork.config_sections import ModelConfig
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_pipeline import pipeline_schedule
+from meshwork.perf.planner_remat import kept_elements_per_token, recomputes_matmuls
 from meshwork.perf.planner_weights import model_weights, shard_size, token_axes
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -93,7 +94,8 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
     and the bytes each step moves over the host link (both directions summed).
 
     Optimizer offload keeps the moments on the host: they cross the link in and out once per
-    step. Parameter offload keeps the scanned layers' parameters there: each layer's slice comes
+    step. Remat "offload_dots" keeps the weight products' outputs there (what
+    "dots_with_no_batch_dims_saveable" would keep on the device beyond "full"). Parameter offload keeps the scanned layers' parameters there: each layer's slice comes
     in for the forward pass and again for the backward pass, its gradient goes out, and the
     update streams the parameters in and out once more. The embedding and head stay on device.
 
@@ -116,6 +118,12 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
         params = sum(shard_size(w, layout, "params") for w in layers) * acc.param
         host += params
         transfer += 4 * params + sum(shard_size(w, layout, "grads") for w in layers) * acc.grad
+    if layout.remat == "offload_dots":
+        # The weight products' outputs: out in the forward pass, back in for the backward pass.
+        acts = (activation_memory(cfg, dataclasses.replace(layout, remat="dots_with_no_batch_dims_saveable"))["layers"]
+                - activation_memory(cfg, dataclasses.replace(layout, remat="full"))["layers"])
+        host += acts
+        transfer += 2 * acts
     return {"host": host, "transfer": transfer}
 
 
@@ -209,9 +217,9 @@ def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = 
         MoE instead: k cf (h + 3 F_e) routed rows, router 2E fp32
 
     (their GPT block, with dropout and a 4h GeLU MLP, gives 34h + 5as.)
-    remat "full" keeps the layer input only (h / t_sp); "dots_saveable" keeps
-    the matmul outputs: q, k, v, scores, the attention output, gate, up and
-    the two projections back to h.
+    Any other policy keeps the layer input (h / t_sp) and the tensors
+    planner_remat.KEPT names for it: "full" nothing more, "dots_saveable" q, k,
+    v, the scores, the attention output, its projection, gate and up.
     """
     h, a = m.d_model, m.n_heads
     q, kv = a * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
@@ -224,22 +232,21 @@ def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = 
         router = 2 * e.n_experts * 4 / p
     else:
         ffn, router = 3 * m.d_ff / ts.t_mlp, 0.0
-    if remat == "full":
-        per_token = h / ts.t_norm
-    elif remat == "dots_saveable":
-        per_token = (h / ts.t_norm + (2 * q + 2 * kv) / ts.t_heads + scores + 2 * h / ts.t_norm
-                     + (2 / 3) * ffn + router)
-    else:
+    if remat == "none":
         per_token = 4 * h / ts.t_norm + (2 * q + 2 * kv) / ts.t_heads + scores + ffn + router
+    else:
+        per_token = kept_elements_per_token(remat, h=h / ts.t_norm, qkv=(q + 2 * kv) / ts.t_heads,
+                                            attention=scores + q / ts.t_heads, out_proj=h / ts.t_norm,
+                                            mlp_in=(2 / 3) * ffn + router)
     return per_token * ts.tokens * p
 
 
 def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     """Per-device activation bytes at the peak of the backward pass.
 
-    Without a pipeline, one microbatch at a time: remat none/dots_saveable
-    keep every layer's `layer_activation_bytes`; full remat keeps each layer
-    input plus one layer's working set (recomputed during its backward). A
+    Without a pipeline, one microbatch at a time: every layer's
+    `layer_activation_bytes`, plus one layer's working set under a policy
+    whose backward runs the layer's products again (`recomputes_matmuls`). A
     meshwork pipeline stashes stage inputs (`stash_size` of its schedule
     table: M under GPipe, min(P, M) under 1F1B) and the output cotangents
     waiting for a backward (`cotangent_stash_size`), and recomputes a stage's forward inside its backward, so holds one
@@ -270,9 +277,9 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
         out["pipeline_stash"] = sched.stash * one_input
         out["pipeline_cotangents"] = sched.cotangents * one_input
         stage = layers(layout.remat, 1 / P)
-        out["layers"] = stage + (working if layout.remat == "full" else 0.0)
+        out["layers"] = stage + (working if recomputes_matmuls(layout.remat) else 0.0)
     else:
-        out["layers"] = layers(layout.remat) + (working if layout.remat == "full" else 0.0)
+        out["layers"] = layers(layout.remat) + (working if recomputes_matmuls(layout.remat) else 0.0)
     out["logits"] = 2 * ts.tokens * _loss_rows_fraction(cfg, layout) * m.vocab_size / ts.t_vocab * 4
     return out
 
