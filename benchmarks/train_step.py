@@ -11,6 +11,9 @@ and achieved FLOP/s as a fraction of this machine's measured matmul peak.
                                                # load average (--shapes matched: that shape alone)
     python benchmarks/train_step.py --profile  # where that step's time goes (perf/step_profile.py),
                                                # also at d 512 x 8, seq 512, on 1 and 2 devices
+    python benchmarks/train_step.py --remat    # every train.remat policy at those shapes, 1 device:
+                                               # ms/step and temp MiB against the planner's
+                                               # activations and recompute
 
 All layouts run in one process, one after another, so the ratios compare like
 with like. On a CPU host the 8 "devices" share the same cores: the figures
@@ -154,6 +157,32 @@ def matched_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
                   flush=True)
 
 
+def remat_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
+    """Each train.remat policy on one device: the measured step time and compiled temp bytes
+    beside what the planner predicts for the same config (the layers' activations, and the
+    recomputed FLOPs over the model's). Time and temp are also given over `none`'s."""
+    from meshwork.perf.planner import memory, step_flops
+    from meshwork.perf.planner_layout import layout_from_config
+    from meshwork.perf.planner_remat import POLICIES
+
+    print("| shape | remat | ms/step | x none's time | temp MiB | x none's temp | planned layer activations MiB "
+          "| planned recompute / model FLOPs | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape, shape_ov in (SHAPES[s] for s in shapes):
+        base = None
+        for policy in POLICIES:
+            ov = [*shape_ov, *ONE, f"train.remat={policy}", *overrides]
+            t, _ = time_layout(1, ov, steps)
+            temp = LAST_TEMP_BYTES[0]
+            base = base or (t, temp)
+            cfg = load_config(ROOT / "configs/lm_tiny.yaml", ov)
+            layout = layout_from_config(cfg, 1)
+            flops = step_flops(cfg, layout)
+            print(f"| {shape} | {policy} | {t * 1e3:.0f} | {t / base[0]:.2f} | {temp / 2**20:.0f} | "
+                  f"{temp / base[1]:.2f} | {memory(cfg, layout)['layers'] / 2**20:.0f} | "
+                  f"{flops['recompute'] / flops['model']:.1%} | {load()} |", flush=True)
+
+
 def bf16_peak() -> float:
     """The best bf16 x bf16 -> f32 matmul rate of all cores over a few short measurements (1024^3 and 2048^3)."""
     return max(measure_cpu_peak("bfloat16", n=n, repeats=10, accumulate="float32") for n in (1024, 2048, 1024))
@@ -228,14 +257,16 @@ def main(argv: list[str]) -> None:
     p.add_argument("--mfu", action="store_true", help="the CPU MFU table instead of the layout comparison")
     p.add_argument("--matched", action="store_true", help="tokens/s at MaxText's tiny-Llama shape and d512 x 8")
     p.add_argument("--profile", action="store_true", help="the step-time breakdown at those shapes")
+    p.add_argument("--remat", action="store_true", help="every remat policy at those shapes, against the planner")
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["matched", "d512"],
-                   help="the shapes of --matched and --profile (default both)")
+                   help="the shapes of --matched, --profile and --remat (default both)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    if args.matched or args.profile:
+    if args.matched or args.profile or args.remat:
         print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
               f"{date.today()}; load avg before {load()}")
-        (matched_table if args.matched else profile_table)(args.steps, args.overrides, args.shapes)
+        table = matched_table if args.matched else (profile_table if args.profile else remat_table)
+        table(args.steps, args.overrides, args.shapes)
         return
     if args.mfu:
         print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "

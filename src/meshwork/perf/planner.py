@@ -59,6 +59,7 @@ from meshwork.perf.planner_memory import (
     activation_memory,
     gathered_weight_bytes,
     grad_accumulator_bytes,
+    kept_by_layers,
     offload_memory,
     state_memory,
 )
@@ -245,8 +246,7 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
         # Recomputing norms, softmax and activations is memory-bound: read the saved
         # tensors and write what was not kept once more (offload_dots: what came back).
         kept = layout.remat if layout.remat != "offload_dots" else "dots_with_no_batch_dims_saveable"
-        unsaved = (activation_memory(cfg, dataclasses.replace(layout, remat="none"))["layers"]
-                   - activation_memory(cfg, dataclasses.replace(layout, remat=kept))["layers"])
+        unsaved = (kept_by_layers(cfg, layout, "none") - kept_by_layers(cfg, layout, kept)) / layout.sizes["stage"]
         recompute += 2 * max(unsaved, 0.0) / hw.hbm_bandwidth
 
     timed = [(c, *collective_time(c, layout, hw, dpn, options.algorithm))

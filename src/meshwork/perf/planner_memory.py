@@ -120,8 +120,8 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
         transfer += 4 * params + sum(shard_size(w, layout, "grads") for w in layers) * acc.grad
     if layout.remat == "offload_dots":
         # The weight products' outputs: out in the forward pass, back in for the backward pass.
-        acts = (activation_memory(cfg, dataclasses.replace(layout, remat="dots_with_no_batch_dims_saveable"))["layers"]
-                - activation_memory(cfg, dataclasses.replace(layout, remat="full"))["layers"])
+        acts = (kept_by_layers(cfg, layout, "dots_with_no_batch_dims_saveable")
+                - kept_by_layers(cfg, layout, "full")) / layout.sizes["stage"]
         host += acts
         transfer += 2 * acts
     return {"host": host, "transfer": transfer}
@@ -241,12 +241,27 @@ def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = 
     return per_token * ts.tokens * p
 
 
+def kept_by_layers(cfg: Config, layout: Layout, remat: str, one: bool = False) -> float:
+    """Bytes all layers (`one`: one layer, a MoE one if the model has any) keep for their
+    backward pass under `remat`, for one microbatch on one device."""
+    m, p = cfg.model, ITEMSIZE[cfg.train.compute_dtype]
+    ts = token_shape(cfg, layout)
+    n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
+    kw = dict(materialized_scores=m.attention not in ("pallas", "cudnn"), capacity_factor=m.moe.capacity_factor or 1.0)
+    if one:
+        return layer_activation_bytes(m, ts, p, remat, moe=n_moe > 0, **kw)
+    per_dense = layer_activation_bytes(m, ts, p, remat, **kw)
+    per_moe = layer_activation_bytes(m, ts, p, remat, moe=True, **kw) if n_moe else 0.0
+    return (m.n_layers - n_moe) * per_dense + n_moe * per_moe
+
+
 def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     """Per-device activation bytes at the peak of the backward pass.
 
     Without a pipeline, one microbatch at a time: every layer's
-    `layer_activation_bytes`, plus one layer's working set under a policy
-    whose backward runs the layer's products again (`recomputes_matmuls`). A
+    `layer_activation_bytes`, plus, under a policy whose backward runs the
+    layer's products again (`recomputes_matmuls`), what one layer recomputes:
+    all of it under full, the part the policy did not keep otherwise. A
     meshwork pipeline stashes stage inputs (`stash_size` of its schedule
     table: M under GPipe, min(P, M) under 1F1B) and the output cotangents
     waiting for a backward (`cotangent_stash_size`), and recomputes a stage's forward inside its backward, so holds one
@@ -257,29 +272,22 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     m, p = cfg.model, ITEMSIZE[cfg.train.compute_dtype]
     ts = token_shape(cfg, layout)
     P = layout.sizes["stage"]
-    n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
-    n_dense = m.n_layers - n_moe
-    flash = m.attention in ("pallas", "cudnn")
-    cf = m.moe.capacity_factor or 1.0
-
-    def layers(remat: str, fraction: float = 1.0) -> float:
-        per_dense = layer_activation_bytes(m, ts, p, remat, materialized_scores=not flash)
-        per_moe = layer_activation_bytes(m, ts, p, remat, moe=True, materialized_scores=not flash,
-                                         capacity_factor=cf) if n_moe else 0.0
-        return fraction * (n_dense * per_dense + n_moe * per_moe)
-
-    working = max(layer_activation_bytes(m, ts, p, "none", moe=n_moe > 0, materialized_scores=not flash,
-                                         capacity_factor=cf), 0.0)
+    # While a layer's backward recomputes, it holds what the policy did not keep: all of the
+    # layer under full (and offload_dots, whose kept products come back from the host).
+    working = 0.0
+    if recomputes_matmuls(layout.remat):
+        whole = kept_by_layers(cfg, layout, "none", one=True)
+        working = whole if layout.remat in ("full", "offload_dots") else \
+            max(whole - kept_by_layers(cfg, layout, layout.remat, one=True), 0.0)
     out: dict[str, float] = {}
     if layout.pipeline != "none":
         sched = pipeline_schedule(layout)  # the schedule table the executor runs
         one_input = ts.tokens * m.d_model * p / ts.t_norm
         out["pipeline_stash"] = sched.stash * one_input
         out["pipeline_cotangents"] = sched.cotangents * one_input
-        stage = layers(layout.remat, 1 / P)
-        out["layers"] = stage + (working if recomputes_matmuls(layout.remat) else 0.0)
+        out["layers"] = kept_by_layers(cfg, layout, layout.remat) / P + working
     else:
-        out["layers"] = layers(layout.remat) + (working if recomputes_matmuls(layout.remat) else 0.0)
+        out["layers"] = kept_by_layers(cfg, layout, layout.remat) + working
     out["logits"] = 2 * ts.tokens * _loss_rows_fraction(cfg, layout) * m.vocab_size / ts.t_vocab * 4
     return out
 
