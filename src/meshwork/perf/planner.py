@@ -27,8 +27,9 @@ Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
 Model FLOPs are `meshwork.perf.flops.train_flops_per_token` (6N + the PaLM
 attention term); remat "full" recomputes the layers' forward pass (+1/3 of
 their 6N), a partial policy the products it does not keep (planner_remat.py;
-"offload_dots" streams the kept ones over the host link), and a meshwork pipeline recomputes each stage's forward inside its
-backward (twice under zb-h1: in the input and in the weight half). The
+"offload_dots" streams the kept ones over the host link), and a meshwork
+pipeline recomputes each stage's forward inside its backward (twice under
+zb-h1: in the input and in the weight half). The
 optimizer update is memory-bound: it reads and writes the state once
 (bytes / HBM bandwidth).
 
