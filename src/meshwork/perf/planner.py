@@ -151,14 +151,18 @@ def _layer_forward_flops(cfg: Config) -> dict[str, float]:
     """Forward FLOPs per token of the layers by product (planner_remat's tensors): q/k/v, the
     attention scores and values, the output projection, and the MLP's (or experts') rest split
     2:1 between gate and up and the down projection."""
-    m = cfg.model
+    m, h = cfg.model, cfg.model.d_model
     q, kv = m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
     total = _layer_flops_per_token(cfg) / 3
-    parts = {"qkv": 2 * m.d_model * (q + 2 * kv) * m.n_layers,
+    parts = {"qkv": 2 * h * (q + 2 * kv) * m.n_layers,
              "attention": 4 * q * cfg.data.seq_len * m.n_layers,
-             "out_proj": 2 * q * m.d_model * m.n_layers}
-    mlp = max(total - sum(parts.values()), 0.0)
-    return {**parts, "mlp_in": 2 / 3 * mlp, "mlp_out": mlp / 3, "total": total}
+             "out_proj": 2 * q * h * m.n_layers}
+    n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
+    e = m.moe
+    experts = n_moe * 6 * h * e.top_k * e.d_expert  # the routed experts' three products
+    mlp = max(total - sum(parts.values()) - experts, 0.0)  # dense MLPs, shared experts, routers
+    return {**parts, "mlp_in": 2 / 3 * mlp, "experts_in": 2 / 3 * experts, "mlp_out": (mlp + experts) / 3,
+            "total": total}
 
 
 def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
@@ -222,8 +226,9 @@ def memory(cfg: Config, layout: Layout, accounting: StateBytes | None = None) ->
     mem["total"] = sum(mem.values())
     off = cfg.train.offload
     if off.optimizer or off.params or layout.remat == "offload_dots":  # bytes in host memory, not on the device
-        mem["host"] = offload_memory(cfg, layout, accounting)["host"]
-        mem["total"] -= mem["host"]
+        host = offload_memory(cfg, layout, accounting)
+        mem["host"] = host["host"]
+        mem["total"] -= host["host"] - host["activations"]  # offloaded activations were never counted above
     return mem
 
 
@@ -248,7 +253,7 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
         # tensors and write what was not kept once more (offload_dots: what came back).
         kept = layout.remat if layout.remat != "offload_dots" else "dots_with_no_batch_dims_saveable"
         unsaved = (kept_by_layers(cfg, layout, "none") - kept_by_layers(cfg, layout, kept)) / layout.sizes["stage"]
-        recompute += 2 * max(unsaved, 0.0) / hw.hbm_bandwidth
+        recompute += 2 * max(unsaved, 0.0) * layout.microbatches / hw.hbm_bandwidth  # per microbatch
 
     timed = [(c, *collective_time(c, layout, hw, dpn, options.algorithm))
              for c in step_collectives(cfg, layout, options.comm, acc)]

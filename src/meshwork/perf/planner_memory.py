@@ -95,7 +95,8 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
 
     Optimizer offload keeps the moments on the host: they cross the link in and out once per
     step. Remat "offload_dots" keeps the weight products' outputs there (what
-    "dots_with_no_batch_dims_saveable" would keep on the device beyond "full"). Parameter offload keeps the scanned layers' parameters there: each layer's slice comes
+    "dots_with_no_batch_dims_saveable" would keep on the device beyond "full"), returned
+    apart as "activations": they were never part of the device's bytes. Parameter offload keeps the scanned layers' parameters there: each layer's slice comes
     in for the forward pass and again for the backward pass, its gradient goes out, and the
     update streams the parameters in and out once more. The embedding and head stay on device.
 
@@ -118,13 +119,15 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
         params = sum(shard_size(w, layout, "params") for w in layers) * acc.param
         host += params
         transfer += 4 * params + sum(shard_size(w, layout, "grads") for w in layers) * acc.grad
+    activations = 0.0
     if layout.remat == "offload_dots":
-        # The weight products' outputs: out in the forward pass, back in for the backward pass.
-        acts = (kept_by_layers(cfg, layout, "dots_with_no_batch_dims_saveable")
-                - kept_by_layers(cfg, layout, "full")) / layout.sizes["stage"]
-        host += acts
-        transfer += 2 * acts
-    return {"host": host, "transfer": transfer}
+        # The weight products' outputs of one microbatch at a time; each microbatch's go out in
+        # its forward pass and come back for its backward pass.
+        activations = (kept_by_layers(cfg, layout, "dots_with_no_batch_dims_saveable")
+                       - kept_by_layers(cfg, layout, "full")) / layout.sizes["stage"]
+        host += activations
+        transfer += 2 * activations * layout.microbatches
+    return {"host": host, "transfer": transfer, "activations": activations}
 
 
 def zero_memory(n_params: float, n_devices: int, stage: int, accounting: StateBytes = MIXED_PRECISION_ADAM) -> float:
@@ -226,18 +229,19 @@ def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = 
     scores = a * ts.seq / ts.t_heads if materialized_scores else 0.0
     if moe:
         e = m.moe
-        ffn = e.top_k * capacity_factor * (h + 3 * e.d_expert) / ts.t_mlp
+        experts = e.top_k * capacity_factor * (h + 3 * e.d_expert) / ts.t_mlp
         shared = e.d_shared or e.n_shared_experts * e.d_expert
-        ffn += 3 * shared / ts.t_mlp
+        ffn = experts + 3 * shared / ts.t_mlp
         router = 2 * e.n_experts * 4 / p
     else:
-        ffn, router = 3 * m.d_ff / ts.t_mlp, 0.0
+        experts, ffn, router = 0.0, 3 * m.d_ff / ts.t_mlp, 0.0
     if remat == "none":
         per_token = 4 * h / ts.t_norm + (2 * q + 2 * kv) / ts.t_heads + scores + ffn + router
     else:
         per_token = kept_elements_per_token(remat, h=h / ts.t_norm, qkv=(q + 2 * kv) / ts.t_heads,
                                             attention=scores + q / ts.t_heads, out_proj=h / ts.t_norm,
-                                            mlp_in=(2 / 3) * ffn + router)
+                                            mlp_in=(2 / 3) * (ffn - experts) + router,
+                                            experts_in=(2 / 3) * experts)
     return per_token * ts.tokens * p
 
 
@@ -261,7 +265,8 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     Without a pipeline, one microbatch at a time: every layer's
     `layer_activation_bytes`, plus, under a policy whose backward runs the
     layer's products again (`recomputes_matmuls`), what one layer recomputes:
-    all of it under full, the part the policy did not keep otherwise. A
+    all of it under full and offload_dots (whose kept products come back from
+    the host), the part the policy did not keep otherwise. A
     meshwork pipeline stashes stage inputs (`stash_size` of its schedule
     table: M under GPipe, min(P, M) under 1F1B) and the output cotangents
     waiting for a backward (`cotangent_stash_size`), and recomputes a stage's forward inside its backward, so holds one

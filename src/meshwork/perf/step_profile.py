@@ -93,7 +93,9 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, set[str]]]:
 def _named_after_users(instructions: dict[str, Instruction]) -> dict[str, Instruction]:
     """Instructions XLA created without a name stack (a dot it rewrote, say the LM head's weight
     gradient accumulated in the chunked loss's scan) take the one of their nearest user that has
-    one: they exist to compute what that user reads."""
+    one: they exist to compute what that user reads. The search stays inside the op's own
+    computation (an op only a loop body's ROOT reads keeps no name); among equally near named
+    users the first in the text wins."""
     users: dict[str, list[str]] = defaultdict(list)
     for name, instr in instructions.items():
         for operand in instr.operands:
@@ -102,13 +104,14 @@ def _named_after_users(instructions: dict[str, Instruction]) -> dict[str, Instru
     for name, instr in instructions.items():
         if instr.op_name:
             continue
-        seen, frontier = {name}, list(users[name])
-        while frontier:
+        frontier = list(dict.fromkeys(users[name]))
+        seen = {name, *frontier}
+        while frontier:  # breadth first; each op visited once (diamonds of unnamed ops are common)
             named = next((u for u in frontier if instructions[u].op_name), None)
             if named is not None:
                 out[name] = dataclasses.replace(instr, op_name=instructions[named].op_name)
                 break
-            frontier = [u for f in frontier for u in users[f] if u not in seen]
+            frontier = list(dict.fromkeys(u for f in frontier for u in users[f] if u not in seen))
             seen.update(frontier)
     return out
 
