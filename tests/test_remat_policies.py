@@ -145,3 +145,18 @@ def test_planner_recompute_matches_the_compiled_flops(tmp_path, batch, results):
             assert planned(policy) > extra > 0.7 * planned(policy)
         else:
             assert planned(policy) <= extra <= planned(policy) + 0.1 * layer_forward, policy
+
+
+def test_offload_dots_moves_bytes_to_the_host_not_off_the_books(tmp_path, batch):
+    """offload_dots keeps on the device what full keeps; what dots_with_no_batch_dims_saveable
+    would add sits on the host, and each microbatch's crosses the link out and back."""
+    from meshwork.perf.planner import memory
+    from meshwork.perf.planner_memory import kept_by_layers, offload_memory
+
+    cfg = planner_cfg(tmp_path, batch)
+    full, off = memory(cfg, make_layout(remat="full")), memory(cfg, make_layout(remat="offload_dots"))
+    layout = make_layout()
+    kept = kept_by_layers(cfg, layout, "dots_with_no_batch_dims_saveable") - kept_by_layers(cfg, layout, "full")
+    assert off["total"] == pytest.approx(full["total"]) and off["host"] == pytest.approx(kept) and kept > 0
+    one, two = (offload_memory(cfg, make_layout(remat="offload_dots", microbatches=mb))["transfer"] for mb in (1, 2))
+    assert two == pytest.approx(one)  # half the rows per microbatch, twice the microbatches
