@@ -54,7 +54,7 @@ from meshwork.perf.flops import train_flops_per_token
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_comm import Collective, CommOptions, collective_time, placement, step_collectives, summarize
 from meshwork.perf.planner_layout import REMATS, Layout, layout_from_config, make_layout
-from meshwork.perf.planner_remat import recompute_fraction
+from meshwork.perf.planner_remat import kept_during_backward, recompute_fraction
 from meshwork.perf.planner_memory import (
     StateBytes,
     activation_memory,
@@ -251,7 +251,7 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
     if layout.remat not in ("none", "full"):
         # Recomputing norms, softmax and activations is memory-bound: read the saved
         # tensors and write what was not kept once more (offload_dots: what came back).
-        kept = layout.remat if layout.remat != "offload_dots" else "dots_with_no_batch_dims_saveable"
+        kept = kept_during_backward(layout.remat)
         unsaved = (kept_by_layers(cfg, layout, "none") - kept_by_layers(cfg, layout, kept)) / layout.sizes["stage"]
         recompute += 2 * max(unsaved, 0.0) * layout.microbatches / hw.hbm_bandwidth  # per microbatch
 

@@ -30,7 +30,7 @@ from meshwork.config import Config
 from meshwork.config_sections import ModelConfig
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_pipeline import pipeline_schedule
-from meshwork.perf.planner_remat import kept_elements_per_token, recomputes_matmuls
+from meshwork.perf.planner_remat import kept_during_backward, kept_elements_per_token, recomputes_matmuls
 from meshwork.perf.planner_weights import model_weights, shard_size, token_axes
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -96,7 +96,8 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
     Optimizer offload keeps the moments on the host: they cross the link in and out once per
     step. Remat "offload_dots" keeps the weight products' outputs there (what
     "dots_with_no_batch_dims_saveable" would keep on the device beyond "full"), returned
-    apart as "activations": they were never part of the device's bytes. Parameter offload keeps the scanned layers' parameters there: each layer's slice comes
+    apart as "activations": they were never part of the device's bytes. Parameter offload
+    keeps the scanned layers' parameters there: each layer's slice comes
     in for the forward pass and again for the backward pass, its gradient goes out, and the
     update streams the parameters in and out once more. The embedding and head stay on device.
 
@@ -123,7 +124,7 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
     if layout.remat == "offload_dots":
         # The weight products' outputs of one microbatch at a time; each microbatch's go out in
         # its forward pass and come back for its backward pass.
-        activations = (kept_by_layers(cfg, layout, "dots_with_no_batch_dims_saveable")
+        activations = (kept_by_layers(cfg, layout, kept_during_backward(layout.remat))
                        - kept_by_layers(cfg, layout, "full")) / layout.sizes["stage"]
         host += activations
         transfer += 2 * activations * layout.microbatches

@@ -67,6 +67,12 @@ def recompute_fraction(remat: str, flops: dict[str, float]) -> float:
     return max(flops["total"] - not_run, 0.0) / flops["total"]
 
 
+def kept_during_backward(remat: str) -> str:
+    """The policy whose kept tensors a layer's backward pass finds on the device: offload_dots
+    brings its products back from the host, so it is dots_with_no_batch_dims_saveable there."""
+    return "dots_with_no_batch_dims_saveable" if remat == "offload_dots" else remat
+
+
 def recomputes_matmuls(remat: str) -> bool:
     """Whether the backward pass runs some of a layer's products again (and so holds one
     layer's working set while it does)."""
