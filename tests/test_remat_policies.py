@@ -16,7 +16,7 @@ from meshwork.models.transformer import REMAT_POLICIES
 from meshwork.perf import planner_remat
 from meshwork.perf.planner import step_flops
 from meshwork.perf.planner_layout import make_layout
-from meshwork.perf.planner_memory import ITEMSIZE, layer_activation_bytes, token_shape
+from meshwork.perf.planner_memory import ITEMSIZE, kept_by_layers, layer_activation_bytes, token_shape
 
 from conftest import ROOT, tiny_overrides
 
@@ -38,14 +38,15 @@ def objective(tmp_path, batch, config="lm_tiny", *extra):
 
 
 def layer_residual_bytes(f, params) -> int:
-    """Bytes of what the layer scan saves for the backward pass (`print_saved_residuals`'s lines
-    for the outputs of `apply_layers`' scan), stacked over the layers."""
+    """Bytes of what the layer scans save for the backward pass (`print_saved_residuals`'s lines
+    for the outputs of `apply_layers`' and a MoE model's `_moe_layers`' scans), stacked over the
+    layers."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(f, params)
     total = 0
     for line in out.getvalue().splitlines():
-        if "apply_layers" in line and (m := re.match(r"(\w+)\[([\d,]*)\]", line)):
+        if ("apply_layers" in line or "_moe_layers" in line) and (m := re.match(r"(\w+)\[([\d,]*)\]", line)):
             total += BYTES[m[1]] * int(np.prod([int(d) for d in m[2].split(",") if d]))
     return total
 
@@ -99,11 +100,11 @@ def test_named_policy_in_a_moe_model(tmp_path, batch):
     assert max(errs) < 1e-6, errs
 
 
-def planner_cfg(tmp_path, batch):
-    """lm_tiny at the test's batch, as the planner reads it."""
+def planner_cfg(tmp_path, batch, config="lm_tiny", *extra):
+    """A config at the test's batch, as the planner reads it."""
     B, L = batch["inputs"].shape
-    return load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), f"train.global_batch={B}",
-                                                       f"data.seq_len={L}"])
+    return load_config(ROOT / f"configs/{config}.yaml", [*tiny_overrides(tmp_path), f"train.global_batch={B}",
+                                                         f"data.seq_len={L}", *extra])
 
 
 def test_the_planner_knows_every_policy():
@@ -126,6 +127,30 @@ def test_planner_kept_bytes_equal_the_saved_residuals(tmp_path, batch, results):
         measured = results[policy][2] - results["full"][2]
         print(f"{policy}: kept beyond full, planned {planned(policy) - planned('full'):.0f} B, saved {measured} B")
         assert planned(policy) - planned("full") == measured, policy
+
+
+# Capacity dispatch (batched expert dots), dropless (ragged_dot) with a gated shared expert.
+MOE_VARIANTS = {"capacity": (), "dropless_gated_shared": ("model.moe.capacity_factor=null", "model.moe.n_shared_experts=1",
+                                                          "model.moe.shared_expert_gate=true")}
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_planner_kept_bytes_equal_the_saved_residuals_moe(tmp_path, batch, variant):
+    """As above for a MoE model's layers (its dense first layer and its MoE layer), read from the
+    traced program alone: the router's float32 logits, the shared experts' products, and under
+    capacity dispatch the routed experts' gate, up and down."""
+    extra = MOE_VARIANTS[variant]
+    cfg = planner_cfg(tmp_path, batch, "moe_tiny", *extra)
+    layout = make_layout()
+
+    def saved(policy):
+        f, params = objective(tmp_path / policy, batch, "moe_tiny", f"train.remat={policy}", *extra)
+        return layer_residual_bytes(f, params)
+    full = saved("full")
+    for policy in PARTIAL:
+        planned, measured = kept_by_layers(cfg, layout, policy) - kept_by_layers(cfg, layout, "full"), saved(policy) - full
+        print(f"{variant} {policy}: kept beyond full, planned {planned:.0f} B, saved {measured} B")
+        assert planned == measured, policy
 
 
 def test_planner_recompute_matches_the_compiled_flops(tmp_path, batch, results):
@@ -151,7 +176,7 @@ def test_offload_dots_moves_bytes_to_the_host_not_off_the_books(tmp_path, batch)
     """offload_dots keeps on the device what full keeps; what dots_with_no_batch_dims_saveable
     would add sits on the host, and each microbatch's crosses the link out and back."""
     from meshwork.perf.planner import memory
-    from meshwork.perf.planner_memory import kept_by_layers, offload_memory
+    from meshwork.perf.planner_memory import offload_memory
 
     cfg = planner_cfg(tmp_path, batch)
     full, off = memory(cfg, make_layout(remat="full")), memory(cfg, make_layout(remat="offload_dots"))

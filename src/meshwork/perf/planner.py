@@ -149,8 +149,11 @@ def _layer_flops_per_token(cfg: Config) -> float:
 
 def _layer_forward_flops(cfg: Config) -> dict[str, float]:
     """Forward FLOPs per token of the layers by product (planner_remat's tensors): q/k/v, the
-    attention scores and values, the output projection, and the MLP's (or experts') rest split
-    2:1 between gate and up and the down projection."""
+    attention scores and values, the output projection, the MLP's (or shared experts' and
+    routers') rest split 2:1 between gate and up and the down projection, and the routed
+    experts' three products (capacity dispatch; dropless ones are left to "total" alone: no
+    policy keeps a ragged_dot's output). A gated shared expert's down projection counts with
+    gate and up: the gate's gradient reads its output."""
     m, h = cfg.model, cfg.model.d_model
     q, kv = m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
     total = _layer_flops_per_token(cfg) / 3
@@ -161,8 +164,9 @@ def _layer_forward_flops(cfg: Config) -> dict[str, float]:
     e = m.moe
     experts = n_moe * 6 * h * e.top_k * e.d_expert  # the routed experts' three products
     mlp = max(total - sum(parts.values()) - experts, 0.0)  # dense MLPs, shared experts, routers
-    return {**parts, "mlp_in": 2 / 3 * mlp, "experts_in": 2 / 3 * experts, "mlp_out": (mlp + experts) / 3,
-            "total": total}
+    gated_down = n_moe * 2 * h * (e.d_shared or e.n_shared_experts * e.d_expert) if e.shared_expert_gate else 0.0
+    return {**parts, "mlp_in": 2 / 3 * mlp + gated_down, "mlp_out": mlp / 3 - gated_down,
+            "experts": experts if e.capacity_factor is not None else 0.0, "total": total}
 
 
 def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:

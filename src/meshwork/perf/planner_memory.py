@@ -228,12 +228,22 @@ def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = 
     h, a = m.d_model, m.n_heads
     q, kv = a * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
     scores = a * ts.seq / ts.t_heads if materialized_scores else 0.0
+    mlp_in, kept_experts = 2 * m.d_ff / ts.t_mlp, 0.0  # what partial policies may keep of the MLP
     if moe:
         e = m.moe
-        experts = e.top_k * capacity_factor * (h + 3 * e.d_expert) / ts.t_mlp
+        slots = e.top_k * capacity_factor  # routed rows per token
+        experts = slots * (h + 3 * e.d_expert) / ts.t_mlp
         shared = e.d_shared or e.n_shared_experts * e.d_expert
         ffn = experts + 3 * shared / ts.t_mlp
         router = 2 * e.n_experts * 4 / p
+        # Partial policies: the router's float32 logits, the shared experts' gate and up, and
+        # (gated shared experts) the shared output and its gate's logit are unbatched dots;
+        # under capacity dispatch the routed gate, up and down are dots batched over the experts
+        # (dropless dispatch's ragged_dot is no dot to any policy).
+        gated = 1.0 if shared and e.shared_expert_gate else 0.0
+        mlp_in = e.n_experts * 4 / p + 2 * shared / ts.t_mlp + gated * (h / ts.t_norm + 4 / p)
+        if e.capacity_factor is not None:
+            kept_experts = slots * (2 * e.d_expert + h) / ts.t_mlp
     else:
         experts, ffn, router = 0.0, 3 * m.d_ff / ts.t_mlp, 0.0
     if remat == "none":
@@ -241,8 +251,7 @@ def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = 
     else:
         per_token = kept_elements_per_token(remat, h=h / ts.t_norm, qkv=(q + 2 * kv) / ts.t_heads,
                                             attention=scores + q / ts.t_heads, out_proj=h / ts.t_norm,
-                                            mlp_in=(2 / 3) * (ffn - experts) + router,
-                                            experts_in=(2 / 3) * experts)
+                                            mlp_in=mlp_in, experts=kept_experts)
     return per_token * ts.tokens * p
 
 

@@ -11,18 +11,25 @@ planner_memory.layer_activation_bytes):
     attention    the score matrix (unless flash) and the
                  probabilities x values product                  a s / t + q / t
     out_proj     the attention output projection's output        h / t_sp
-    mlp_in       SwiGLU's gate and up projections (the router,
-                 a MoE layer's shared experts)                   2 F / t
-    experts_in   a MoE layer's routed experts' gate and up       2 k cf F_e / t
-                 (batched over the experts: only the policies
-                 that keep batched dots keep them)
+    mlp_in       SwiGLU's gate and up projections               2 F / t
+                 (a MoE layer: the router's logits in float32,
+                 the shared experts' gate and up, and, where a
+                 sigmoid gate scales the shared experts, their
+                 output and the gate's logit)                    E + 2 F_s / t (+ h / t_sp + 1)
+    experts      a MoE layer's routed experts under capacity     k cf (2 F_e + h) / t
+                 dispatch: gate, up and down, batched over the
+                 experts, so only the policies that keep batched
+                 dots keep them. The down projection's output is
+                 read by the routing weights' gradient. Dropless
+                 dispatch runs them as `ragged_dot`, which no
+                 policy saves: they are always recomputed.
 
-The MLP's down projection is never kept: its output only joins the residual stream, which the
-backward pass does not read. `tests/test_remat_policies.py` checks these counts against the
+A dense MLP's down projection is never kept: its output only joins the residual stream, which
+the backward pass does not read. `tests/test_remat_policies.py` checks these counts against the
 residuals jax saves (`jax.ad_checkpoint.print_saved_residuals`).
 
 A partial policy's backward runs the layer's forward products again except the kept tensors'
-and the down projection's (whose output it never reads); "full" counts the whole forward, as
+and the dense down projections' (whose output it never reads); "full" counts the whole forward, as
 Korthikanti et al. do. Elementwise work (norms, softmax, SwiGLU) is left to the planner's
 memory-bound term.
 """
@@ -32,7 +39,7 @@ from __future__ import annotations
 # policy -> the tensors it keeps on the device ("none" keeps everything; see planner_memory)
 KEPT = {
     "full": (),
-    "dots_saveable": ("qkv", "attention", "out_proj", "mlp_in", "experts_in"),
+    "dots_saveable": ("qkv", "attention", "out_proj", "mlp_in", "experts"),
     "dots_with_no_batch_dims_saveable": ("qkv", "out_proj", "mlp_in"),
     "save_qkv_proj": ("qkv",),
     "save_out_proj": ("out_proj",),
@@ -47,18 +54,19 @@ POLICIES = ("none", *KEPT)
 
 
 def kept_elements_per_token(remat: str, *, h: float, qkv: float, attention: float, out_proj: float,
-                            mlp_in: float, experts_in: float = 0.0) -> float:
+                            mlp_in: float, experts: float = 0.0) -> float:
     """Elements one layer keeps per token under a policy other than "none": its input (the
     residual stream, `h`, already divided by its split) plus the kept tensors' sizes."""
     sizes = {"qkv": qkv, "attention": attention, "out_proj": out_proj, "mlp_in": mlp_in,
-             "experts_in": experts_in}
+             "experts": experts}
     return h + sum(sizes[t] for t in KEPT[remat])
 
 
 def recompute_fraction(remat: str, flops: dict[str, float]) -> float:
     """The share of a layer's forward FLOPs its backward runs again: 1 for "full", 0 for "none";
-    `flops` holds the forward FLOPs of "qkv", "attention", "out_proj", "mlp_in", "experts_in",
-    "mlp_out" (the down projections) and "total"."""
+    `flops` holds the forward FLOPs of "qkv", "attention", "out_proj", "mlp_in", "experts",
+    "mlp_out" (the down projections whose output the backward never reads) and "total"; what
+    no key names (dropless experts) every partial policy runs again."""
     if remat == "none":
         return 0.0
     if remat == "full":
