@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, XLA_EMITTERS, tiny_overrides, xla_options_override
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,10 @@ def report(tmp_path_factory):
     from meshwork.train.cli import step_jaxpr
     from meshwork.train.loop import Trainer, check_runtime
 
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", tiny_overrides(tmp_path_factory.mktemp("graph")))
+    # XLA's own fusion emitters (the session turns them off for compile speed): the counts are what
+    # a user's compile gives.
+    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path_factory.mktemp("graph")),
+                                                      xla_options_override(XLA_EMITTERS)])
     trainer = Trainer(cfg, check_runtime(cfg))  # 8 devices, dp
     return graph_report(trainer.step_fn, step_jaxpr(trainer))
 
