@@ -1,13 +1,16 @@
 """What compiling for compile speed costs and saves (train/state.py's RUN_ONCE_OPTIONS: XLA's
-backend at optimization level 0, LLVM's expensive passes off), measured in one run.
+backend at optimization level 0, LLVM's expensive passes off; and the test session's flags,
+tests/conftest.py's FAST_COMPILE_FLAGS: those plus XLA:CPU's older fusion emitters), measured in
+one run.
 
-    python benchmarks/compile_options.py      # ~2 min on 2 cores
+    python benchmarks/compile_options.py      # ~3 min on 2 cores
 
 For each program: the backend compile in seconds and one execution in milliseconds, with XLA's
-defaults and with RUN_ONCE_OPTIONS, and their ratios. The programs: the trainer's init (it runs
-once per run, so only its compile counts) and its train step (it runs every step) of unet_digits
-and lm_tiny on 8 simulated CPU devices under data parallelism. Each compile is fresh (no
-persistent cache).
+defaults, with RUN_ONCE_OPTIONS and with the test session's options, and the ratios of the first
+to the other two. The programs: the trainer's init (it runs once per run, so only its compile
+counts) and its train step (it runs every step) of unet_digits on 8 simulated CPU devices under
+data parallelism and of lm_tiny under data parallelism and under fsdp. Each compile is fresh
+(no persistent cache).
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
 from meshwork.train.state import RUN_ONCE_OPTIONS, _fresh_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = {"unet_digits": ["train.global_batch=16", "mesh.data=8"], "lm_tiny": ["mesh.data=8"]}
+CONFIGS = {"unet_digits": ("unet_digits", ["train.global_batch=16", "mesh.data=8"]),
+           "lm_tiny": ("lm_tiny", ["mesh.data=8"]),
+           "lm_tiny fsdp": ("lm_tiny", ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"])}
+# The test session's options (tests/conftest.py's FAST_COMPILE_FLAGS, as compile options).
+TEST_SESSION_OPTIONS = {**RUN_ONCE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 
 def timed(lower: Callable[[], jax.stages.Lowered], options: dict, *args, runs: int = 5) -> tuple[float, float]:
@@ -67,19 +74,22 @@ def programs(trainer: Trainer) -> dict[str, tuple[Callable[[], jax.stages.Lowere
 
 
 def main() -> None:
-    print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, options {RUN_ONCE_OPTIONS}")
-    print("| model | program | compile s (default / fast) | run ms (default / fast) | compile x | run x |")
+    print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, options {RUN_ONCE_OPTIONS}, "
+          f"test session {TEST_SESSION_OPTIONS}")
+    print("| model | program | compile s (default / fast / tests) | run ms (default / fast / tests) | "
+          "compile x (fast, tests) | run x (fast, tests) |")
     print("|---|---|---|---|---|---|")
-    for name, overrides in CONFIGS.items():
+    for name, (config, overrides) in CONFIGS.items():
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_config(ROOT / f"configs/{name}.yaml", [f"run.dir={tmp}", "log.progress=false", *overrides])
+            cfg = load_config(ROOT / f"configs/{config}.yaml", [f"run.dir={tmp}", "log.progress=false", *overrides])
             trainer = Trainer(cfg, check_runtime(cfg), jax.devices())
             for program, (lower, args) in programs(trainer).items():
                 with trainer.context():
-                    (c0, r0), (c1, r1) = timed(lower, {}, *args), timed(lower, RUN_ONCE_OPTIONS, *args)
-                print(f"| {name} | {program} | {c0:.2f} / {c1:.2f} | {r0:.1f} / {r1:.1f} | "
-                      f"{c0 / c1:.2f} | {r0 / r1:.2f} |", flush=True)
-    print("(x: default / fast; above 1 the fast compile is quicker, below 1 slower)")
+                    (c0, r0), (c1, r1), (c2, r2) = (timed(lower, options, *args) for options in
+                                                    ({}, RUN_ONCE_OPTIONS, TEST_SESSION_OPTIONS))
+                print(f"| {name} | {program} | {c0:.2f} / {c1:.2f} / {c2:.2f} | {r0:.1f} / {r1:.1f} / {r2:.1f} | "
+                      f"{c0 / c1:.2f}, {c0 / c2:.2f} | {r0 / r1:.2f}, {r0 / r2:.2f} |", flush=True)
+    print("(x: default / the other; above 1 the other compiles or runs quicker, below 1 slower)")
 
 
 if __name__ == "__main__":
