@@ -5,9 +5,9 @@ import os
 # XLA compiles for compile speed (its LLVM passes cost about a third of most tests' time and change
 # how fast a program runs, not what it computes); the runs that train for many steps ask for XLA's
 # default optimization back per compile (`optimized_override()`). benchmarks/compile_options.py
-# measures both sides. XLA:CPU's MLIR fusion emitters are off too: they compiled lm_tiny's 8-device
-# fsdp step in 2.2-2.3 s against 0.8 s for the older emitters (whose step runs 1.3x slower), and the
-# quick tier took 13 min 56 s instead of 21 min 41 s on 2 cores (benchmarks/RESULTS.md, 2026-12-04).
+# measures both sides. XLA:CPU's MLIR fusion emitters are off too: with the older ones lm_tiny's
+# 8-device step compiled in 0.80 s instead of 2.07 s (fsdp: 1.07 s instead of 2.04 s) and ran 1.5x
+# slower, and the quick tier took 14 min 26 s instead of 21 min 41 s on 2 cores (RESULTS.md, 2026-12-04).
 # The fusion pass plans for the emitters it has, so a test that counts the compiled program's
 # fusions or reads the shapes of its ops compiles with XLA's emitters (`XLA_EMITTERS`).
 FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
