@@ -35,8 +35,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"unet_digits": ("unet_digits", ["train.global_batch=16", "mesh.data=8"]),
            "lm_tiny": ("lm_tiny", ["mesh.data=8"]),
            "lm_tiny fsdp": ("lm_tiny", ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"])}
-# The test session's options (tests/conftest.py's FAST_COMPILE_FLAGS, as compile options).
-TEST_SESSION_OPTIONS = {**RUN_ONCE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
+# The test session's options (tests/conftest.py's FAST_COMPILE_FLAGS, as compile options); jaxlib
+# 0.12's XLA has only the MLIR fusion emitters, so there the session's options are RUN_ONCE_OPTIONS.
+TEST_SESSION_OPTIONS = {**RUN_ONCE_OPTIONS, **({"xla_cpu_use_fusion_emitters": False}
+                                               if jax.__version_info__ < (0, 11) else {})}
 
 
 def timed(lower: Callable[[], jax.stages.Lowered], options: dict, *args, runs: int = 5) -> tuple[float, float]:

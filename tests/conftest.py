@@ -1,17 +1,20 @@
 """Eight fake CPU devices, set before jax is imported anywhere."""
 
+import importlib.metadata
 import os
 
 # XLA compiles for compile speed (its LLVM passes cost about a third of most tests' time and change
 # how fast a program runs, not what it computes); the runs that train for many steps ask for XLA's
 # default optimization back per compile (`optimized_override()`). benchmarks/compile_options.py
-# measures both sides. XLA:CPU's MLIR fusion emitters are off too: with the older ones lm_tiny's
-# 8-device step compiled in 0.80 s instead of 2.07 s (fsdp: 1.07 s instead of 2.04 s) and ran 1.5x
-# slower, and the quick tier took 14 min 26 s instead of 21 min 41 s on 2 cores (RESULTS.md, 2026-12-04).
-# The fusion pass plans for the emitters it has, so a test that counts the compiled program's
-# fusions or reads the shapes of its ops compiles with XLA's emitters (`XLA_EMITTERS`).
+# measures both sides. XLA:CPU's MLIR fusion emitters are off too where jaxlib still has the older
+# ones (0.10; 0.12's XLA knows only the MLIR ones and aborts on the flag): with the older ones
+# lm_tiny's 8-device step compiled in 0.80 s instead of 2.07 s (fsdp: 1.07 s instead of 2.04 s) and
+# ran 1.5x slower, and the quick tier took 14 min 26 s instead of 21 min 41 s on 2 cores
+# (RESULTS.md, 2026-12-04). The fusion pass plans for the emitters it has, so a test that counts the
+# compiled program's fusions or reads the shapes of its ops compiles with XLA's own (`XLA_EMITTERS`).
+OLDER_EMITTERS = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
 FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                      "--xla_cpu_use_fusion_emitters=false"]
+                      *(["--xla_cpu_use_fusion_emitters=false"] if OLDER_EMITTERS else [])]
 _flags = os.environ.get("XLA_FLAGS", "").split()
 for _flag in ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS]:
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):  # a flag set by the caller wins
@@ -46,7 +49,7 @@ def root() -> pathlib.Path:
 
 
 # XLA's own defaults (xla/debug_options_flags.cc), which FAST_COMPILE_FLAGS changed for the session.
-XLA_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+XLA_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if OLDER_EMITTERS else {}
 OPTIMIZED_OPTIONS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False, **XLA_EMITTERS}
 
 
