@@ -21,14 +21,12 @@ for _flag in ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS]:
         _flags.append(_flag)
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ["JAX_PLATFORMS"] = "cpu"
-# One persistent compilation cache for the session (and the processes tests start): many tests
-# build the same tiny step in a new Trainer, which would otherwise compile it again each time.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
+# One persistent compilation cache for the tests, the processes they start and every later run of the
+# suite on this machine (`cache_dirs.py`): the slow tier and the next run load what the quick tier
+# compiled instead of compiling it again.
+import cache_dirs  # noqa: E402
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshwork-jax-cache-")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+cache_dirs.use_persistent_compilation_cache()
 
 import pathlib  # noqa: E402
 import signal  # noqa: E402
@@ -39,6 +37,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
+
+pytest_plugins = ["suite_timing"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,22 +130,16 @@ class _LazyRuns(dict):
         return train(cfg, devices=jax.devices()[: layout["devices"]])
 
     def _shared(self, name):
-        """The run trained once per session, not once per pytest-xdist worker: the first worker to ask
-        trains it under a file lock in the session's shared temp folder and writes its summary (all
-        but the final state) beside it; the others wait for the lock and read the summary."""
-        import json
+        """The run trained once per machine and code version (`cache_dirs.shared_run`), not once per
+        tier or pytest-xdist worker: its summary (all but the final state) is kept beside it."""
+        def make(run_dir):
+            summary = self._train(name, run_dir)
+            return {k: summary[k] for k in ("val_loss", "last_step", "resumed_from")}
 
-        from filelock import FileLock
-
-        base = self.tmp_path_factory.getbasetemp()
-        root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's folder
-        run_dir, summary_file = root / f"lm_tiny_{name}_shared", root / f"lm_tiny_{name}_shared.json"
-        with FileLock(str(root / f"lm_tiny_{name}_shared.lock")):
-            if not summary_file.exists():
-                summary = self._train(name, run_dir)
-                kept = {k: v for k, v in summary.items() if k in ("run_dir", "val_loss", "last_step", "resumed_from")}
-                summary_file.write_text(json.dumps(kept))
-            summary = json.loads(summary_file.read_text())
+        layout = LM_TINY_LAYOUTS[name]
+        run_dir, summary = cache_dirs.shared_run(ROOT, f"lm_tiny_{name}",
+                                                 repr((LM_TINY_STEPS, layout, optimized_override())), make)
+        summary["run_dir"] = run_dir
         summary["val_loss"] = {int(k): v for k, v in summary["val_loss"].items()}  # JSON keys are strings
         return summary
 
@@ -160,16 +154,19 @@ def lm_tiny_runs(tmp_path_factory):
 # The reliability tests' shared fixtures (tests/reliability/harness.py starts the runs): one
 # compilation cache and one reference run per session (per pytest-xdist worker), whichever file asks first.
 @pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory) -> pathlib.Path:
-    return tmp_path_factory.mktemp("jax_cache")
+def compile_cache() -> pathlib.Path:
+    return cache_dirs.compilation_cache_dir()
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory, compile_cache) -> pathlib.Path:
-    """The uninterrupted 60-step tiny run every interrupted one must match bit for bit."""
-    from reliability.harness import run
+def reference_run(compile_cache) -> pathlib.Path:
+    """The uninterrupted tiny run every interrupted one must match bit for bit (trained once per
+    machine and code version: `cache_dirs.shared_run`)."""
+    from reliability import harness
 
-    run_dir = tmp_path_factory.mktemp("reference")
-    done = run(run_dir, compile_cache)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run_dir
+    def make(run_dir):
+        done = harness.run(run_dir, compile_cache)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return {}
+
+    return cache_dirs.shared_run(ROOT, "reliability_reference", repr(harness.TINY), make)[0]

@@ -1,9 +1,7 @@
 """Config parsing, includes, overrides, and the one-line errors of the CLI."""
 
-import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
@@ -47,10 +45,15 @@ def test_bad_values_name_their_key(override, key):
     assert "\n" not in str(e.value)
 
 
-def _cli(*args, cwd):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "meshwork.train", "--config", str(ROOT / "configs/lm_tiny.yaml"), *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+def _cli(capsys, *args) -> subprocess.CompletedProcess:
+    """`python -m train --config lm_tiny.yaml ARGS`, called in this process (the command line's own
+    process, exit status and stderr are checked once, in reliability/test_bad_inputs.py)."""
+    from meshwork.train.cli import main
+
+    capsys.readouterr()
+    code = main(["--config", str(ROOT / "configs/lm_tiny.yaml"), *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 @pytest.mark.parametrize("override, key", [
@@ -62,13 +65,13 @@ def _cli(*args, cwd):
     ("data.source=tokens data.train_path=/nonexistent/train.bin data.val_path=/nonexistent/val.bin",
      "data.train_path"),                                     # missing data file
 ])
-def test_cli_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, override, key):
+def test_cli_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, capsys, override, key):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     sentinel = {"config.yaml": "previous run's config\n", "metrics.jsonl": '{"step": 1, "loss": 1.0}\n'}
     for name, text in sentinel.items():
         (run_dir / name).write_text(text)
-    proc = _cli(f"run.dir={run_dir}", *override.split(), cwd=tmp_path)
+    proc = _cli(capsys, f"run.dir={run_dir}", *override.split())
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
@@ -78,19 +81,18 @@ def test_cli_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, overr
         assert (run_dir / name).read_text() == text
 
 
-def test_dry_run_prints_report_and_writes_nothing(tmp_path):
-    proc = _cli(f"run.dir={tmp_path / 'run'}", "--dry-run", "rules.preset=fsdp", "mesh.data=2", "mesh.fsdp=4",
-                cwd=tmp_path)
+def test_dry_run_prints_report_and_writes_nothing(tmp_path, capsys):
+    proc = _cli(capsys, f"run.dir={tmp_path / 'run'}", "--dry-run", "rules.preset=fsdp", "mesh.data=2", "mesh.fsdp=4")
     assert proc.returncode == 0, proc.stderr
     assert "per-device temp" in proc.stdout and "all-gather" in proc.stdout
     assert not (tmp_path / "run").exists()
 
 
-def test_dry_run_json_has_state_bytes_and_collectives(tmp_path):
+def test_dry_run_json_has_state_bytes_and_collectives(tmp_path, capsys):
     import json
 
-    proc = _cli(f"run.dir={tmp_path / 'run'}", "--dry-run", "--json", "rules.preset=fsdp", "mesh.data=1",
-                "mesh.fsdp=8", cwd=tmp_path)
+    proc = _cli(capsys, f"run.dir={tmp_path / 'run'}", "--dry-run", "--json", "rules.preset=fsdp", "mesh.data=1",
+                "mesh.fsdp=8")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     state = report["state"]

@@ -1,0 +1,95 @@
+"""Where the test suite keeps what outlives one run: jax's compilation cache and the shared trained runs.
+
+Both live under `$MESHWORK_CACHE_DIR` (default `~/.cache/meshwork`, or `$XDG_CACHE_HOME/meshwork`).
+The compilation cache is one folder per Python, jax and jaxlib version (jax's own cache key already
+holds the program, the XLA flags and the devices; a folder per version keeps an upgrade from reading
+another version's entries) and is bounded: jax evicts the least recently used entries past
+`MAX_BYTES`. Deleting the folder costs one cold run, nothing else.
+"""
+
+import importlib.metadata
+import os
+import pathlib
+import platform
+
+MAX_BYTES = 4 << 30
+
+
+def cache_root() -> pathlib.Path:
+    if "MESHWORK_CACHE_DIR" in os.environ:
+        return pathlib.Path(os.environ["MESHWORK_CACHE_DIR"])
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "meshwork"
+
+
+def versions() -> str:
+    """py3.11.7-jax0.10.2-jaxlib0.10.2: what a compiled program and a trained run depend on besides the code."""
+    return (f"py{platform.python_version()}-jax{importlib.metadata.version('jax')}"
+            f"-jaxlib{importlib.metadata.version('jaxlib')}")
+
+
+def compilation_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_root() / f"jax-{versions()}")
+
+
+def use_persistent_compilation_cache() -> None:
+    """Points jax (in this process and, through the environment, in every process it starts) at the
+    persistent cache, keeping every entry however quick its compile: a caller's own settings win."""
+    path = compilation_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(path))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # A size bound also makes jax take a file lock around writes, which the parallel workers need.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_BYTES))
+
+
+# What a trained run depends on: the package's code and configs. A change to any of them trains anew.
+_CODE = ("src", "models", "sharding", "train", "inference", "configs")
+
+
+def code_digest(root: pathlib.Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for top in _CODE:
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix in (".py", ".yaml") and "__pycache__" not in path.parts:
+                h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def shared_run(root: pathlib.Path, name: str, recipe: str, make) -> tuple[pathlib.Path, dict]:
+    """(run dir, summary) of a run that `make(run_dir) -> summary` trains once per machine, not once
+    per tier, worker or session: kept under the cache root, keyed by the code, the versions, the XLA
+    flags and `recipe` (the settings `make` trains with), so a change to any of them trains anew. The
+    first process to ask trains under a file lock; the others wait and read. `summary` must be
+    JSON-safe; the run dir is shared, so callers only read it (copy it to change it)."""
+    import hashlib
+    import json
+    import shutil
+
+    from filelock import FileLock
+
+    key = hashlib.sha256("\0".join([code_digest(root), versions(), os.environ.get("XLA_FLAGS", ""), recipe]).encode())
+    runs = cache_root() / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    run_dir, done = runs / f"{name}-{key.hexdigest()[:16]}", runs / f"{name}-{key.hexdigest()[:16]}.json"
+    with FileLock(str(run_dir) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run that died half-way
+            _forget_old_runs(runs, name)
+            summary = make(run_dir)
+            done.write_text(json.dumps(summary))
+        os.utime(done)  # in use: not to be forgotten
+        return run_dir, json.loads(done.read_text())
+
+
+def _forget_old_runs(runs: pathlib.Path, name: str, days: float = 2) -> None:
+    """Other versions of `name` unused for `days`: what earlier code trained."""
+    import shutil
+    import time
+
+    for done in runs.glob(f"{name}-*.json"):
+        if time.time() - done.stat().st_mtime > days * 86400:
+            shutil.rmtree(done.with_suffix(""), ignore_errors=True)
+            done.unlink(missing_ok=True)

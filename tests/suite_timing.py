@@ -1,0 +1,163 @@
+"""Where the suite's time goes, per test, written by the test session itself.
+
+For every test: wall time (setup + call + teardown), the part spent in shared session fixtures
+(charged to whichever test asked first), this process's CPU, the compile time jax reports through
+its monitoring events, and the subprocesses the test started with their CPU (read from
+`RUSAGE_CHILDREN` once they are reaped). Under pytest-xdist each worker measures its own tests and
+sends the record in the report's `user_properties`; the controlling process prints the slowest 30
+with their shares at the end of the run and writes every record to
+`.pytest_cache/meshwork/test_times_<tier>.json`.
+
+The budget: a quick-tier test whose own time (setup + call, less shared session fixtures) passes
+`BUDGET_S` fails, unless it carries `@pytest.mark.over_budget("why")`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import time
+
+import pytest
+
+BUDGET_S = float(os.environ.get("MESHWORK_TEST_BUDGET_S", "20"))
+SLOWEST = 30
+_KEY = "meshwork_timing"
+
+
+class _Meter:
+    """Counters of this process, read before and after each test."""
+
+    def __init__(self):
+        self.compile_s = 0.0
+        self.subprocesses = 0
+        self.shared_fixture_s = 0.0
+        self._jax_listening = False
+
+    def listen_to_jax(self):
+        # jax reports tracing, lowering and backend compilation (a persistent-cache hit included)
+        # as duration events; imported lazily, after conftest has set the XLA flags.
+        if self._jax_listening:
+            return
+        from jax import monitoring
+
+        def on_duration(event: str, duration: float, **_):
+            if event.startswith("/jax/core/compile/"):
+                self.compile_s += duration
+
+        monitoring.register_event_duration_secs_listener(on_duration)
+        self._jax_listening = True
+
+    def snapshot(self) -> dict:
+        me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return {"t": time.perf_counter(), "cpu": me.ru_utime + me.ru_stime,
+                "child_cpu": children.ru_utime + children.ru_stime, "compile": self.compile_s,
+                "subprocesses": self.subprocesses, "shared": self.shared_fixture_s}
+
+
+_METER = _Meter()
+_original_popen_init = subprocess.Popen.__init__
+
+
+def _counting_popen_init(self, *args, **kwargs):
+    _METER.subprocesses += 1
+    _original_popen_init(self, *args, **kwargs)
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {"wall_s": after["t"] - before["t"], "cpu_s": after["cpu"] - before["cpu"],
+            "compile_s": after["compile"] - before["compile"],
+            "child_cpu_s": after["child_cpu"] - before["child_cpu"],
+            "subprocesses": after["subprocesses"] - before["subprocesses"],
+            "shared_fixture_s": after["shared"] - before["shared"]}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "over_budget(reason): a quick-tier test allowed past the "
+                                       f"{BUDGET_S:.0f} s budget (tests/suite_timing.py), and why")
+    subprocess.Popen.__init__ = _counting_popen_init
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    start = time.perf_counter()
+    yield
+    if fixturedef.scope == "session":
+        _METER.shared_fixture_s += time.perf_counter() - start
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    _METER.listen_to_jax()
+    item._meshwork_start = _METER.snapshot()
+    yield
+
+
+def _own_seconds(measured: dict) -> float:
+    return measured["wall_s"] - measured["shared_fixture_s"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    start = getattr(item, "_meshwork_start", None)
+    if start is not None and call.when == "teardown":
+        measured = _delta(start, _METER.snapshot())
+        item.user_properties.append((_KEY, measured))
+    outcome = yield
+    report = outcome.get_result()
+    if (start is None or call.when != "call" or not report.passed
+            or item.config.getoption("--tier") != "quick" or item.get_closest_marker("over_budget")):
+        return
+    own = _own_seconds(_delta(start, _METER.snapshot()))
+    if own > BUDGET_S:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {own:.1f} s of its own (setup + call, shared session fixtures "
+                           f"left out), over the quick tier's {BUDGET_S:.0f} s budget: make it cheaper, move "
+                           f"it to the slow tier, or mark it @pytest.mark.over_budget(\"why\")")
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "teardown":
+        return
+    for key, value in report.user_properties:
+        if key == _KEY:
+            _RECORDS.append({"test": report.nodeid, **value})
+
+
+_RECORDS: list[dict] = []  # in the process that prints the summary: the controller, or the only one
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    session.config._meshwork_session_start = time.perf_counter()
+
+
+def _table(records: list[dict], session_wall_s: float) -> list[str]:
+    total = sum(r["wall_s"] for r in records) or 1.0
+    compile_total = sum(r["compile_s"] for r in records)
+    child_total = sum(r["child_cpu_s"] for r in records)
+    cpu_total = sum(r["cpu_s"] for r in records) + child_total or 1.0
+    lines = [f"meshwork test times: {len(records)} tests, {total:.0f} s of test time in a {session_wall_s:.0f} s "
+             f"session; compile {compile_total:.0f} s ({100 * compile_total / total:.0f}% of test time), "
+             f"subprocess CPU {child_total:.0f} s ({100 * child_total / cpu_total:.0f}% of CPU), "
+             f"{sum(r['subprocesses'] for r in records)} subprocesses",
+             f"slowest {SLOWEST}:  wall s | share | shared fixture s | compile s | subprocesses (CPU s) | test"]
+    for r in sorted(records, key=lambda r: -r["wall_s"])[:SLOWEST]:
+        lines.append(f"  {r['wall_s']:7.1f} | {100 * r['wall_s'] / total:4.1f}% | {r['shared_fixture_s']:6.1f} | "
+                     f"{r['compile_s']:6.1f} | {r['subprocesses']:2d} ({r['child_cpu_s']:5.1f}) | {r['test']}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    records = _RECORDS
+    if not records or hasattr(config, "workerinput"):  # an xdist worker: the controller prints
+        return
+    session_wall_s = time.perf_counter() - config._meshwork_session_start
+    for line in _table(records, session_wall_s):
+        terminalreporter.write_line(line)
+    out = config.rootpath / ".pytest_cache" / "meshwork" / f"test_times_{config.getoption('--tier')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"session_wall_s": session_wall_s, "tests": records}, indent=1))
+    terminalreporter.write_line(f"every test's record: {out}")
