@@ -170,3 +170,30 @@ def reference_run(compile_cache) -> pathlib.Path:
         return {}
 
     return cache_dirs.shared_run(ROOT, "reliability_reference", repr(harness.TINY), make)[0]
+
+
+UNET_DIGITS_STEPS = 200
+
+
+@pytest.fixture(scope="session")
+def unet_digits_run() -> tuple[pathlib.Path, dict]:
+    """(run dir, {"val_loss": ...}) of unet_digits trained UNET_DIGITS_STEPS steps on one device, with a
+    sample grid and the evaluation at the end: trained once per machine and code version
+    (`cache_dirs.shared_run`) for the slow tier's learning, CLI-sampling and DistriFusion-quality tests."""
+    steps = UNET_DIGITS_STEPS
+    overrides = [f"train.steps={steps}", f"checkpoint.every={steps}", "log.progress=false", "log.tensorboard=false",
+                 "log.every=10", f"log.eval_every={steps}", f"log.sample_every={steps}", "mesh.data=1",
+                 optimized_override()]
+
+    def make(run_dir):
+        import jax
+
+        from meshwork.config import load_config
+        from meshwork.train.loop import train
+
+        summary = train(load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={run_dir}", *overrides]),
+                        devices=jax.devices()[:1])
+        return {"val_loss": summary["val_loss"]}
+
+    run_dir, summary = cache_dirs.shared_run(ROOT, "unet_digits", repr(overrides), make)
+    return run_dir, {"val_loss": {int(k): v for k, v in summary["val_loss"].items()}}

@@ -13,7 +13,7 @@ from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
-from meshwork.train.loop import Trainer, check_runtime, train
+from meshwork.train.loop import Trainer, check_runtime
 
 from conftest import ROOT
 
@@ -52,16 +52,15 @@ def test_unet_sharded_training_equals_one_device(tmp_path, single, overrides):
 
 
 @pytest.mark.slow
-def test_unet_digits_loss_falls_and_the_cli_samples(tmp_path):
-    run = tmp_path / "run"
-    cfg = load_config(ROOT / "configs/unet_digits.yaml", [
-        f"run.dir={run}", *SMALL, "log.every=10", f"log.eval_every={STEPS}", f"log.sample_every={STEPS}",
-        "mesh.data=8"])
-    out = train(cfg)
+def test_unet_digits_loss_falls_and_the_cli_samples(tmp_path, unet_digits_run):
+    """On conftest's shared unet_digits run (trained through the same loop, 200 steps on one device;
+    the sharded loop is test_unet_sharded_training_equals_one_device's)."""
+    run, summary = unet_digits_run
+    steps = max(summary["val_loss"])
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert np.mean([r["loss"] for r in rows[-2:]]) < 0.6 * rows[0]["loss"], [r["loss"] for r in rows]
-    assert out["val_loss"][STEPS] < out["val_loss"][0]
-    assert (run / "samples" / f"step_{STEPS:06d}.png").stat().st_size > 500
+    assert summary["val_loss"][steps] < summary["val_loss"][0]
+    assert (run / "samples" / f"step_{steps:06d}.png").stat().st_size > 500
     assert "samples_per_s" in rows[-1] and rows[-1]["mfu"] > 0
     check_patch_parallel_on(run)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

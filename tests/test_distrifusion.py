@@ -152,30 +152,18 @@ def test_cli_refuses_bad_patch_parallel_options(capsys):
         assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
 
 
-# The trained digits UNet (unet_digits, DIGITS_STEPS steps on one device, ~3 min of this test's 4):
-# 100 samples, classes cycling 0-9, DDIM 20 steps, 4 patch devices, against one device from the same
-# key. So short a run reads ~26% as the class asked for (600 steps: 82%, benchmarks/distrifusion.py),
-# so the classifier bound is a weak check here; the equality and the error ordering are the point.
-DIGITS_STEPS = 200
-
-
+# The trained digits UNet (conftest's unet_digits_run: 200 steps on one device, shared with
+# test_diffusion_training.py): 100 samples, classes cycling 0-9, DDIM 20 steps, 4 patch devices,
+# against one device from the same key. So short a run reads ~26% as the class asked for (600 steps:
+# 82%, benchmarks/distrifusion.py), so the classifier bound is a weak check here; the equality and the
+# error ordering are the point.
 @pytest.mark.slow
-def test_trained_digits_quality(tmp_path_factory):
-    from meshwork.config import load_config
+def test_trained_digits_quality(unet_digits_run):
     from meshwork.diffusion.images import sample_images
     from meshwork.evaluation.digit_quality import DigitClassifier
     from meshwork.inference.runs import load_run
-    from meshwork.train.loop import train
 
-    from conftest import ROOT, optimized_override
-
-    run = tmp_path_factory.mktemp("unet_digits")
-    cfg = load_config(ROOT / "configs/unet_digits.yaml", [
-        f"run.dir={run}", f"train.steps={DIGITS_STEPS}", f"checkpoint.every={DIGITS_STEPS}", "log.progress=false",
-        "log.tensorboard=false", f"log.eval_every={DIGITS_STEPS}", f"log.sample_every={DIGITS_STEPS}",
-        "mesh.data=1", optimized_override()])
-    train(cfg, devices=jax.devices()[:1])
-    cfg, model, _ = load_run(run)  # the EMA weights, as `python3 -m inference diffusion` samples
+    cfg, model, _ = load_run(unet_digits_run[0])  # the EMA weights, as `python3 -m inference diffusion` samples
     clf = DigitClassifier(16)
     single, y = sample_images(model, cfg, num=100, steps=20)
     diff, score = {}, {}

@@ -25,7 +25,6 @@ MOE = ["model.kind=moe", "model.n_layers=8", "model.moe.n_experts=4", "model.moe
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1}
 PIPELINE = ["mesh.stage=4", "mesh.data=2"]
 STATS = ("aux_loss", "z_loss", "dropped_fraction", "load_per_layer", "load_cv")
-QUICK: set = set()  # the quick tier runs the smaller case below
 
 
 def _trainer(tmp_path, overrides, n_devices):
@@ -35,8 +34,10 @@ def _trainer(tmp_path, overrides, n_devices):
     return cfg, task, Trainer(cfg, task, devices)
 
 
-def train_then_grads(tmp_path, overrides, n_devices, steps=3):
-    """Losses of `steps` steps, then the next batch's metrics and gradients at the trained weights."""
+def train_then_grads(tmp_path, overrides, n_devices, steps=3, curve_steps=None):
+    """Losses of `steps` steps, then the next batch's metrics and gradients at the trained weights;
+    with `curve_steps`, training then goes on over that same next batch and the ones after it, and
+    the losses of all `curve_steps` steps come back first (one run, one compile, for both checks)."""
     cfg, task, trainer = _trainer(tmp_path, overrides, n_devices)
     batches = train_iterator(str(task.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
     state, losses = trainer.init_state(), []
@@ -45,10 +46,17 @@ def train_then_grads(tmp_path, overrides, n_devices, steps=3):
         losses.append(float(metrics["loss"]))
     accumulate = make_accumulate(trainer.graphdef, make_objective(trainer.graphdef, cfg), cfg.train.microbatches,
                                  cfg.train.pipeline, cfg.train.virtual_stages)
+    batch = trainer.to_device(next(batches))
     with trainer.context():
-        metrics, grads = jax.jit(accumulate)(state["params"], state["buffers"], trainer.to_device(next(batches)),
-                                             jax.random.key(0))
-    return np.asarray(losses), jax.device_get(metrics), jax.device_get(grads)
+        metrics, grads = jax.jit(accumulate)(state["params"], state["buffers"], batch, jax.random.key(0))
+    result = np.asarray(losses), jax.device_get(metrics), jax.device_get(grads)
+    if curve_steps is None:
+        return result
+    for _ in range(steps, curve_steps):
+        state, step_metrics = trainer.step_fn(state, batch)
+        losses.append(float(step_metrics["loss"]))
+        batch = trainer.to_device(next(batches))
+    return np.asarray(losses), result
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +93,43 @@ def assert_same_training(got, want, what):
           f"aux_loss {float(got_metrics['aux_loss']):.6f}")
 
 
+CURVE_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def one_device_curve(tmp_path_factory):
+    """tied -> (20-step loss curve, the 3-step losses, metrics and gradients) on one device."""
+    cache = {}
+
+    def get(tied):
+        if tied not in cache:
+            cache[tied] = train_then_grads(tmp_path_factory.mktemp("one"), [
+                "mesh.data=1", f"model.tie_embeddings={tied}"], 1, curve_steps=CURVE_STEPS)
+        return cache[tied]
+    return get
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """(kind, tied) -> what one_device_curve gives, on 4 stages x data 2: one run of each schedule
+    and tie serves both tests below (the 3-step gradients and the 20-step curve), where each test
+    trained its own before."""
+    cache = {}
+
+    def get(kind, tied):
+        if (kind, tied) not in cache:
+            cache[kind, tied] = train_then_grads(tmp_path_factory.mktemp("pp"), [
+                *PIPELINE, f"train.pipeline={kind}", f"train.virtual_stages={SCHEDULES[kind]}",
+                f"model.tie_embeddings={tied}"], 8, curve_steps=CURVE_STEPS)
+        return cache[kind, tied]
+    return get
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, tied", [
-    pytest.param(kind, tied, marks=[] if (kind, tied) in QUICK else [pytest.mark.slow],
-                 id=f"{kind}-{'tied' if tied else 'untied'}") for kind in SCHEDULES for tied in (False, True)])
-def test_every_schedule_trains_the_moe_lm_as_one_device(tmp_path, one_device, kind, tied):
-    got = train_then_grads(tmp_path, [*PIPELINE, f"train.pipeline={kind}", f"train.virtual_stages={SCHEDULES[kind]}",
-                                      f"model.tie_embeddings={tied}"], 8)
-    assert_same_training(got, one_device(tied), f"{kind} tied={tied}")
+    pytest.param(kind, tied, id=f"{kind}-{'tied' if tied else 'untied'}") for kind in SCHEDULES for tied in (False, True)])
+def test_every_schedule_trains_the_moe_lm_as_one_device(pipelined, one_device_curve, kind, tied):
+    assert_same_training(pipelined(kind, tied)[1], one_device_curve(tied)[1], f"{kind} tied={tied}")
 
 
 def test_a_small_interleaved_tied_moe_pipeline_trains_as_one_device(tmp_path, one_device):
@@ -112,30 +150,11 @@ def test_dense_and_moe_runs_repeating_per_stage_pipeline(tmp_path, one_device):
     assert_same_training(got, one_device(False, *pattern), "1f1b D D M M x 2")
 
 
-CURVE_STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def one_device_curve(tmp_path_factory):
-    cache = {}
-
-    def get(tied):
-        if tied not in cache:
-            cache[tied] = train_then_grads(tmp_path_factory.mktemp("one"), [
-                "mesh.data=1", f"model.tie_embeddings={tied}"], 1, CURVE_STEPS)[0]
-        return cache[tied]
-    return get
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("kind", list(SCHEDULES))
-def test_moe_loss_curve_equals_one_devices(tmp_path_factory, one_device_curve, kind, tied):
-    steps = CURVE_STEPS
-    one = one_device_curve(tied)
-    got = train_then_grads(tmp_path_factory.mktemp("pp"), [
-        *PIPELINE, f"train.pipeline={kind}", f"train.virtual_stages={SCHEDULES[kind]}",
-        f"model.tie_embeddings={tied}"], 8, steps)[0]
+def test_moe_loss_curve_equals_one_devices(pipelined, one_device_curve, kind, tied):
+    got, one = pipelined(kind, tied)[0], one_device_curve(tied)[0]
     print(f"{kind} tied={tied}: loss {one[0]:.4f} -> {one[-1]:.4f}, max relative difference "
           f"{np.max(np.abs(got - one) / one):.2e}")
     assert one[-1] < one[0] - 0.3

@@ -71,3 +71,33 @@ def assert_same_final_state(run_dir: pathlib.Path, reference: pathlib.Path) -> N
     assert step == ref_step
     for a, b in zip(leaves, ref_leaves, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# The line the trainer prints as it enters each phase of a start: a signal test waits for it and
+# signals then, so the signal lands in the phase the test names. "imports" has no line: the signal
+# is sent as soon as the process runs, and the test checks nothing had been printed yet.
+PHASE_LINES = {"imports": None, "compile": "compiling the train step...",
+               "restore": "restoring the checkpoint of step", "steps": f"step 3/{STEPS}:"}
+
+
+def launch_until(phase: str, run_dir: pathlib.Path, cache: pathlib.Path, *extra: str,
+                 timeout: float = 180) -> tuple[subprocess.Popen, str]:
+    """Starts the tiny run and returns once it has printed `phase`'s line, with what it printed so far
+    (the signal the caller sends next lands in that phase: the trainer's output is unbuffered)."""
+    import time
+
+    proc = launch(run_dir, cache, *extra)
+    line, seen, deadline = PHASE_LINES[phase], [], time.time() + timeout
+    if line is None:
+        time.sleep(0.3)  # past the interpreter's start, well inside the seconds of imports
+        return proc, ""
+    while time.time() < deadline:
+        text = proc.stdout.readline()
+        if not text:
+            break
+        seen.append(text)
+        if line in text:
+            return proc, "".join(seen)
+    proc.kill()
+    out, err = proc.communicate()
+    raise AssertionError(f"the trainer never printed {line!r}: {''.join(seen) + out}{err[-2000:]}")

@@ -10,7 +10,7 @@ import pytest
 
 from meshwork.run.metrics import read_metrics
 
-from harness import assert_same_final_state, STEPS, launch, run, tree_digest
+from harness import PHASE_LINES, STEPS, assert_same_final_state, launch, launch_until, run, tree_digest
 
 
 def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, compile_cache, tmp_path):
@@ -38,31 +38,44 @@ def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, co
     assert_same_final_state(tmp_path, reference_run)
 
 
-# The slow tier signals at each of these moments (the quick tier's signal test is the one while resuming).
+def _assert_landed(phase: str, sig: signal.Signals, before: str, proc, out: str) -> None:
+    """The signal arrived in `phase`: what was printed before it shows the phase had begun, and the
+    trainer's answer shows it had not moved past it."""
+    if phase == "imports":
+        assert before == "" and "devices:" not in out, out[-500:]  # before the start-up block
+    else:
+        assert PHASE_LINES[phase] in before
+    if sig == signal.SIGKILL:
+        return
+    # Once the trainer has started (its handler prints the signal's name) the status is the
+    # documented 75; before that (the interpreter's own start) the default action ends the process.
+    assert proc.returncode == (75 if f"{sig.name}:" in out else -sig), (proc.returncode, out[-500:])
+    if phase in ("imports", "compile") and proc.returncode == 75:
+        assert "preempted during start-up: nothing was written" in out, out[-500:]
+    if phase == "steps":
+        assert "checkpoint of step" in out and "saved" in out, out[-500:]
+
+
+# The slow tier signals in each of these phases (the quick tier's signal test is the one while resuming).
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, delay_s, cached", [
-    (signal.SIGKILL, 1.5, True),
-    (signal.SIGINT, 0.8, True),     # during the imports: Ctrl-C inside a gc callback used to be lost (exit 0)
-    (signal.SIGTERM, 3.5, False),   # an empty compilation cache: the compile takes seconds, the signal lands in it
-    (signal.SIGINT, 3.5, False),
-    (signal.SIGTERM, 3.0, True),    # cached: usually training already
-], ids=["kill-startup", "int-imports", "term-compile", "int-compile", "term-early-steps"])
-def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig, delay_s, cached, reference_run,
+@pytest.mark.parametrize("sig, phase, cached", [
+    (signal.SIGKILL, "compile", True),
+    (signal.SIGINT, "imports", True),   # Ctrl-C inside a gc callback during the imports used to be lost (exit 0)
+    (signal.SIGTERM, "compile", False),  # an empty compilation cache: the compile takes seconds
+    (signal.SIGINT, "compile", False),
+    (signal.SIGTERM, "steps", True),
+], ids=["kill-compile", "int-imports", "term-compile", "int-compile", "term-early-steps"])
+def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig, phase, cached, reference_run,
                                                                             compile_cache, tmp_path):
     """Imports, data, compile, first steps: a signal there used to leave checkpoints/ without config.yaml."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, compile_cache if cached else tmp_path / "empty_cache")
-    time.sleep(delay_s)
+    proc, before = launch_until(phase, run_dir, compile_cache if cached else tmp_path / "empty_cache")
     assert proc.poll() is None
-    existed = run_dir.exists()
     os.kill(proc.pid, sig)
     out, _ = proc.communicate(timeout=120)
-    print(f"signal {sig.name} after {delay_s} s: run dir {'existed' if existed else 'did not exist yet'}, "
-          f"exit status {proc.returncode}")
-    if sig != signal.SIGKILL:
-        # Once the trainer has started (its handler prints the signal's name) the status is the
-        # documented 75; before that (imports, config) the default action ends the process.
-        assert proc.returncode == (75 if f"{sig.name}:" in out else -sig), (proc.returncode, out[-500:])
+    out = before + out
+    print(f"signal {sig.name} in {phase}: exit status {proc.returncode}")
+    _assert_landed(phase, sig, before, proc, out)
     done = run(run_dir, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
     assert_same_final_state(run_dir, reference_run)
@@ -72,16 +85,15 @@ def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig,
                                  pytest.param(signal.SIGTERM, id="term", marks=pytest.mark.slow),
                                  pytest.param(signal.SIGINT, id="int", marks=pytest.mark.slow)])
 def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, reference_run, compile_cache, tmp_path):
-    """A second start (compile, restore of step 30, first steps after it) interrupted by each signal."""
+    """A second start interrupted by each signal while it restores step 30."""
     first = run(tmp_path, compile_cache, "train.stop_after=30")
     assert first.returncode == 0, first.stderr[-2000:]
-    proc = launch(tmp_path, compile_cache)
-    time.sleep(2.5)
-    assert proc.poll() is None
+    proc, before = launch_until("restore", tmp_path, compile_cache)
     os.kill(proc.pid, sig)
     out, _ = proc.communicate(timeout=120)
-    if sig != signal.SIGKILL:
-        assert proc.returncode == (75 if f"{sig.name}:" in out else -sig), (proc.returncode, out[-500:])
+    out = before + out
+    _assert_landed("restore", sig, before, proc, out)
+    assert "step 31/" not in before  # it had not trained on yet
     done = run(tmp_path, compile_cache)
     assert done.returncode == 0, done.stderr[-2000:]
     assert_same_final_state(tmp_path, reference_run)
