@@ -74,7 +74,9 @@ def shared_run(root: pathlib.Path, name: str, recipe: str, make) -> tuple[pathli
     runs = cache_root() / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     run_dir, done = runs / f"{name}-{key.hexdigest()[:16]}", runs / f"{name}-{key.hexdigest()[:16]}.json"
-    with FileLock(str(run_dir) + ".lock"):
+    import suite_timing
+
+    with suite_timing.shared_work(), FileLock(str(run_dir) + ".lock"):
         if not done.exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # a run that died half-way
             _forget_old_runs(runs, name)
@@ -93,3 +95,7 @@ def _forget_old_runs(runs: pathlib.Path, name: str, days: float = 2) -> None:
         if time.time() - done.stat().st_mtime > days * 86400:
             shutil.rmtree(done.with_suffix(""), ignore_errors=True)
             done.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":  # .ci/run: the folder every step's jax processes share
+    print(compilation_cache_dir())

@@ -38,6 +38,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 import pytest  # noqa: E402
 
+import suite_timing  # noqa: E402
+
 pytest_plugins = ["suite_timing"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -110,10 +112,11 @@ class _LazyRuns(dict):
         self.tmp_path_factory = tmp_path_factory
 
     def __missing__(self, name):
-        if name in SHARED_LAYOUTS:
-            self[name] = self._shared(name)
-        else:
-            self[name] = self._train(name, self.tmp_path_factory.mktemp(f"lm_tiny_{name}"))
+        with suite_timing.shared_work():
+            if name in SHARED_LAYOUTS:
+                self[name] = self._shared(name)
+            else:
+                self[name] = self._train(name, self.tmp_path_factory.mktemp(f"lm_tiny_{name}"))
         return self[name]
 
     @staticmethod

@@ -14,6 +14,7 @@ The budget: a quick-tier test whose own time (setup + call, less shared session 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -34,6 +35,7 @@ class _Meter:
         self.compile_s = 0.0
         self.subprocesses = 0
         self.shared_fixture_s = 0.0
+        self.shared_depth = 0
         self._jax_listening = False
 
     def listen_to_jax(self):
@@ -58,6 +60,20 @@ class _Meter:
 
 
 _METER = _Meter()
+
+
+@contextlib.contextmanager
+def shared_work():
+    """Time spent here counts as shared, like a session fixture's: work made once for many tests
+    (conftest's trained runs), charged to whichever test asks first, and outside its budget."""
+    start = time.perf_counter()
+    _METER.shared_depth += 1
+    try:
+        yield
+    finally:
+        _METER.shared_depth -= 1
+        if _METER.shared_depth == 0:  # the outermost: a session fixture that trains a shared run counts once
+            _METER.shared_fixture_s += time.perf_counter() - start
 _original_popen_init = subprocess.Popen.__init__
 
 
@@ -82,10 +98,11 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
-    start = time.perf_counter()
-    yield
-    if fixturedef.scope == "session":
-        _METER.shared_fixture_s += time.perf_counter() - start
+    if fixturedef.scope != "session":
+        yield
+        return
+    with shared_work():
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -6,8 +6,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 from pydoc_data.topics import topics
@@ -172,17 +170,20 @@ def test_iterator_state_resumes_exactly(tmp_path):
     np.testing.assert_array_equal(evals[0]["segment_ids"], again_evals[0]["segment_ids"])
 
 
-def test_trains_through_the_cli_with_a_tokenizer(tmp_path):
+def test_trains_through_the_cli_with_a_tokenizer(tmp_path, capsys):
+    """The command line's `main`, in this process (its own process is checked in reliability/test_bad_inputs.py)."""
+    from meshwork.train.cli import main
+
     (tmp_path / "data").mkdir()
     (tmp_path / "data/topics.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TOPICS))
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "meshwork.train", "--config", str(ROOT / "configs/lm_tiny.yaml"),
-           *tiny_overrides(run), "data.source=text", f"data.text_files=[{tmp_path / 'data'}/*.jsonl]",
-           f"data.tokenizer={TOKENIZER}", "data.val_fraction=0.1", "model.vocab_size=128", "train.steps=4",
-           "log.every=1", "log.eval_every=4", "checkpoint.every=4"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tokenizing 1 file(s)" in proc.stdout
+    argv = ["--config", str(ROOT / "configs/lm_tiny.yaml"), *tiny_overrides(run), "data.source=text",
+            f"data.text_files=[{tmp_path / 'data'}/*.jsonl]", f"data.tokenizer={TOKENIZER}", "data.val_fraction=0.1",
+            "model.vocab_size=128", "train.steps=4", "log.every=1", "log.eval_every=4", "checkpoint.every=4"]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "tokenizing 1 file(s)" in out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) >= 4 and all(math.isfinite(x) for x in losses)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from harness import assert_same_final_state
+from harness import STEPS, assert_same_final_state
 
 SCENARIO = pathlib.Path(__file__).with_name("storage_scenario.py")
 
@@ -39,7 +39,7 @@ def _namespace_prefix() -> list[str]:
 def _scenario(name: str, tmp_path: pathlib.Path, reference_run: pathlib.Path, cache: pathlib.Path) -> list[dict]:
     prefix = _namespace_prefix()
     # A disk that holds two of the run's checkpoints but not the third one being written.
-    one = sum(p.stat().st_size for p in (reference_run / "checkpoints" / "60").rglob("*") if p.is_file())
+    one = sum(p.stat().st_size for p in (reference_run / "checkpoints" / str(STEPS)).rglob("*") if p.is_file())
     size = int(2.6 * one) + (256 << 10)
     done = subprocess.run([*prefix, sys.executable, str(SCENARIO), name, str(tmp_path), str(size), str(cache)],
                           capture_output=True, text=True, timeout=900)
