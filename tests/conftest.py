@@ -27,6 +27,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import cache_dirs  # noqa: E402
 
 cache_dirs.use_persistent_compilation_cache()
+if "PYTEST_XDIST_WORKER" not in os.environ:  # the session's first process: before any worker compiles
+    cache_dirs.prune(cache_dirs.compilation_cache_dir())
 
 import pathlib  # noqa: E402
 import signal  # noqa: E402

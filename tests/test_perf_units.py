@@ -178,7 +178,6 @@ def test_dtype_names_and_errors():
 
 
 def test_roofline_plot_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
     ops = roofline.transformer_layer_ops(ModelConfig(), 8, 128)
     path = roofline.roofline_plot(ops, get_hardware("h100"), str(tmp_path / "roof.png"))
     with open(path, "rb") as fh:
