@@ -8,6 +8,10 @@ sends the record in the report's `user_properties`; the controlling process prin
 with their shares at the end of the run and writes every record to
 `.pytest_cache/meshwork/test_times_<tier>.json`.
 
+The order: files start longest first (`durations.json`, seconds per file of the last recorded run,
+written with `--record-durations`), so that neither pytest-xdist worker is left running a long file
+alone at the end; a file not in the record counts as the median.
+
 The budget: a quick-tier test whose own time (setup + call, less shared session fixtures) passes
 `BUDGET_S` fails, unless it carries `@pytest.mark.over_budget("why")`.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import resource
 import subprocess
 import time
@@ -88,6 +93,48 @@ def _delta(before: dict, after: dict) -> dict:
             "child_cpu_s": after["child_cpu"] - before["child_cpu"],
             "subprocesses": after["subprocesses"] - before["subprocesses"],
             "shared_fixture_s": after["shared"] - before["shared"]}
+
+
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each file's seconds of this run into tests/durations.json (the order files start in)")
+
+
+def _file_seconds(tier: str) -> dict[str, float]:
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    tiers = ("quick", "slow") if tier == "all" else (tier,)
+    seconds: dict[str, float] = {}
+    for t in tiers:
+        for path, s in recorded.get(t, {}).items():
+            seconds[path] = seconds.get(path, 0.0) + s
+    return seconds
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    known = _file_seconds(config.getoption("--tier"))
+    if not known:
+        return
+    median = sorted(known.values())[len(known) // 2]
+    path = {id(item): item.nodeid.split("::")[0] for item in items}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(path[id(item)], i)
+    # Longest file first; a file's tests keep their order (module fixtures are made once per file).
+    items.sort(key=lambda item: (-known.get(path[id(item)], median), first[path[id(item)]]))
+
+
+def _record_durations(records: list[dict], tier: str) -> None:
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    files: dict[str, float] = {}
+    for r in records:
+        key = r["test"].split("::")[0]
+        files[key] = files.get(key, 0.0) + r["wall_s"]
+    recorded[tier] = {k: round(v, 1) for k, v in sorted(files.items())}
+    DURATIONS.write_text(json.dumps(recorded, indent=1) + "\n")
 
 
 def pytest_configure(config):
@@ -178,3 +225,6 @@ def pytest_terminal_summary(terminalreporter, config):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"session_wall_s": session_wall_s, "tests": records}, indent=1))
     terminalreporter.write_line(f"every test's record: {out}")
+    if config.getoption("--record-durations"):
+        _record_durations(records, config.getoption("--tier"))
+        terminalreporter.write_line(f"each file's seconds: {DURATIONS}")

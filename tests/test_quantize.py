@@ -25,9 +25,10 @@ from meshwork.sharding.rules import rules_for, use_rules
 from meshwork.train.task import make_task
 
 N_VAL_BATCHES = 4  # the trainer's default log.eval_batches: the same val_loss it logs
-# Measured on lm_tiny after 200 steps (val loss 2.0857): int8 -0.003%, int4 +0.16%, w8a8 -0.01%; the
-# suite's lm_tiny now trains 100 steps (conftest) and stays inside the same bounds.
-MAX_RISE = {"int8": 0.01, "int4": 0.05, "w8a8": 0.02}
+# At the precision docs/inference.md states (int8 +0.00%, int4 +0.15% on lm_tiny after 200 steps,
+# benchmarks/quantize.py): the suite's 100-step lm_tiny rose int8 +0.001%, int4 +0.054%, w8a8 +0.003%
+# (2026-12-05). The bounds were 1%, 5% and 2%: a rise 30x the documented one passed.
+MAX_RISE = {"int8": 0.0002, "int4": 0.002, "w8a8": 0.0005}
 
 # Every projection's einsum, with small shapes: B L D H G K F V = 2 3 64 4 2 32 96 64.
 SIZES = dict(B=2, L=3, D=64, H=4, G=2, K=32, F=96, V=64)

@@ -81,7 +81,8 @@ def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig,
     assert_same_final_state(run_dir, reference_run)
 
 
-@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, id="kill"),
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, id="kill", marks=pytest.mark.over_budget(
+                                     "three trainer processes (run, killed while restoring, resumed): ~22 s")),
                                  pytest.param(signal.SIGTERM, id="term", marks=pytest.mark.slow),
                                  pytest.param(signal.SIGINT, id="int", marks=pytest.mark.slow)])
 def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, reference_run, compile_cache, tmp_path):
