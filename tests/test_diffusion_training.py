@@ -44,7 +44,7 @@ def single(tmp_path_factory):
                                        pytest.param(["mesh.data=2", "mesh.fsdp=4", "rules.preset=fsdp"], id="fsdp 2x4",
                                                     marks=pytest.mark.over_budget(
                                                         "the UNet's train step compiled for 8 devices and for one "
-                                                        "(the 1-device one in the module fixture): ~45 s cold"))])
+                                                        "(the 1-device one in the module fixture): ~45 s cold", seconds=90))])
 def test_unet_sharded_training_equals_one_device(tmp_path, single, overrides):
     metrics, params, ema = three_steps(tmp_path, overrides, 8)
     np.testing.assert_allclose(metrics["loss"], single[0]["loss"], rtol=1e-5)

@@ -128,7 +128,7 @@ def moe_references(tmp_path_factory):
     pytest.param(dict(expert=8, data=1), "ep", "null", id="ep 8 dropless", marks=pytest.mark.slow),
     pytest.param(dict(expert=2, fsdp=2, tensor=2), "fsdp+tp+ep", "1.0", id="fsdp+tp+ep 2x2x2",
                  marks=pytest.mark.over_budget("the quick tier's one expert-parallel step: a MoE step compiled on "
-                                               "8 devices beside its 1-device reference, ~20 s cold")),
+                                               "8 devices beside its 1-device reference, ~20 s cold", seconds=45)),
 ])
 def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references, sizes, preset, capacity):
     got = one_step(tmp_path, [*MOE, f"model.moe.capacity_factor={capacity}", f"rules.preset={preset}",

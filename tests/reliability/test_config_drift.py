@@ -10,6 +10,7 @@ from meshwork.run.metrics import read_metrics
 from harness import STEPS, run, tree_digest
 
 
+@pytest.mark.over_budget("two trainer processes: 10-15 s", seconds=40)
 def test_shape_change_is_refused_before_compiling(compile_cache, tmp_path):
     first = run(tmp_path, compile_cache, "train.stop_after=10")
     assert first.returncode == 0, first.stderr[-2000:]

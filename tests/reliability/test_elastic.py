@@ -3,6 +3,7 @@ with the same global batch, the data stream picking up where it stopped."""
 
 import jax
 import numpy as np
+import pytest
 
 from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
@@ -21,6 +22,7 @@ def _train(run_dir, layout, devices, *extra):
     return train(cfg, devices=jax.devices()[:devices])
 
 
+@pytest.mark.over_budget("two runs, on 8 devices and resumed on 4, each compiled: ~15 s cold", seconds=40)
 def test_resume_on_4_devices_follows_the_8_device_run(tmp_path):
     straight = _train(tmp_path / "straight", FSDP8, 8)
     _train(tmp_path / "elastic", FSDP8, 8, f"train.stop_after={STOP}")

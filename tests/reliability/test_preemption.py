@@ -3,6 +3,8 @@
 import signal
 import time
 
+import pytest
+
 from meshwork.run.checkpoint import Checkpointer
 from meshwork.run.metrics import read_metrics
 from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
@@ -22,6 +24,7 @@ def _wait_for_step(run_dir, proc, step: int) -> None:
     raise AssertionError(f"the run did not reach step {step}: {proc.poll()}")
 
 
+@pytest.mark.over_budget("two trainer processes: 14-18 s", seconds=40)
 def test_sigterm_saves_the_current_step_and_the_run_resumes_there(compile_cache, tmp_path):
     proc = launch(tmp_path, compile_cache, *LONG)
     _wait_for_step(tmp_path, proc, 10)

@@ -13,6 +13,7 @@ from meshwork.run.metrics import read_metrics
 from harness import PHASE_LINES, STEPS, assert_same_final_state, launch, launch_until, run, tree_digest
 
 
+@pytest.mark.over_budget("two trainer processes, one paused while the other is refused: 12-14 s", seconds=40)
 def test_second_trainer_is_refused_and_the_first_loses_nothing(reference_run, compile_cache, tmp_path):
     first = launch(tmp_path, compile_cache)
     deadline = time.time() + 120
@@ -82,7 +83,7 @@ def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig,
 
 
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, id="kill", marks=pytest.mark.over_budget(
-                                     "three trainer processes (run, killed while restoring, resumed): ~22 s")),
+                                     "three trainer processes (run, killed while restoring, resumed): ~22 s", seconds=45)),
                                  pytest.param(signal.SIGTERM, id="term", marks=pytest.mark.slow),
                                  pytest.param(signal.SIGINT, id="int", marks=pytest.mark.slow)])
 def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, reference_run, compile_cache, tmp_path):
