@@ -43,7 +43,9 @@ def _assert_landed(phase: str, sig: signal.Signals, before: str, proc, out: str)
     """The signal arrived in `phase`: what was printed before it shows the phase had begun, and the
     trainer's answer shows it had not moved past it."""
     if phase == "imports":
-        assert before == "" and "devices:" not in out, out[-500:]  # before the start-up block
+        # Sent before the start-up block: a Ctrl-C then is held until the trainer's guard acts on it
+        # (train/interrupts.py), so the block may still be printed after it.
+        assert before == "", before
     else:
         assert PHASE_LINES[phase] in before
     if sig == signal.SIGKILL:
