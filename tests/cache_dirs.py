@@ -1,6 +1,6 @@
 """Where the test suite keeps what outlives one run: jax's compilation cache and the shared trained runs.
 
-Both live under `$MESHWORK_CACHE_DIR` (default `~/.cache/meshwork`, or `$XDG_CACHE_HOME/meshwork`).
+Both live under the package's cache folder, `$MESHWORK_CACHE` (default `~/.cache/meshwork`).
 The compilation cache is one folder per Python, jax and jaxlib version (jax's own cache key already
 holds the program, the XLA flags and the devices; a folder per version keeps an upgrade from reading
 another version's entries) and is bounded: past `MAX_BYTES`, each session starts by deleting the
@@ -18,9 +18,8 @@ MAX_BYTES = 4 << 30
 
 
 def cache_root() -> pathlib.Path:
-    if "MESHWORK_CACHE_DIR" in os.environ:
-        return pathlib.Path(os.environ["MESHWORK_CACHE_DIR"])
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "meshwork"
+    """The package's own cache folder (its corpora live there too: meshwork/data/text.py)."""
+    return pathlib.Path(os.environ.get("MESHWORK_CACHE", "~/.cache/meshwork")).expanduser()
 
 
 def versions() -> str:
