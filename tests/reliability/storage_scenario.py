@@ -22,6 +22,11 @@ def _mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True, capture_output=True, text=True)
 
 
+def _remount(disk: pathlib.Path, options: str) -> None:
+    # The type and source named again: in a user namespace, mount(8) cannot look them up itself.
+    _mount("-t", "tmpfs", "-o", f"remount,{options}", "tmpfs", str(disk))
+
+
 def _step(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str) -> dict:
     done = run(run_dir, cache, *extra, timeout=300)
     ckpts = run_dir / "checkpoints"
@@ -37,13 +42,13 @@ def main(scenario: str, out: pathlib.Path, disk_bytes: int, cache: pathlib.Path)
     run_dir = disk / "run"
     if scenario == "full":  # fills during a checkpoint or a metrics row; then room again
         steps = [_step(run_dir, cache)]
-        _mount("-o", "remount,size=64m", str(disk))
+        _remount(disk, "size=64m")
         steps.append(_step(run_dir, cache))
     elif scenario == "read_only":  # 10 steps, then the disk turns read-only, then writable again
         steps = [_step(run_dir, cache, "train.stop_after=10")]
-        _mount("-o", "remount,ro", str(disk))
+        _remount(disk, "ro")
         steps.append(_step(run_dir, cache))
-        _mount("-o", "remount,rw,size=64m", str(disk))
+        _remount(disk, "rw,size=64m")
         steps.append(_step(run_dir, cache))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
