@@ -195,11 +195,11 @@ def test_compact_table_keeps_both_ends():
 
 
 @pytest.mark.slow  # a whole --dry-run compile; test_config.py runs a plain one in the quick tier
-def test_dry_run_prints_the_schedule_table(tmp_path):
+def test_dry_run_prints_the_schedule_table(tmp_path, capsys):
     from test_config import _cli
 
-    proc = _cli(f"run.dir={tmp_path / 'run'}", "--dry-run", *tiny_overrides(tmp_path / "run")[1:], "mesh.stage=2",
-                "mesh.data=4", "train.pipeline=1f1b", "train.microbatches=2", cwd=tmp_path)
+    proc = _cli(capsys, f"run.dir={tmp_path / 'run'}", "--dry-run", *tiny_overrides(tmp_path / "run")[1:],
+                "mesh.stage=2", "mesh.data=4", "train.pipeline=1f1b", "train.microbatches=2")
     assert proc.returncode == 0, proc.stderr
     table = str(pipeline.schedule_table("1f1b", 2, 2))
     assert table in proc.stdout, proc.stdout
