@@ -37,7 +37,9 @@ def use_persistent_compilation_cache() -> None:
     persistent cache, keeping every entry however quick its compile: a caller's own settings win."""
     path = compilation_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(path))
+    # An empty value (a script that computed the folder before jax was installed) would switch
+    # jax's cache off: it counts as unset.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
