@@ -102,7 +102,10 @@ def references_4_layers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, tied", [pytest.param("gpipe", False, marks=pytest.mark.slow),
-                                        pytest.param("1f1b", False, marks=pytest.mark.slow), ("1f1b", True)])
+                                        pytest.param("1f1b", False, marks=pytest.mark.slow),
+                                        pytest.param("1f1b", True, marks=pytest.mark.over_budget(
+                                            "a pipelined step and its 4-layer 1-device reference compiled: ~14 s "
+                                            "cold", seconds=40))])
 def test_pipeline_step_equals_single_device(tmp_path, references_4_layers, kind, tied):
     # 4 stages of one layer x 2-way data parallel, 4 microbatches; tied
     # embeddings send the table's gradient through both ends of the pipeline.
