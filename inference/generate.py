@@ -37,7 +37,8 @@ from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_see
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.perf.hardware import device_memory_bytes
 from meshwork.rope_scaling import rope_type_of
-from meshwork.sharding.rules import Rules, split_axes, use_rules
+from meshwork.sharding.parallel import ParallelContext, use_parallel
+from meshwork.sharding.rules import Rules, split_axes
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this: one prefill compile per bucket, not per length
 
@@ -58,6 +59,7 @@ class Generator:
     def __init__(self, model: nnx.Module, *, mesh: Mesh | None = None, rules: Rules | None = None,
                  cache_dtype: jnp.dtype | None = None):
         self.cfg, self.mesh, self.rules = model.cfg, mesh, rules
+        self.parallel = ParallelContext(rules)  # how the layers run on `mesh`, for every trace of this generator
         self.cache_dtype = cache_dtype or model.dtype
         self.graphdef, self.state = place(model, mesh, rules)
         self.vocab_size = self.cfg.vocab_size
@@ -88,10 +90,10 @@ class Generator:
         return sample(logits_B1V[:, 0], positions_B + 1, arrays, seen_BV), logits_B1V[:, 0], cache, seen_BV
 
     def _in_context(self, fn, *args):
-        """Runs a jitted function under the mesh and rules (the trace reads them)."""
+        """Runs a jitted function under the mesh and the generator's ParallelContext (the trace reads them)."""
         if self.mesh is None:
             return fn(*args)
-        with jax.set_mesh(self.mesh), use_rules(self.rules):
+        with jax.set_mesh(self.mesh), use_parallel(self.parallel):
             return fn(*args)
 
     # -- public ------------------------------------------------------------

@@ -49,7 +49,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshwork.config_sections import ModelConfig
 from meshwork.kernels.decode_attention import decode_attention
 from meshwork.kernels.paged_attention import gather_pages, paged_attention
-from meshwork.sharding.rules import Rules, compiler_axes, current_rules, logical_to_sharding, split_axes
+from meshwork.sharding.parallel import current_rules
+from meshwork.sharding.rules import Rules, compiler_axes, logical_to_sharding, split_axes
 
 # Logical names of a cache's (layers, batch, seq, kv_heads, head_dim) dimensions.
 CACHE_AXES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")

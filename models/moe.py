@@ -41,7 +41,7 @@ from meshwork.models.transformer import (
     residual_out_std,
     stack_layers,
 )
-from meshwork.sharding.rules import with_logical_constraint
+from meshwork.sharding.parallel import with_logical_constraint
 
 
 class MoEBlock(Block):

@@ -22,7 +22,7 @@ from meshwork.models.layers.mixed_matmul import MATMUL
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param, training_key
-from meshwork.sharding.rules import with_logical_constraint
+from meshwork.sharding.parallel import with_logical_constraint
 
 _cp = jax.checkpoint_policies
 # The weight products (models/layers/mixed_matmul.py) run inside a custom_vjp, where the

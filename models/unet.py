@@ -41,7 +41,7 @@ from meshwork.config_sections import UNetConfig
 from meshwork.diffusion import patch_exchange
 from meshwork.models.layers.attention import attend
 from meshwork.models.layers.params import param
-from meshwork.sharding.rules import with_logical_constraint
+from meshwork.sharding.parallel import with_logical_constraint
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

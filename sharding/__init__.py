@@ -6,19 +6,18 @@ Depends on jax only, so research code can import it on its own:
 """
 
 from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
-from meshwork.sharding.rules import (
-    PRESETS,
+from meshwork.sharding.parallel import (
+    ParallelContext,
+    current_parallel,
     current_rules,
-    logical_to_sharding,
-    logical_to_spec,
-    rules_for,
-    tree_shardings,
+    use_parallel,
     use_rules,
     with_logical_constraint,
 )
+from meshwork.sharding.rules import PRESETS, logical_to_sharding, logical_to_spec, rules_for, tree_shardings
 
 __all__ = [
     "MESH_AXES", "MeshSizeError", "make_mesh", "resolve_mesh_shape", "PRESETS", "current_rules",
     "logical_to_sharding", "logical_to_spec", "rules_for", "tree_shardings", "use_rules",
-    "with_logical_constraint",
+    "with_logical_constraint", "ParallelContext", "current_parallel", "use_parallel",
 ]

@@ -47,9 +47,7 @@ Each preset gives one table per role: `params` (also used for activations),
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -223,60 +221,3 @@ def tree_shardings(logical_specs: Any, mesh: Mesh, rules: Rules) -> Any:
         logical_specs,
         is_leaf=lambda s: s is None or isinstance(s, PartitionSpec),
     )
-
-
-_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("meshwork_rules", default=None)
-
-
-@contextlib.contextmanager
-def use_rules(rules: Rules) -> Iterator[Rules]:
-    """Makes `rules` the table that `with_logical_constraint` reads while tracing.
-
-    Use together with `jax.set_mesh(mesh)` around the first call (the trace)
-    of a jitted function; jit's cache does not key on the rules.
-    """
-    token = _RULES.set(tuple(rules))
-    try:
-        yield rules
-    finally:
-        _RULES.reset(token)
-
-
-def current_rules() -> Rules | None:
-    return _RULES.get()
-
-
-def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Rules | None = None) -> jax.Array:
-    """Constrains activation `x` to the sharding its logical `names` map to.
-
-    A no-op outside a mesh (`jax.set_mesh`) or without rules, so model code can
-    call it unconditionally and still run on one device.
-
-    >>> from meshwork.sharding.mesh import make_mesh
-    >>> mesh = make_mesh({"data": -1})
-    >>> f = jax.jit(lambda x: with_logical_constraint(x * 2, ("act_batch", "act_embed")))
-    >>> with jax.set_mesh(mesh), use_rules(rules_for("dp")):
-    ...     y = f(jax.numpy.ones((jax.device_count(), 4)))
-    >>> y.addressable_shards[0].data.shape   # one row per device
-    (1, 4)
-    """
-    rules = rules if rules is not None else current_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    # Inside shard_map the axes are manual: each device already holds exactly its part.
-    if rules is None or mesh.empty or mesh.are_all_axes_manual:
-        return x
-    spec = logical_to_spec(names, rules)
-    if mesh.manual_axes:
-        # Partly manual (a pipeline stage with its data shards manual too): the constraint can
-        # only name the axes the compiler still owns; the manual ones already split x.
-        spec = _without(spec, set(mesh.manual_axes))
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _without(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
-    """`spec` with the mesh `axes` removed from every entry."""
-    out = []
-    for entry in spec:
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())) if a not in axes)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return PartitionSpec(*out)

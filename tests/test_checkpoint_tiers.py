@@ -177,3 +177,32 @@ def test_disk_fast_tier_survives_kill_9_and_both_tiers_restore_bit_exact(tmp_pat
         recovery[name] = last["time_restore_s"]
     print(f"\nkilled after fast step {fast_step}: restore {recovery['killed']:.3f} s from the fast tier, "
           f"{recovery['persistent']:.3f} s from the persistent tier (step 10)")
+
+
+def test_each_checkpoint_is_crc_checked_once_and_again_only_when_its_files_change(tmp_path, monkeypatch):
+    import meshwork.run.checkpoint as checkpoint
+
+    reads = []
+    crc32 = checkpoint._crc32
+    monkeypatch.setattr(checkpoint, "_crc32", lambda path: reads.append(path) or crc32(path))
+    ckpt = Checkpointer(tmp_path, every=1, keep=3, use_async=False)
+    for step in (1, 2):
+        ckpt.save(step, _state(), {"iterator": {}}, {}, force=True)
+    ckpt.wait()
+    files = len(checkpoint._files(tmp_path / "2"))
+    both = files + len(checkpoint._files(tmp_path / "1"))
+    reads.clear()
+    assert [ckpt.latest_step() for _ in range(3)] == [2, 2, 2] and reads == []  # verified when its manifest was written
+    ckpt.close()
+
+    restarted = Checkpointer(tmp_path, every=1, keep=3, use_async=False)
+    assert restarted.latest_step() == 2 and len(reads) == both  # every file of both steps, once
+    assert restarted.latest_step() == 2 and restarted.verified_steps() == [1, 2] and len(reads) == both
+    data = max(checkpoint._files(tmp_path / "2"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))  # same size; a new modification time
+    reads.clear()
+    assert restarted.latest_step() == 1 and "fails its CRC-32 check" in restarted.problem(2)
+    assert 0 < len(reads) <= files  # step 2 read again (up to its bad file), step 1 not
+    restarted.close()

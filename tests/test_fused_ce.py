@@ -16,7 +16,8 @@ from meshwork.evaluation.lm_loss import make_loss_fn, token_cross_entropy
 from meshwork.models.build import build_model, split_model
 from meshwork.partitioning import variable_shardings
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.rules import rules_for, use_rules
+from meshwork.sharding.parallel import use_rules
+from meshwork.sharding.rules import rules_for
 from meshwork.train.loop import Trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides

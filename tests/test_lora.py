@@ -19,7 +19,8 @@ from meshwork.config_sections import FinetuneConfig
 from meshwork.models.lora import (TARGETS, AdapterParam, LoRA, LoRAParam, PrefixParam, apply_finetune, merge_lora, trainable,
                          unmerge_lora)
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.rules import rules_for, tree_shardings, use_rules
+from meshwork.sharding.parallel import use_rules
+from meshwork.sharding.rules import rules_for, tree_shardings
 from meshwork.models.build import build_model
 from meshwork.partitioning import logical_specs
 

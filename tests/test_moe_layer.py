@@ -21,7 +21,8 @@ from meshwork.models.layers.moe import MoE
 from meshwork.models.layers.moe_dispatch import capacity_per_group
 from meshwork.models.layers.moe_routing import RouterBias, select_experts, updated_router_bias
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.rules import logical_to_sharding, rules_for, use_rules
+from meshwork.sharding.parallel import use_rules
+from meshwork.sharding.rules import logical_to_sharding, rules_for
 
 B, L, D, E, F, K = 8, 16, 16, 8, 24, 2
 TOL = dict(atol=2e-5, rtol=2e-5)

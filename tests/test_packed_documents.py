@@ -11,7 +11,8 @@ from meshwork.evaluation.lm_loss import token_cross_entropy
 from meshwork.models.layers.attention import attend
 from meshwork.models.transformer import Transformer
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.rules import rules_for, use_rules
+from meshwork.sharding.parallel import use_rules
+from meshwork.sharding.rules import rules_for
 
 
 def tiny(attention: str) -> Transformer:

@@ -21,7 +21,8 @@ from meshwork.data import text as data_lib
 from meshwork.config_sections import ModelConfig, MoEConfig
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.rules import rules_for, use_rules
+from meshwork.sharding.parallel import use_rules
+from meshwork.sharding.rules import rules_for
 from meshwork.train.task import make_task
 
 N_VAL_BATCHES = 4  # the trainer's default log.eval_batches: the same val_loss it logs

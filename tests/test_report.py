@@ -17,7 +17,8 @@ from meshwork.config import load_config
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.report import (COLLECTIVES, compiled_report, format_report, list_collectives, state_bytes)
-from meshwork.sharding.rules import ROLES, rules_for, tree_shardings, use_rules, with_logical_constraint
+from meshwork.sharding.parallel import use_rules, with_logical_constraint
+from meshwork.sharding.rules import ROLES, rules_for, tree_shardings
 from meshwork.train.loop import Trainer, check_runtime
 from meshwork.train.optim import make_optimizer
 from meshwork.train.state import abstract_state, param_count, state_shardings

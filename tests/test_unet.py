@@ -22,7 +22,8 @@ from meshwork.diffusion.sampling import ddim_sample
 from meshwork.config_sections import DiffusionConfig, UNetConfig
 from meshwork.models.unet import UNet
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.rules import logical_to_sharding, rules_for, use_rules
+from meshwork.sharding.parallel import use_rules
+from meshwork.sharding.rules import logical_to_sharding, rules_for
 
 from conftest import ROOT
 

@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshwork.config import Config, ConfigError
 from meshwork.models.build import ema_decay
-from meshwork.models.layers.mlp import use_collective_matmul
 from meshwork.partitioning import indivisible, logical_specs
 from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import Checkpointer, CheckpointSchedule, abstract_with_shardings, storage_full_message
@@ -29,7 +28,8 @@ from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_
 from meshwork.sharding.overlap import compiler_options
 from meshwork.sharding.report import compiled_report, format_report, state_bytes
 from meshwork.sharding.ring_attention import zigzag_permutation
-from meshwork.sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings, use_rules
+from meshwork.sharding.parallel import ParallelContext, use_parallel
+from meshwork.sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings
 from meshwork.train.comm import (
     check_comm,
     comm_shardings,
@@ -121,6 +121,8 @@ class Trainer:
         preset = cfg.rules.preset + ("+pp" if cfg.train.pipeline != "none" else "")
         self.rules_by_role = {role: rules_for(preset, cfg.rules.overrides, role) for role in ROLES}
         self.rules = self.rules_by_role["params"]  # also the activations' table
+        # How the layers run on the mesh, chosen once for the run (sharding/parallel.py).
+        self.parallel = ParallelContext(self.rules, collective_matmul=cfg.comm.collective_matmul)
         # Context parallelism: tokens are laid out in zigzag order so every
         # device on the ring gets the same share of causal attention work;
         # the model reads each token's true position from `positions`.
@@ -198,11 +200,11 @@ class Trainer:
         return init_comm_state(self.cfg, params, self.mesh.shape["data"], self.inner_tx)
 
     def context(self):
-        """Mesh and rules must both be current while tracing, so activation constraints apply."""
+        """The mesh and the run's ParallelContext, current while tracing: activation constraints
+        and the layers' parallel implementations read them."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(use_rules(self.rules))
-        stack.enter_context(use_collective_matmul(self.cfg.comm.collective_matmul))
+        stack.enter_context(use_parallel(self.parallel))
         return stack
 
     def init_state(self) -> dict[str, Any]:

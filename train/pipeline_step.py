@@ -30,7 +30,8 @@ from meshwork.config_sections import LayerRun, chunk_runs
 from meshwork.evaluation.lm_loss import token_cross_entropy
 from meshwork.models.transformer import apply_layers
 from meshwork.sharding.pipeline import pipeline_value_and_grad
-from meshwork.sharding.rules import Rules, current_rules, logical_to_spec, split_axes
+from meshwork.sharding.parallel import current_rules
+from meshwork.sharding.rules import Rules, logical_to_spec, split_axes
 
 Batch = dict[str, jax.Array]
 

@@ -1,8 +1,10 @@
 """Grouped-query self-attention with RoPE, and the one attention dispatch.
 
-`attend` is the single entry point for the attention math; later kernels
-(Pallas flash attention, ring attention) plug in behind it by `impl`, so the
-models never change when a faster kernel lands.
+`attend` is the single entry point for the attention math: the single-device formulas (XLA,
+Pallas flash attention, cuDNN, the reference) are chosen here by `impl`, and the current
+ParallelContext (sharding/parallel.py) runs the chosen one on the mesh (ring attention, all-gathered
+keys and values, per-device `shard_map`), so the model never changes when a kernel or a parallel
+implementation lands.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
 
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
 from meshwork.kernels.tuning import tuned_blocks
@@ -22,8 +23,7 @@ from meshwork.models.layers.mixed_matmul import mixed_einsum
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
-from meshwork.sharding.ring_attention import ring_attention
-from meshwork.sharding.rules import compiler_axes, current_rules, manual_axes, split_axes, with_logical_constraint
+from meshwork.sharding.parallel import LocalAttention, current_parallel, with_logical_constraint
 
 
 # Names of the projections' outputs, for remat policies that save them by name (models/transformer.py).
@@ -51,47 +51,63 @@ def _attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_B
       per device inside `shard_map` (batch and heads split as the rules say);
     - "cudnn": cuDNN's fused attention (GPU only);
     - "reference": the plain formula, materializing the L x S scores.
-    Whatever `impl`, a sequence split over the mesh (context parallelism, the
-    `cp` preset) goes to ring attention; its causal mask comes from
-    `positions_BL`, so any token layout (e.g. the load-balancing zigzag) is correct.
+    How it runs on the mesh is the current ParallelContext's choice (sharding/parallel.py): whatever
+    `impl`, a sequence split over the mesh (context parallelism, the `cp` preset) goes to ring
+    attention, whose causal mask comes from `positions_BL`, so any token layout (e.g. the
+    load-balancing zigzag) is correct.
 
     segment_ids_BL: the document each token belongs to, when several are packed
     into one row (data.source: text); a token sees only keys of its own document.
     window: a query at position i sees keys at i - window < j <= i only (Mistral's
     sliding window); None sees every earlier key.
     """
-    seq_axes = _context_parallel_axes()
-    if seq_axes:
-        if segment_ids_BL is not None or window is not None:
-            raise ValueError("ring attention (a sequence split over the mesh) takes neither packed documents nor a "
-                             "sliding window; train without act_seq sharding, or on unpacked data")
-        return _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, causal=causal, scale=scale)
-    if positions_BL is not None and causal and impl != "xla":
+    parallel = current_parallel()
+    if positions_BL is not None and causal and impl != "xla" and not parallel.split("act_seq"):
         raise ValueError(f"attention impl {impl!r} takes tokens in order 0..L-1; use xla for permuted positions")
+    local = _single_device_attention(impl, q_BLHK, k_BSGK, positions_BL, causal=causal, scale=scale, window=window)
+    return parallel.attention(local, q_BLHK, k_BSGK, v_BSGK, positions_BL, causal=causal, scale=scale,
+                              segment_ids_BL=segment_ids_BL, window=window, opaque=impl == "pallas")
+
+
+def _single_device_attention(impl: str, q_BLHK: jax.Array, k_BSGK: jax.Array, positions_BL: jax.Array | None, *,
+                             causal: bool, scale: float | None, window: int | None) -> LocalAttention:
+    """The attention formula of `impl` as a function of (q, k, v, segment ids or None), for the
+    ParallelContext to run on whatever part of the batch and heads it gives it. `q_BLHK` and
+    `k_BSGK` (the whole arrays) choose the Pallas kernel's blocks."""
     if impl == "xla":
-        mask = None
-        if (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
-            mask = _mask(q_BLHK.shape[:2], positions_BL, segment_ids_BL, window)
-        if q_BLHK.dtype != jnp.float32:
-            return _mixed_precision_attention(q_BLHK, k_BSGK, v_BSGK, mask, causal=causal, scale=scale)
-        if mask is not None:
-            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
-        return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
+        def xla(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
+            mask = None
+            if (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
+                mask = _mask(q_BLHK.shape[:2], positions_BL, segment_ids_BL, window)
+            if q_BLHK.dtype != jnp.float32:
+                return _mixed_precision_attention(q_BLHK, k_BSGK, v_BSGK, mask, causal=causal, scale=scale)
+            if mask is not None:
+                return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
+            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
+        return xla
     if impl == "cudnn":
-        if segment_ids_BL is not None:
-            raise ValueError("attention impl cudnn takes no segment ids (packed documents); use xla or pallas")
-        return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal,
-                                            local_window_size=(window - 1, 0) if window else None,
-                                            implementation="cudnn")
-    segments = {"segment_ids_q": segment_ids_BL, "segment_ids_kv": segment_ids_BL} if segment_ids_BL is not None else {}
+        def cudnn(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
+            if segment_ids_BL is not None:
+                raise ValueError("attention impl cudnn takes no segment ids (packed documents); use xla or pallas")
+            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal,
+                                                local_window_size=(window - 1, 0) if window else None,
+                                                implementation="cudnn")
+        return cudnn
     if impl == "reference":
-        return flash_attention_reference(q_BLHK, k_BSGK, v_BSGK, causal=causal, scale=scale, window=window, **segments)
+        return lambda q, k, v, seg: flash_attention_reference(q, k, v, causal=causal, scale=scale, window=window,
+                                                              **_segments(seg))
     if impl == "pallas":
-        # Block sizes (and GPU launch parameters) from the autotuner's cache, if it has this shape.
-        blocks = tuned_blocks(q_BLHK, k_BSGK, causal)
-        kernel = functools.partial(flash_attention, causal=causal, scale=scale, window=window, **blocks)
-        return _per_device(kernel, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
+        def pallas(q, k, v, segment_ids_BL):
+            # Block sizes (and GPU launch parameters) from the autotuner's cache, if it has this
+            # shape: the whole arrays' shape, which the cache is keyed by.
+            return flash_attention(q, k, v, causal=causal, scale=scale, window=window,
+                                   **tuned_blocks(q_BLHK, k_BSGK, causal), **_segments(segment_ids_BL))
+        return pallas
     raise ValueError(f"attention impl {impl!r}; choose xla, pallas, cudnn or reference")
+
+
+def _segments(segment_ids_BL: jax.Array | None) -> dict[str, jax.Array]:
+    return {"segment_ids_q": segment_ids_BL, "segment_ids_kv": segment_ids_BL} if segment_ids_BL is not None else {}
 
 
 def _mixed_precision_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_B1LS: jax.Array | None,
@@ -137,73 +153,6 @@ def _mask(batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_id
     if segment_ids_BL is not None:
         mask &= segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
     return mask
-
-
-def _ring(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
-    if len(seq_axes) != 1:
-        raise ValueError(f"ring attention needs exactly one mesh axis splitting act_seq, got {seq_axes}")
-    if seq_axes[0] in manual_axes():
-        return _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes[0], causal=causal, scale=scale)
-    if positions_BL is None:
-        B, L = q_BLHK.shape[:2]
-        positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    rules = current_rules()
-    heads = split_axes("act_heads", rules, _mesh_shape())
-    return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
-                          batch_axes=compiler_axes(split_axes("act_batch", rules, _mesh_shape())), head_axis=heads[0] if heads else None,
-                          causal=causal, scale=scale)
-
-
-def _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis, *, causal, scale):
-    """Context parallelism on this device's tokens, inside a shard_map already manual over the
-    sequence (a pipeline stage): the keys and values of the whole row are all-gathered over
-    `seq_axis` (Llama 3's all-gather context parallelism) and masked by position.
-
-    Not the ring: a pipeline stage runs its layers inside one branch of the schedule's switch,
-    where the other stages run other branches, and XLA:CPU's collective-permute waits for every
-    device of the program, whereas an all-gather (and its transpose, a reduce-scatter) waits only
-    for its group, this stage's sequence shards.
-    """
-    if positions_BL is None:
-        raise ValueError("context parallelism on a sequence shard needs the tokens' positions; pass positions_BL")
-    gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, axis=1, tiled=True)
-    k_pos_BS = gather(positions_BL)
-    mask = positions_BL[:, None, :, None] >= k_pos_BS[:, None, None, :] if causal else None
-    return jax.nn.dot_product_attention(q_BLHK, gather(k_BSGK), gather(v_BSGK), scale=scale, mask=mask)
-
-
-def _per_device(kernel, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL=None):
-    """Runs a single-device attention kernel on each device's shard of the batch and heads.
-
-    A Pallas call is opaque to the partitioner, so under a mesh it goes inside
-    `shard_map` with the specs the rules give the activations; every device
-    then holds whole sequences of its heads, which is all the kernel needs.
-    Segment ids, when given, are split by batch like the activations.
-    """
-    def run(q, k, v, *seg):
-        return kernel(q, k, v, **({"segment_ids_q": seg[0], "segment_ids_kv": seg[0]} if seg else {}))
-
-    args = (q_BLHK, k_BSGK, v_BSGK, *(() if segment_ids_BL is None else (segment_ids_BL,)))
-    rules, mesh_shape = current_rules(), _mesh_shape()
-    if rules is None or not mesh_shape or all(n == 1 for n in mesh_shape.values()):
-        return run(*args)
-    batch = compiler_axes(split_axes("act_batch", rules, mesh_shape))
-    heads = compiler_axes(split_axes("act_heads", rules, mesh_shape))
-    spec = PartitionSpec(batch or None, None, heads or None, None)
-    in_specs = (spec, spec, spec, *(() if segment_ids_BL is None else (PartitionSpec(batch or None, None),)))
-    # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
-    return jax.shard_map(run, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
-                         out_specs=spec, check_vma=False)(*args)
-
-
-def _mesh_shape() -> dict[str, int]:
-    mesh = jax.sharding.get_abstract_mesh()
-    return {} if mesh.empty else dict(mesh.shape)
-
-
-def _context_parallel_axes() -> tuple[str, ...]:
-    rules = current_rules()
-    return split_axes("act_seq", rules, _mesh_shape()) if rules is not None else ()
 
 
 class Attention(nnx.Module):

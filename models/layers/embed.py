@@ -10,7 +10,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshwork.models.layers.params import normal, param
-from meshwork.sharding.rules import current_rules, manual_axes, split_axes, with_logical_constraint
+from meshwork.sharding.parallel import current_rules, with_logical_constraint
+from meshwork.sharding.rules import manual_axes, split_axes
 
 
 class Embed(nnx.Module):

@@ -2,52 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.models.layers.params import matmul, normal, param
 from meshwork.sharding.collective_matmul import tp_mlp
-from meshwork.sharding.rules import current_rules, split_axes, with_logical_constraint
-
-_COLLECTIVE_MATMUL: contextvars.ContextVar[bool] = contextvars.ContextVar("meshwork_collective_matmul",
-                                                                          default=False)
-
-
-@contextlib.contextmanager
-def use_collective_matmul(enabled: bool = True) -> Iterator[None]:
-    """While tracing, SwiGLU runs as collective matmuls (sharding/collective_matmul.py)
-    wherever the rules are Megatron-SP's (config `comm.collective_matmul`); elsewhere,
-    and for wrapped weights (LoRA, quantized), it stays the plain layer.
-
-    >>> with use_collective_matmul():
-    ...     _COLLECTIVE_MATMUL.get()
-    True
-    """
-    token = _COLLECTIVE_MATMUL.set(enabled)
-    try:
-        yield
-    finally:
-        _COLLECTIVE_MATMUL.reset(token)
-
-
-def _sequence_parallel_axis() -> tuple[str, tuple[str, ...]] | None:
-    """(the axis, the batch axes) when one mesh axis splits both the MLP's hidden
-    dimension and the residual stream's sequence (and nothing else of the layer), as
-    the `sp` preset does; None otherwise, or when collective matmul is off."""
-    rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
-    if not _COLLECTIVE_MATMUL.get() or rules is None or mesh.empty or mesh.manual_axes:
-        return None  # manual axes: already inside a shard_map (pipeline stages)
-    shape = dict(mesh.shape)
-    axes = split_axes("mlp", rules, shape)
-    if len(axes) != 1 or any(split_axes(n, rules, shape) != axes for n in ("act_mlp", "act_norm_seq")) \
-            or split_axes("act_seq", rules, shape) or split_axes("act_embed", rules, shape):
-        return None
-    return axes[0], split_axes("act_batch", rules, shape)
+from meshwork.sharding.parallel import current_parallel, with_logical_constraint
 
 
 class SwiGLU(nnx.Module):
@@ -60,7 +21,9 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         weights = (self.w_gate, self.w_up, self.w_down)
-        layout = _sequence_parallel_axis()
+        # Collective matmuls where the run asked for them and the rules are Megatron-SP's; never for
+        # wrapped weights (LoRA, quantized), which do their own products.
+        layout = current_parallel().collective_matmul_axes()
         if layout and all(isinstance(w, nnx.Variable) and isinstance(w.get_value(), jax.Array) for w in weights):
             axis, batch_axes = layout
             return tp_mlp(x_BLD, *(w.get_value().astype(self.dtype) for w in weights),

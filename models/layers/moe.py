@@ -42,7 +42,8 @@ from meshwork.models.layers.moe_routing import (
     token_mean,
 )
 from meshwork.models.layers.params import normal, param
-from meshwork.sharding.rules import current_rules, manual_axes, split_axes
+from meshwork.sharding.parallel import current_rules
+from meshwork.sharding.rules import manual_axes, split_axes
 
 
 class MoE(nnx.Module):

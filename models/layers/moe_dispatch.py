@@ -32,7 +32,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from meshwork.sharding.all_to_all_algorithms import hierarchical_all_to_all
-from meshwork.sharding.rules import compiler_axes, current_rules, manual_axes, split_axes
+from meshwork.sharding.parallel import current_rules
+from meshwork.sharding.rules import compiler_axes, manual_axes, split_axes
 
 ALL_TO_ALL_IMPLS = ("lax", "hierarchical")
 

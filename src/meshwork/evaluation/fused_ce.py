@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from meshwork.matmul import f32_product
-from meshwork.sharding.rules import compiler_axes, current_rules, split_axes, with_logical_constraint
+from meshwork.sharding.parallel import current_rules, with_logical_constraint
+from meshwork.sharding.rules import compiler_axes, split_axes
 
 ACT_NV = ("act_batch", "act_vocab")  # a chunk's logits: rows split like the batch, vocabulary like the head
 W_DV = ("embed", "vocab")  # the head weight's logical axes (tied: the embedding table's, transposed)

@@ -53,6 +53,8 @@ class Checkpointer:
         self.stalls: list[float] = []  # seconds each save held the step loop
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-manifest")
         self._verifying: concurrent.futures.Future | None = None
+        # step -> (its files' fingerprint, the verdict on it): CRCs are read once per step and process.
+        self._verdicts: dict[int, tuple[tuple, str | None]] = {}
         # Retention is ours (after verification), so Orbax keeps everything it writes.
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every, max_to_keep=None, enable_async_checkpointing=use_async, create=True)
@@ -66,8 +68,21 @@ class Checkpointer:
         return committed_steps(self.directory)
 
     def problem(self, step: int) -> str | None:
-        """Why checkpoint `step` cannot be trusted, or None when every file matches its manifest."""
-        return manifest_problem(self.directory / str(step))
+        """Why checkpoint `step` cannot be trusted, or None when every file matches its manifest.
+
+        The CRC-32s are read once per step: the verdict is remembered under the step's fingerprint
+        (the manifest's bytes, every file's name, size and modification time), which is re-read on
+        every call, so a rewritten, truncated, added or removed file, or a new manifest, is verified
+        again, while an unchanged checkpoint costs a few `stat`s, not a read of every byte.
+        """
+        step_dir = self.directory / str(step)
+        fingerprint = files_fingerprint(step_dir)
+        known = self._verdicts.get(step)
+        if known is not None and known[0] == fingerprint:
+            return known[1]
+        verdict = manifest_problem(step_dir)
+        self._verdicts[step] = (fingerprint, verdict)
+        return verdict
 
     def verified_steps(self) -> list[int]:
         """Steps whose files all match their manifest, oldest first."""
@@ -134,7 +149,9 @@ class Checkpointer:
             self._verifying = self._verifier.submit(self._verify_and_prune, step)
 
     def _verify_and_prune(self, step: int) -> None:
-        write_manifest(self.directory / str(step))
+        step_dir = self.directory / str(step)
+        write_manifest(step_dir)  # the CRCs it records were just read: the step is verified
+        self._verdicts[step] = (files_fingerprint(step_dir), None)
         # Only now may older checkpoints go: the newest verified ones are kept.
         for old in self.verified_steps()[:-self.keep]:
             _delete(self.directory / str(old))
@@ -320,6 +337,21 @@ def _crc32(path: pathlib.Path) -> int:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def files_fingerprint(step_dir: pathlib.Path) -> tuple:
+    """What changes when any file of `step_dir` (its manifest included) is rewritten, resized, added
+    or removed: the manifest's bytes and every file's (name, size, modification time in ns)."""
+    try:
+        manifest = (step_dir / MANIFEST).read_bytes()
+    except OSError:
+        manifest = None
+    stats = []
+    for path in _files(step_dir):
+        with contextlib.suppress(OSError):  # removed meanwhile: absent from the fingerprint
+            st = path.stat()
+            stats.append((str(path.relative_to(step_dir)), st.st_size, st.st_mtime_ns))
+    return manifest, tuple(stats)
 
 
 def write_manifest(step_dir: pathlib.Path) -> None:

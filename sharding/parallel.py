@@ -1,0 +1,212 @@
+"""How the layers being traced run on the mesh: one `ParallelContext`, chosen once per trace.
+
+A layer's math is written for one device. The context says how that math runs on the mesh that
+is current (`jax.set_mesh`): which mesh axes split each logical dimension (the rules table), whether
+tensor-parallel projections run as collective matmuls, and how attention runs when its sequence is
+split or its kernel is opaque to the partitioner. The trainer and the generator each build one
+context and make it current while tracing (`use_parallel`); layers ask `current_parallel()` and call
+its implementations, so a model file holds math and this file holds the parallel code paths.
+
+The context is a frozen, hashable value, and jit's cache does not key on it: trace a jitted
+function under one context only (the trainer's step and the generator's forward are closures made
+per trainer and per generator, so each is traced under its own).
+
+    >>> from meshwork.sharding.mesh import make_mesh
+    >>> from meshwork.sharding.rules import rules_for
+    >>> mesh = make_mesh({"data": -1})
+    >>> f = jax.jit(lambda x: with_logical_constraint(x * 2, ("act_batch", "act_embed")))
+    >>> with jax.set_mesh(mesh), use_parallel(ParallelContext(rules_for("dp"))):
+    ...     y = f(jax.numpy.ones((jax.device_count(), 4)))
+    >>> y.addressable_shards[0].data.shape   # one row per device
+    (1, 4)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from meshwork.sharding.rules import Rules, compiler_axes, logical_to_spec, manual_axes, split_axes
+from meshwork.sharding.ring_attention import ring_attention
+
+# (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL or None) -> o_BLHK: attention on whatever part of the
+# batch and heads it is given (the layer closes over causality, scale, window and positions).
+LocalAttention = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    """rules: the logical-name -> mesh-axes table activations are constrained by (None: no
+    constraints, e.g. one device). collective_matmul: SwiGLU runs as ppermute rings overlapped
+    with partial matmuls wherever the rules are Megatron-SP's (config `comm.collective_matmul`)."""
+
+    rules: Rules | None = None
+    collective_matmul: bool = False
+
+    def __post_init__(self):
+        if self.rules is not None:  # a tuple, so the context hashes
+            object.__setattr__(self, "rules", tuple(tuple(r) for r in self.rules))
+
+    def split(self, name: str) -> tuple[str, ...]:
+        """The mesh axes of size > 1 (of the current mesh) that split logical dimension `name`."""
+        return split_axes(name, self.rules, _mesh_shape()) if self.rules is not None else ()
+
+    # ------------------------------------------------------------ attention
+
+    def attention(self, local: LocalAttention, q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                  positions_BL: jax.Array | None, *, causal: bool, scale: float | None,
+                  segment_ids_BL: jax.Array | None = None, window: int | None = None,
+                  opaque: bool = False) -> jax.Array:
+        """`local` run on the mesh: the one interface through which a layer's attention is parallelized.
+
+        - the sequence split over a mesh axis (context parallelism, the `cp` preset): ring attention
+          (sharding/ring_attention.py), or, inside a shard_map already manual over that axis (a
+          pipeline stage), all-gathered keys and values; either masks causally by `positions_BL`,
+          so any token layout (e.g. the load-balancing zigzag) is correct;
+        - `opaque` (a Pallas kernel, which the partitioner cannot split): `local` per device inside
+          `shard_map`, each device holding whole sequences of its batch rows and heads;
+        - otherwise `local` itself, which XLA partitions like any other op.
+        """
+        seq_axes = self.split("act_seq")
+        if seq_axes:
+            if segment_ids_BL is not None or window is not None:
+                raise ValueError("ring attention (a sequence split over the mesh) takes neither packed documents "
+                                 "nor a sliding window; train without act_seq sharding, or on unpacked data")
+            return self._context_parallel(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, causal=causal, scale=scale)
+        if opaque:
+            return self._per_device(local, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
+        return local(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
+
+    def _context_parallel(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
+        if len(seq_axes) != 1:
+            raise ValueError(f"ring attention needs exactly one mesh axis splitting act_seq, got {seq_axes}")
+        if seq_axes[0] in manual_axes():
+            return _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes[0], causal=causal, scale=scale)
+        if positions_BL is None:
+            B, L = q_BLHK.shape[:2]
+            positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        heads = self.split("act_heads")
+        return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
+                              batch_axes=compiler_axes(self.split("act_batch")),
+                              head_axis=heads[0] if heads else None, causal=causal, scale=scale)
+
+    def _per_device(self, local: LocalAttention, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
+        """`local` on each device's shard of the batch and heads, inside `shard_map` with the specs the
+        rules give the activations (segment ids split by batch like them)."""
+        mesh_shape = _mesh_shape()
+        if self.rules is None or not mesh_shape or all(n == 1 for n in mesh_shape.values()):
+            return local(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
+        batch, heads = compiler_axes(self.split("act_batch")), compiler_axes(self.split("act_heads"))
+        spec = PartitionSpec(batch or None, None, heads or None, None)
+        if segment_ids_BL is None:
+            run, args, in_specs = (lambda q, k, v: local(q, k, v, None)), (q_BLHK, k_BSGK, v_BSGK), (spec,) * 3
+        else:
+            run, args = local, (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
+            in_specs = (spec, spec, spec, PartitionSpec(batch or None, None))
+        # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
+        return jax.shard_map(run, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                             out_specs=spec, check_vma=False)(*args)
+
+    # ------------------------------------------------------------ MLP
+
+    def collective_matmul_axes(self) -> tuple[str, tuple[str, ...]] | None:
+        """(the axis, the batch axes) for a collective-matmul SwiGLU (sharding/collective_matmul.py
+        `tp_mlp`): when collective matmul is on and one mesh axis splits both the MLP's hidden
+        dimension and the residual stream's sequence (and nothing else of the layer), as the `sp`
+        preset does; None otherwise, and inside a shard_map (pipeline stages)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if not self.collective_matmul or self.rules is None or mesh.empty or mesh.manual_axes:
+            return None
+        axes = self.split("mlp")
+        if len(axes) != 1 or any(self.split(n) != axes for n in ("act_mlp", "act_norm_seq")) \
+                or self.split("act_seq") or self.split("act_embed"):
+            return None
+        return axes[0], self.split("act_batch")
+
+
+_CURRENT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar("meshwork_parallel",
+                                                                           default=ParallelContext())
+
+
+@contextlib.contextmanager
+def use_parallel(parallel: ParallelContext) -> Iterator[ParallelContext]:
+    """Makes `parallel` the context layers read while tracing; use with `jax.set_mesh(mesh)` around
+    the first call (the trace) of a jitted function."""
+    token = _CURRENT.set(parallel)
+    try:
+        yield parallel
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_parallel() -> ParallelContext:
+    """The context being traced under (outside any: no rules, no collective matmul)."""
+    return _CURRENT.get()
+
+
+def use_rules(rules: Rules) -> contextlib.AbstractContextManager[ParallelContext]:
+    """`use_parallel` with only a rules table (the context's other choices at their defaults)."""
+    return use_parallel(ParallelContext(rules))
+
+
+def current_rules() -> Rules | None:
+    return current_parallel().rules
+
+
+def with_logical_constraint(x: jax.Array, names: Sequence[str | None], rules: Rules | None = None) -> jax.Array:
+    """Constrains activation `x` to the sharding its logical `names` map to (under `rules`, or the
+    current context's).
+
+    A no-op outside a mesh (`jax.set_mesh`) or without rules, so model code can call it
+    unconditionally and still run on one device.
+    """
+    rules = rules if rules is not None else current_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    # Inside shard_map the axes are manual: each device already holds exactly its part.
+    if rules is None or mesh.empty or mesh.are_all_axes_manual:
+        return x
+    spec = logical_to_spec(names, rules)
+    if mesh.manual_axes:
+        # Partly manual (a pipeline stage with its data shards manual too): the constraint can
+        # only name the axes the compiler still owns; the manual ones already split x.
+        spec = _without(spec, set(mesh.manual_axes))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _without(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """`spec` with the mesh `axes` removed from every entry."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())) if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
+def _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis, *, causal, scale):
+    """Context parallelism on this device's tokens, inside a shard_map already manual over the
+    sequence (a pipeline stage): the keys and values of the whole row are all-gathered over
+    `seq_axis` (Llama 3's all-gather context parallelism) and masked by position.
+
+    Not the ring: a pipeline stage runs its layers inside one branch of the schedule's switch,
+    where the other stages run other branches, and XLA:CPU's collective-permute waits for every
+    device of the program, whereas an all-gather (and its transpose, a reduce-scatter) waits only
+    for its group, this stage's sequence shards.
+    """
+    if positions_BL is None:
+        raise ValueError("context parallelism on a sequence shard needs the tokens' positions; pass positions_BL")
+    gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, axis=1, tiled=True)
+    k_pos_BS = gather(positions_BL)
+    mask = positions_BL[:, None, :, None] >= k_pos_BS[:, None, None, :] if causal else None
+    return jax.nn.dot_product_attention(q_BLHK, gather(k_BSGK), gather(v_BSGK), scale=scale, mask=mask)
+
+
+def _mesh_shape() -> dict[str, int]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return {} if mesh.empty else dict(mesh.shape)
