@@ -14,7 +14,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Folder of each import package, as pyproject.toml's package-dir maps it.
+# Folder of each import package: src/meshwork, and the root folders its links (src/meshwork/models, ...) name.
 FOLDERS = {"meshwork.sharding": "sharding", "meshwork.models": "models", "meshwork.train": "train",
            "meshwork.inference": "inference", "meshwork": "src/meshwork"}
 # What each layer may import of ours (itself included).

@@ -13,7 +13,7 @@ import zipfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Import package -> folder, as pyproject.toml's package-dir maps them.
+# Import package -> folder: src/meshwork, and the root folders its links (src/meshwork/models, ...) name.
 FOLDERS = {"meshwork": "src/meshwork", "meshwork/sharding": "sharding", "meshwork/models": "models",
            "meshwork/train": "train", "meshwork/inference": "inference"}
 SCRIPTS = ("meshwork-train", "meshwork-infer", "meshwork-plan", "meshwork-plot")
