@@ -47,7 +47,7 @@ def use_persistent_compilation_cache() -> None:
 def prune(path: pathlib.Path, max_bytes: int = MAX_BYTES) -> int:
     """Deletes the oldest entries of a cache folder until it holds at most `max_bytes`; returns how
     many it deleted. Called by the session's first process, before any test compiles."""
-    entries = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in path.iterdir() if p.is_file()),
+    entries = sorted(((st.st_mtime, st.st_size, p) for p in path.iterdir() if p.is_file() and (st := p.stat())),
                      key=lambda e: e[0])
     total, deleted = sum(size for _, size, _ in entries), 0
     for _, size, entry in entries:

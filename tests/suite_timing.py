@@ -80,6 +80,8 @@ def shared_work():
         _METER.shared_depth -= 1
         if _METER.shared_depth == 0:  # the outermost: a session fixture that trains a shared run counts once
             _METER.shared_fixture_s += time.perf_counter() - start
+
+
 _original_popen_init = subprocess.Popen.__init__
 
 

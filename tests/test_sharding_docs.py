@@ -9,12 +9,14 @@ import meshwork.sharding.hlo_kernels
 import meshwork.sharding.hlo_parse
 import meshwork.sharding.jaxpr_ops
 import meshwork.sharding.mesh
+import meshwork.sharding.parallel
 import meshwork.sharding.report
 import meshwork.sharding.rules
 import meshwork.sharding.shard_map_util
 
 
-@pytest.mark.parametrize("module", [meshwork.sharding.mesh, meshwork.sharding.rules, meshwork.sharding.report, meshwork.sharding.hlo,
+@pytest.mark.parametrize("module", [meshwork.sharding.mesh, meshwork.sharding.rules, meshwork.sharding.parallel,
+                                    meshwork.sharding.report, meshwork.sharding.hlo,
                                     meshwork.sharding.hlo_parse, meshwork.sharding.hlo_kernels,
                                     meshwork.sharding.jaxpr_ops, meshwork.sharding.shard_map_util],
                          ids=lambda m: m.__name__)
