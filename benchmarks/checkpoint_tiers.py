@@ -42,7 +42,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
-from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings  # noqa: E402
+from meshwork.partitioning import abstract_with_shardings  # noqa: E402
+from meshwork.run.checkpoint import Checkpointer  # noqa: E402
 from meshwork.run.fast_tier import FastTier  # noqa: E402
 from meshwork.run.metrics import read_metrics  # noqa: E402
 from meshwork.train.loop import Trainer, check_runtime, train  # noqa: E402

@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
-from meshwork.run.checkpoint import abstract_with_shardings  # noqa: E402
+from meshwork.partitioning import abstract_with_shardings  # noqa: E402
 from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
 from meshwork.train.state import RUN_ONCE_OPTIONS, _fresh_state  # noqa: E402
 

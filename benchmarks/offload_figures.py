@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
-from meshwork.run.checkpoint import abstract_with_shardings  # noqa: E402
+from meshwork.partitioning import abstract_with_shardings  # noqa: E402
 from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
 from meshwork.sharding.hlo_parse import host_memory_bytes  # noqa: E402
 

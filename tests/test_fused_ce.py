@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshwork.config import load_config
 from meshwork.data.text import train_iterator
-from meshwork.evaluation.fused_ce import fused_cross_entropy
-from meshwork.evaluation.lm_loss import make_loss_fn, token_cross_entropy
+from meshwork.objectives.fused_ce import fused_cross_entropy
+from meshwork.objectives.next_token import next_token_loss, token_cross_entropy
 from meshwork.models.build import build_model, split_model
 from meshwork.partitioning import variable_shardings
 from meshwork.sharding.mesh import make_mesh
@@ -74,7 +74,7 @@ def batch():
 
 
 def loss_and_grads(graphdef, params, buffers, batch, loss_chunk):
-    loss_fn = make_loss_fn(graphdef, loss_chunk)
+    loss_fn = next_token_loss(graphdef, loss_chunk)
     return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, buffers, b)[0]))(params, batch)
 
 
@@ -134,7 +134,7 @@ def test_compiled_loss_holds_no_full_logits(tmp_path, batch):
                                                                  "model.n_layers=1")))
     compiled = {}
     for chunk in (None, 16):
-        loss_fn = make_loss_fn(graphdef, chunk)
+        loss_fn = next_token_loss(graphdef, chunk)
         fn = jax.jit(jax.value_and_grad(lambda p, b, loss_fn=loss_fn: loss_fn(p, buffers, b)[0]))
         compiled[chunk] = fn.lower(params, batch).compile()
     plain, fused = (compiled[c].as_text() for c in (None, 16))
@@ -193,7 +193,7 @@ def test_fsdp_gathers_the_head_once_and_reduces_its_gradient_once(tmp_path, batc
     with jax.set_mesh(mesh), use_rules(rules):
         placed = jax.device_put(params, variable_shardings(params, mesh, rules))
         sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
-        loss_fn = make_loss_fn(graphdef, 16)  # 128 rows: 8 chunks
+        loss_fn = next_token_loss(graphdef, 16)  # 128 rows: 8 chunks
         fn = jax.jit(jax.grad(lambda p, b: loss_fn(p, buffers, b)[0]))
         hlo = fn.lower(placed, sharded).compile().as_text()
     # Only the entry computation runs once per step: a collective in the chunk loop's body runs per chunk.

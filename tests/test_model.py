@@ -12,7 +12,7 @@ from meshwork.models.layers.attention import attend
 from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.report import compiled_report
 from meshwork.models.build import build_model, split_model
-from meshwork.evaluation.lm_loss import make_loss_fn
+from meshwork.objectives.next_token import next_token_loss
 
 from conftest import ROOT, tiny_overrides
 
@@ -71,7 +71,7 @@ def test_tied_embeddings_drop_the_output_matrix(tmp_path):
 def _loss_and_grads(cfg, batch):
     model = build_model(cfg)
     graphdef, params, buffers = split_model(model)
-    loss_fn = make_loss_fn(graphdef)
+    loss_fn = next_token_loss(graphdef)
     fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, buffers, b)[0]))
     return fn, params, fn(params, batch)
 
@@ -111,7 +111,7 @@ def test_flops_formula_matches_compiled_step(tmp_path, batch):
     cfg = cfg_with(tmp_path, "model.n_layers=1")
     model = build_model(cfg)
     graphdef, params, buffers = split_model(model)
-    loss_fn = make_loss_fn(graphdef)
+    loss_fn = next_token_loss(graphdef)
     grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, buffers, b)[0]))
     xla_flops = compiled_report(grad.lower(params, batch).compile())["flops"]
     B, L = batch["inputs"].shape

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, tiny_overrides
-from meshwork.run.checkpoint import abstract_with_shardings
+from meshwork.partitioning import abstract_with_shardings
 from meshwork.config import ConfigError, load_config
 from meshwork.sharding.report import state_bytes
 from meshwork.train.loop import Trainer, check_runtime

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from meshwork.config_sections import ModelConfig
-from meshwork.evaluation.lm_loss import token_cross_entropy
+from meshwork.objectives.next_token import token_cross_entropy
 from meshwork.models.layers.attention import attend
 from meshwork.models.transformer import Transformer
 from meshwork.sharding.mesh import make_mesh

@@ -13,7 +13,7 @@ import pytest
 from meshwork.config import ConfigError, load_config
 from meshwork.data.text import train_iterator
 from meshwork.train.loop import Trainer, check_runtime
-from meshwork.train.step import make_accumulate, make_objective
+from meshwork.train.gradients import gradient_strategy
 
 from conftest import ROOT, tiny_overrides
 
@@ -44,11 +44,10 @@ def train_then_grads(tmp_path, overrides, n_devices, steps=3, curve_steps=None):
     for _ in range(steps):
         state, metrics = trainer.step_fn(state, trainer.to_device(next(batches)))
         losses.append(float(metrics["loss"]))
-    accumulate = make_accumulate(trainer.graphdef, make_objective(trainer.graphdef, cfg), cfg.train.microbatches,
-                                 cfg.train.pipeline, cfg.train.virtual_stages)
+    gradients = gradient_strategy(cfg, trainer.graphdef, task.objective(trainer.graphdef), trainer.mesh)
     batch = trainer.to_device(next(batches))
     with trainer.context():
-        metrics, grads = jax.jit(accumulate)(state["params"], state["buffers"], batch, jax.random.key(0))
+        metrics, grads, _ = jax.jit(gradients)(state["params"], state["buffers"], batch, jax.random.key(0))
     result = np.asarray(losses), jax.device_get(metrics), jax.device_get(grads)
     if curve_steps is None:
         return result

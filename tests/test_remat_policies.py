@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshwork.config import load_config
-from meshwork.evaluation.lm_loss import make_loss_fn
+from meshwork.objectives.next_token import next_token_loss
 from meshwork.models.build import build_model, split_model
 from meshwork.models.transformer import REMAT_POLICIES
 from meshwork.perf import planner_remat
@@ -33,7 +33,7 @@ def batch():
 def objective(tmp_path, batch, config="lm_tiny", *extra):
     cfg = load_config(ROOT / f"configs/{config}.yaml", [*tiny_overrides(tmp_path), *extra])
     graphdef, params, buffers = split_model(build_model(cfg))
-    loss_fn = make_loss_fn(graphdef)
+    loss_fn = next_token_loss(graphdef)
     return (lambda p: loss_fn(p, buffers, batch)[0]), params
 
 

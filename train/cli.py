@@ -65,7 +65,7 @@ def step_jaxpr(trainer):
     """The jaxpr of a Trainer's train step, traced with the shapes it was compiled for."""
     import jax
 
-    from meshwork.run.checkpoint import abstract_with_shardings
+    from meshwork.partitioning import abstract_with_shardings
 
     cfg, shapes = trainer.cfg, trainer.task.batch_shapes()
     if trainer.seq_perm is not None:

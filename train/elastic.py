@@ -29,7 +29,7 @@ from typing import Any, Callable
 import jax
 
 from meshwork.config import Config, ConfigError
-from meshwork.run.checkpoint import abstract_with_shardings
+from meshwork.partitioning import abstract_with_shardings
 from meshwork.run.fast_tier import FastTier, block, place_tree
 from meshwork.sharding.mesh import MESH_AXES, resolve_mesh_shape
 

@@ -25,9 +25,9 @@ from meshwork.config import Config, ConfigError, load_config, validate
 from meshwork.config_sections import FinetuneConfig, Section
 from meshwork.models.build import DTYPES, build_model, split_model
 from meshwork.models.hf import load_hf_config, load_hf_model
-from meshwork.partitioning import variable_shardings
+from meshwork.partitioning import abstract_with_shardings, variable_shardings
 from meshwork.perf.flops import param_counts
-from meshwork.run.checkpoint import Checkpointer, abstract_with_shardings
+from meshwork.run.checkpoint import Checkpointer
 from meshwork.sharding.rules import Rules
 
 

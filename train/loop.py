@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 from typing import Any, Callable
@@ -18,9 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshwork.config import Config, ConfigError
 from meshwork.models.build import ema_decay
-from meshwork.partitioning import indivisible, logical_specs
+from meshwork.partitioning import abstract_with_shardings, indivisible, logical_specs
 from meshwork.perf.flops import param_counts
-from meshwork.run.checkpoint import Checkpointer, CheckpointSchedule, abstract_with_shardings, storage_full_message
+from meshwork.run.checkpoint import CheckpointSchedule, storage_full_message
 from meshwork.run.durable import StorageFull, storage_problem
 from meshwork.run.goodput_clock import GoodputClock
 from meshwork.run.metrics import MetricsWriter
@@ -30,17 +31,19 @@ from meshwork.sharding.report import compiled_report, format_report, state_bytes
 from meshwork.sharding.ring_attention import zigzag_permutation
 from meshwork.sharding.parallel import ParallelContext, use_parallel
 from meshwork.sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings
-from meshwork.train.comm import (
-    check_comm,
-    comm_shardings,
-    init_comm_state,
-    make_comm_gradients,
-    make_diloco_step,
-    outer_optimizer,
-    uses_comm,
-)
+from meshwork.train.comm import check_comm, comm_shardings, init_comm_state, make_diloco_step, outer_optimizer, uses_comm
 from meshwork.train.elastic import Elastic
 from meshwork.train.finetune import base_data_config, check_base, describe, load_base_params, with_base_model
+from meshwork.train.hooks import Hook, Moved, RollBack, StepEnd
+from meshwork.train.hooks.elastic import ElasticChange
+from meshwork.train.hooks.evaluation import Evaluation
+from meshwork.train.hooks.fast_tier import FastCheckpoint
+from meshwork.train.hooks.goodput import GoodputRow
+from meshwork.train.hooks.nonfinite import NonFiniteGuard
+from meshwork.train.hooks.persistent import PersistentCheckpoint
+from meshwork.train.hooks.preemption import Preemption
+from meshwork.train.hooks.run import Run
+from meshwork.train.hooks.samples import Samples
 from meshwork.train.logger import StepLogger, to_host
 from meshwork.train.optim import make_optimizer
 from meshwork.train.preemption import PreemptionGuard
@@ -52,12 +55,11 @@ from meshwork.train.startup import (
     newest_tier,
     open_checkpoints,
     open_fast_tier,
-    restore_newest,
     take_run_dir,
 )
 from meshwork.train.state import abstract_state, init_state, param_count, state_shardings
-from meshwork.train.step import make_accumulate, make_eval_step, make_objective, make_train_step
-from meshwork.train.stops import NonFiniteLoss
+from meshwork.train.gradients import gradient_strategy, local_strategy, replica_gradient
+from meshwork.train.step import make_eval_step, make_train_step
 from meshwork.train.task import DiffusionTask, LMTask, make_task
 from meshwork.train.terminal import say as say_through_bar
 from meshwork.train.terminal import startup_lines
@@ -180,21 +182,20 @@ class Trainer:
             # A batch thrown out by a rollback: only the step counter moves (the schedule and noise follow it).
             self.skip_fn = jax.jit(lambda state: {**state, "step": state["step"] + 1},
                                    out_shardings=self.shardings, donate_argnums=0)
-            self.eval_fn = jax.jit(make_eval_step(self.graphdef, make_objective(self.graphdef, cfg)), in_shardings=(
+            self.eval_fn = jax.jit(make_eval_step(task.objective(self.graphdef)), in_shardings=(
                 self.shardings["params"], self.shardings["buffers"], self.batch_sharding), out_shardings=replicated)
 
     def make_step(self, grad_shardings: Any) -> Callable:
-        cfg, objective = self.cfg, make_objective(self.graphdef, self.cfg)
+        """step(state, batch) -> (state, metrics): the task's objective, the config's gradient
+        strategy, and the optimizer's update (DiLoCo's local and outer steps under comm.local_steps)."""
+        cfg, objective = self.cfg, self.task.objective(self.graphdef)
         if cfg.comm.local_steps > 1:
-            accumulate = make_accumulate(self.graphdef, objective, cfg.train.microbatches)
-            return make_diloco_step(self.graphdef, accumulate, self.inner_tx, self.tx, self.schedule, cfg,
-                                    self.mesh, cfg.run.seed)
-        comm_grads = (make_comm_gradients(make_accumulate(self.graphdef, objective, cfg.train.microbatches),
-                                          cfg, self.mesh) if uses_comm(cfg) else None)
-        return make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.microbatches, grad_shardings,
-                               cfg.train.pipeline, cfg.run.seed, loss_fn=objective, ema_decay=ema_decay(cfg),
-                               inject_nan_at=tuple(cfg.train.inject_nan_at), comm_grads=comm_grads,
-                               virtual_stages=cfg.train.virtual_stages)
+            return make_diloco_step(self.graphdef, replica_gradient(local_strategy(cfg, objective)), self.inner_tx,
+                                    self.tx, self.schedule, cfg, self.mesh, cfg.run.seed)
+        return make_train_step(self.graphdef, self.tx, self.schedule,
+                               gradient_strategy(cfg, self.graphdef, objective, self.mesh), seed=cfg.run.seed,
+                               grad_shardings=grad_shardings, ema_decay=ema_decay(cfg),
+                               inject_nan_at=tuple(cfg.train.inject_nan_at))
 
     def init_comm(self, params: Any) -> dict[str, Any]:
         return init_comm_state(self.cfg, params, self.mesh.shape["data"], self.inner_tx)
@@ -262,22 +263,6 @@ def trainer_on(cfg: Config, devices: list, task: LMTask | DiffusionTask) -> Trai
     return Trainer(cfg, task, devices)
 
 
-def _restore(trainer: Trainer, ckpt: Checkpointer, step: int | None, data_iter, first_position: dict,
-             fast=None, snapshot=None):
-    """(state, progress) at checkpoint `step`, the data iterator moved there; a fresh state when None.
-    With `snapshot` (the fast tier's, of `step`) the state comes from it instead of the persistent tier."""
-    if step is None:
-        data_iter.set_state(first_position)
-        return trainer.init_state(), {}
-    target = abstract_with_shardings(trainer.abstract, trainer.shardings)
-    if snapshot is not None and snapshot.step == step:
-        state, progress = fast.restore(snapshot, target), snapshot.progress
-    else:
-        state, progress = ckpt.restore(step, target)
-    data_iter.set_state(progress["iterator"])
-    return state, progress
-
-
 def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = False) -> dict[str, Any]:
     """Trains `cfg` to `cfg.train.steps`, resuming from `run.dir`'s newest verified checkpoint.
 
@@ -323,33 +308,19 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
         if start is not None and start >= cfg.train.steps:
             say(f"already at step {start} of train.steps={cfg.train.steps}; nothing to train (raise train.steps "
                 f"to train further)")
-            return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
-                    "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start, "state": None}
+            return _nothing_run(run_dir, start, clock, preempted=False)
     # A fault file that names devices this run lacks is refused before the compile.
     elastic = Elastic(cfg, devices or jax.devices(), run_dir, say) if cfg.train.elastic and not dry_run else None
-
-    def announce(trainer: Trainer) -> None:  # the start-up block, before the compile's silence
-        if dry_run == "json":
-            return
-        total = param_count(trainer.abstract)
-        active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
-        model = (f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
-                 else describe(cfg, trainer.abstract))
-        for line in startup_lines(trainer, model, start=start, run_dir=run_dir) if not dry_run else [model]:
-            say(line)
-        say("compiling the train step...")
-
     with clock.phase("compile"):
-        trainer = Trainer(cfg, task, devices, before_compile=announce)
+        trainer = Trainer(cfg, task, devices,
+                          before_compile=lambda t: _announce(t, cfg, dry_run, start, run_dir, say))
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
     check_fits(trainer)
     if guard.signal is not None:  # asked to stop while starting: nothing new exists yet, so nothing to save
         say("preempted during start-up: nothing was written; run the same command to start")
-        return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": True,
-                "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start or 0, "state": None}
-
+        return _nothing_run(run_dir, start, clock, preempted=True)
     if not taken:  # a new run dir: create it and own it before writing into it
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -360,144 +331,113 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
         if changes:
             record_changes(run_dir, start or 0, changes)
             say(f"changed from step {start}: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+    return _run(cfg, trainer, elastic, clock, run_dir, is_main, say, guard)
+
+
+def _nothing_run(run_dir: pathlib.Path, start: int | None, clock: GoodputClock, preempted: bool) -> dict[str, Any]:
+    """The summary of an invocation that trained no step."""
+    return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": preempted,
+            "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start or 0, "state": None}
+
+
+def _announce(trainer: Trainer, cfg: Config, dry_run, start: int | None, run_dir: pathlib.Path, say) -> None:
+    """The start-up block, before the compile's silence."""
+    if dry_run == "json":
+        return
+    total = param_count(trainer.abstract)
+    active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
+    model = (f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
+             else describe(cfg, trainer.abstract))
+    for line in startup_lines(trainer, model, start=start, run_dir=run_dir) if not dry_run else [model]:
+        say(line)
+    say("compiling the train step...")
+
+
+def _run(cfg: Config, trainer: Trainer, elastic: Elastic | None, clock: GoodputClock, run_dir: pathlib.Path,
+         is_main: bool, say, guard: PreemptionGuard) -> dict[str, Any]:
+    """Opens the checkpoint tiers and the data, restores or initializes, trains, closes."""
     ckpt = open_checkpoints(cfg, run_dir, say)
     fast = open_fast_tier(cfg)
     start, snapshot = newest_tier(cfg, ckpt, fast, say)
     data_iter = trainer.task.train_iterator()
-    first_position = data_iter.get_state()
-    val_set = trainer.task.eval_batches()
-    # Fine-tuning on new data: also track the loss on the base run's data (what may be forgotten).
-    base_data = base_data_config(cfg)
-    base_val_set = make_task(base_data).eval_batches() if base_data is not None else None
-    if start is not None:
-        say(f"restoring the checkpoint of step {start}...")
-    with clock.phase("restore" if start is not None else "compile"):
-        state, progress = _restore(trainer, ckpt, start, data_iter, first_position, fast, snapshot)
-    clock.resume(progress.get("goodput"))
-    skipped = set(progress.get("skipped_steps", []))  # batches a rollback threw out, for good
-    writer = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=is_main)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
                                "nonfinite_steps": [], "restored_tier": "fast" if snapshot is not None else
                                ("persistent" if start is not None else None), "elastic": []}
+    run = Run(cfg, run_dir, say, is_main, clock, ckpt, fast, data_iter, data_iter.get_state(), set(), summary)
+    val_set = trainer.task.eval_batches()
+    base_data = base_data_config(cfg)
+    evaluation = Evaluation(run, val_set, make_task(base_data).eval_batches() if base_data is not None else None)
+    if start is not None:
+        say(f"restoring the checkpoint of step {start}...")
+    with clock.phase("restore" if start is not None else "compile"):
+        state, progress = run.restore(trainer, start, snapshot)
+    clock.resume(progress.get("goodput"))
+    run.skipped.update(progress.get("skipped_steps", []))
+    run.writer = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=is_main)
     schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.run.mttf_hours, start or 0, clock.totals["productive"])
-
-    def progress() -> dict[str, Any]:  # what a checkpoint of the current step keeps beside the state
-        return {"iterator": data_iter.get_state(), "skipped_steps": sorted(skipped), "goodput": clock.snapshot()}
-
-    def evaluate(step: int) -> dict[str, float]:
-        with clock.phase("eval"):
-            row = {"val_loss": trainer.evaluate(state, val_set)}
-            if base_val_set is not None:
-                row["val_loss_base_data"] = trainer.evaluate(state, base_val_set)
-        for k, v in row.items():
-            summary.setdefault(k, {})[step] = v
-        return row
-
     if start is None:
         say(f"evaluating step 0 ({len(val_set)} validation batches)...")
-        writer.write(0, evaluate(0))
-    steps = cfg.train.steps
-    last = min(steps, cfg.train.stop_after or steps)
-    n_devices = trainer.mesh.size
-    logger = StepLogger(cfg, writer, trainer.task.flops_per_step(trainer.step_fn, n_devices),
-                        trainer.task.items_per_step(), trainer.task.unit, start=start or 0, last=last,
-                        enabled=is_main, n_devices=n_devices,
-                        live=lambda: {"goodput": clock.goodput()})
-
-    def nonfinite(done: tuple[int, dict] | None) -> int | None:
-        """The step just read back, if its loss or gradient norm was not finite (skip: only counted)."""
-        if done is None or not done[1].get("nonfinite"):
-            return None
-        summary["nonfinite_steps"].append(done[0])
-        if cfg.train.on_nan == "stop":
-            ckpt.close()  # the write in flight commits: it is where a rerun resumes
-            raise NonFiniteLoss(
-                f"train.on_nan=stop: step {done[0]} has loss {done[1]['loss']} and gradient norm "
-                f"{done[1]['grad_norm']}; its update was not applied and the run stopped (last checkpoint: "
-                f"step {ckpt.latest_step()}); lower optimizer.lr, or set train.on_nan=skip or rollback")
-        return done[0] if cfg.train.on_nan == "rollback" else None
-
-    def roll_back(bad: int) -> int:
-        """on_nan=rollback: state and data back to the last checkpoint; the bad batch is skipped from now on."""
-        nonlocal state
-        logger.discard()
-        ckpt.wait()
-        good = ckpt.latest_step()
-        say(f"warning: step {bad} is not finite; rolling back to step {good or 0} and skipping its batch")
-        with clock.phase("restore"):
-            state, _ = _restore(trainer, ckpt, good, data_iter, first_position)
-        skipped.add(bad)
-        clock.rollback()
-        writer.truncate(good or 0)
-        logger.restart_timer()
-        return good or 0
-
-    step = start or 0
-    while step < last:
-        step += 1
-        ckpt.poll()
-        position = data_iter.get_state().get("next_index")
-        with clock.phase("productive"):
-            batch = next(data_iter)
-            if step in skipped:  # a rollback threw this batch out: never train on it
-                state = trainer.skip_fn(state)
-                logger.add(step, skipped_batch=1)
-                done = logger.step_dispatched(step, {}, data_index=position)
-            else:
-                state, metrics = trainer.step_fn(state, trainer.to_device(batch))
-                done = logger.step_dispatched(step, metrics, data_index=position)
-        if (bad := nonfinite(done)) is not None:
-            step = roll_back(bad)
-            continue
-        if step % cfg.log.eval_every == 0 or step == steps:
-            logger.add(step, **evaluate(step))
-        if trainer.task.name == "diffusion" and cfg.log.sample_every and step % cfg.log.sample_every == 0 \
-                and is_main:
-            trainer.write_samples(state, run_dir / "samples" / f"step_{step:06d}.png")
-        preempted = guard.should_stop(step)
-        if step == last or preempted:  # the invocation's time account joins its last row
-            logger.add(step, **{f"time_{k}" if k.endswith("_s") else k: v for k, v in clock.breakdown().items()})
-        if schedule.due(step) or step == last or preempted:
-            # The step's own row and finiteness are settled before its checkpoint exists.
-            if (bad := nonfinite(logger.flush())) is not None:
-                step = roll_back(bad)
-                continue
-            if step == last or preempted:  # the run's last write: the summary waits for it
-                say(f"saving the checkpoint of step {step}...")
-            with clock.phase("checkpoint"):
-                ckpt.save(step, state, progress(), cfg.to_dict(), force=True)
-            clock.checkpointed()
-            if row := schedule.measured(step, ckpt.stalls, clock.totals["productive"]):
-                say(schedule.describe(row))
-                writer.write(step, row)
-        if fast is not None and fast.due(step) and step != last:
-            with clock.phase("checkpoint"):
-                fast.save(step, state, progress(), cfg.to_dict())
-        if elastic is not None and (lost := elastic.poll(step)) is not None:
-            logger.flush()  # the last step's metrics, read while its devices are still there
-            with clock.phase("lost"):
-                moved = elastic.change(lost, trainer, state, step, fast, lambda t: restore_newest(ckpt, fast, t),
-                                       trainer_on)
-            trainer, state, logger.n_devices = moved.trainer, moved.state, moved.trainer.mesh.size
-            if moved.rolled_back_to is not None:  # shards were lost for good: train the steps since again
-                step = moved.rolled_back_to
-                data_iter.set_state((moved.progress or {}).get("iterator", first_position))
-                writer.truncate(step)
-                clock.rollback()
-            summary["elastic"].append({"step": step, **moved.row})
-            writer.write(step, moved.row)
-            logger.restart_timer()
-        if preempted:
-            summary["preempted"] = True
-            say(f"preempted: checkpoint of step {step} saved; run the same command to resume")
-            break
-    logger.close()
+        run.writer.write(0, evaluation.evaluate(trainer, state, 0))
+    last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    run.logger = StepLogger(cfg, run.writer, trainer.task.flops_per_step(trainer.step_fn, trainer.mesh.size),
+                            trainer.task.items_per_step(), trainer.task.unit, start=start or 0, last=last,
+                            enabled=is_main, n_devices=trainer.mesh.size, live=lambda: {"goodput": clock.goodput()})
+    nonfinite = NonFiniteGuard(run)
+    # Hooks that look at the new state come before the loop asks whether a signal ended the run;
+    # those that keep it or move it come after, and see whether this step is the last.
+    observers = [evaluation, Samples(run)]
+    keepers = [GoodputRow(run), PersistentCheckpoint(run, schedule, nonfinite), FastCheckpoint(run, last),
+               *([ElasticChange(run, elastic, trainer_on)] if elastic else []), Preemption(run)]
+    state, step = _loop(run, trainer, state, start or 0, last, nonfinite, observers, keepers, guard)
+    run.logger.close()
     with clock.phase("checkpoint"):
         ckpt.close()
         if fast is not None:
             fast.close()
     summary["checkpoint_stalls"] = {"persistent": ckpt.stalls, "fast": fast.stalls if fast is not None else []}
     summary["goodput"] = clock.breakdown()
-    writer.close()
+    run.writer.close()
     summary.update(state=state, last_step=step)
     return summary
+
+
+def _loop(run: Run, trainer: Trainer, state: Any, step: int, last: int, nonfinite: NonFiniteGuard,
+          observers: list[Hook], keepers: list[Hook], guard: PreemptionGuard) -> tuple[Any, int]:
+    """Steps until `last` or a preemption signal; after each, the hooks in order (train/hooks/)."""
+    while step < last:
+        step += 1
+        state, done = _step(run, trainer, state, step)
+        if (back := nonfinite.check(done, trainer)) is not None:
+            step, state = back.step, back.state
+            continue
+        for hook in observers:
+            hook.after_step(StepEnd(step, state, trainer))
+        preempted = guard.should_stop(step)
+        end = StepEnd(step, state, trainer, ending=step == last or preempted, preempted=preempted)
+        for hook in keepers:
+            action = hook.after_step(end)
+            if isinstance(action, RollBack):
+                step, state = action.step, action.state
+                break
+            if isinstance(action, Moved):
+                trainer, state, step = action.trainer, action.state, action.step
+                end = dataclasses.replace(end, step=step, state=state, trainer=trainer)
+        else:
+            if preempted:
+                break
+    return state, step
+
+
+def _step(run: Run, trainer: Trainer, state: Any, step: int) -> tuple[Any, tuple[int, dict] | None]:
+    """One training step (or, for a batch a rollback threw out, only the counter), dispatched;
+    returns the new state and the metrics of an earlier step read back meanwhile, if any."""
+    run.ckpt.poll()
+    position = run.data_iter.get_state().get("next_index")
+    with run.clock.phase("productive"):
+        batch = next(run.data_iter)
+        if step in run.skipped:  # a rollback threw this batch out: never train on it
+            state = trainer.skip_fn(state)
+            run.logger.add(step, skipped_batch=1)
+            return state, run.logger.step_dispatched(step, {}, data_index=position)
+        state, metrics = trainer.step_fn(state, trainer.to_device(batch))
+        return state, run.logger.step_dispatched(step, metrics, data_index=position)

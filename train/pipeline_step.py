@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshwork.config_sections import LayerRun, chunk_runs
-from meshwork.evaluation.lm_loss import token_cross_entropy
+from meshwork.objectives.next_token import token_cross_entropy
 from meshwork.models.transformer import apply_layers
 from meshwork.sharding.pipeline import pipeline_value_and_grad
 from meshwork.sharding.parallel import current_rules

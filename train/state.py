@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from meshwork.config import Config
 from meshwork.config_sections import OffloadConfig
 from meshwork.models.build import build_model, ema_decay, split_model
-from meshwork.partitioning import logical_specs, variable_shardings
+from meshwork.partitioning import logical_specs, on_host, per_leaf, variable_shardings
 from meshwork.sharding.rules import Rules, tree_shardings
 
 
@@ -41,20 +41,6 @@ def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.G
     """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched."""
     graphdef = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)[0]
     return graphdef, jax.eval_shape(lambda: _fresh_state(cfg, tx))
-
-
-HOST = "pinned_host"
-
-
-def on_host(shardings: Any) -> Any:
-    """The same shardings (same partition specs) with memory_kind="pinned_host": arrays laid
-    out by them live in host memory, one shard per device's host.
-
-    >>> on_host(NamedSharding(mesh, PartitionSpec("fsdp"))).memory_kind   # doctest: +SKIP
-    'pinned_host'
-    """
-    return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings,
-                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
 
 
 def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules], offload: OffloadConfig | None = None) -> Any:
@@ -74,18 +60,12 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules], offlo
         shardings["ema"] = shardings["params"]
     if offload is not None and offload.optimizer:
         # A prefix sharding may stand for a whole subtree: expand to one per leaf first.
-        shardings["opt_state"] = on_host(_per_leaf(shardings["opt_state"], abstract["opt_state"]))
+        shardings["opt_state"] = on_host(per_leaf(shardings["opt_state"], abstract["opt_state"]))
     if offload is not None and offload.params:
-        params = _per_leaf(shardings["params"], abstract["params"])
+        params = per_leaf(shardings["params"], abstract["params"])
         params["blocks"] = on_host(params["blocks"])
         shardings["params"] = params
     return shardings
-
-
-def _per_leaf(prefix: Any, tree: Any) -> Any:
-    """A tree prefix of shardings broadcast to one sharding per leaf of `tree`, in `tree`'s structure."""
-    return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree,
-                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any,

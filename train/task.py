@@ -1,8 +1,10 @@
 """What is being learned: the one place where language modelling and diffusion differ.
 
 The training loop, checkpoints, meshes and metrics are shared; a task says
-what a batch looks like, where batches come from, what the loss is, and how
-throughput is counted. `make_task(cfg)` picks one from `model.kind`.
+what a batch looks like, where batches come from, what its objective is (a
+function of meshwork.objectives), and how throughput is counted.
+`make_task(cfg)` picks one from `model.kind`; a new kind of training (a
+post-training objective, say) is a new task with its own `objective`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from meshwork.config import Config, ConfigError
 from meshwork.data import text as data_lib
 from meshwork.data import user_text
+from meshwork.objectives import Objective
 from meshwork.perf.flops import train_flops_per_token
 
 
@@ -33,6 +36,12 @@ class LMTask:
     def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         L = self.cfg.data.seq_len
         return {"inputs": ((L,), np.int32), "targets": ((L,), np.int32)}
+
+    def objective(self, graphdef: Any) -> Objective:
+        """Next-token cross-entropy plus the model's auxiliary terms (train.loss_chunk: fused head)."""
+        from meshwork.objectives.next_token import next_token_loss
+
+        return next_token_loss(graphdef, self.cfg.train.loss_chunk)
 
     def train_iterator(self):
         c = self.cfg
@@ -84,6 +93,12 @@ class DiffusionTask:
     def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         u = self.cfg.model.unet
         return {"images": ((u.sample_size, u.sample_size, u.in_channels), np.float32), "labels": ((), np.int32)}
+
+    def objective(self, graphdef: Any) -> Objective:
+        """The denoising loss of model.diffusion's schedule and prediction target."""
+        from meshwork.objectives.denoising import denoising_loss
+
+        return denoising_loss(graphdef, self.cfg)
 
     def train_iterator(self):
         from meshwork.data.images import image_train_iterator

@@ -344,9 +344,9 @@ class TrainConfig(Section):
     memory instead of recomputing it."""
     loss_chunk: Annotated[int, pydantic.Field(gt=0)] | Literal["auto"] | None = "auto"
     """Token rows (of the batch's B x L) per chunk of a fused head + cross-entropy that never holds
-    the whole (B*L, V) float32 logits nor their gradient (evaluation/fused_ce.py); null: plain loss;
+    the whole (B*L, V) float32 logits nor their gradient (objectives/fused_ce.py); null: plain loss;
     auto: fused for a language model with a vocabulary of 8,192 or more and a plain head weight,
-    in chunks of at most 64 MiB of float32 logits (lm_loss.auto_loss_chunk), plain otherwise."""
+    in chunks of at most 64 MiB of float32 logits (objectives/next_token.auto_loss_chunk), plain otherwise."""
     offload: OffloadConfig = OffloadConfig()
     """Which parts of the train state live in host memory between steps."""
     scan_layers: bool = True

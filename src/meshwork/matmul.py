@@ -1,7 +1,7 @@
 """Float32-accumulated products of low-precision operands, in the form XLA:CPU runs natively.
 
 Used by the models' weight products (models/layers/mixed_matmul.py) and the fused loss
-(evaluation/fused_ce.py). tests/test_mixed_matmul.py reads the operand dtypes of every compiled dot.
+(objectives/fused_ce.py). tests/test_mixed_matmul.py reads the operand dtypes of every compiled dot.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ generator and the Hugging Face loader all place weights the same way:
     specs = logical_specs(abstract_params)                # PartitionSpecs of logical names
     shardings = variable_shardings(params, mesh, rules)   # NamedShardings, one per variable
     shardings = param_shardings(params, mesh, rules)      # one per array, any value (quantized too)
+
+It is also the one home of placement helpers: abstract arrays carrying shardings (what a compile
+or a restore is given), host-memory shardings for offload, and moving host arrays to the device.
 """
 
 from __future__ import annotations
@@ -105,3 +108,43 @@ def indivisible(tree: Any) -> str | None:
                 return (f"{where}: dimension {dim} of size {n} cannot be split {ways} ways over mesh axis "
                         f"{' x '.join(names)}")
     return None
+
+
+# -- placement -------------------------------------------------------------
+
+
+def abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `abstract_state` carrying `shardings` (a tree prefix is fine)."""
+    return jax.tree.map(lambda s, a: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), a), shardings, abstract_state)
+
+
+def per_leaf(prefix: Any, tree: Any) -> Any:
+    """A tree prefix of shardings broadcast to one sharding per leaf of `tree`, in `tree`'s structure."""
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+
+
+HOST = "pinned_host"
+
+
+def on_host(shardings: Any) -> Any:
+    """The same shardings (same partition specs) with memory_kind="pinned_host": arrays laid
+    out by them live in host memory, one shard per device's host.
+
+    >>> on_host(NamedSharding(mesh, PartitionSpec("fsdp"))).memory_kind   # doctest: +SKIP
+    'pinned_host'
+    """
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+
+
+def to_device_memory(x: jax.Array) -> jax.Array:
+    """`x` moved to device memory if, in a traced function, it lives in host memory (an
+    input whose sharding has memory_kind="pinned_host"); anything else is returned as is.
+
+    >>> jax.jit(lambda w: to_device_memory(w) * 2)(w_on_host)   # doctest: +SKIP
+    """
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x

@@ -1,2 +1,2 @@
-"""How models are scored: next-token cross-entropy (the LM objective and validation loss)
-and a classifier that grades generated digits."""
+"""How models are measured: the language models' validation loss and a classifier that grades
+generated digits. The training objectives themselves live in meshwork.objectives."""

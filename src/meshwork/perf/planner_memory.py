@@ -310,7 +310,7 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
 def _loss_rows_fraction(cfg: Config, layout: Layout) -> float:
     """The share of a microbatch's token rows whose logits the loss holds at once: 1 for the
     plain loss, chunk / rows for the fused one (its chunks are strided over the devices)."""
-    from meshwork.evaluation.lm_loss import auto_loss_chunk
+    from meshwork.objectives.next_token import auto_loss_chunk
 
     rows = cfg.train.global_batch * cfg.data.seq_len // cfg.train.microbatches
     chunk = cfg.train.loss_chunk

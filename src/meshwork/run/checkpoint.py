@@ -392,9 +392,3 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-def abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
-    """ShapeDtypeStructs of `abstract_state` carrying `shardings` (a tree prefix is fine)."""
-    return jax.tree.map(lambda s, a: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), a), shardings, abstract_state)

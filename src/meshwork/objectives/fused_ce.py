@@ -1,7 +1,7 @@
 """Fused, chunked LM-head cross-entropy: the loss from hidden states and the head weight, without
 ever holding the (B*L, V) float32 logits or their gradient.
 
-The plain path (`lm_loss.token_cross_entropy` on the head's logits) keeps the full logits for
+The plain path (`next_token.token_cross_entropy` on the head's logits) keeps the full logits for
 the backward pass, and its backward builds a second array of that size (softmax - onehot):
 at a 128k vocabulary these two are the largest activations of a step. Here the token rows
 are processed `chunk` at a time inside a `lax.scan`. The loss is a scalar, so its gradient is
@@ -41,7 +41,7 @@ def fused_cross_entropy(h_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array
                         dtype: jnp.dtype | None = None) -> jax.Array:
     """Mean next-token cross-entropy of logits = h @ w, computed `chunk` token rows at a time.
 
-    Equals `token_cross_entropy(h @ w, batch)` (lm_loss.py), its mask semantics included (the mean
+    Equals `token_cross_entropy(h @ w, batch)` (next_token.py), its mask semantics included (the mean
     over the rows where `loss_mask_BL` is 1, or over all rows without a mask), and so do its
     gradients with respect to h and w. `dtype`: the matmul's operand dtype (the model's compute
     dtype; None: h's); the products accumulate, and the logsumexp runs, in float32.
