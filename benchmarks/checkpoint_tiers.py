@@ -46,7 +46,8 @@ from meshwork.partitioning import abstract_with_shardings  # noqa: E402
 from meshwork.run.checkpoint import Checkpointer  # noqa: E402
 from meshwork.run.fast_tier import FastTier  # noqa: E402
 from meshwork.run.metrics import read_metrics  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime, train  # noqa: E402
+from meshwork.train.loop import train  # noqa: E402
+from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FSDP8 = ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
@@ -78,7 +79,7 @@ def recovery(work: pathlib.Path) -> dict[str, float]:
     c = cfg(run, "train.steps=20", "checkpoint.every=10", "checkpoint.fast_every=10",
             f"checkpoint.fast_path={run / 'fast'}", "checkpoint.async=false")
     train(c)
-    trainer = Trainer(c, check_runtime(c))
+    trainer = build_trainer(c, check_runtime(c)).compile()
     target = abstract_with_shardings(trainer.abstract, trainer.shardings)
     ckpt = Checkpointer(run / "checkpoints", every=1, keep=2, use_async=False)
     fast = FastTier(10, run / "fast", buffered=False)

@@ -33,7 +33,8 @@ import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
 from meshwork.sharding.hlo import collective_summary  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime, train  # noqa: E402
+from meshwork.train.loop import train  # noqa: E402
+from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The suite's tiny model (tests/conftest.py, tiny_overrides) and tests/test_comm.py's layout.
@@ -77,7 +78,7 @@ def bytes_table() -> None:
     for name in BYTES:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = _cfg(tmp, name, 40)
-            trainer = Trainer(cfg, check_runtime(cfg))
+            trainer = build_trainer(cfg, check_runtime(cfg)).compile()
             sent = _sent(trainer)
             grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract["params"]))
         if "DiLoCo" in name:

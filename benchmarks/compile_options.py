@@ -28,7 +28,7 @@ import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
 from meshwork.partitioning import abstract_with_shardings  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.train.trainer import Trainer, build_trainer, check_runtime  # noqa: E402
 from meshwork.train.state import RUN_ONCE_OPTIONS, _fresh_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def main() -> None:
     for name, (config, overrides) in CONFIGS.items():
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(ROOT / f"configs/{config}.yaml", [f"run.dir={tmp}", "log.progress=false", *overrides])
-            trainer = Trainer(cfg, check_runtime(cfg), jax.devices())
+            trainer = build_trainer(cfg, check_runtime(cfg), jax.devices()).compile()
             for program, (lower, args) in programs(trainer).items():
                 with trainer.context():
                     (c0, r0), (c1, r1), (c2, r2) = (timed(lower, options, *args) for options in

@@ -8,7 +8,7 @@ Eager: the step's jaxpr is interpreted one primitive at a time, each equation
 dispatched on its own (`primitive.bind` on concrete arrays, so every op is its
 own small compiled kernel, as in PyTorch eager), through the bodies of `jit`,
 `custom_vjp`, `remat` and `cond`; a scan runs its body once per iteration in
-Python. Graph: `Trainer(cfg, ...).step_fn`, the whole step compiled by XLA;
+Python. Graph: `build_trainer(cfg, ...).compile().step_fn`, the whole step compiled by XLA;
 its kernels are counted by `sharding/hlo_kernels.py` (per step: loop bodies
 times their trip counts). Both run on one device in one process, so the
 ratios compare like with like; the absolute times are this machine's.
@@ -122,13 +122,13 @@ class EagerInterpreter:
 # The step, eager and compiled.
 
 def _trainer(overrides: list[str]):
-    from meshwork.train.loop import Trainer, check_runtime
+    from meshwork.train.trainer import build_trainer, check_runtime
 
     tmp = tempfile.mkdtemp(prefix="eager_vs_graph_")
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", "mesh.data=1", "log.progress=false",
                                                       "log.tensorboard=false", *overrides])
     devices = jax.devices()[:1]
-    return Trainer(cfg, check_runtime(cfg, devices), devices)
+    return build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
 
 
 def _block(tree):

@@ -9,8 +9,8 @@
 Random weights unless --checkpoint: throughput does not depend on them. Every
 figure comes from one process, so the ratios compare like with like.
 
-What is timed, per batch size B (`inference/generate.py`, the jitted pieces
-`Generator.stream` calls): one prefill of B prompts of --prompt-len tokens
+What is timed, per batch size B (`inference/generate.py`: `Generator.prefill`
+and `Generator.decode_step`, what `Generator.stream` calls): one prefill of B prompts of --prompt-len tokens
 into a fresh cache of length prompt + steps, then --decode-steps one-token
 decode steps (sampling included), each feeding the token the previous step
 sampled. The first round compiles and is dropped; figures are the median of
@@ -129,11 +129,11 @@ def time_generation(gen: Generator, batch: int, prompt_len: int, steps: int, rep
         jax.block_until_ready(cache)
         cache_nbytes = cache.nbytes
         t0 = time.perf_counter()
-        token, _, cache, seen = gen._prefill(gen.state, tokens, lengths, cache, arrays)
+        token, _, cache, seen = gen.prefill(tokens, lengths, cache, arrays)
         jax.block_until_ready((token, cache))
         t1 = time.perf_counter()
         for pos in positions:  # dispatched without waiting: the device runs the steps back to back
-            token, _, cache, seen = gen._decode(gen.state, token, pos, cache, arrays, seen)
+            token, _, cache, seen = gen.decode_step(token, pos, cache, arrays, seen)
         jax.block_until_ready((token, cache, seen))
         t2 = time.perf_counter()
         if r:  # round 0 compiles

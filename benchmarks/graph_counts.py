@@ -19,7 +19,7 @@ import jax  # noqa: E402
 from meshwork.config import load_config  # noqa: E402
 from meshwork.sharding.graph_report import graph_report  # noqa: E402
 from meshwork.train.cli import step_jaxpr  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -34,7 +34,7 @@ def main() -> None:
     for label, extra in (("lm_tiny (d128 x 4, seq 128, batch 16)", []), ("tests' tiny (d64 x 2, seq 32, batch 8)", TINY)):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", *extra])
-            trainer = Trainer(cfg, check_runtime(cfg))
+            trainer = build_trainer(cfg, check_runtime(cfg)).compile()
             r = graph_report(trainer.step_fn, step_jaxpr(trainer))
         h, c = r["hlo"], r["cost_analysis"]
         xla = c["flops"] + c["transcendentals"]

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
 from meshwork.partitioning import abstract_with_shardings  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.train.trainer import Trainer, build_trainer, check_runtime  # noqa: E402
 from meshwork.sharding.hlo_parse import host_memory_bytes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def main() -> None:
     for name, extra in OPTIONS.items():
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", *TINY, *extra])
-            trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
+            trainer = build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
             args, outs = host_bytes(trainer.step_fn)
             copies = gpu_placements(trainer)
         n_moments = len(jax.tree.leaves(trainer.abstract["opt_state"]))

@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from meshwork.config import load_config  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 from meshwork.train.state import param_count  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def main() -> None:
     for preset, overrides, shards, formula in ROWS:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", f"rules.preset={preset}", *overrides])
-            trainer = Trainer(cfg, check_runtime(cfg))
+            trainer = build_trainer(cfg, check_runtime(cfg)).compile()
             rep = trainer.report_dict()
         full_param_bytes = 4 * param_count(trainer.abstract)
         state = rep["state"]["total"] / full_param_bytes

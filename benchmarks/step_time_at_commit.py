@@ -16,7 +16,11 @@ import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
 from meshwork.data.text import train_iterator  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+try:  # the Trainer API of 2026-12-05 on; older commits below
+    from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
+except ImportError:
+    from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+    build_trainer = None
 
 M = ["model.vocab_size=32000","model.d_model=256","model.n_layers=4","model.n_heads=4","model.n_kv_heads=4","model.d_ff=1024","data.seq_len=256","train.global_batch=8","train.compute_dtype=bfloat16","train.remat=full"]
 D512 = ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=2048", "data.seq_len=512", "train.global_batch=8", "train.compute_dtype=bfloat16", "train.remat=full"]
@@ -27,7 +31,7 @@ for shape, sov in (("matched", M), ("d512x8", D512)):
         cfg = load_config("configs/lm_tiny.yaml", [f"run.dir={tmp}"] + sov + ov + sys.argv[1:])
         devices = jax.devices()[:n]
         files = check_runtime(cfg, devices)
-        tr = Trainer(cfg, files, devices)
+        tr = build_trainer(cfg, files, devices).compile() if build_trainer else Trainer(cfg, files, devices)
         it = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)
         state = tr.init_state(); ts = []
         for i in range(9 if shape == "matched" else 5):

@@ -42,7 +42,7 @@ from meshwork.data.text import train_iterator  # noqa: E402
 from meshwork.perf.flops import train_flops_per_token  # noqa: E402
 from meshwork.perf.hardware import measure_cpu_peak  # noqa: E402
 from meshwork.perf.step_profile import profile_steps  # noqa: E402
-from meshwork.train.loop import Trainer, check_runtime  # noqa: E402
+from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUTS = {
@@ -62,7 +62,7 @@ def time_layout(n_devices: int, overrides: list[str], steps: int, profile: bool 
         cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", *overrides])
         devices = jax.devices()[:n_devices]
         files = check_runtime(cfg, devices)
-        trainer = Trainer(cfg, files, devices)
+        trainer = build_trainer(cfg, files, devices).compile()
         it = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, cfg.run.seed)
         state = trainer.init_state()
         times, cpu_s = [], 0.0

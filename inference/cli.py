@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from meshwork.config import ConfigError
+from meshwork.inference.validation import RequestError
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -128,7 +129,7 @@ def main(argv: list[str]) -> int:
                                       guidance=args.guidance, labels=args.labels, seed=args.seed,
                                       ema=not args.no_ema, out=args.out, patch_parallel=args.patch_parallel,
                                       warmup=min(4, args.steps) if args.warmup is None else args.warmup)
-    except ConfigError as e:
+    except (ConfigError, RequestError) as e:  # the command line's fault, or a prompt's or sampling setting's
         print(f"error: {e}", file=sys.stderr)
         return 2
     acc = f"; a digit classifier reads {accuracy:.0%} of them as the class asked for" if accuracy is not None else ""

@@ -4,6 +4,8 @@
     out = gen.generate([[72, 105], [1, 2, 3, 4]], SamplingParams(temperature=0))
     out = gen.generate([p, p], SamplingParams(seed=7))      # seeds 7 and 8: two different samples
     for row, token in gen.stream(prompts, params): ...      # tokens as they are sampled
+    out = gen.prefill(tokens_BL, lengths_B, gen.new_cache(B, 64), arrays)   # or one call at a time:
+    out = gen.decode_step(out.tokens, lengths_B, out.cache, arrays, out.seen)  # out.logits: what was sampled from
 
 The prompts of a batch may differ in length: they are right-padded to a
 bucketed length and prefilled together in one call, and each row then decodes
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +34,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.config import ConfigError
-from meshwork.inference.kv_cache import KVCache, cache_bytes
+from meshwork.inference.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
 from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
+from meshwork.inference.validation import RequestError, RequestLimits, check_request
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.perf.hardware import device_memory_bytes
 from meshwork.rope_scaling import rope_type_of
 from meshwork.sharding.parallel import ParallelContext, use_parallel
 from meshwork.sharding.rules import Rules, split_axes
 
+_Out = TypeVar("_Out")
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this: one prefill compile per bucket, not per length
 
 
@@ -53,8 +57,24 @@ def place(model: nnx.Module, mesh: Mesh | None, rules: Rules | None) -> tuple[nn
     return graphdef, state
 
 
+class Step(NamedTuple):
+    """What `Generator.prefill` and `Generator.decode_step` return (a tuple: unpack it or read fields)."""
+
+    tokens: jax.Array   # int32 (B,): the token sampled for each row
+    logits: jax.Array   # (B, V): the logits it was sampled from (`sampling.log_probs` turns them into log p)
+    cache: KVCache      # the cache with this call's keys and values written (the one passed in was donated)
+    seen: jax.Array     # bool (B, V): the tokens the repetition penalty applies to, for the next step
+
+
 class Generator:
-    """A model ready to generate: weights placed, prefill and decode compiled once per shape."""
+    """A model ready to generate: weights placed, prefill and decode compiled once per shape.
+
+    The engine API (what `Server`, rollouts and speculative decoding build on):
+    `prefill` and `decode_step` run a batch one call at a time and return the sampled tokens with
+    their logits; `forward` returns the logits of any tokens at any positions; `apply` is the same
+    computation as a pure function for a jitted program of one's own, run under `run_in_context`;
+    `limits` and `check_request` say whether a request can be served (RequestError if not).
+    """
 
     def __init__(self, model: nnx.Module, *, mesh: Mesh | None = None, rules: Rules | None = None,
                  cache_dtype: jnp.dtype | None = None):
@@ -67,62 +87,94 @@ class Generator:
         self.batch_multiple = math.prod(mesh_shape[a] for a in split_axes("act_batch", rules, mesh_shape)) \
             if mesh is not None else 1
         self.cache_sharding = KVCache.shardings(mesh, rules).k if mesh is not None else None
-        self._forward = jax.jit(self._forward_fn, donate_argnums=3)
+        self._forward = jax.jit(self.apply, donate_argnums=3)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=3)
         self._decode = jax.jit(self._decode_fn, donate_argnums=3)
 
-    # -- the jitted pieces -------------------------------------------------
+    # -- the computation, as pure functions of the state ---------------------
 
-    def _forward_fn(self, state, tokens_BL, positions_BL, cache):
+    def apply(self, state: nnx.State, tokens_BL: jax.Array, positions_BL: jax.Array,
+              cache: KVCache | PagedKVCache) -> tuple[jax.Array, KVCache | PagedKVCache]:
+        """(logits (B, L, V), cache) of `tokens_BL` at `positions_BL`: writes their keys and values into
+        `cache` and attends over everything cached before them. Pure and traceable, for use inside a
+        jitted program (the server's prefill chunk and decode loop); call that program through
+        `run_in_context`. `forward` is this function jitted.
+
+            logits_BLV, cache = gen.apply(gen.state, tokens_BL, positions_BL, cache)   # inside jax.jit
+        """
         return nnx.merge(self.graphdef, state).decode(tokens_BL, positions_BL, cache)
 
     def _prefill_fn(self, state, tokens_BL, lengths_B, cache, arrays):
         B, L = tokens_BL.shape
-        logits_BLV, cache = self._forward_fn(state, tokens_BL, jnp.broadcast_to(jnp.arange(L), (B, L)), cache)
+        logits_BLV, cache = self.apply(state, tokens_BL, jnp.broadcast_to(jnp.arange(L), (B, L)), cache)
         last_BV = logits_BLV[jnp.arange(B), lengths_B - 1]
         seen_BV = seen_tokens(tokens_BL, lengths_B, self.vocab_size)
-        return sample(last_BV, lengths_B, arrays, seen_BV), last_BV, cache, seen_BV
+        return Step(sample(last_BV, lengths_B, arrays, seen_BV), last_BV, cache, seen_BV)
 
     def _decode_fn(self, state, tokens_B, positions_B, cache, arrays, seen_BV):
         """Feeds each row's last token at its position; samples the token after it."""
         seen_BV = mark_seen(seen_BV, tokens_B)
-        logits_B1V, cache = self._forward_fn(state, tokens_B[:, None], positions_B[:, None], cache)
-        return sample(logits_B1V[:, 0], positions_B + 1, arrays, seen_BV), logits_B1V[:, 0], cache, seen_BV
+        logits_B1V, cache = self.apply(state, tokens_B[:, None], positions_B[:, None], cache)
+        return Step(sample(logits_B1V[:, 0], positions_B + 1, arrays, seen_BV), logits_B1V[:, 0], cache, seen_BV)
 
-    def _in_context(self, fn, *args):
-        """Runs a jitted function under the mesh and the generator's ParallelContext (the trace reads them)."""
+    def run_in_context(self, fn: Callable[..., _Out], *args) -> _Out:
+        """fn(*args) under the generator's mesh and ParallelContext, which a jitted function reads when
+        it is traced (attention's parallel paths, the rules): run every program that calls `apply`
+        through it.
+
+            out = gen.run_in_context(my_jitted_step, gen.state, tokens_B, ...)
+        """
         if self.mesh is None:
             return fn(*args)
         with jax.set_mesh(self.mesh), use_parallel(self.parallel):
             return fn(*args)
 
-    # -- public ------------------------------------------------------------
+    # -- the engine API ------------------------------------------------------
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A zeroed contiguous cache of `batch` rows and `max_len` positions, placed for this generator's
+        mesh (under a mesh, make `batch` a multiple of `batch_multiple`)."""
         return KVCache.zeros(self.cfg, batch, max_len, self.cache_dtype, self.cache_sharding)
 
-    def forward(self, tokens_BL: np.ndarray, positions_BL: np.ndarray, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Logits of every given token, reading and extending `cache` (donated)."""
-        return self._in_context(self._forward, self.state, jnp.asarray(tokens_BL, jnp.int32),
-                                jnp.asarray(positions_BL, jnp.int32), cache)
+    def forward(self, tokens_BL: np.ndarray, positions_BL: np.ndarray,
+                cache: KVCache | PagedKVCache) -> tuple[jax.Array, KVCache | PagedKVCache]:
+        """(logits (B, L, V), cache): `apply`, jitted and run in this generator's context; reads and
+        extends `cache` (donated), contiguous or paged."""
+        return self.run_in_context(self._forward, self.state, jnp.asarray(tokens_BL, jnp.int32),
+                                   jnp.asarray(positions_BL, jnp.int32), cache)
 
-    def check_prompt(self, prompt: Sequence[int], max_new_tokens: int, max_len: int | None = None) -> None:
-        """ConfigError (one line) for a prompt this model cannot continue."""
-        if len(prompt) == 0:
-            raise ConfigError("empty prompt: give at least one token")
-        bad = [int(t) for t in prompt if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ConfigError(f"token ids {bad[:3]} are outside the model's vocabulary of {self.vocab_size}: "
-                              "the prompt was encoded with another tokenizer")
-        if max_len is not None and len(prompt) + max_new_tokens > max_len:
-            raise ConfigError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds the cache "
-                              f"length {max_len}; shorten the prompt or lower max_new_tokens")
-        need, have = cache_bytes(self.cfg, 1, max_len or len(prompt) + max_new_tokens, self.cache_dtype), \
-            device_memory_bytes()
-        if need > have:
-            raise ConfigError(f"max_new_tokens={max_new_tokens}: a KV cache of {len(prompt) + max_new_tokens:,} "
-                              f"tokens needs {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} "
-                              f"GiB this device has; lower max_new_tokens (or max_len)")
+    def prefill(self, tokens_BL: np.ndarray | jax.Array, lengths_B: np.ndarray | jax.Array, cache: KVCache,
+                arrays: SamplingArrays) -> Step:
+        """Prefills right-padded prompts (row b's first lengths_B[b] tokens are real) at positions
+        0..L-1 into `cache` (donated) and samples each row's first new token, at position lengths_B[b].
+        Compiled once per (B, L) and cache shape.
+
+            out = gen.prefill(tokens_BL, lengths_B, gen.new_cache(B, 64), SamplingArrays.stack(params))
+        """
+        return self.run_in_context(self._prefill, self.state, jnp.asarray(tokens_BL, jnp.int32),
+                                   jnp.asarray(lengths_B, jnp.int32), cache, arrays)
+
+    def decode_step(self, tokens_B: np.ndarray | jax.Array, positions_B: np.ndarray | jax.Array, cache: KVCache,
+                    arrays: SamplingArrays, seen_BV: jax.Array) -> Step:
+        """Feeds row b's last token at positions_B[b] and samples the token after it (at positions_B[b] + 1),
+        extending `cache` (donated). `seen_BV` is the previous step's `seen`.
+
+            out = gen.decode_step(out.tokens, lengths_B, out.cache, arrays, out.seen)   # after a prefill
+        """
+        return self.run_in_context(self._decode, self.state, jnp.asarray(tokens_B, jnp.int32),
+                                   jnp.asarray(positions_B, jnp.int32), cache, arrays, seen_BV)
+
+    def limits(self, max_len: int | None = None) -> RequestLimits:
+        """What one request may ask of this generator with a cache of `max_len` positions (None: sized to
+        the request): its vocabulary, the cache length and the device's memory."""
+        return RequestLimits(self.vocab_size, max_len=max_len,
+                             cache_bytes_per_token=cache_bytes_per_token(self.cfg, self.cache_dtype),
+                             memory_bytes=device_memory_bytes())
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None) -> None:
+        """RequestError (one line, with the OpenAI param) for a request this model cannot continue
+        (`validation.check_request` against `limits(max_len)`)."""
+        check_request(prompt, params, self.limits(max_len))
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                max_len: int | None = None) -> Iterator[tuple[int, int]]:
@@ -130,21 +182,23 @@ class Generator:
 
         A row stops at one of its stop tokens (yielded, then no more) or after
         its `max_new_tokens`. `max_len` (default: just enough, rounded up) is
-        the cache length; a prompt that does not fit raises ConfigError. One
+        the cache length; a prompt that does not fit raises RequestError. One
         `SamplingParams` for all prompts gives prompt i the seed `seed + i`, so
         equal prompts get different samples; a list sets each row's own.
         """
         params = list(params) if isinstance(params, Sequence) else [
             dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
         if len(params) != len(prompts) or not prompts:
-            raise ConfigError(f"{len(prompts)} prompts but {len(params)} sampling settings")
-        for p in params:
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling settings; give one setting "
+                               "for all prompts or one per prompt")
+        for p in params:  # the settings first: a bad max_new_tokens would otherwise size the cache
             p.check(self.vocab_size)
         budget = max(p.max_new_tokens for p in params)
         lengths = np.array([len(p) for p in prompts], np.int32)
         max_len = max_len or round_up(int(lengths.max()) + budget, 64)
+        limits = self.limits(max_len)
         for prompt, p in zip(prompts, params):
-            self.check_prompt(prompt, p.max_new_tokens, max_len)
+            check_request(prompt, p, limits)
 
         n = len(prompts)
         B = round_up(n, self.batch_multiple)  # idle rows fill the data-parallel size
@@ -158,8 +212,7 @@ class Generator:
         lengths = np.concatenate([lengths, np.ones(B - n, np.int32)])
         arrays = SamplingArrays.stack(params + [SamplingParams(temperature=0.0)] * (B - n))
 
-        token_B, _, cache, seen = self._in_context(self._prefill, self.state, jnp.asarray(tokens),
-                                                   jnp.asarray(lengths), self.new_cache(B, max_len), arrays)
+        token_B, _, cache, seen = self.prefill(tokens, lengths, self.new_cache(B, max_len), arrays)
         produced = np.zeros(n, np.int32)
         live = np.ones(n, bool)
         while True:
@@ -172,8 +225,7 @@ class Generator:
             if not live.any():
                 return
             positions = lengths + np.concatenate([produced, np.zeros(B - n, np.int32)]) - 1
-            token_B, _, cache, seen = self._in_context(self._decode, self.state, token_B, jnp.asarray(positions),
-                                                       cache, arrays, seen)
+            token_B, _, cache, seen = self.decode_step(token_B, positions, cache, arrays, seen)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  max_len: int | None = None) -> list[list[int]]:

@@ -19,7 +19,11 @@ its slot and pages before the next step.
 
 Bad requests are answered before they reach the engine, with a 4xx and
 OpenAI's error body `{"error": {"message", "type", "param", "code"}}`: 400 for
-a bad field, 404 for another model's name, 429 when the queue is full.
+a bad field, 404 for another model's name, 429 when the queue is full. The
+body is validated by its pydantic model (inference/http_bodies.py), the
+request by the engine's one validator (`validation.check_request`, against
+the server's limits and --max-tokens); a RequestError becomes the 400, its
+`param` the error's.
 
 Beyond OpenAI's fields a request may give `top_k`, `repetition_penalty`,
 `stop_token_ids` and `ignore_eos` (vLLM's names), and every choice carries
@@ -31,8 +35,8 @@ here: the text ends before the first one and the request is cancelled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,10 +45,11 @@ from typing import Any
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from meshwork.config import ConfigError
+from meshwork.inference.http_bodies import ChatCompletionRequest, CompletionRequest, parse_body
 from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_engine import Engine, QueueFull
-from meshwork.inference.serving import Request, Result, Server
+from meshwork.inference.serving import Request, Result
+from meshwork.inference.validation import RequestError, check_request
 
 # Without a chat template in the checkpoint's tokenizer files, messages are rendered as
 # "role: content" lines and the prompt ends with "assistant:", the model to continue from there.
@@ -66,8 +71,8 @@ class Served:
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise _Bad("this model has no tokenizer here (it was trained on pre-tokenized data); send the prompt "
-                       "as a list of token ids", "prompt")
+            raise RequestError("this model has no tokenizer here (it was trained on pre-tokenized data); send the "
+                               "prompt as a list of token ids", "prompt")
         if not special and hasattr(self.tokenizer, "tok"):  # the template already wrote BOS
             return list(self.tokenizer.tok.encode(text, add_special_tokens=False).ids)
         return [int(t) for t in self.tokenizer.encode(text)]
@@ -91,7 +96,7 @@ class Served:
             text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
                                                               **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
-            raise _Bad(f"the checkpoint's chat template refused these messages: {e}", "messages") from None
+            raise RequestError(f"the checkpoint's chat template refused these messages: {e}", "messages") from None
         return text, True
 
 
@@ -165,8 +170,10 @@ class TextStream:
 # ----------------------------------------------------------------------------- requests
 
 
-class _Bad(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+class _Refused(Exception):
+    """A request answered with another status than a bad field's 400 (another model, a full queue, ...)."""
+
+    def __init__(self, message: str, param: str | None, status: int, code: str | None = None,
                  kind: str = "invalid_request_error"):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
@@ -177,109 +184,45 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _number(body: dict, key: str, default, kind=float, minimum=None):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise _Bad(f"{key}={value!r}: give a{'n integer' if kind is int else ' number'}", key)
-    if minimum is not None and value < minimum:
-        raise _Bad(f"{key}={value!r}: use at least {minimum}", key)
-    return kind(value)
-
-
 @dataclass
 class Limits:
     max_tokens: int = 256      # the most tokens one request may ask for
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
 
 
-def parse_sampling(body: dict, served: Served, limits: Limits, prompt_len: int, max_len: int,
-                   chat: bool) -> SamplingParams:
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise _Bad(f"{key} is not supported; use repetition_penalty (> 1 discourages repeats)", key)
-    if body.get("n") not in (None, 1):
-        raise _Bad(f"n={body.get('n')!r}: one choice per request; send n requests", "n")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _Bad("logprobs are not supported", "logprobs")
-    if body.get("echo"):
-        raise _Bad("echo is not supported", "echo")
-    if body.get("best_of") not in (None, 1):
-        raise _Bad("best_of is not supported", "best_of")
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    room = max_len - prompt_len
-    default = min(limits.max_tokens, room) if chat else limits.default_max_tokens
-    max_tokens = _number(body, key, default, int, 1)
-    if max_tokens > limits.max_tokens:
-        raise _Bad(f"{key}={max_tokens}: this server gives at most {limits.max_tokens} tokens per request "
-                   "(--max-tokens)", key)
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise _Bad("stop_token_ids: give a list of token ids", "stop_token_ids")
-    stops = tuple(stop_ids) + (() if body.get("ignore_eos") else tuple(served.stops))
-    seed = body.get("seed")
-    seed = int.from_bytes(os.urandom(4), "little") if seed is None else _number(body, "seed", 0, int)
-    params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-                            top_k=_number(body, "top_k", 0, int), max_new_tokens=max_tokens, stop_tokens=stops,
-                            repetition_penalty=_number(body, "repetition_penalty", 1.0), seed=seed)
-    return params
+def prompt_ids(body: CompletionRequest | ChatCompletionRequest, served: Served) -> list[int]:
+    """The body's prompt as token ids: completions' text encoded (ids as given), chat's messages rendered."""
+    if isinstance(body, ChatCompletionRequest):
+        text, templated = served.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        return served.encode(text, special=not templated)
+    return served.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
 
 
-def parse_stop(body: dict, served: Served) -> tuple[str, ...]:
-    """OpenAI's `stop`: a string or a list of up to 4, matched in the generated text."""
-    stop = body.get("stop")
-    if stop in (None, [], ""):
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops) or len(stops) > 4:
-        raise _Bad("stop: give a string or a list of up to 4 non-empty strings", "stop")
-    if served.tokenizer is None:
-        raise _Bad("stop strings need a tokenizer, which this model has not here; give stop_token_ids", "stop")
-    return tuple(stops)
+def stop_strings(body: CompletionRequest | ChatCompletionRequest, served: Served) -> tuple[str, ...]:
+    """OpenAI's `stop`, matched in the generated text: it needs a tokenizer."""
+    stops = body.stop_strings()
+    if stops and served.tokenizer is None:
+        raise RequestError("stop strings need a tokenizer, which this model has not here; give stop_token_ids",
+                           "stop")
+    return stops
 
 
-def completion_prompt(body: dict, served: Served) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return served.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise _Bad(f"a batch of {len(prompt)} prompts: send one prompt per request", "prompt")
-    raise _Bad("prompt: give a string or a list of token ids", "prompt")
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, served: Served, limits: Limits,
+                    prompt_len: int, max_len: int) -> SamplingParams:
+    """The body's SamplingParams; without max_tokens, 16 for completions and, for chat, what is left of
+    the cache (at most --max-tokens; at least 1, so that a prompt that fills the cache is named as such)."""
+    chat = isinstance(body, ChatCompletionRequest)
+    default = max(1, min(limits.max_tokens, max_len - prompt_len)) if chat else limits.default_max_tokens
+    return body.sampling(stops=served.stops, default_max_tokens=default)
 
 
-def chat_prompt(body: dict, served: Served) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _Bad("messages: give a non-empty list of {role, content} objects", "messages")
-    plain = []
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):  # content parts: the text ones, joined
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise _Bad(f"messages[{i}]: give an object with a string role and text content", "messages")
-        plain.append({"role": m["role"], "content": content})
-    text, templated = served.render_chat(plain)
-    return served.encode(text, special=not templated)
-
-
-def check_request(server: Server, prompt: list[int], params: SamplingParams) -> None:
-    """The checks Server.submit makes, before the request is queued (so that it gets a 400, not a
-    stream that ends in an error)."""
-    try:
-        params.check(server.cfg.vocab_size)
-        server.gen.check_prompt(prompt, params.max_new_tokens, server.max_len)
-    except ConfigError as e:
-        raise _Bad(str(e), "prompt" if "prompt" in str(e) or "token ids" in str(e) else None) from None
-    worst = -(-(len(prompt) + params.max_new_tokens) // server.page_size)
-    if worst > server.pages.per_replica - 1:
-        raise _Bad(f"the request needs up to {worst} pages of {server.page_size} tokens but a replica's pool "
-                   f"has {server.pages.per_replica - 1}; shorten the prompt or lower max_tokens", "max_tokens")
+def openai_param(e: RequestError, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The field of this body that a RequestError's param names (chat has messages, not a prompt)."""
+    if e.param == "prompt" and isinstance(body, ChatCompletionRequest):
+        return "messages"
+    if e.param == "max_tokens":
+        return body.max_tokens_field
+    return e.param
 
 
 # ----------------------------------------------------------------------------- the app
@@ -290,6 +233,8 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
     import contextlib
 
     limits = limits or Limits()
+    # What one request may ask: the server's own limits and this app's --max-tokens.
+    request_limits = dataclasses.replace(engine.server.limits, max_new_tokens=limits.max_tokens)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -300,7 +245,9 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
 
     app = FastAPI(title="meshwork", lifespan=lifespan)
 
-    def bad(e: _Bad) -> JSONResponse:
+    def bad(e: RequestError | _Refused, param: str | None = None) -> JSONResponse:
+        if isinstance(e, RequestError):  # a bad field: 400
+            return JSONResponse(error_body(str(e), param=param or e.param), status_code=400)
         return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
 
     @app.exception_handler(404)
@@ -323,42 +270,44 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
                                             "owned_by": "meshwork", "max_model_len": engine.server.max_len}]}
 
-    async def read_body(request: HTTPRequest) -> dict:
+    async def read_body(request: HTTPRequest, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+        """The body, parsed whatever its Content-Type says (as OpenAI does), then validated into its model."""
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _Bad(f"the request body is not JSON ({e})") from None
+            raise RequestError(f"the request body is not JSON ({e})") from None
         if not isinstance(body, dict):
-            raise _Bad("the request body must be a JSON object")
-        if body.get("model") not in (None, served.name):
-            raise _Bad(f"model {body.get('model')!r} is not served here; this server serves {served.name!r} "
-                       "(GET /v1/models)", "model", 404, "model_not_found")
-        if not isinstance(body.get("stream", False), bool):
-            raise _Bad("stream: give true or false", "stream")
-        return body
+            raise RequestError("the request body must be a JSON object")
+        if body.get("model") not in (None, served.name):  # 404 before any field's 400
+            raise _Refused(f"model {body.get('model')!r} is not served here; this server serves {served.name!r} "
+                           "(GET /v1/models)", "model", 404, "model_not_found")
+        return parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
 
     async def serve(request: HTTPRequest, chat: bool):
+        body = None
         try:
-            body = await read_body(request)
-            prompt = chat_prompt(body, served) if chat else completion_prompt(body, served)
-            params = parse_sampling(body, served, limits, len(prompt), engine.server.max_len, chat)
-            stop_strings = parse_stop(body, served)
-            check_request(engine.server, prompt, params)
+            body = await read_body(request, chat)
+            prompt = prompt_ids(body, served)
+            params = sampling_params(body, served, limits, len(prompt), engine.server.max_len)
+            stops = stop_strings(body, served)
+            check_request(prompt, params, request_limits)  # a 400 now, not a stream that ends in an error
             if not engine.alive:
-                raise _Bad(f"the engine is not running ({engine.failure or 'shutting down'})", None, 503,
-                           kind="server_error")
+                raise _Refused(f"the engine is not running ({engine.failure or 'shutting down'})", None, 503,
+                               kind="server_error")
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             loop, events = asyncio.get_running_loop(), asyncio.Queue()
             engine.submit(Request(rid, prompt, params),
                           lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (kind, x)))
-        except _Bad as e:
+        except RequestError as e:
+            return bad(e, openai_param(e, body) if body is not None else None)
+        except _Refused as e:
             return bad(e)
         except QueueFull as e:
-            return bad(_Bad(str(e), None, 429, "queue_full", "rate_limit_error"))
-        reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens, stop_strings), len(prompt))
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(request, engine, rid, events, reply, usage), media_type="text/event-stream")
+            return bad(_Refused(str(e), None, 429, "queue_full", "rate_limit_error"))
+        reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens, stops), len(prompt))
+        if body.stream:
+            return StreamingResponse(_sse(request, engine, rid, events, reply, body.include_usage()),
+                                     media_type="text/event-stream")
         try:
             while True:
                 kind, x = await _next(request, events)
@@ -373,7 +322,7 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
             engine.cancel(rid)
             return JSONResponse(error_body("client disconnected"), 499)
         if x.finish == "error":
-            return bad(_Bad(x.error or "the request failed"))
+            return bad(RequestError(x.error or "the request failed"))
         return reply.whole(x)
 
     @app.post("/v1/completions")

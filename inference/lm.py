@@ -158,7 +158,8 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Loads, generates, prints. ConfigError for anything the user can fix."""
+    """Loads, generates, prints. ConfigError (the command line) or RequestError (a prompt or sampling
+    setting) for anything the user can fix."""
     from meshwork.inference.sampling import SamplingParams
 
     if args.slots < 1:
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         from meshwork.inference.generate import Generator
 
         gen = Generator(model)
-        gen.check_prompt(prompts[0], params.max_new_tokens, args.max_len)
+        gen.check_request(prompts[0], per_prompt[0], args.max_len)  # before the prompt is printed
         produced: list[int] = []
         sys.stdout.write(_decode(tokenizer, prompts[0]))
         for _, token in gen.stream(prompts, params, args.max_len):

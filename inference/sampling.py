@@ -35,6 +35,7 @@ any batch, and after a restart, and a given token can be reproduced from
 
     arrays = SamplingArrays.stack([SamplingParams(temperature=0.7, top_p=0.9, seed=1)])
     next_B = sample(logits_BV, positions_B, arrays, seen_BV)
+    logp_BV = log_probs(logits_BV)          # log-softmax of the same logits (`log_probs` says which)
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from meshwork.config import ConfigError
+from meshwork.inference.validation import RequestError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,21 +69,23 @@ class SamplingParams:
     """Seed of this request's random draws, in [0, 2**32)."""
 
     def check(self, vocab_size: int) -> None:
-        """Raise ConfigError (one line naming the field and the fix) on a bad setting."""
+        """Raise RequestError (one line naming the field and the fix; `param`: OpenAI's name) on a bad setting."""
         problems = [
-            (not self.temperature >= 0, f"temperature={self.temperature}: use 0 (greedy) or a positive value"),
-            (self.top_k < 0, f"top_k={self.top_k}: use 0 (off) or a positive count"),
-            (not 0 < self.top_p <= 1, f"top_p={self.top_p}: use a value in (0, 1]; 1.0 turns it off"),
-            (not self.repetition_penalty > 0,
+            (not self.temperature >= 0, "temperature",
+             f"temperature={self.temperature}: use 0 (greedy) or a positive value"),
+            (self.top_k < 0, "top_k", f"top_k={self.top_k}: use 0 (off) or a positive count"),
+            (not 0 < self.top_p <= 1, "top_p", f"top_p={self.top_p}: use a value in (0, 1]; 1.0 turns it off"),
+            (not self.repetition_penalty > 0, "repetition_penalty",
              f"repetition_penalty={self.repetition_penalty}: use a positive value; 1.0 turns it off"),
-            (self.max_new_tokens < 1, f"max_new_tokens={self.max_new_tokens}: use at least 1"),
-            (not 0 <= self.seed < 2**32, f"seed={self.seed}: use an integer in [0, 2**32)"),
+            (self.max_new_tokens < 1, "max_tokens", f"max_new_tokens={self.max_new_tokens}: use at least 1"),
+            (not 0 <= self.seed < 2**32, "seed", f"seed={self.seed}: use an integer in [0, 2**32)"),
         ]
         bad_stops = [t for t in self.stop_tokens if not 0 <= t < vocab_size]
-        problems.append((bool(bad_stops), f"stop_tokens={bad_stops}: token ids must lie in [0, {vocab_size})"))
-        for bad, message in problems:
+        problems.append((bool(bad_stops), "stop_token_ids",
+                         f"stop_tokens={bad_stops}: token ids must lie in [0, {vocab_size})"))
+        for bad, param, message in problems:
             if bad:
-                raise ConfigError(f"sampling.{message}")
+                raise RequestError(f"sampling.{message}", param)
 
 
 @jax.tree_util.register_dataclass
@@ -195,6 +198,25 @@ def sample(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
 
     # A batch of greedy rows (the common serving case) never reaches top_k, softmax or the draw.
     return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda _: greedy_B, None)
+
+
+def log_probs(logits_BV: jax.Array, arrays: SamplingArrays | None = None,
+              seen_BV: jax.Array | None = None) -> jax.Array:
+    """float32 (B, V) log-probabilities of the next token, from the logits `sample` was given. Jittable.
+
+    Without `arrays`: the model's own distribution, log_softmax(logits) (what a policy-gradient
+    rollout or a speculative-decoding acceptance test compares). With `arrays` (and `seen_BV` for
+    the repetition penalty): the distribution the sampler scales before top-k/top-p cut it, the
+    penalized logits over each row's temperature (1 for a greedy row).
+
+        out = gen.decode_step(tokens_B, positions_B, cache, arrays, seen_BV)
+        lp_B = log_probs(out.logits)[jnp.arange(B), out.tokens]   # log p of each sampled token
+    """
+    if arrays is None:
+        return jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    logits_BV = _penalize(logits_BV, arrays, seen_BV)
+    t_B = arrays.temperature
+    return jax.nn.log_softmax(logits_BV / jnp.where(t_B > 0, t_B, 1.0)[:, None], axis=-1)
 
 
 def sample_reference(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,

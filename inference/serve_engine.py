@@ -19,15 +19,6 @@ from typing import Any
 from meshwork.inference.serving import Request, Result, Server
 
 
-def cancel_request(server: Server, rid: Hashable) -> bool:
-    """Takes `rid` out of the server's queue or frees its slot and pages; False when it is not there.
-    Call it only between two `step()`s, on the thread that steps. The "cancelled" Result the server
-    records is dropped: the HTTP client is gone."""
-    found = server.cancel(rid)
-    server.results.pop(rid, None)
-    return found
-
-
 Sink = Callable[[str, Any], None]  # ("token", id) ... then ("done", Result); called on the engine thread
 
 
@@ -77,13 +68,9 @@ class Engine:
         self._commands.put(("cancel", rid))
 
     def stats(self) -> dict:
-        s = self.server
-        held = {p for pages in s.live_pages().values() for p in pages}
-        return {"slots": len(s.slots), "slots_live": sum(x is not None for x in s.slots),
-                "pages_total": s.pages.usable, "pages_held": len(held), "pages_free": len(s.pages.free),
-                "pages_cached": len(s.pages.lru),  # a prefix cache's pages, held by no one
-                "queued": len(self._queued), "completed": self.completed, "cancelled": self.cancelled,
-                "steps": s.steps, "preemptions": s.preemptions}
+        """The server's pool (`Server.stats`) and this engine's queue and request counts."""
+        return {**self.server.stats(), "queued": len(self._queued), "completed": self.completed,
+                "cancelled": self.cancelled}
 
     # -- the thread -------------------------------------------------------------
 
@@ -91,9 +78,8 @@ class Engine:
         s = self.server
         try:
             while True:
-                busy = bool(s.waiting) or any(s.slots)
                 try:
-                    commands = [self._commands.get(block=not busy)]
+                    commands = [self._commands.get(block=not s.busy)]
                 except queue.Empty:
                     commands = []
                 while True:
@@ -114,7 +100,7 @@ class Engine:
                         self._finish_if_done(request.id)
                     else:
                         self._cancel(command[1])
-                if bool(s.waiting) or any(s.slots):
+                if s.busy:
                     # A step may give a request several tokens (decode steps per dispatch), the last of
                     # which finished it: deliver them all, then the results.
                     events = s.step()
@@ -138,7 +124,7 @@ class Engine:
             self._queued.discard(rid)
 
     def _finish_if_done(self, rid: Hashable) -> None:
-        result = self.server.results.pop(rid, None)
+        result = self.server.take_result(rid)
         if result is not None:
             self._dequeue(rid)
             self.completed += 1
@@ -147,5 +133,6 @@ class Engine:
     def _cancel(self, rid: Hashable) -> None:
         sink = self._sinks.pop(rid, None)
         self._dequeue(rid)
-        if cancel_request(self.server, rid) and sink is not None:
+        # Released, not cancelled: the client is gone, so no "cancelled" Result is kept for it.
+        if self.server.release(rid) is not None and sink is not None:
             self.cancelled += 1

@@ -4,6 +4,7 @@
     results = server.run([Request("a", prompt_ids), Request("b", other_ids, SamplingParams(top_p=0.9))])
     results["a"].tokens, results["a"].finish        # "stop", "length", "error" or "cancelled"
     server.submit(r); events = server.step(); server.cancel("b")   # driving it yourself
+    server.check_request(prompt_ids, params)        # RequestError (with OpenAI's param) if it cannot be served
 
 The batch has a fixed number of slots. Between decode dispatches, finished
 requests leave (their slot and pages are freed) and waiting requests are
@@ -47,11 +48,18 @@ the call; when the pool cannot cover them, the server falls back to one step
 per call with preemption. So the host sees one call and one copy of tokens
 per dispatch, not per token. The sampler does not sort (sampling.py).
 
-A bad request (empty, longer than the cache, token ids outside the
-vocabulary, bad sampling settings) gets a Result with finish "error" and a
-one-line reason; the others keep being served. `cancel(id)` stops a waiting
-or running request (finish "cancelled", its tokens so far) and frees its slot
-and pages.
+The engine API: `submit` queues a request (`check_request` is what it asks
+first), `admit` gives waiting requests slots and pages, `step` admits,
+prefills and decodes, `cancel` and `release` free a request's slot and pages,
+`take_result` hands a finished request's Result over. A bad request (empty,
+longer than the cache or the pool, token ids outside the vocabulary, bad
+sampling settings: `validation.check_request`) gets a Result with finish
+"error" and the RequestError's one line; the others keep being served.
+`cancel(id)` stops a waiting or running request (finish "cancelled", its
+tokens so far) and frees its slot and pages; `release(id)` does the same
+without recording a Result. The model runs through `Generator`'s public
+`apply` (inside the server's own jitted prefill chunk and decode loop) and
+`run_in_context`.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ from meshwork.inference.generate import PROMPT_BUCKET, Generator
 from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.inference.page_pool import PageAllocator, page_digests
 from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample
+from meshwork.inference.validation import RequestError, RequestLimits, check_request
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules
 
@@ -151,6 +160,9 @@ class Server:
         self.k, self.v = pool.k, pool.v
         self.seen = jnp.zeros((slots, self.cfg.vocab_size), bool)
         self.pages = PageAllocator(n_pages, self.replicas)
+        # What one request may ask: a replica's pool less its null page is the most it can ever hold.
+        self.limits = RequestLimits(self.cfg.vocab_size, max_len=max_len, page_size=page_size,
+                                    max_pages=self.pages.per_replica - 1)
         self.slots: list[_Live | None] = [None] * slots
         self.waiting: collections.deque[tuple[Request, list[int]]] = collections.deque()
         self.results: dict[Hashable, Result] = {}
@@ -167,6 +179,11 @@ class Server:
 
     # -- requests ---------------------------------------------------------------
 
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """RequestError (one line, with the OpenAI param) when this server cannot serve the request:
+        `validation.check_request` against `limits` (vocabulary, max_len, the pages of one replica)."""
+        check_request(prompt, params, self.limits)
+
     def submit(self, request: Request) -> None:
         """Queues a request, or records its error Result at once if it cannot be served.
 
@@ -176,38 +193,50 @@ class Server:
                 any(s and s.request.id == request.id for s in self.slots):
             raise ValueError(f"request id {request.id!r} is already in use")
         try:
-            request.params.check(self.cfg.vocab_size)
-            self.gen.check_prompt(request.prompt, request.params.max_new_tokens, self.max_len)
-            worst = math.ceil((len(request.prompt) + request.params.max_new_tokens) / self.page_size)
-            if worst > self.pages.per_replica - 1:
-                raise ConfigError(f"request needs up to {worst} pages of {self.page_size} tokens but a replica's "
-                                  f"pool has {self.pages.per_replica - 1}; raise n_pages or shorten the request")
-        except ConfigError as e:
+            self.check_request(request.prompt, request.params)
+        except RequestError as e:
             self.results[request.id] = Result(request.id, [], "error", str(e))
             return
         self.waiting.append((request, []))
 
-    def cancel(self, request_id: Hashable) -> bool:
-        """Stops a waiting or running request now: its slot and pages are freed and its Result (the
-        tokens produced so far, finish "cancelled") recorded. False when it is not waiting or running."""
+    def release(self, request_id: Hashable) -> list[int] | None:
+        """Takes a request out of the queue, or frees its slot and pages, without recording a Result: the
+        tokens it produced so far, or None when it is not waiting or running. Call it between steps."""
         for entry in self.waiting:
             if entry[0].id == request_id:
                 self.waiting.remove(entry)
-                self.results[request_id] = Result(request_id, list(entry[1]), "cancelled")
-                return True
+                return list(entry[1])
         for i, s in enumerate(self.slots):
             if s is not None and s.request.id == request_id:
-                self.results[request_id] = Result(request_id, s.produced, "cancelled")
                 self._free(i)
-                return True
-        return False
+                return s.produced
+        return None
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Stops a waiting or running request now: its slot and pages are freed and its Result (the
+        tokens produced so far, finish "cancelled") recorded. False when it is not waiting or running."""
+        produced = self.release(request_id)
+        if produced is None:
+            return False
+        self.results[request_id] = Result(request_id, produced, "cancelled")
+        return True
+
+    def take_result(self, request_id: Hashable) -> Result | None:
+        """The Result of a finished (or refused, or cancelled) request, removed from `results`; None while
+        it is still waiting or running."""
+        return self.results.pop(request_id, None)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is waiting or running (a `step` has work to do)."""
+        return bool(self.waiting) or any(s is not None for s in self.slots)
 
     def run(self, requests: Iterable[Request] = (),
             on_token: Callable[[Hashable, int], None] | None = None) -> dict[Hashable, Result]:
         """Submits `requests` and steps until nothing is live or waiting; returns all results."""
         for r in requests:
             self.submit(r)
-        while self.waiting or any(self.slots):
+        while self.busy:
             for rid, token in self.step():
                 if on_token:
                     on_token(rid, token)
@@ -217,6 +246,14 @@ class Server:
         """The pages each running request holds (with prefix caching, shared pages appear under each holder)."""
         return {s.request.id: list(s.pages) for s in self.slots if s}
 
+    def stats(self) -> dict:
+        """The pool's state, for /health and measurements: slots live, pages held, free and cached."""
+        held = {p for pages in self.live_pages().values() for p in pages}
+        return {"slots": len(self.slots), "slots_live": sum(s is not None for s in self.slots),
+                "pages_total": self.pages.usable, "pages_held": len(held), "pages_free": len(self.pages.free),
+                "pages_cached": len(self.pages.lru),  # a prefix cache's pages, held by no one
+                "steps": self.steps, "preemptions": self.preemptions}
+
     # -- the jitted pieces ------------------------------------------------------------
 
     def _chunk_fn(self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V):
@@ -224,7 +261,7 @@ class Server:
         them; samples the token after the last real one (used when this chunk ends the prompt)."""
         C = tokens_1C.shape[1]
         positions_1C = start + jnp.arange(C, dtype=jnp.int32)[None]
-        logits_1CV, cache = self.gen._forward_fn(state, tokens_1C, positions_1C, PagedKVCache(k, v, table_1P))
+        logits_1CV, cache = self.gen.apply(state, tokens_1C, positions_1C, PagedKVCache(k, v, table_1P))
         last_1V = jax.lax.dynamic_index_in_dim(logits_1CV, n_real - 1, axis=1, keepdims=False)
         return sample(last_1V, (start + n_real)[None], arrays, seen_1V), cache.k, cache.v
 
@@ -248,8 +285,8 @@ class Server:
             active_B = remaining_B > 0
             at_B = jnp.where(active_B, positions_B, beyond)
             seen_BV = mark_seen(seen_BV, tokens_B)
-            logits_B1V, cache = self.gen._forward_fn(state, tokens_B[:, None], at_B[:, None],
-                                                     PagedKVCache(k, v, table_BP))
+            logits_B1V, cache = self.gen.apply(state, tokens_B[:, None], at_B[:, None],
+                                               PagedKVCache(k, v, table_BP))
             new_B = sample(logits_B1V[:, 0], at_B + 1, arrays, seen_BV)
             out_NB = out_NB.at[i].set(jnp.where(active_B, new_B, -1))
             stopped_B = active_B & jnp.any(new_B[:, None] == stop_BS, axis=-1)
@@ -268,14 +305,15 @@ class Server:
     def step(self) -> list[tuple[Hashable, int]]:
         """Admits what fits, prefills (a chunk of) the waiting prompts, then decodes every prefilled
         slot for up to `steps_per_dispatch` steps: the (request id, token) pairs sampled, in order."""
-        events = self._admit()
+        events = self.admit()
         events += self._prefill()
         return events + self._decode()
 
-    def _admit(self) -> list[tuple[Hashable, int]]:
+    def admit(self) -> list[tuple[Hashable, int]]:
         """Gives waiting requests free slots and the pages of their context (+1 position), reusing
-        cached pages of an equal prefix. Unchunked, each prompt is prefilled as it is admitted, so the
-        next admission already finds its pages in the prefix cache; chunked, `_prefill` does it."""
+        cached pages of an equal prefix; the (request id, token) pairs sampled meanwhile. Unchunked,
+        each prompt is prefilled as it is admitted (its first token is among the pairs), so the next
+        admission already finds its pages in the prefix cache; chunked, the next `step` prefills."""
         T, events = self.page_size, []
         while self.waiting and None in self.slots:
             request, produced = self.waiting[0]
@@ -340,7 +378,7 @@ class Server:
         tokens[0, :n] = s.tokens()[s.length:s.length + n]
         table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
         table[0, :len(s.pages)] = s.pages
-        token, self.k, self.v = self.gen._in_context(
+        token, self.k, self.v = self.gen.run_in_context(
             self._chunk, self.gen.state, jnp.asarray(tokens), jnp.int32(s.length), jnp.int32(n),
             self.k, self.v, jnp.asarray(table), SamplingArrays.stack([s.request.params]), self.seen[i:i + 1])
         s.length += n
@@ -388,7 +426,7 @@ class Server:
         if self._table is None or not np.array_equal(self._table[0], table):
             self._table = table, jnp.asarray(table)
         arrays, stops = self._sampling_arrays()
-        out, self.k, self.v, self.seen = self.gen._in_context(
+        out, self.k, self.v, self.seen = self.gen.run_in_context(
             self._loop, self.gen.state, jnp.asarray(rows), jnp.asarray([n, bool(self.waiting)], np.int32),
             self.k, self.v, self._table[1], self.seen, arrays, stops)
         out = np.asarray(out)

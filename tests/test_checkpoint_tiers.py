@@ -23,7 +23,7 @@ from meshwork.run.checkpoint import Checkpointer, manifest_problem
 from meshwork.run.fast_tier import FastTier
 from meshwork.run.metrics import read_metrics
 from meshwork.train.loop import train
-from meshwork.train.startup import newest_tier
+from meshwork.train.run_dir.resume import newest_tier
 
 from conftest import ROOT, tiny_overrides
 

@@ -159,7 +159,7 @@ def _train(tmp_path, collective: bool, steps: int = 2):
     `sp` on data=2 x tensor=4, its MLPs traced as collective matmuls or not."""
     from meshwork.config import load_config
     from meshwork.data.text import train_iterator
-    from meshwork.train.loop import Trainer, check_runtime
+    from meshwork.train.trainer import build_trainer, check_runtime
 
     # Nonzero lr at step 0 (a warmup from 0 makes step 1 a no-op); 4 K/V heads split over
     # tensor=4; one layer, since the compile is most of this test's time.
@@ -168,7 +168,7 @@ def _train(tmp_path, collective: bool, steps: int = 2):
         "mesh.data=2", "mesh.tensor=4", "rules.preset=sp", "model.n_kv_heads=4", "model.n_layers=1",
         f"comm.collective_matmul={str(collective).lower()}"])
     files = check_runtime(cfg, jax.devices())
-    trainer = Trainer(cfg, files, jax.devices())
+    trainer = build_trainer(cfg, files, jax.devices()).compile()
     batches = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
     state = trainer.init_state()
     for _ in range(steps):

@@ -8,7 +8,8 @@ import pytest
 from meshwork.config import ConfigError, load_config
 from meshwork.sharding.hlo import collective_summary
 from meshwork.train.comm import compressed, matrix_view
-from meshwork.train.loop import Trainer, check_runtime, train
+from meshwork.train.loop import train
+from meshwork.train.trainer import build_trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
 
@@ -37,7 +38,7 @@ def trainers(tmp_path_factory):
     out = {}
     for name in ("dp", "bf16", "int8", "powersgd", "powersgd_r4", "diloco"):
         cfg = _cfg(tmp_path_factory.mktemp(name), name)
-        out[name] = Trainer(cfg, check_runtime(cfg))
+        out[name] = build_trainer(cfg, check_runtime(cfg)).compile()
     return out
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 
 from conftest import ROOT
 
@@ -27,7 +27,7 @@ SMALL = ["train.global_batch=16", "log.progress=false", "log.tensorboard=false",
 def three_steps(tmp_path, overrides, n_devices):
     cfg = load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={tmp_path}", *SMALL, *overrides])
     devices = jax.devices()[:n_devices]
-    trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
+    trainer = build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
     batches = trainer.task.train_iterator()
     state = trainer.init_state()
     for _ in range(3):

@@ -16,7 +16,8 @@ from meshwork.config import ConfigError, load_config
 from meshwork.run.fast_tier import FastTier
 from meshwork.run.metrics import read_metrics
 from meshwork.train.elastic import Elastic, layout_for, read_faults
-from meshwork.train.loop import Trainer, check_runtime, train
+from meshwork.train.loop import train
+from meshwork.train.trainer import build_trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
 
@@ -48,12 +49,12 @@ def _host(state):
 def fsdp8(tmp_path_factory):
     """A compiled fsdp=8 trainer and a fresh state on it."""
     cfg = _cfg(tmp_path_factory.mktemp("fsdp8"), *LAYOUTS["fsdp"][0], "train.elastic=true")
-    trainer = Trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices())
+    trainer = build_trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices()).compile()
     return cfg, trainer
 
 
 def _make_trainer(c, d, task=None):
-    return Trainer(c, task or check_runtime(c, d), d)
+    return build_trainer(c, task or check_runtime(c, d), d).compile()
 
 
 def test_shrink_takes_survivors_and_the_fast_tier_then_grows_back_bit_exact(fsdp8, tmp_path):

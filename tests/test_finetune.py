@@ -14,7 +14,8 @@ from meshwork.inference.runs import load_run
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main as train_main
 from meshwork.train.finetune import describe
-from meshwork.train.loop import Trainer, check_runtime, train
+from meshwork.train.loop import train
+from meshwork.train.trainer import build_trainer, check_runtime
 from meshwork.train.optim import make_optimizer
 from meshwork.train.state import abstract_state
 
@@ -81,7 +82,7 @@ def test_frozen_weights_get_no_gradients_in_the_compiled_step(base, tmp_path):
     flops = {}
     for method in ("lora", "full"):
         cfg = lora_config(base["run_dir"], tmp_path / method, f"finetune.method={method}")
-        trainer = Trainer(cfg, check_runtime(cfg, jax.devices()[:1]), jax.devices()[:1])
+        trainer = build_trainer(cfg, check_runtime(cfg, jax.devices()[:1]), jax.devices()[:1]).compile()
         flops[method] = trainer.step_fn.cost_analysis()["flops"]
     # Full fine-tuning computes dW for every weight (~1/3 of a training step); LoRA only for A and B.
     assert flops["lora"] < 0.8 * flops["full"], flops

@@ -18,7 +18,7 @@ from meshwork.partitioning import variable_shardings
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
 
@@ -154,7 +154,7 @@ STEP_OVERRIDES = ["optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10"]  #
 def train_steps(tmp_path, overrides):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *STEP_OVERRIDES, *overrides])
     files = check_runtime(cfg, jax.devices()[:1])
-    trainer = Trainer(cfg, files, jax.devices()[:1])
+    trainer = build_trainer(cfg, files, jax.devices()[:1]).compile()
     batches = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
     state, losses = trainer.init_state(), []
     for _ in range(STEPS):

@@ -14,13 +14,13 @@ def report(tmp_path_factory):
     from meshwork.config import load_config
     from meshwork.sharding.graph_report import graph_report
     from meshwork.train.cli import step_jaxpr
-    from meshwork.train.loop import Trainer, check_runtime
+    from meshwork.train.trainer import build_trainer, check_runtime
 
     # XLA's own fusion emitters (the session turns them off for compile speed): the counts are what
     # a user's compile gives.
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path_factory.mktemp("graph")),
                                                       xla_options_override(XLA_EMITTERS)])
-    trainer = Trainer(cfg, check_runtime(cfg))  # 8 devices, dp
+    trainer = build_trainer(cfg, check_runtime(cfg)).compile()  # 8 devices, dp
     return graph_report(trainer.step_fn, step_jaxpr(trainer))
 
 

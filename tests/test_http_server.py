@@ -282,6 +282,30 @@ def test_unknown_routes_and_models_answer_in_openais_error_shape(servers):
     assert s.health()["status"] == "ok"
 
 
+def test_bad_fields_get_400_in_openais_shape_naming_the_field(servers):
+    """The pydantic bodies (types, OpenAI fields not implemented) and the engine's one validator
+    (vocabulary, cache length, --max-tokens, sampling values): each a 400 whose `param` names the field."""
+    s = servers("lm_tiny")
+    chat = [{"role": "user", "content": "a"}]
+    for path, body, param in [
+        ("/v1/completions", {"prompt": "a", "max_tokens": 4.5}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "a", "stream_options": 5}, "stream_options"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 4, "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": [5, 100000], "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": s.max_tokens + 1}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, "messages"),
+        ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": s.max_tokens + 1},
+         "max_completion_tokens"),
+    ]:
+        status, reply = fetch(s.url + path, body)
+        assert status == 400 and reply["error"]["param"] == param, (body, reply)
+        assert reply["error"]["type"] == "invalid_request_error" and "\n" not in reply["error"]["message"]
+        assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert s.health()["queued"] == 0
+
+
 def test_bad_command_lines_exit_2_with_one_line(tmp_path, lm_tiny_runs, capsys):
     def serve(*argv):
         code = main(["serve", *argv])

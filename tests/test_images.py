@@ -86,7 +86,7 @@ def test_training_samples_have_one_row_per_class(tmp_path, monkeypatch):
     import meshwork.diffusion.images as images_module
     from flax import nnx
 
-    from meshwork.train.loop import Trainer
+    from meshwork.train.trainer import Trainer
 
     cfg = load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={tmp_path}"])
     monkeypatch.setattr(images_module, "sample_images", _fake_samples)

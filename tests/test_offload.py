@@ -25,7 +25,7 @@ from conftest import ROOT, tiny_overrides
 from meshwork.partitioning import abstract_with_shardings
 from meshwork.config import ConfigError, load_config
 from meshwork.sharding.report import state_bytes
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import Trainer, build_trainer, check_runtime
 from meshwork.sharding.hlo_parse import host_memory_bytes
 
 STEPS = 3
@@ -44,7 +44,7 @@ def _train(n_devices: int, option: str, tmp_path_factory) -> tuple[Trainer, dict
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(run_dir), "optimizer.warmup_steps=0",
                                                       *MESHES[n_devices], *OPTIONS[option]])
     devices = jax.devices()[:n_devices]
-    trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
+    trainer = build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
     state, batches, losses = trainer.init_state(), trainer.task.train_iterator(), []
     for _ in range(STEPS):
         with trainer.context():

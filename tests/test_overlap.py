@@ -153,10 +153,10 @@ def test_lm_train_step_reduces_layer_gradients_inside_the_backward_loop(tmp_path
     backward while body (once per layer), so before the backward pass ends."""
     from conftest import ROOT, tiny_overrides
     from meshwork.config import load_config
-    from meshwork.train.loop import Trainer, check_runtime
+    from meshwork.train.trainer import build_trainer, check_runtime
 
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "mesh.data=8", "rules.preset=dp"])
-    trainer = Trainer(cfg, check_runtime(cfg, None))
+    trainer = build_trainer(cfg, check_runtime(cfg, None)).compile()
     schedule = async_collective_schedule(trainer.step_fn.as_text())
     in_loop = [c for c in schedule if c.gradient and c.in_loop == cfg.model.n_layers]
     assert in_loop and all(c.before_backward_end for c in in_loop)

@@ -251,6 +251,6 @@ def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
     monkeypatch.setattr(kv_cache, "paged_attention", functools.partial(paged_attention, backend="gpu"))
     gen = Generator(models[0])
     with lowering_target("cuda"):
-        text = jax.jit(gen._forward_fn).trace(*args(gen)).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(gen.apply).trace(*args(gen)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert not [ln for ln in text.splitlines() if "stablehlo.gather" in ln and f"x{T}x{G}x{K}x" in ln]

@@ -12,7 +12,7 @@ import pytest
 
 from meshwork.config import ConfigError, load_config
 from meshwork.data.text import train_iterator
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 from meshwork.train.gradients import gradient_strategy
 
 from conftest import ROOT, tiny_overrides
@@ -31,7 +31,7 @@ def _trainer(tmp_path, overrides, n_devices):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *MOE, *overrides])
     devices = jax.devices()[:n_devices]
     task = check_runtime(cfg, devices)
-    return cfg, task, Trainer(cfg, task, devices)
+    return cfg, task, build_trainer(cfg, task, devices).compile()
 
 
 def train_then_grads(tmp_path, overrides, n_devices, steps=3, curve_steps=None):

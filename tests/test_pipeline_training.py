@@ -7,7 +7,7 @@ import pytest
 
 from meshwork.config import load_config
 from meshwork.data.text import train_iterator
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
 
@@ -21,7 +21,7 @@ def loss_curve(tmp_path, overrides, n_devices):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *COMMON, *overrides])
     devices = jax.devices()[:n_devices]
     task = check_runtime(cfg, devices)
-    trainer = Trainer(cfg, task, devices)
+    trainer = build_trainer(cfg, task, devices).compile()
     batches = train_iterator(str(task.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
     state, losses = trainer.init_state(), []
     for _ in range(STEPS):

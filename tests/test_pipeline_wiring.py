@@ -20,7 +20,7 @@ from meshwork.perf.planner_memory import activation_memory, state_memory
 from meshwork.perf.planner_pipeline import compact_table, pipeline_schedule
 from meshwork.sharding import pipeline_schedules as pipeline
 from meshwork.train import pipeline_step as step_lib
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
 
@@ -53,7 +53,7 @@ def test_pp_state_bytes_match_planner_and_accumulators_are_sharded(tmp_path, mon
         return real(*args, **kwargs)
 
     monkeypatch.setattr(step_lib, "pipeline_value_and_grad", spy)
-    trainer = Trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices())
+    trainer = build_trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices()).compile()
     state = trainer.init_state()
     on_device = {k: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(state[k]))
                  for k in ("params", "opt_state")}
@@ -227,7 +227,7 @@ def test_planner_pipeline_collectives_match_the_compiled_step(tmp_path, kind):
         f"run.dir={tmp_path}", "data.seq_len=32", "train.global_batch=16", "log.progress=false",
         "log.tensorboard=false", "mesh.stage=2", "mesh.data=4", f"train.pipeline={kind}", "train.microbatches=4",
         f"train.virtual_stages={2 if kind == 'interleaved' else 1}"])
-    trainer = Trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices())
+    trainer = build_trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices()).compile()
     got = trainer.report_dict()["collectives"]
     want = summarize(step_collectives(cfg, layout_from_config(cfg, 8), CommOptions()))
     assert got["collective-permute"]["count"] == want["collective-permute"]["count"]

@@ -19,7 +19,7 @@ from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.report import (COLLECTIVES, compiled_report, format_report, list_collectives, state_bytes)
 from meshwork.sharding.parallel import use_rules, with_logical_constraint
 from meshwork.sharding.rules import ROLES, rules_for, tree_shardings
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 from meshwork.train.optim import make_optimizer
 from meshwork.train.state import abstract_state, param_count, state_shardings
 from meshwork.partitioning import logical_specs
@@ -51,7 +51,7 @@ def trainers(tmp_path_factory):
     def get(name):
         if name not in cache:
             cfg = make_cfg(tmp_path_factory.mktemp(name), name)
-            cache[name] = Trainer(cfg, check_runtime(cfg))
+            cache[name] = build_trainer(cfg, check_runtime(cfg)).compile()
         return cache[name]
     return get
 

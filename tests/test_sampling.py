@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
-from meshwork.config import ConfigError
+from meshwork.inference.validation import RequestError
 
 sample_jit = jax.jit(sample)
 
@@ -144,14 +144,16 @@ def test_seen_tokens_and_mark_seen():
     np.testing.assert_array_equal(mark_seen(seen, jnp.array([4, 0])), [[0, 1, 0, 1, 1], [1, 1, 1, 0, 1]])
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
-    ("repetition_penalty", 0.0), ("max_new_tokens", 0), ("stop_tokens", (3, 100)), ("seed", -1),
+@pytest.mark.parametrize("field, value, param", [
+    ("temperature", -0.5, "temperature"), ("temperature", float("nan"), "temperature"), ("top_k", -1, "top_k"),
+    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("max_new_tokens", 0, "max_tokens"), ("stop_tokens", (3, 100), "stop_token_ids"), ("seed", -1, "seed"),
 ])
-def test_check_names_the_bad_field(field, value):
-    with pytest.raises(ConfigError, match=field) as err:
+def test_check_names_the_bad_field(field, value, param):
+    """A RequestError naming the field, its `param` OpenAI's name of it."""
+    with pytest.raises(RequestError, match=field) as err:
         SamplingParams(**{field: value}).check(vocab_size=100)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and err.value.param == param
 
 
 def test_check_accepts_valid_settings():

@@ -133,7 +133,7 @@ def test_decode_loop_moves_no_pages():
     server._loop = spy
     server.run([Request("a", list(range(20)), SamplingParams(temperature=0.0, max_new_tokens=12))])
     args = jax.tree.unflatten(seen["tree"], seen["args"])
-    hlo = server.gen._in_context(lambda *a: loop.lower(*a).compile().as_text(), *args)
+    hlo = server.gen.run_in_context(lambda *a: loop.lower(*a).compile().as_text(), *args)
     L, N, T, G, K = server.k.shape
     collectives = collective_shapes(hlo)
     assert collectives, "the tensor-parallel layers must sum across tensor"

@@ -8,7 +8,7 @@ from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.data.text import train_iterator
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 
 from conftest import ROOT, tiny_overrides
 
@@ -24,7 +24,7 @@ def one_step(tmp_path, overrides, n_devices):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *STEP_OVERRIDES, *overrides])
     devices = jax.devices()[:n_devices]
     files = check_runtime(cfg, devices)
-    trainer = Trainer(cfg, files, devices)
+    trainer = build_trainer(cfg, files, devices).compile()
     batches = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
     state = trainer.init_state()
     for _ in range(STEPS):

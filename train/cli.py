@@ -67,14 +67,9 @@ def step_jaxpr(trainer):
 
     from meshwork.partitioning import abstract_with_shardings
 
-    cfg, shapes = trainer.cfg, trainer.task.batch_shapes()
-    if trainer.seq_perm is not None:
-        shapes = {**shapes, "positions": shapes["inputs"]}
-    batch = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, *shape), dtype, sharding=trainer.batch_sharding)
-             for k, (shape, dtype) in shapes.items()}
     with trainer.context():
         return jax.make_jaxpr(trainer.make_step(trainer.grad_shardings))(
-            abstract_with_shardings(trainer.abstract, trainer.shardings), batch)
+            abstract_with_shardings(trainer.abstract, trainer.shardings), trainer.batch_abstract())
 
 
 def graph(cfg, as_json: bool) -> None:
@@ -82,9 +77,9 @@ def graph(cfg, as_json: bool) -> None:
     import json
 
     from meshwork.sharding.graph_report import format_graph_report, graph_report
-    from meshwork.train.loop import Trainer, check_runtime
+    from meshwork.train.trainer import build_trainer, check_runtime
 
-    trainer = Trainer(cfg, check_runtime(cfg))
+    trainer = build_trainer(cfg, check_runtime(cfg)).compile()
     report = graph_report(trainer.step_fn, step_jaxpr(trainer))
     print(json.dumps(report) if as_json else format_graph_report(report))
 

@@ -11,29 +11,18 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from meshwork.config import Config, ConfigError
-from meshwork.models.build import ema_decay
-from meshwork.partitioning import abstract_with_shardings, indivisible, logical_specs
+from meshwork.config import Config
 from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import CheckpointSchedule, storage_full_message
 from meshwork.run.durable import StorageFull, storage_problem
 from meshwork.run.goodput_clock import GoodputClock
 from meshwork.run.metrics import MetricsWriter
-from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
-from meshwork.sharding.overlap import compiler_options
-from meshwork.sharding.report import compiled_report, format_report, state_bytes
-from meshwork.sharding.ring_attention import zigzag_permutation
-from meshwork.sharding.parallel import ParallelContext, use_parallel
-from meshwork.sharding.rules import ROLES, logical_to_sharding, rules_for, split_axes, tree_shardings
-from meshwork.train.comm import check_comm, comm_shardings, init_comm_state, make_diloco_step, outer_optimizer, uses_comm
 from meshwork.train.elastic import Elastic
-from meshwork.train.finetune import base_data_config, check_base, describe, load_base_params, with_base_model
+from meshwork.train.finetune import base_data_config, describe, with_base_model
 from meshwork.train.hooks import Hook, Moved, RollBack, StepEnd
 from meshwork.train.hooks.elastic import ElasticChange
 from meshwork.train.hooks.evaluation import Evaluation
@@ -44,223 +33,23 @@ from meshwork.train.hooks.persistent import PersistentCheckpoint
 from meshwork.train.hooks.preemption import Preemption
 from meshwork.train.hooks.run import Run
 from meshwork.train.hooks.samples import Samples
-from meshwork.train.logger import StepLogger, to_host
-from meshwork.train.optim import make_optimizer
+from meshwork.train.logger import StepLogger
 from meshwork.train.preemption import PreemptionGuard
-from meshwork.train.run_dir import record_changes, write_config
-from meshwork.train.run_lock import RunDirLock
-from meshwork.train.startup import (
+from meshwork.train.run_dir import (
+    RunDirLock,
     check_checkpoints,
-    check_fits,
     newest_tier,
     open_checkpoints,
     open_fast_tier,
+    record_changes,
     take_run_dir,
+    write_config,
 )
-from meshwork.train.state import abstract_state, init_state, param_count, state_shardings
-from meshwork.train.gradients import gradient_strategy, local_strategy, replica_gradient
-from meshwork.train.step import make_eval_step, make_train_step
-from meshwork.train.task import DiffusionTask, LMTask, make_task
+from meshwork.train.state import param_count
+from meshwork.train.task import make_task
+from meshwork.train.trainer import Trainer, build_trainer, check_fits, check_runtime, trainer_on
 from meshwork.train.terminal import say as say_through_bar
 from meshwork.train.terminal import startup_lines
-
-
-def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | DiffusionTask:
-    """The checks that need jax or the file system; raises ConfigError before anything is compiled or written."""
-    n_devices = len(devices) if devices is not None else jax.device_count()
-    try:
-        mesh_shape = dict(zip(MESH_AXES, resolve_mesh_shape(cfg.mesh.sizes(), n_devices)))
-    except MeshSizeError as e:
-        raise ConfigError(f"{e} (devices: {n_devices}, {jax.default_backend()})") from None
-    dp = mesh_shape["data"] * mesh_shape["fsdp"]
-    per_micro = cfg.train.global_batch // cfg.train.microbatches
-    if per_micro % dp:
-        raise ConfigError(
-            f"train.global_batch: {cfg.train.global_batch} sequences in {cfg.train.microbatches} microbatch(es) "
-            f"cannot be split over the data-parallel size data*fsdp={dp}; use a multiple of {dp * cfg.train.microbatches}")
-    try:
-        rules = rules_for(cfg.rules.preset, cfg.rules.overrides)
-    except KeyError as e:
-        raise ConfigError(str(e.args[0])) from None
-    for name, axes in cfg.rules.overrides.items():
-        unknown = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in MESH_AXES]
-        if unknown:
-            raise ConfigError(f"rules.overrides: {name}: {unknown[0]!r} is not a mesh axis; use one of "
-                              f"{', '.join(MESH_AXES)} (or null for replicated)")
-    seq_axes = split_axes("act_seq", rules, mesh_shape)
-    if split_axes("expert", rules, mesh_shape) and cfg.train.pipeline != "none":
-        raise ConfigError("train.pipeline: expert parallelism (ep) inside a pipeline stage is not supported; "
-                          "drop ep from rules.preset (the experts stay whole on each stage) or set train.pipeline=none")
-    if len(seq_axes) > 1:
-        raise ConfigError(f"rules.preset: the sequence is split over {seq_axes}; context parallelism uses one axis")
-    if seq_axes and cfg.data.source == "text":
-        raise ConfigError(f"rules.preset: context parallelism (ring attention over {seq_axes[0]}) takes no packed "
-                          "documents, which data.source=text makes; drop cp from rules.preset")
-    if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
-                          f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout")
-    check_comm(cfg, mesh_shape)
-    check_base(cfg)
-    return make_task(cfg)
-
-
-def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
-    """The contiguous block of rows (dimension 0) that this process's devices hold."""
-    index_map = sharding.addressable_devices_indices_map(global_shape)
-    starts = {idx[0].start or 0 for idx in index_map.values()}
-    stops = {global_shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()}
-    return slice(min(starts), max(stops))
-
-
-class Trainer:
-    """Everything compiled for one config on one mesh; `train()` drives it."""
-
-    def __init__(self, cfg: Config, task: LMTask | DiffusionTask, devices: list | None = None,
-                 before_compile: Callable[["Trainer"], None] | None = None):
-        """`before_compile(self)` runs once shapes, mesh and shardings are known, before the (long) compile."""
-        self.cfg, self.task = cfg, task
-        self.mesh = make_mesh(cfg.mesh.sizes(), devices)
-        preset = cfg.rules.preset + ("+pp" if cfg.train.pipeline != "none" else "")
-        self.rules_by_role = {role: rules_for(preset, cfg.rules.overrides, role) for role in ROLES}
-        self.rules = self.rules_by_role["params"]  # also the activations' table
-        # How the layers run on the mesh, chosen once for the run (sharding/parallel.py).
-        self.parallel = ParallelContext(self.rules, collective_matmul=cfg.comm.collective_matmul)
-        # Context parallelism: tokens are laid out in zigzag order so every
-        # device on the ring gets the same share of causal attention work;
-        # the model reads each token's true position from `positions`.
-        seq_axes = split_axes("act_seq", self.rules, dict(self.mesh.shape))
-        self.seq_perm = (zigzag_permutation(cfg.data.seq_len, self.mesh.shape[seq_axes[0]])
-                         if len(seq_axes) == 1 else None)
-        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-        self.inner_tx = None
-        if cfg.comm.local_steps > 1:  # DiLoCo: AdamW runs inside each replica, the state's optimizer is the outer one
-            self.inner_tx, self.tx = self.tx, outer_optimizer(cfg)
-        # Shapes first, outside the mesh: nnx.eval_shape would otherwise try to
-        # place the logical names on the mesh itself.
-        self.graphdef, self.abstract = abstract_state(cfg, self.tx)
-        if uses_comm(cfg):
-            self.abstract["comm"] = jax.eval_shape(self.init_comm, self.abstract["params"])
-        with self.context():
-            self.shardings = state_shardings(self.abstract, self.mesh, self.rules_by_role, cfg.train.offload)
-            if uses_comm(cfg):
-                self.shardings["comm"] = comm_shardings(self.abstract["comm"], self.mesh)
-            # Parameters first: the message should name a weight, not one of its Adam moments.
-            placed = abstract_with_shardings(self.abstract, self.shardings)
-            for part in sorted(placed, key=lambda k: (k != "params", k != "buffers", k)):
-                if problem := indivisible(placed[part]):
-                    raise ConfigError(f"{part}.{problem} (rules.preset={cfg.rules.preset}); choose model sizes "
-                                      f"the mesh divides, a smaller mesh axis, or another rules.preset")
-            # Gradients get their own layout only when it differs from the
-            # parameters' (ZeRO-2: reduce-scattered instead of all-reduced).
-            grad_shardings = tree_shardings(logical_specs(self.abstract["params"]), self.mesh,
-                                            self.rules_by_role["grads"])
-            if self.rules_by_role["grads"] == self.rules:
-                grad_shardings = None
-            self.grad_shardings = grad_shardings
-            self.batch_sharding = logical_to_sharding(task.batch_axes, self.mesh, self.rules)
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            shapes = {**task.batch_shapes(), **({"positions": task.batch_shapes()["inputs"]}
-                                                 if self.seq_perm is not None else {})}
-            batch_abstract = {k: jax.ShapeDtypeStruct((cfg.train.global_batch, *shape), dtype,
-                                                      sharding=self.batch_sharding)
-                              for k, (shape, dtype) in shapes.items()}
-            if before_compile is not None:
-                before_compile(self)
-            # The step owns the state: donating it lets XLA update parameters
-            # and moments in place instead of holding two copies.
-            step = jax.jit(self.make_step(grad_shardings), in_shardings=(self.shardings, self.batch_sharding),
-                           out_shardings=(self.shardings, replicated), donate_argnums=0)
-            lowered = step.lower(abstract_with_shardings(self.abstract, self.shardings), batch_abstract)
-            try:
-                self.step_fn = lowered.compile(
-                    compiler_options=compiler_options(cfg.comm, self.mesh.devices.flat[0].platform))
-            except jax.errors.JaxRuntimeError as e:  # the installed jaxlib decides which options exist
-                if "No such compile option" not in str(e):
-                    raise
-                raise ConfigError(f"comm.xla_options: {str(e).split(': ', 1)[-1]} in this jaxlib "
-                                  f"({jax.__version__}); remove it or check its spelling") from None
-            # A batch thrown out by a rollback: only the step counter moves (the schedule and noise follow it).
-            self.skip_fn = jax.jit(lambda state: {**state, "step": state["step"] + 1},
-                                   out_shardings=self.shardings, donate_argnums=0)
-            self.eval_fn = jax.jit(make_eval_step(task.objective(self.graphdef)), in_shardings=(
-                self.shardings["params"], self.shardings["buffers"], self.batch_sharding), out_shardings=replicated)
-
-    def make_step(self, grad_shardings: Any) -> Callable:
-        """step(state, batch) -> (state, metrics): the task's objective, the config's gradient
-        strategy, and the optimizer's update (DiLoCo's local and outer steps under comm.local_steps)."""
-        cfg, objective = self.cfg, self.task.objective(self.graphdef)
-        if cfg.comm.local_steps > 1:
-            return make_diloco_step(self.graphdef, replica_gradient(local_strategy(cfg, objective)), self.inner_tx,
-                                    self.tx, self.schedule, cfg, self.mesh, cfg.run.seed)
-        return make_train_step(self.graphdef, self.tx, self.schedule,
-                               gradient_strategy(cfg, self.graphdef, objective, self.mesh), seed=cfg.run.seed,
-                               grad_shardings=grad_shardings, ema_decay=ema_decay(cfg),
-                               inject_nan_at=tuple(cfg.train.inject_nan_at))
-
-    def init_comm(self, params: Any) -> dict[str, Any]:
-        return init_comm_state(self.cfg, params, self.mesh.shape["data"], self.inner_tx)
-
-    def context(self):
-        """The mesh and the run's ParallelContext, current while tracing: activation constraints
-        and the layers' parallel implementations read them."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(use_parallel(self.parallel))
-        return stack
-
-    def init_state(self) -> dict[str, Any]:
-        """A fresh state; a fine-tuning run starts from its base run's trained weights."""
-        # Outside the mesh context, like the trainer's own abstract state (nnx.eval_shape).
-        base = (load_base_params(self.cfg, self.mesh, self.rules_by_role)
-                if self.cfg.finetune.method != "none" else None)
-        with self.context():
-            if not uses_comm(self.cfg):
-                return init_state(self.cfg, self.tx, self.shardings, base)
-            plain = {k: v for k, v in self.shardings.items() if k != "comm"}
-            state = init_state(self.cfg, self.tx, plain, base)
-            return {**state, "comm": jax.jit(self.init_comm, out_shardings=self.shardings["comm"])(state["params"])}
-
-    def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
-        if self.seq_perm is not None:  # a language model's tokens under context parallelism
-            B = batch["inputs"].shape[0]
-            batch = {**{k: v[:, self.seq_perm] for k, v in batch.items()},
-                     "positions": np.broadcast_to(self.seq_perm.astype(np.int32), (B, len(self.seq_perm)))}
-        rows = process_rows(self.batch_sharding, next(iter(batch.values())).shape)
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape)
-                for k, v in batch.items()}
-
-    def evaluate(self, state: dict[str, Any], batches: list[dict[str, np.ndarray]]) -> float:
-        with self.context():
-            losses = [self.eval_fn(state["params"], state["buffers"], self.to_device(b)) for b in batches]
-        return float(np.mean([to_host(x) for x in losses]))
-
-    def write_samples(self, state: dict[str, Any], path: pathlib.Path, num: int | None = None,
-                      steps: int = 25) -> None:
-        """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA): one row per
-        class, 2 samples each (16 samples without classes), tiles scaled up to 48 px."""
-        from flax import nnx
-
-        from meshwork.diffusion.images import sample_images, save_class_grid
-
-        classes = self.cfg.model.unet.num_class_embeds
-        num = num or (2 * (classes - 1) if classes is not None else 16)  # the last class is guidance's null one
-        model = nnx.merge(self.graphdef, state.get("ema", state["params"]), state["buffers"])
-        with self.context():
-            images, labels = sample_images(model, self.cfg, num=num, steps=steps)
-        save_class_grid(images, labels, path)
-
-    def report_dict(self) -> dict[str, Any]:
-        """Per-device state bytes, temp memory, FLOPs and collectives of the compiled step."""
-        return compiled_report(self.step_fn, state_bytes(self.abstract, self.shardings, self.grad_shardings))
-
-    def report(self) -> str:
-        return format_report(self.report_dict(), self.cfg, self.mesh)
-
-
-def trainer_on(cfg: Config, devices: list, task: LMTask | DiffusionTask) -> Trainer:
-    """A Trainer for `cfg` compiled on `devices` (an elastic change's new device set; the task is the run's)."""
-    return Trainer(cfg, task, devices)
 
 
 def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = False) -> dict[str, Any]:
@@ -312,8 +101,9 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
     # A fault file that names devices this run lacks is refused before the compile.
     elastic = Elastic(cfg, devices or jax.devices(), run_dir, say) if cfg.train.elastic and not dry_run else None
     with clock.phase("compile"):
-        trainer = Trainer(cfg, task, devices,
-                          before_compile=lambda t: _announce(t, cfg, dry_run, start, run_dir, say))
+        trainer = build_trainer(cfg, task, devices)
+        _announce(trainer, cfg, dry_run, start, run_dir, say)  # the start-up block, before the compile's silence
+        trainer = trainer.compile()
     if dry_run:  # True: human-readable; "json": one JSON object
         print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
         return {"dry_run": True}
@@ -341,7 +131,7 @@ def _nothing_run(run_dir: pathlib.Path, start: int | None, clock: GoodputClock, 
 
 
 def _announce(trainer: Trainer, cfg: Config, dry_run, start: int | None, run_dir: pathlib.Path, say) -> None:
-    """The start-up block, before the compile's silence."""
+    """What the run is (model, mesh, layout, run dir), and that the compile begins."""
     if dry_run == "json":
         return
     total = param_count(trainer.abstract)

@@ -19,6 +19,7 @@ statistics come back per microbatch and layer, reassembled in model order
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -142,86 +143,108 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
     weights) as the weights are, and the batch axes that split no weight are summed once,
     after the schedule. `positions` (context parallelism's zigzag order) reach every stage.
     """
-    def value_and_grad(params, buffers, batch: Batch):
-        model = nnx.merge(graphdef, params, buffers)
-        emb_g, emb_s = nnx.split(model.embed)
-        head_g, head_s = nnx.split(model.head)
-        remat, tied = model.remat, model.cfg.tie_embeddings
-        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
-        P, v = mesh_shape["stage"], virtual_stages
-        runs = model_runs(model)
-        pieces = chunk_runs(runs, P * v)
-        if pieces is None:
-            raise ValueError(f"pipeline: the layers {[(r.name, r.count) for r in runs]} do not cut into "
-                             f"{P * v} chunks of one dense/MoE pattern; every stage runs one program")
-        per_chunk = model.cfg.n_layers // (P * v)
-        graphdefs, states = {}, {}
-        for run in runs:
-            graphdefs[run.moe], states[run.name] = nnx.split(getattr(model, run.name))
+    return functools.partial(_pipelined_value_and_grad, graphdef, kind, microbatches, virtual_stages)
 
-        def to_stages(states):
-            return {p.name: stage_layout(_gather_chunk_run(states, runs, p, P * v, per_chunk), P, v) for p in pieces}
 
-        stages, stages_vjp = jax.vjp(to_stages, states)
-        n_moe = sum(r.count for r in runs if r.moe)
-        coefficients = model.aux_coefficients()
+def _pipelined_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches: int, v: int, params, buffers,
+                              batch: Batch):
+    model = nnx.merge(graphdef, params, buffers)
+    emb_g, emb_s = nnx.split(model.embed)
+    head_g, head_s = nnx.split(model.head)
+    tied = model.cfg.tie_embeddings
+    mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+    P = mesh_shape["stage"]
+    runs = model_runs(model)
+    pieces = chunk_runs(runs, P * v)
+    if pieces is None:
+        raise ValueError(f"pipeline: the layers {[(r.name, r.count) for r in runs]} do not cut into "
+                         f"{P * v} chunks of one dense/MoE pattern; every stage runs one program")
+    per_chunk = model.cfg.n_layers // (P * v)
+    graphdefs, states = {}, {}
+    for run in runs:
+        graphdefs[run.moe], states[run.name] = nnx.split(getattr(model, run.name))
 
-        def micro(x):  # rows r*M + m form microbatch m, as in gradient accumulation: each spans every data shard
-            return x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
+    def to_stages(states):
+        return {p.name: stage_layout(_gather_chunk_run(states, runs, p, P * v, per_chunk), P, v) for p in pieces}
 
-        tokens_M, targets_M = micro(batch["inputs"]), micro(batch["targets"])
-        context_M = {"positions": micro(batch["positions"])} if "positions" in batch else None
-        x_M, embed_vjp = jax.vjp(lambda e: nnx.merge(emb_g, e)(tokens_M), emb_s)
+    stages, stages_vjp = jax.vjp(to_stages, states)
+    n_moe = sum(r.count for r in runs if r.moe)
 
-        def stage_fn(chunk, x_BLD, context=None):
-            positions = None if context is None else context["positions"]
-            stats = []
-            for p in pieces:
-                if not p.moe:
-                    x_BLD = apply_layers(graphdefs[False], chunk[p.name], x_BLD, positions, remat)
-                    continue
-                x_BLD, layer_stats = model._moe_layers(graphdefs[True], chunk[p.name], x_BLD, positions, None, None)
-                stats.append(layer_stats)
-            if not n_moe:
-                return x_BLD
-            stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *stats)  # (MoE layers of the chunk, ...)
-            # The model's auxiliary terms are averaged over all its MoE layers: each stage adds its share.
-            stage_loss = sum(c * stats[k].sum() for k, c in coefficients.items()) / n_moe
-            return x_BLD, (jnp.asarray(stage_loss, jnp.float32), stats)
+    def micro(x):  # rows r*M + m form microbatch m, as in gradient accumulation: each spans every data shard
+        return x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
 
-        def loss_fn(head, y_BLD, targets_BL):
-            embed = nnx.merge(emb_g, head["embed"]) if tied else None
-            return token_cross_entropy(nnx.merge(head_g, head["head"])(y_BLD, embed), {"targets": targets_BL})
+    tokens_M, targets_M = micro(batch["inputs"]), micro(batch["targets"])
+    context_M = {"positions": micro(batch["positions"])} if "positions" in batch else None
+    x_M, embed_vjp = jax.vjp(lambda e: nnx.merge(emb_g, e)(tokens_M), emb_s)
 
-        head_params = {"head": head_s, "embed": emb_s if tied else None}
-        # The weights' layout under the rules being traced with: the executor keeps its float32
-        # accumulators split like them, and sums gradients over the data axes once, after the schedule.
-        rules, layout = current_rules(), {}
-        if rules is not None:
-            layout = dict(stage_specs={p.name: stage_specs(states[_run_at(runs, p.start).name], rules,
-                                                           "stage", v) for p in pieces},
-                          head_specs=head_specs(head_params, rules))
-            layout["data_axes"] = data_axes(rules, mesh_shape, tuple(layout.values()))
-            # Context parallelism: each stage holds its share of every row's tokens (ring attention).
-            layout["seq_axes"] = split_axes("act_seq", rules, mesh_shape)
-        values, (d_stages, d_head, d_x_M) = pipeline_value_and_grad(
-            stage_fn, loss_fn, stages, head_params, x_M, targets_M, schedule=kind, virtual_stages=v,
-            context_M=context_M, has_aux=bool(n_moe), **layout)
-        (d_embed,) = embed_vjp(d_x_M)
-        if tied:  # the table is both the input embedding and the output projection
-            d_embed = jax.tree.map(jnp.add, d_embed, d_head["embed"])
-        (d_runs,) = stages_vjp(d_stages)
-        # Reassemble the pieces into the parameters' own tree (same Variables, same metadata);
-        # the routers' biases are not trained, their gradients (zero) are dropped.
-        grads = jax.tree.map(jnp.zeros_like, params)
-        nnx.replace_by_pure_dict(grads, {"embed": nnx.to_pure_dict(d_embed), "head": nnx.to_pure_dict(d_head["head"]),
-                                         **{k: nnx.to_pure_dict(d.filter(nnx.Param)) for k, d in d_runs.items()}})
+    stage_fn = _stage_fn(model, pieces, graphdefs, n_moe)
+
+    def loss_fn(head, y_BLD, targets_BL):
+        embed = nnx.merge(emb_g, head["embed"]) if tied else None
+        return token_cross_entropy(nnx.merge(head_g, head["head"])(y_BLD, embed), {"targets": targets_BL})
+
+    head_params = {"head": head_s, "embed": emb_s if tied else None}
+    layout = _executor_layout(states, runs, pieces, head_params, mesh_shape, v)
+    values, (d_stages, d_head, d_x_M) = pipeline_value_and_grad(
+        stage_fn, loss_fn, stages, head_params, x_M, targets_M, schedule=kind, virtual_stages=v,
+        context_M=context_M, has_aux=bool(n_moe), **layout)
+    (d_embed,) = embed_vjp(d_x_M)
+    if tied:  # the table is both the input embedding and the output projection
+        d_embed = jax.tree.map(jnp.add, d_embed, d_head["embed"])
+    (d_runs,) = stages_vjp(d_stages)
+    grads = _params_tree(params, d_embed, d_head["head"], d_runs)
+    if not n_moe:
+        return values, {"loss": values}, grads
+    ce, stage_loss, stats = values
+    return ce + stage_loss, {"loss": ce, **_routing_metrics(stats, v)}, grads
+
+
+def _stage_fn(model, pieces, graphdefs: dict[bool, nnx.GraphDef], n_moe: int) -> Callable:
+    """What one stage runs on its chunk of layers: (chunk, x, context) -> x, or, with MoE layers,
+    (x, (the stage's share of the auxiliary loss, its routing statistics))."""
+    remat, coefficients = model.remat, model.aux_coefficients()
+
+    def stage_fn(chunk, x_BLD, context=None):
+        positions = None if context is None else context["positions"]
+        stats = []
+        for p in pieces:
+            if not p.moe:
+                x_BLD = apply_layers(graphdefs[False], chunk[p.name], x_BLD, positions, remat)
+                continue
+            x_BLD, layer_stats = model._moe_layers(graphdefs[True], chunk[p.name], x_BLD, positions, None, None)
+            stats.append(layer_stats)
         if not n_moe:
-            return values, {"loss": values}, grads
-        ce, stage_loss, stats = values
-        return ce + stage_loss, {"loss": ce, **_routing_metrics(stats, v)}, grads
+            return x_BLD
+        stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *stats)  # (MoE layers of the chunk, ...)
+        # The model's auxiliary terms are averaged over all its MoE layers: each stage adds its share.
+        stage_loss = sum(c * stats[k].sum() for k, c in coefficients.items()) / n_moe
+        return x_BLD, (jnp.asarray(stage_loss, jnp.float32), stats)
 
-    return value_and_grad
+    return stage_fn
+
+
+def _executor_layout(states, runs, pieces, head_params, mesh_shape: dict[str, int], v: int) -> dict:
+    """The weights' layout under the rules being traced with: the executor keeps its float32
+    accumulators split like them, and sums gradients over the data axes once, after the schedule."""
+    rules, layout = current_rules(), {}
+    if rules is None:
+        return layout
+    layout = dict(stage_specs={p.name: stage_specs(states[_run_at(runs, p.start).name], rules, "stage", v)
+                               for p in pieces},
+                  head_specs=head_specs(head_params, rules))
+    layout["data_axes"] = data_axes(rules, mesh_shape, tuple(layout.values()))
+    # Context parallelism: each stage holds its share of every row's tokens (ring attention).
+    layout["seq_axes"] = split_axes("act_seq", rules, mesh_shape)
+    return layout
+
+
+def _params_tree(params, d_embed, d_head, d_runs):
+    """The pieces' gradients reassembled into the parameters' own tree (same Variables, same
+    metadata); the routers' biases are not trained, their gradients (zero) are dropped."""
+    grads = jax.tree.map(jnp.zeros_like, params)
+    nnx.replace_by_pure_dict(grads, {"embed": nnx.to_pure_dict(d_embed), "head": nnx.to_pure_dict(d_head),
+                                     **{k: nnx.to_pure_dict(d.filter(nnx.Param)) for k, d in d_runs.items()}})
+    return grads
 
 
 def _run_at(runs: tuple[LayerRun, ...], layer: int) -> LayerRun:

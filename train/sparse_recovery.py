@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshwork.models.sparsity import apply_masks
-from meshwork.train.loop import Trainer, check_runtime
+from meshwork.train.trainer import build_trainer, check_runtime
 
 
 def recover(cfg, params: nnx.State, masks: dict, *, devices: list | None = None,
@@ -24,7 +24,7 @@ def recover(cfg, params: nnx.State, masks: dict, *, devices: list | None = None,
     weights put in place of the initial ones, the data from the start of the training stream.
     `log(step, loss)` is called every step if given.
     """
-    trainer = Trainer(cfg, check_runtime(cfg, devices), devices)
+    trainer = build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
     state = trainer.init_state()
     # A copy (may_alias=False): the step donates the state, which must not delete the caller's params.
     state["params"] = jax.tree.map(

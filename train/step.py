@@ -61,19 +61,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
                    *(("ema",) if ema_decay else ()))
 
         def update(_):
-            with jax.named_scope("optimizer"):  # the scope profiles group by (perf/step_profile.py)
-                updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-                params = optax.apply_updates(state["params"], updates)
-            model = nnx.merge(graphdef, params, state["buffers"])
-            # Models with non-trained variables (MoE routers' biases) update them from the step's statistics.
-            buffers = model.updated_buffers(state["buffers"], metrics) if hasattr(model, "updated_buffers") \
-                else state["buffers"]
-            new = {"params": params, "buffers": buffers, "opt_state": opt_state}
-            if gradients.stateful:
-                new["comm"] = comm
-            if ema_decay:  # weights averaged over steps: what diffusion samples with
-                new["ema"] = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
-            return {k: new[k] for k in changed}
+            new = _updated(graphdef, tx, ema_decay, state, grads, metrics)
+            return {k: comm if k == "comm" else new[k] for k in changed}
 
         def keep(_):
             return {k: state[k] for k in changed}
@@ -94,3 +83,19 @@ def make_eval_step(objective: Objective) -> Callable[[Any, Any, Batch], jax.Arra
     """(params, buffers, batch) -> the task's loss (for an LM the cross-entropy alone),
     without training noise: fixed timesteps and noise for diffusion, no router noise."""
     return lambda params, buffers, batch: objective(params, buffers, batch)[1]["loss"]
+
+
+def _updated(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ema_decay: float | None, state: dict,
+             grads: Any, metrics: dict) -> dict:
+    """The optimizer's update of `state`: new params and opt_state, the buffers models update from
+    the step's statistics (MoE routers' biases), and the EMA of the weights if there is one."""
+    with jax.named_scope("optimizer"):  # the scope profiles group by (perf/step_profile.py)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+    model = nnx.merge(graphdef, params, state["buffers"])
+    buffers = model.updated_buffers(state["buffers"], metrics) if hasattr(model, "updated_buffers") \
+        else state["buffers"]
+    new = {"params": params, "buffers": buffers, "opt_state": opt_state}
+    if ema_decay:  # weights averaged over steps: what diffusion samples with
+        new["ema"] = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)
+    return new

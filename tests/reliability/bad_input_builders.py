@@ -186,7 +186,7 @@ def finetune_base_missing(c):
                       run=c.tmp / "ft_run")(c)
 
 
-# Refusals of train/run_dir.py and meshwork/run/checkpoint.py: a run.dir of another config, one holding
+# Refusals of train/run_dir/identity.py and meshwork/run/checkpoint.py: a run.dir of another config, one holding
 # something else, one whose every checkpoint is damaged.
 def run_dir_of_another_config(c):
     return train_argv("optimizer.lr=0.01", run=c.copy_run())(c)

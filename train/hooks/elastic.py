@@ -8,7 +8,7 @@ from typing import Callable
 from meshwork.train.elastic import Elastic
 from meshwork.train.hooks import Moved, StepEnd
 from meshwork.train.hooks.run import Run
-from meshwork.train.startup import restore_newest
+from meshwork.train.run_dir.resume import restore_newest
 
 
 class ElasticChange:

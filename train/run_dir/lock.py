@@ -19,6 +19,9 @@ import os
 import pathlib
 import socket
 
+import jax
+import numpy as np
+
 from meshwork.config import ConfigError
 from meshwork.run.durable import replace_file
 
@@ -75,3 +78,22 @@ class RunDirLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def take_run_dir(lock: RunDirLock, is_main: bool, say) -> None:
+    """Process 0 locks the run dir for all processes; every process learns whether it could."""
+    error, warning = None, None
+    if is_main:
+        try:
+            warning = lock.acquire()
+        except ConfigError as e:
+            error = e
+    if jax.process_count() > 1:  # the others must not go on (and hang in a collective) without process 0
+        from jax.experimental import multihost_utils
+
+        if multihost_utils.broadcast_one_to_all(np.int32(error is not None)) and error is None:
+            error = ConfigError(f"run.dir: {lock.run_dir} is in use; process 0 could not lock it")
+    if error is not None:
+        raise error
+    if warning:
+        say(warning)

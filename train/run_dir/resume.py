@@ -1,4 +1,5 @@
-"""Before the first step: owning the run dir, checking what it holds, and whether the step fits.
+"""What a run dir holds to resume from: its verified checkpoints (refused before the compile when
+none is readable), the two tiers opened, the newest of them chosen, and restored.
 
 The order is the point (train/loop.py `train`): every refusal comes before the compile, nothing
 in the run dir changes until the compiled step is known to fit, and a new run dir's first file
@@ -12,46 +13,11 @@ import pathlib
 import shutil
 
 import jax
-import numpy as np
 
 from meshwork.config import Config, ConfigError
-from meshwork.perf.hardware import device_memory_bytes
 from meshwork.run.checkpoint import Checkpointer, committed_steps, leftovers, manifest_problem
 from meshwork.run.fast_tier import FastTier, Snapshot
-from meshwork.train.run_dir import claim, differences
-from meshwork.train.run_lock import RunDirLock
-
-
-def check_fits(trainer) -> None:
-    """Refuses, before anything is written, a step whose compiled program (a `Trainer`'s) cannot fit one device."""
-    mem = trainer.step_fn.memory_analysis()
-    if mem is None:
-        return
-    need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    have = device_memory_bytes(trainer.mesh.local_devices[0])  # another process's devices do not answer
-    if need > have:
-        raise ConfigError(f"the compiled step needs {need / 2**30:,.1f} GiB per device, more than the "
-                          f"{have / 2**30:,.1f} GiB one device has; lower train.global_batch or data.seq_len, "
-                          f"raise train.microbatches, set train.remat=full, or shard more (rules.preset=fsdp)")
-
-
-def take_run_dir(lock: RunDirLock, is_main: bool, say) -> None:
-    """Process 0 locks the run dir for all processes; every process learns whether it could."""
-    error, warning = None, None
-    if is_main:
-        try:
-            warning = lock.acquire()
-        except ConfigError as e:
-            error = e
-    if jax.process_count() > 1:  # the others must not go on (and hang in a collective) without process 0
-        from jax.experimental import multihost_utils
-
-        if multihost_utils.broadcast_one_to_all(np.int32(error is not None)) and error is None:
-            error = ConfigError(f"run.dir: {lock.run_dir} is in use; process 0 could not lock it")
-    if error is not None:
-        raise error
-    if warning:
-        say(warning)
+from meshwork.train.run_dir.identity import claim, differences
 
 
 def check_checkpoints(cfg: Config, run_dir: pathlib.Path) -> tuple[int | None, dict[str, list]]:
@@ -98,7 +64,7 @@ def open_fast_tier(cfg: Config) -> FastTier | None:
 def newest_tier(cfg: Config, ckpt: Checkpointer, fast: FastTier | None, say) -> tuple[int | None, Snapshot | None]:
     """(the step to resume from, the fast tier's snapshot when it is the newest complete and verified tier).
 
-    A fast snapshot counts only if it belongs to this run (the identity keys of run_dir.py) and
+    A fast snapshot counts only if it belongs to this run (the identity keys of identity.py) and
     is newer than the persistent tier; fast snapshots past the chosen step are dropped, so a
     fresh run never meets another run's.
     """
