@@ -245,11 +245,6 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
 
     app = FastAPI(title="meshwork", lifespan=lifespan)
 
-    def bad(e: RequestError | _Refused, param: str | None = None) -> JSONResponse:
-        if isinstance(e, RequestError):  # a bad field: 400
-            return JSONResponse(error_body(str(e), param=param or e.param), status_code=400)
-        return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
-
     @app.exception_handler(404)
     async def not_found(request: HTTPRequest, exc):
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}; see /v1/models, "
@@ -270,70 +265,86 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
                                             "owned_by": "meshwork", "max_model_len": engine.server.max_len}]}
 
-    async def read_body(request: HTTPRequest, chat: bool) -> CompletionRequest | ChatCompletionRequest:
-        """The body, parsed whatever its Content-Type says (as OpenAI does), then validated into its model."""
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        if body.get("model") not in (None, served.name):  # 404 before any field's 400
-            raise _Refused(f"model {body.get('model')!r} is not served here; this server serves {served.name!r} "
-                           "(GET /v1/models)", "model", 404, "model_not_found")
-        return parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
-
-    async def serve(request: HTTPRequest, chat: bool):
-        body = None
-        try:
-            body = await read_body(request, chat)
-            prompt = prompt_ids(body, served)
-            params = sampling_params(body, served, limits, len(prompt), engine.server.max_len)
-            stops = stop_strings(body, served)
-            check_request(prompt, params, request_limits)  # a 400 now, not a stream that ends in an error
-            if not engine.alive:
-                raise _Refused(f"the engine is not running ({engine.failure or 'shutting down'})", None, 503,
-                               kind="server_error")
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            loop, events = asyncio.get_running_loop(), asyncio.Queue()
-            engine.submit(Request(rid, prompt, params),
-                          lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (kind, x)))
-        except RequestError as e:
-            return bad(e, openai_param(e, body) if body is not None else None)
-        except _Refused as e:
-            return bad(e)
-        except QueueFull as e:
-            return bad(_Refused(str(e), None, 429, "queue_full", "rate_limit_error"))
-        reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens, stops), len(prompt))
-        if body.stream:
-            return StreamingResponse(_sse(request, engine, rid, events, reply, body.include_usage()),
-                                     media_type="text/event-stream")
-        try:
-            while True:
-                kind, x = await _next(request, events)
-                if kind == "done":
-                    break
-                reply.stream.push(x)
-                if reply.stream.stopped:  # a stop string: the request ends here
-                    engine.cancel(rid)
-                    x = Result(rid, list(reply.stream.ids), "stop")
-                    break
-        except _Gone:
-            engine.cancel(rid)
-            return JSONResponse(error_body("client disconnected"), 499)
-        if x.finish == "error":
-            return bad(RequestError(x.error or "the request failed"))
-        return reply.whole(x)
-
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        return await serve(request, chat=False)
+        return await _serve(request, False, engine, served, limits, request_limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
-        return await serve(request, chat=True)
+        return await _serve(request, True, engine, served, limits, request_limits)
 
     return app
+
+
+def _bad(e: RequestError | _Refused, param: str | None = None) -> JSONResponse:
+    """A refused request in OpenAI's error shape: a bad field is a 400, the rest carry their status."""
+    if isinstance(e, RequestError):
+        return JSONResponse(error_body(str(e), param=param or e.param), status_code=400)
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+
+async def _read_body(request: HTTPRequest, chat: bool, served: Served) -> CompletionRequest | ChatCompletionRequest:
+    """The body, parsed whatever its Content-Type says (as OpenAI does), then validated into its model."""
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if body.get("model") not in (None, served.name):  # 404 before any field's 400
+        raise _Refused(f"model {body.get('model')!r} is not served here; this server serves {served.name!r} "
+                       "(GET /v1/models)", "model", 404, "model_not_found")
+    return parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
+
+
+async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Served, limits: Limits,
+                 request_limits):
+    """One completion request: validated, submitted to the engine, then streamed or answered whole."""
+    body = None
+    try:
+        body = await _read_body(request, chat, served)
+        prompt = prompt_ids(body, served)
+        params = sampling_params(body, served, limits, len(prompt), engine.server.max_len)
+        stops = stop_strings(body, served)
+        check_request(prompt, params, request_limits)  # a 400 now, not a stream that ends in an error
+        if not engine.alive:
+            raise _Refused(f"the engine is not running ({engine.failure or 'shutting down'})", None, 503,
+                           kind="server_error")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        engine.submit(Request(rid, prompt, params),
+                      lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (kind, x)))
+    except RequestError as e:
+        return _bad(e, openai_param(e, body) if body is not None else None)
+    except _Refused as e:
+        return _bad(e)
+    except QueueFull as e:
+        return _bad(_Refused(str(e), None, 429, "queue_full", "rate_limit_error"))
+    reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens, stops), len(prompt))
+    if body.stream:
+        return StreamingResponse(_sse(request, engine, rid, events, reply, body.include_usage()),
+                                 media_type="text/event-stream")
+    return await _whole(request, engine, rid, events, reply)
+
+
+async def _whole(request: HTTPRequest, engine: Engine, rid: str, events: asyncio.Queue, reply: _Reply):
+    """A non-streamed request's answer, once its last token (or a stop string) arrives."""
+    try:
+        while True:
+            kind, x = await _next(request, events)
+            if kind == "done":
+                break
+            reply.stream.push(x)
+            if reply.stream.stopped:  # a stop string: the request ends here
+                engine.cancel(rid)
+                x = Result(rid, list(reply.stream.ids), "stop")
+                break
+    except _Gone:
+        engine.cancel(rid)
+        return JSONResponse(error_body("client disconnected"), 499)
+    if x.finish == "error":
+        return _bad(RequestError(x.error or "the request failed"))
+    return reply.whole(x)
 
 
 class _Gone(Exception):

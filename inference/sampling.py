@@ -171,23 +171,23 @@ def sample(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
     def sampled(_):
         scaled_BV = logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
         K = min(V, TOP_K_BOUND)
-        top_BK, order_BK = jax.lax.top_k(scaled_BV, K)  # ties: lower id first, as the stable sort
-        rank_K = jnp.arange(K)
+        top_BX, order_BX = jax.lax.top_k(scaled_BV, K)  # ties: lower id first, as the stable sort
+        rank_X = jnp.arange(K)
         k_B, top_p_B = arrays.top_k, arrays.top_p
         whole_B = (k_B <= 0) | (k_B >= V)               # k keeps the whole vocabulary
         in_prefix_B = ~whole_B & (k_B <= K)             # k keeps exactly the first k ranks
-        keep_BK = whole_B[:, None] | (rank_K < k_B[:, None])
+        keep_BX = whole_B[:, None] | (rank_X < k_B[:, None])
         # Probabilities over what k keeps: normalized over the first k ranks or the whole vocabulary.
-        lse_B = jnp.where(in_prefix_B, jax.nn.logsumexp(jnp.where(keep_BK, top_BK, -jnp.inf), axis=-1),
+        lse_B = jnp.where(in_prefix_B, jax.nn.logsumexp(jnp.where(keep_BX, top_BX, -jnp.inf), axis=-1),
                           jax.nn.logsumexp(scaled_BV, axis=-1))
-        probs_BK = jnp.where(keep_BK, jnp.exp(top_BK - lse_B[:, None]), 0.0)
-        cum_BK = jnp.cumsum(probs_BK, axis=-1)
-        nucleus_BK = (top_p_B[:, None] >= 1) | (cum_BK - probs_BK < top_p_B[:, None]) | (rank_K == 0)
+        probs_BX = jnp.where(keep_BX, jnp.exp(top_BX - lse_B[:, None]), 0.0)
+        cum_BX = jnp.cumsum(probs_BX, axis=-1)
+        nucleus_BX = (top_p_B[:, None] >= 1) | (cum_BX - probs_BX < top_p_B[:, None]) | (rank_X == 0)
         # The prefix decides a row when k lies within it, or when its nucleus closes inside it.
-        nucleus_closes_B = (top_p_B < 1) & (cum_BK[:, -1] >= top_p_B)
+        nucleus_closes_B = (top_p_B < 1) & (cum_BX[:, -1] >= top_p_B)
         decided_B = in_prefix_B | (whole_B & ((top_p_B >= 1) | nucleus_closes_B))
         rows_B1 = jnp.arange(B)[:, None]
-        keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BK].set(keep_BK & nucleus_BK)
+        keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BX].set(keep_BX & nucleus_BX)
         keep_BV |= (whole_B & (top_p_B >= 1))[:, None]
         keep_BV = jax.lax.cond(jnp.any(~decided_B & (temperature_B > 0)),
                                lambda: jnp.where(decided_B[:, None], keep_BV,

@@ -265,7 +265,7 @@ class Server:
         last_1V = jax.lax.dynamic_index_in_dim(logits_1CV, n_real - 1, axis=1, keepdims=False)
         return sample(last_1V, (start + n_real)[None], arrays, seen_1V), cache.k, cache.v
 
-    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BS):
+    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BN):
         """Up to n_steps decode steps on the device. Row b feeds tokens_B[b] at positions_B[b] and is
         done after remaining_B[b] tokens or a stop token; a done row writes to the null page from then
         on. The loop ends when every row is done, or (halt_on_finish) after a step in which one finished.
@@ -289,7 +289,7 @@ class Server:
                                                PagedKVCache(k, v, table_BP))
             new_B = sample(logits_B1V[:, 0], at_B + 1, arrays, seen_BV)
             out_NB = out_NB.at[i].set(jnp.where(active_B, new_B, -1))
-            stopped_B = active_B & jnp.any(new_B[:, None] == stop_BS, axis=-1)
+            stopped_B = active_B & jnp.any(new_B[:, None] == stop_BN, axis=-1)
             remaining_B = jnp.where(stopped_B, 0, remaining_B - active_B)
             finished = jnp.any(active_B & (remaining_B == 0))
             return (i + 1, jnp.where(active_B, new_B, tokens_B), positions_B + active_B, remaining_B,

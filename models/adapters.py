@@ -7,12 +7,12 @@ stacked on the leading `layers` axis like the blocks they belong to:
 - `add_adapters`: after attention and after the MLP, the sublayer's output h
   becomes h + up(gelu(down(h))) before the residual add (`Block.attn_adapter`,
   `Block.mlp_adapter`). `up` starts at zero, so the model is unchanged at step 0.
-- `add_prefixes`: each layer gets P trainable key and value vectors per
-  key/value head (`Attention.prefix`); every query attends to all P of them
+- `add_prefixes`: each layer gets s trainable key and value vectors per
+  key/value head (`Attention.prefix`); every query attends to all s of them
   plus its own causal past. With `hidden` > 0 the prefixes are the output of a
-  per-layer reparameterization MLP (embedding (P, D) -> tanh MLP -> 2 G K),
+  per-layer reparameterization MLP (embedding (s, D) -> tanh MLP -> 2 G K),
   which Li & Liang found trains more stably; Li & Liang (and Hugging Face
-  peft) share one MLP across layers instead, with an output of size L 2 G K.
+  peft) share one MLP across layers instead, with an output of size n_layers 2 G K.
 
 RoPE and prefixes: the prefix keys are not rotated, which is the same as
 placing all of them at position 0, while the tokens keep their positions
@@ -55,38 +55,39 @@ class Adapter(nnx.Module):
     """h -> h + up(gelu(down(h) + b_down)) + b_up, a bottleneck of width `rank` (one layer's)."""
 
     def __init__(self, d_model: int, rank: int, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        D, R = d_model, rank
-        self.w_down = param(normal(1 / math.sqrt(D)), rngs.params(), (D, R), param_dtype, ("embed", "lora_rank"),
+        D, r = d_model, rank
+        self.w_down = param(normal(1 / math.sqrt(D)), rngs.params(), (D, r), param_dtype, ("embed", "lora_rank"),
                             AdapterParam)
-        self.b_down = param(_zeros, rngs.params(), (R,), param_dtype, ("lora_rank",), AdapterParam)
+        self.b_down = param(_zeros, rngs.params(), (r,), param_dtype, ("lora_rank",), AdapterParam)
         # Zero up-projection: the adapter starts as the identity (Houlsby's near-identity init, exactly).
-        self.w_up = param(_zeros, rngs.params(), (R, D), param_dtype, ("lora_rank", "embed"), AdapterParam)
+        self.w_up = param(_zeros, rngs.params(), (r, D), param_dtype, ("lora_rank", "embed"), AdapterParam)
         self.b_up = param(_zeros, rngs.params(), (D,), param_dtype, ("embed",), AdapterParam)
         self.dtype = dtype
 
     def __call__(self, h_BLD: jax.Array) -> jax.Array:
-        z_BLR = jax.nn.gelu(matmul("BLD,DR->BLR", h_BLD, self.w_down, self.dtype) + self.b_down[...].astype(self.dtype))
-        return h_BLD + matmul("BLR,RD->BLD", z_BLR, self.w_up, self.dtype) + self.b_up[...].astype(self.dtype)
+        z_BLr = jax.nn.gelu(matmul("BLD,Dr->BLr", h_BLD, self.w_down, self.dtype) + self.b_down[...].astype(self.dtype))
+        return h_BLD + matmul("BLr,rD->BLD", z_BLr, self.w_up, self.dtype) + self.b_up[...].astype(self.dtype)
 
 
 class Prefix(nnx.Module):
     """One layer's trainable key/value prefixes, and the attention that reads them.
 
     hidden = 0: the prefixes themselves are the variables, `keys` and `values`
-    of shape (P, G, K). hidden > 0: an embedding (P, D) goes through
-    tanh(e W1 + b1) W2 + b2 to (P, 2, G, K) (Li & Liang's reparameterization).
+    of shape (s, G, K), s = prefix_len: the prefix's share of the key positions S. hidden > 0: an
+    embedding (s, D) goes through tanh(e W1 + b1) W2 + b2 to (s, 2, G, K) (Li & Liang's
+    reparameterization; the einsum spells the keys/values pair J, as it takes letters only).
     """
 
     def __init__(self, prefix_len: int, n_kv_heads: int, head_dim: int, d_model: int, hidden: int, *,
                  dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        P, G, K, D = prefix_len, n_kv_heads, head_dim, d_model
+        s, G, K, D = prefix_len, n_kv_heads, head_dim, d_model
         kv_names = (None, "kv_heads", "head_dim")
         if hidden == 0:
             # N(0, 1), like the embedding table peft trains for prefixes.
-            self.keys = param(normal(1.0), rngs.params(), (P, G, K), param_dtype, kv_names, PrefixParam)
-            self.values = param(normal(1.0), rngs.params(), (P, G, K), param_dtype, kv_names, PrefixParam)
+            self.keys = param(normal(1.0), rngs.params(), (s, G, K), param_dtype, kv_names, PrefixParam)
+            self.values = param(normal(1.0), rngs.params(), (s, G, K), param_dtype, kv_names, PrefixParam)
         else:
-            self.embedding = param(normal(1.0), rngs.params(), (P, D), param_dtype, (None, "embed"), PrefixParam)
+            self.embedding = param(normal(1.0), rngs.params(), (s, D), param_dtype, (None, "embed"), PrefixParam)
             self.w1 = param(normal(1 / math.sqrt(D)), rngs.params(), (D, hidden), param_dtype, ("embed", None),
                             PrefixParam)
             self.b1 = param(_zeros, rngs.params(), (hidden,), param_dtype, (None,), PrefixParam)
@@ -96,29 +97,29 @@ class Prefix(nnx.Module):
         self.hidden, self.dtype = hidden, dtype
 
     def keys_values(self) -> tuple[jax.Array, jax.Array]:
-        """The prefix keys and values, each (P, G, K), in the compute dtype."""
+        """The prefix keys and values, each (s, G, K), in the compute dtype."""
         if self.hidden == 0:
             return self.keys[...].astype(self.dtype), self.values[...].astype(self.dtype)
-        e_PD = self.embedding[...].astype(self.dtype)
-        h_PE = jnp.tanh(matmul("PD,DE->PE", e_PD, self.w1, self.dtype) + self.b1[...].astype(self.dtype))
-        kv_PTGK = matmul("PE,ETGK->PTGK", h_PE, self.w2, self.dtype) + self.b2[...].astype(self.dtype)
-        return kv_PTGK[:, 0], kv_PTGK[:, 1]
+        e_sD = self.embedding[...].astype(self.dtype)
+        h_sF = jnp.tanh(matmul("sD,DF->sF", e_sD, self.w1, self.dtype) + self.b1[...].astype(self.dtype))
+        kv_s2GK = matmul("sF,FJGK->sJGK", h_sF, self.w2, self.dtype) + self.b2[...].astype(self.dtype)
+        return kv_s2GK[:, 0], kv_s2GK[:, 1]
 
     def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
                positions_BL: jax.Array | None) -> jax.Array:
-        """Causal attention over [prefixes; keys]: every query sees all P prefixes, then its past.
+        """Causal attention over [prefixes; keys]: every query sees all s prefixes, then its past.
 
-        The mask is explicit ((B, 1, L, P + L) booleans), so this runs XLA's attention
+        The mask is explicit ((B, 1, L, S) booleans, S = s + L), so this runs XLA's attention
         whatever `model.attention` says.
         """
         B, L, _, _ = q_BLHK.shape
-        k_PGK, v_PGK = self.keys_values()
-        P = k_PGK.shape[0]
-        k_BSGK = jnp.concatenate([jnp.broadcast_to(k_PGK, (B, *k_PGK.shape)).astype(k_BLGK.dtype), k_BLGK], axis=1)
-        v_BSGK = jnp.concatenate([jnp.broadcast_to(v_PGK, (B, *v_PGK.shape)).astype(v_BLGK.dtype), v_BLGK], axis=1)
+        k_sGK, v_sGK = self.keys_values()
+        s = k_sGK.shape[0]
+        k_BSGK = jnp.concatenate([jnp.broadcast_to(k_sGK, (B, *k_sGK.shape)).astype(k_BLGK.dtype), k_BLGK], axis=1)
+        v_BSGK = jnp.concatenate([jnp.broadcast_to(v_sGK, (B, *v_sGK.shape)).astype(v_BLGK.dtype), v_BLGK], axis=1)
         pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
         causal_BLL = pos_BL[:, :, None] >= pos_BL[:, None, :]
-        mask_B1LS = jnp.concatenate([jnp.ones((B, L, P), bool), causal_BLL], axis=-1)[:, None]
+        mask_B1LS = jnp.concatenate([jnp.ones((B, L, s), bool), causal_BLL], axis=-1)[:, None]
         return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS)
 
 
@@ -158,7 +159,7 @@ def add_prefixes(model: Transformer, prefix_len: int, hidden: int = 0, *, rngs: 
     >>> from meshwork.config_sections import ModelConfig
     >>> m = Transformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64), rngs=nnx.Rngs(0))
     >>> add_prefixes(m, 5, rngs=nnx.Rngs(1))
-    >>> m.blocks.attn.prefix.keys.shape        # (layers, P, G, K)
+    >>> m.blocks.attn.prefix.keys.shape        # (layers, s, G, K)
     (2, 5, 1, 16)
     """
     require_dense(model, "finetune.method=prefix")

@@ -22,10 +22,11 @@ product to it. In the stacked blocks every variable keeps the leading `layers`
 axis and its logical names ("layers", ..., "lora_rank", ...).
 
 Dropout on the LoRA branch (`finetune.dropout`) draws from the training key the
-trainer passes as `Transformer.apply(..., noise_key=...)`; one key per layer
-rides the layer scan (`models.layers.params.training_key`), folded with the
-projection's index, so masks differ across layers and projections. Without a
-key (evaluation, inference) the branch is deterministic.
+trainer passes as `Transformer.apply(..., noise_key=...)`: `apply_layers` splits
+it into one key per layer and sets it as `dropout_key` on that layer's `LoRA`
+modules, which fold it with the projection's index, so masks differ across
+layers and projections. Without a key (evaluation, inference) the branch is
+deterministic.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from meshwork.models.adapters import (
     require_dense,
 )
 from meshwork.models.layers import params
-from meshwork.models.layers.params import current_training_key, param
+from meshwork.models.layers.params import param
 from meshwork.models.transformer import Transformer, stack_layers
 
 __all__ = ["LoRA", "LoRAParam", "AdapterParam", "PrefixParam", "MergedLoRA", "TARGETS", "apply_finetune",
@@ -67,7 +68,7 @@ TARGETS: dict[str, tuple[str, str, str]] = {
     "up": ("mlp", "w_up", "BLD,DF->BLF"),
     "down": ("mlp", "w_down", "BLF,FD->BLD"),
 }
-RANK = "R"  # the rank's letter in the einsums below; no weight spec uses it
+RANK = "r"  # the rank's letter in the einsums below (docs/architecture.md#shape-letters); no weight spec uses it
 
 
 class LoRAParam(nnx.Param):
@@ -100,12 +101,18 @@ class LoRA(nnx.Module):
     `base`: the frozen nnx.Param (its value a float array or a quantized weight of
     models/quantize.py). `lora_a` (inputs..., r), `lora_b` (r, outputs...): `LoRAParam`s.
     Build with `LoRA.wrap`; `models.layers.params.matmul` calls `matmul`.
+
+    `dropout_key`: the layer's training key for dropout on the branch, None (evaluation) unless
+    set; models/transformer.py `apply_layers` sets it on each layer's fresh copy of the block.
     """
 
     def __init__(self, base: nnx.Param, lora_a: LoRAParam, lora_b: LoRAParam, *, spec: str, rank: int,
                  alpha: float, dropout: float = 0.0, site: int = 0):
         self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
         self.spec, self.rank, self.alpha, self.dropout, self.site = spec, rank, alpha, dropout, site
+        # Data, not a static attribute, so a traced key may be set on it; None adds nothing to the
+        # module's state (checkpoints and optimizer state are unchanged).
+        self.dropout_key = nnx.data(None)
 
     @property
     def scale(self) -> float:
@@ -166,10 +173,9 @@ class LoRA(nnx.Module):
                               self.lora_b[...].astype(dtype))
 
     def _dropout(self, x: jax.Array) -> jax.Array:
-        key = current_training_key()
-        if self.dropout == 0 or key is None:
+        if self.dropout == 0 or self.dropout_key is None:
             return x
-        keep = jax.random.bernoulli(jax.random.fold_in(key, self.site), 1 - self.dropout, x.shape)
+        keep = jax.random.bernoulli(jax.random.fold_in(self.dropout_key, self.site), 1 - self.dropout, x.shape)
         return jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
 
 

@@ -331,7 +331,7 @@ def compact_model(model: nnx.Module) -> None:
 def matmul_24_gather(x_TD: jax.Array, w: Sparse24Weight) -> jax.Array:
     """`x_TD @ w` for a 2-D 2:4 weight (D, F) stored compactly with D its input dim, without building
     the dense (D, F) matrix: each kept value multiplies the input its index points at,
-    y[t, f] = sum_k x[t, 4 (k // 2) + idx[k, f]] * values[k, f] over the D/2 kept k.
+    y[t, f] = sum_k x[t, 4 (k // 2) + idx[k, f]] * values[k, f] over the D/2 kept k (axis `d` below: half of D).
     The gathered inputs are a (T, D/2, F) temporary: cheaper than the dense weight only for T < 2.
 
     >>> w = compact_24(jnp.eye(8), "TD,DF->TF")
@@ -343,5 +343,5 @@ def matmul_24_gather(x_TD: jax.Array, w: Sparse24Weight) -> jax.Array:
                          f"{w.values.shape} grouped along axis {w.axis}")
     pos = unpack_indices(w.indices.T).T  # (D/2, F)
     rows = pos + (jnp.arange(pos.shape[0]) // KEEP * GROUP)[:, None]  # the input each kept value reads
-    x_TKF = jnp.take(x_TD, rows, axis=1)
-    return jnp.einsum("TKF,KF->TF", x_TKF, w.values.astype(x_TD.dtype))
+    x_TdF = jnp.take(x_TD, rows, axis=1)
+    return jnp.einsum("TdF,dF->TF", x_TdF, w.values.astype(x_TD.dtype))

@@ -21,7 +21,8 @@ from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.mixed_matmul import MATMUL
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.norm import RMSNorm
-from meshwork.models.layers.params import matmul, normal, param, training_key
+from meshwork.models.layers.params import matmul, normal, param
+from meshwork.partitioning import to_device_memory
 from meshwork.sharding.parallel import with_logical_constraint
 
 _cp = jax.checkpoint_policies
@@ -116,8 +117,8 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     Shared by the model and by pipeline stages, which each run a slice of the stack.
     `unroll`: emit every layer into the program instead of a loop (longer
     compiles; lets XLA fuse and schedule across layers, and undoes remat).
-    `dropout_key` (training only) gives each layer its own key for the dropout of
-    LoRA branches (models/lora.py); None runs them deterministically.
+    `dropout_key` (training only) is split into one key per layer, set on that layer's LoRA
+    modules for the dropout of their branches (models/lora.py); None runs them deterministically.
     `segment_ids_BL`: the document of each token of packed rows (attention stays within one).
     """
     def layer(x_BLD, xs):
@@ -126,8 +127,15 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
         # this layer's slice is brought to the device, when this layer runs (XLA:GPU/TPU; on CPU,
         # where host and device memory are one, jax lowers this device_put to nothing).
         layer_state = jax.tree.map(to_device_memory, layer_state)
-        with training_key(key):
-            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, segment_ids_BL), None
+        block = nnx.merge(graphdef, layer_state)
+        if key is not None:
+            # Explicitly, on this layer's fresh copy: every module with a `dropout_key` attribute
+            # (models/lora.py's LoRA) gets the layer's key, as flax sets nnx.Dropout's `deterministic`.
+            # The key stays an input of this traced function, which jit, scan and remat see (an
+            # ambient context variable is invisible to jit's cache), and no layer's call signature
+            # carries a key that only the LoRA wrapper reads.
+            block.set_attributes(dropout_key=key, raise_if_not_found=False)
+        return block(x_BLD, positions_BL, segment_ids_BL), None
 
     if remat != "none":
         # prevent_cse=False: inside scan there is nothing for CSE to undo.
@@ -136,17 +144,6 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     keys = jax.random.split(dropout_key, n) if dropout_key is not None else None
     x_BLD, _ = jax.lax.scan(layer, x_BLD, (stacked, keys), unroll=n if unroll else 1)
     return x_BLD
-
-
-def to_device_memory(x: jax.Array) -> jax.Array:
-    """`x` moved to device memory if, in a traced function, it lives in host memory (an
-    input whose sharding has memory_kind="pinned_host"); anything else is returned as is.
-
-    >>> jax.jit(lambda w: to_device_memory(w) * 2)(w_on_host)   # doctest: +SKIP
-    """
-    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
-        return jax.device_put(x, jax.memory.Space.Device)
-    return x
 
 
 def decode_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array, positions_BL: jax.Array,
@@ -195,7 +192,7 @@ class LMHead(nnx.Module):
 
     def weight_DV(self, embed: Embed | None = None) -> jax.Array:
         """The projection as a (D, V) array (the embedding table transposed when tied): what a
-        fused loss multiplies the normed hidden states by (src/meshwork/evaluation/fused_ce.py)."""
+        fused loss multiplies the normed hidden states by (src/meshwork/objectives/fused_ce.py)."""
         w = embed.table if self.tied else self.lm_head
         if not isinstance(w, nnx.Variable) or not isinstance(w.get_value(), jax.Array):
             raise ValueError("train.loss_chunk needs a plain head weight, not a quantized or wrapped one; "

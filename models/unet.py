@@ -15,8 +15,9 @@ time_embedding.linear_1/2, class_embedding, down_blocks[i].resnets[j] /
 conv_out), so `inference/diffusers_import.py` maps a diffusers checkpoint onto
 them by renaming and transposing only.
 
-Letters: B batch, H W image height and width, C channels, T time-embedding
-width, L = H*W tokens in attention, N attention heads (H is taken), K head dim.
+Shape letters as in docs/architecture.md#shape-letters: B batch, HWC an image's height, width
+and channels (always together, as in jax's conv layouts); attention reads the H*W pixels as L
+tokens whose width D is the channels, in H heads of K; D is also the time embedding's width.
 Weights name their output channels `embed` (what FSDP splits); see
 sharding/rules.py for the other names.
 
@@ -48,7 +49,7 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
 }
 ACT_BHWC = ("act_batch", "act_height", "act_width", "act_channels")
-ACT_BT = ("act_batch", "act_embed")  # the time (+ class) embedding
+ACT_BD = ("act_batch", "act_embed")  # the time (+ class) embedding
 F32 = jnp.float32
 
 
@@ -135,22 +136,22 @@ def timestep_embedding(t_B: jax.Array, dim: int, *, flip_sin_to_cos: bool, freq_
     """
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=F32) / (half - freq_shift))
-    angles_BF = t_B.astype(F32)[:, None] * freqs[None, :]
-    sin, cos = jnp.sin(angles_BF), jnp.cos(angles_BF)
+    angles = t_B.astype(F32)[:, None] * freqs[None, :]  # (B, dim // 2)
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
     emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
     return jnp.pad(emb, ((0, 0), (0, dim % 2)))
 
 
 class TimeEmbedding(nnx.Module):
-    """linear_2(SiLU(linear_1(sinusoidal(t)))): (B,) -> (B, T)."""
+    """linear_2(SiLU(linear_1(sinusoidal(t)))): (B,) -> (B, D), D the time embedding's width."""
 
     def __init__(self, d_in: int, d_time: int, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.linear_1 = Dense(d_in, d_time, **kw)
         self.linear_2 = Dense(d_time, d_time, **kw)
 
-    def __call__(self, emb_BC: jax.Array) -> jax.Array:
-        return self.linear_2(jax.nn.silu(self.linear_1(emb_BC)))
+    def __call__(self, emb: jax.Array) -> jax.Array:
+        return self.linear_2(jax.nn.silu(self.linear_1(emb)))
 
 
 class ClassEmbedding(nnx.Module):
@@ -162,8 +163,8 @@ class ClassEmbedding(nnx.Module):
 
     def __call__(self, labels_B: jax.Array) -> jax.Array:
         # Gather FSDP's split of the table first, so the looked-up rows follow the labels' batch split.
-        table_NT = with_logical_constraint(self.embedding[...], ("classes", "act_embed"))
-        return jnp.take(table_NT, labels_B, axis=0).astype(self.dtype)
+        table_ND = with_logical_constraint(self.embedding[...], ("classes", "act_embed"))
+        return jnp.take(table_ND, labels_B, axis=0).astype(self.dtype)
 
 
 class ResnetBlock(nnx.Module):
@@ -180,9 +181,9 @@ class ResnetBlock(nnx.Module):
         self.conv2 = Conv(c_out, c_out, **kw)
         self.conv_shortcut = Conv(c_in, c_out, 1, **kw) if c_in != c_out else None
 
-    def __call__(self, x_BHWC: jax.Array, temb_BT: jax.Array) -> jax.Array:
+    def __call__(self, x_BHWC: jax.Array, temb_BD: jax.Array) -> jax.Array:
         h_BHWC = self.conv1(jax.nn.silu(self.norm1(x_BHWC)))
-        h_BHWC = h_BHWC + self.time_emb_proj(jax.nn.silu(temb_BT))[:, None, None, :]
+        h_BHWC = h_BHWC + self.time_emb_proj(jax.nn.silu(temb_BD))[:, None, None, :]
         h_BHWC = self.conv2(jax.nn.silu(self.norm2(h_BHWC)))
         skip_BHWC = self.conv_shortcut(x_BHWC) if self.conv_shortcut is not None else x_BHWC
         return with_logical_constraint(skip_BHWC.astype(h_BHWC.dtype) + h_BHWC, ACT_BHWC)
@@ -200,32 +201,32 @@ class SpatialAttention(nnx.Module):
         if channels % head_dim:
             raise ValueError(f"attention over {channels} channels cannot have heads of "
                              f"model.unet.attention_head_dim={head_dim}; pick a divisor of {channels}")
-        C, N, K = channels, channels // head_dim, head_dim
-        self.group_norm = GroupNorm(C, groups, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        D, H, K = channels, channels // head_dim, head_dim
+        self.group_norm = GroupNorm(D, groups, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         qkv_init, out_init = _fan_in_uniform(0, (1, 2)), _fan_in_uniform((0, 1), 2)
         zeros = nnx.initializers.zeros
         for name in ("wq", "wk", "wv"):
-            setattr(self, name, param(qkv_init, rngs.params(), (C, N, K), param_dtype, ("embed", "heads", "head_dim")))
-            setattr(self, "b" + name[1], param(zeros, rngs.params(), (N, K), param_dtype, ("heads", "head_dim")))
-        self.wo = param(out_init, rngs.params(), (N, K, C), param_dtype, ("heads", "head_dim", "embed"))
-        self.bo = param(zeros, rngs.params(), (C,), param_dtype, ("embed",))
+            setattr(self, name, param(qkv_init, rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim")))
+            setattr(self, "b" + name[1], param(zeros, rngs.params(), (H, K), param_dtype, ("heads", "head_dim")))
+        self.wo = param(out_init, rngs.params(), (H, K, D), param_dtype, ("heads", "head_dim", "embed"))
+        self.bo = param(zeros, rngs.params(), (D,), param_dtype, ("embed",))
         self.impl, self.dtype = impl, dtype
 
     def __call__(self, x_BHWC: jax.Array) -> jax.Array:
-        B, H, W, C = x_BHWC.shape
+        B, height, width, D = x_BHWC.shape  # the image's channels are the attention's model width
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        h_BLC = self.group_norm(x_BHWC).reshape(B, H * W, C)
+        h_BLD = self.group_norm(x_BHWC).reshape(B, height * width, D)
         act = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-        q_BLNK = with_logical_constraint(jnp.einsum("BLC,CNK->BLNK", h_BLC, w(self.wq)) + w(self.bq), act)
-        k_BLNK = with_logical_constraint(jnp.einsum("BLC,CNK->BLNK", h_BLC, w(self.wk)) + w(self.bk), act)
-        v_BLNK = with_logical_constraint(jnp.einsum("BLC,CNK->BLNK", h_BLC, w(self.wv)) + w(self.bv), act)
+        q_BLHK = with_logical_constraint(jnp.einsum("BLD,DHK->BLHK", h_BLD, w(self.wq)) + w(self.bq), act)
+        k_BLHK = with_logical_constraint(jnp.einsum("BLD,DHK->BLHK", h_BLD, w(self.wk)) + w(self.bk), act)
+        v_BLHK = with_logical_constraint(jnp.einsum("BLD,DHK->BLHK", h_BLD, w(self.wv)) + w(self.bv), act)
         exchange = patch_exchange.active()
         if exchange is not None:
             # DistriFusion: the queries are this patch's; keys and values cover the whole image.
-            k_BLNK, v_BLNK = exchange.keys_values(k_BLNK, v_BLNK)
-        o_BLNK = attend(q_BLNK, k_BLNK, v_BLNK, causal=False, impl=self.impl)
-        out_BLC = jnp.einsum("BLNK,NKC->BLC", o_BLNK, w(self.wo)) + w(self.bo)
-        return with_logical_constraint(x_BHWC.astype(self.dtype) + out_BLC.reshape(B, H, W, C), ACT_BHWC)
+            k_BLHK, v_BLHK = exchange.keys_values(k_BLHK, v_BLHK)
+        o_BLHK = attend(q_BLHK, k_BLHK, v_BLHK, causal=False, impl=self.impl)
+        out_BLD = jnp.einsum("BLHK,HKD->BLD", o_BLHK, w(self.wo)) + w(self.bo)
+        return with_logical_constraint(x_BHWC.astype(self.dtype) + out_BLD.reshape(B, height, width, D), ACT_BHWC)
 
 
 class Level(nnx.Module):
@@ -332,18 +333,18 @@ class UNet(nnx.Module):
                              f"UNet is class-conditional (num_class_embeds={cfg.num_class_embeds}): pass labels_B; "
                              "for unconditional samples pass the null class you reserved")
         t_B = jnp.broadcast_to(jnp.asarray(t_B), (B,))
-        emb_BC = timestep_embedding(t_B, cfg.block_out_channels[0], flip_sin_to_cos=cfg.flip_sin_to_cos,
-                                    freq_shift=cfg.freq_shift)
-        temb_BT = self.time_embedding(emb_BC)
+        emb = timestep_embedding(t_B, cfg.block_out_channels[0], flip_sin_to_cos=cfg.flip_sin_to_cos,
+                                 freq_shift=cfg.freq_shift)
+        temb_BD = self.time_embedding(emb)
         if self.class_embedding is not None:
-            temb_BT = temb_BT + self.class_embedding(labels_B)
-        temb_BT = with_logical_constraint(temb_BT, ACT_BT)
+            temb_BD = temb_BD + self.class_embedding(labels_B)
+        temb_BD = with_logical_constraint(temb_BD, ACT_BD)
 
         x_BHWC = with_logical_constraint(self.conv_in(x_BHWC), ACT_BHWC)
         skips = [x_BHWC]
         for level in self.down_blocks:
             for j, res in enumerate(level.resnets):
-                x_BHWC = self._run(res, x_BHWC, temb_BT)
+                x_BHWC = self._run(res, x_BHWC, temb_BD)
                 if level.attentions:
                     x_BHWC = self._run(level.attentions[j], x_BHWC)
                 skips.append(x_BHWC)
@@ -352,16 +353,16 @@ class UNet(nnx.Module):
                 skips.append(x_BHWC)
 
         mid = self.mid_block
-        x_BHWC = self._run(mid.resnets[0], x_BHWC, temb_BT)
+        x_BHWC = self._run(mid.resnets[0], x_BHWC, temb_BD)
         if mid.attentions:
             x_BHWC = self._run(mid.attentions[0], x_BHWC)
-        x_BHWC = self._run(mid.resnets[1], x_BHWC, temb_BT)
+        x_BHWC = self._run(mid.resnets[1], x_BHWC, temb_BD)
 
         for level in self.up_blocks:
             for j, res in enumerate(level.resnets):
                 skip_BHWC = skips.pop()
                 x_BHWC = jnp.concatenate([x_BHWC, skip_BHWC.astype(x_BHWC.dtype)], axis=-1)
-                x_BHWC = self._run(res, x_BHWC, temb_BT)
+                x_BHWC = self._run(res, x_BHWC, temb_BD)
                 if level.attentions:
                     x_BHWC = self._run(level.attentions[j], x_BHWC)
             if level.upsample is not None:

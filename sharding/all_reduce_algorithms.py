@@ -89,23 +89,23 @@ def ring_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
     me = lax.axis_index(axis_name)
     flat = x.reshape(-1)
     chunk = -(-flat.size // n)
-    chunks_PC = jnp.pad(flat, (0, chunk * n - flat.size)).reshape(n, chunk)
+    chunks_NC = jnp.pad(flat, (0, chunk * n - flat.size)).reshape(n, chunk)
     right = [(i, (i + 1) % n) for i in range(n)]
 
     # Reduce-scatter. Round s: send the partial sum of chunk (me - s); receive
     # the partial of chunk (me - 1 - s) from the left and add our part.
     for s in range(n - 1):
-        got = send(take_block(chunks_PC, (me - s) % n), axis_name, right)
+        got = send(take_block(chunks_NC, (me - s) % n), axis_name, right)
         k = (me - 1 - s) % n
-        chunks_PC = put_block(chunks_PC, k, take_block(chunks_PC, k) + got)
+        chunks_NC = put_block(chunks_NC, k, take_block(chunks_NC, k) + got)
 
     # All-gather. Device me starts with chunk (me + 1) complete; round s sends
     # the complete chunk (me + 1 - s) and receives chunk (me - s).
     for s in range(n - 1):
-        got = send(take_block(chunks_PC, (me + 1 - s) % n), axis_name, right)
-        chunks_PC = put_block(chunks_PC, (me - s) % n, got)
+        got = send(take_block(chunks_NC, (me + 1 - s) % n), axis_name, right)
+        chunks_NC = put_block(chunks_NC, (me - s) % n, got)
 
-    return chunks_PC.reshape(-1)[: flat.size].reshape(x.shape)
+    return chunks_NC.reshape(-1)[: flat.size].reshape(x.shape)
 
 
 def require_power_of_two(n: int, what: str) -> None:

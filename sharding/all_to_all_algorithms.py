@@ -122,11 +122,11 @@ def hierarchical_all_to_all(x: jax.Array, outer_axis: str, inner_axis: str, spli
     blocks = _to_blocks(x, m * l, split_axis, tiled)
     rest = blocks.shape[1:]
     # [dest node m', dest local l'] -> [dest local, dest node]: stage 1 moves column l' to local peer l'.
-    stage1_LM = _exchange_blocks(jnp.swapaxes(blocks.reshape((m, l) + rest), 0, 1), inner_axis)
+    stage1_lm = _exchange_blocks(jnp.swapaxes(blocks.reshape((m, l) + rest), 0, 1), inner_axis)
     # Now [source local l'', dest node m'], all bound for our local index; stage 2 moves row m' to node m'.
-    stage2_ML = _exchange_blocks(jnp.swapaxes(stage1_LM, 0, 1), outer_axis)
-    # [source node, source local]: flattening gives source order j = node * L + local.
-    return _from_blocks(stage2_ML.reshape((m * l,) + rest), concat_axis, tiled)
+    stage2_ml = _exchange_blocks(jnp.swapaxes(stage1_lm, 0, 1), outer_axis)
+    # [source node, source local]: flattening gives source order j = node * l + local.
+    return _from_blocks(stage2_ml.reshape((m * l,) + rest), concat_axis, tiled)
 
 
 def _normalize_axes(ndim: int, split_axis: int, concat_axis: int) -> tuple[int, int]:

@@ -116,6 +116,34 @@ def test_checker_catches_a_violation(tmp_path):
     assert not {"train", "inference"} & ALLOWED["sharding"]
 
 
+# A function of train/ or inference/ longer than this reads as several ideas: split it.
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(folders=("train", "inference")) -> list[str]:
+    """'path:line name (n lines)' for each function (nested ones counted inside their parent too)."""
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_no_function_in_train_or_inference_is_over_60_lines():
+    assert not long_functions(), "split these (one idea per function):\n" + "\n".join(long_functions())
+
+
+def test_the_length_check_sees_a_long_function(tmp_path, monkeypatch):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "x.py").write_text("def f():\n" + "    pass\n" * MAX_FUNCTION_LINES)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert long_functions(("train",)) == [f"train/x.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
 if __name__ == "__main__":
     by_layer: dict[str, list[str]] = {}
     for name in modules():

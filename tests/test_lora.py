@@ -22,6 +22,7 @@ from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for, tree_shardings
 from meshwork.models.build import build_model
+from meshwork.models.transformer import apply_layers
 from meshwork.partitioning import logical_specs
 
 # head_dim 16: QLoRA groups (along wo's head_dim too) of 16.
@@ -233,6 +234,39 @@ def test_lora_dropout_draws_from_the_training_key_only():
     no_dropout = finetuned(ft("lora"))
     set_lora_b(no_dropout)
     np.testing.assert_array_equal(evaluate(state, TOKENS), logits(no_dropout))
+
+
+def test_lora_dropout_keys_are_set_per_layer_under_scan_and_remat():
+    """apply_layers splits the key, one per layer, and sets it on that layer's LoRA modules: under
+    lax.scan and remat it equals doing so by hand, layer by layer, and not one key for every layer.
+    The key is no part of the model's state. (No key: test_lora_dropout_draws_from_the_training_key_only.)"""
+    model = finetuned(ft("lora", dropout=0.5))
+    set_lora_b(model)
+    n = CFG.model.n_layers
+    graphdef, stacked = nnx.split(model.blocks)
+    x_BLD = jax.random.normal(jax.random.key(2), (2, 16, CFG.model.d_model))
+    key = jax.random.key(3)
+
+    @jax.jit
+    def scanned(x_BLD, key):
+        return apply_layers(graphdef, stacked, x_BLD, None, "full", dropout_key=key)
+
+    @jax.jit
+    def by_hand(x_BLD, keys):
+        for i in range(n):
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+            for _, node in nnx.iter_graph(block):
+                if isinstance(node, LoRA) and keys is not None:
+                    node.dropout_key = keys[i]
+            x_BLD = block(x_BLD)
+        return x_BLD
+
+    out = scanned(x_BLD, key)
+    np.testing.assert_allclose(out, by_hand(x_BLD, jax.random.split(key, n)), atol=1e-5)
+    assert np.abs(np.asarray(out - by_hand(x_BLD, jnp.stack([key] * n)))).max() > 1e-3
+    np.testing.assert_array_equal(out, scanned(x_BLD, key))
+    assert np.abs(np.asarray(out - scanned(x_BLD, jax.random.key(4)))).max() > 1e-3
+    assert not any("dropout_key" in map(str, path) for path, _ in nnx.to_flat_state(nnx.state(model)))
 
 
 def test_unsupported_combinations_fail_clearly():

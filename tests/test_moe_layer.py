@@ -68,28 +68,28 @@ def np_softmax_route(logits_E, k, norm=True):
     return chosen, w
 
 
-def np_gshard_keep(chosen_BLK, n_experts, capacity):
+def np_gshard_keep(chosen_BLX, n_experts, capacity):
     """The rule as stated: per batch row, 1st choices in sequence order, then 2nd choices, ...;
     an expert admits its first `capacity` assignments."""
-    keep = np.zeros(chosen_BLK.shape, bool)
-    for b in range(chosen_BLK.shape[0]):
+    keep = np.zeros(chosen_BLX.shape, bool)
+    for b in range(chosen_BLX.shape[0]):
         taken = np.zeros(n_experts, int)
-        for k in range(chosen_BLK.shape[2]):
-            for t in range(chosen_BLK.shape[1]):
-                e = chosen_BLK[b, t, k]
+        for k in range(chosen_BLX.shape[2]):
+            for t in range(chosen_BLX.shape[1]):
+                e = chosen_BLX[b, t, k]
                 if taken[e] < capacity:
                     keep[b, t, k] = True
                     taken[e] += 1
     return keep
 
 
-def np_moe(x_BLD, p, chosen_BLK, w_BLK, keep_BLK=None, scale=1.0):
+def np_moe(x_BLD, p, chosen_BLX, w_BLX, keep_BLX=None, scale=1.0):
     """Per-token loop over the kept chosen experts."""
     y = np.zeros(x_BLD.shape)
-    for b, t, k in np.ndindex(*chosen_BLK.shape):
-        if keep_BLK is None or keep_BLK[b, t, k]:
-            e = chosen_BLK[b, t, k]
-            y[b, t] += w_BLK[b, t, k] * np_swiglu(x_BLD[b, t], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
+    for b, t, k in np.ndindex(*chosen_BLX.shape):
+        if keep_BLX is None or keep_BLX[b, t, k]:
+            e = chosen_BLX[b, t, k]
+            y[b, t] += w_BLX[b, t, k] * np_swiglu(x_BLD[b, t], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
     return scale * y
 
 

@@ -96,9 +96,9 @@ def _mean_exact(grads, state, cfg):
     return jax.tree.map(lambda g: jax.lax.pmean(g, AXIS), grads), state
 
 
-def _encode_int8(x_NCB: jax.Array) -> tuple[jax.Array, jax.Array]:
-    scale_NC = jnp.max(jnp.abs(x_NCB), axis=-1) / 127.0
-    q = jnp.round(x_NCB / jnp.where(scale_NC == 0, 1.0, scale_NC)[..., None]).astype(jnp.int8)
+def _encode_int8(x_NCc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    scale_NC = jnp.max(jnp.abs(x_NCc), axis=-1) / 127.0
+    q = jnp.round(x_NCc / jnp.where(scale_NC == 0, 1.0, scale_NC)[..., None]).astype(jnp.int8)
     return q, scale_NC
 
 
@@ -106,9 +106,9 @@ def _decode_int8(q: jax.Array, scale: jax.Array) -> jax.Array:
     return q.astype(jnp.float32) * scale[..., None]
 
 
-def _encode_bf16(x_NCB: jax.Array) -> tuple[jax.Array, None]:
+def _encode_bf16(x_NCc: jax.Array) -> tuple[jax.Array, None]:
     # Sent as raw 16-bit words: XLA's CPU backend widens bf16 collectives to f32, integers it leaves alone.
-    return jax.lax.bitcast_convert_type(x_NCB.astype(jnp.bfloat16), jnp.uint16), None
+    return jax.lax.bitcast_convert_type(x_NCc.astype(jnp.bfloat16), jnp.uint16), None
 
 
 def _decode_bf16(q: jax.Array, scale: None) -> jax.Array:
@@ -130,8 +130,8 @@ def _mean_blockwise(grads, state, cfg):
     flat, unravel = ravel_pytree(grads)
     size = flat.size
     chunk = -(-size // (n * INT8_BLOCK)) * INT8_BLOCK
-    x_NCB = jnp.pad(flat.astype(jnp.float32), (0, n * chunk - size)).reshape(n, chunk // INT8_BLOCK, INT8_BLOCK)
-    q, scale = encode(x_NCB)
+    x_NCc = jnp.pad(flat.astype(jnp.float32), (0, n * chunk - size)).reshape(n, chunk // INT8_BLOCK, INT8_BLOCK)
+    q, scale = encode(x_NCc)
     sent = decode(q, scale).reshape(-1)[:size]
     # Block row j goes to replica j, which sums the n contributions to its share in float32 ...
     to_all = lambda x: jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)  # noqa: E731
@@ -171,17 +171,18 @@ def _mean_powersgd(grads, state, cfg):
     leaves, treedef = jax.tree.flatten(grads)
     means, new_q = [], {}
     for i, g in enumerate(leaves):
-        q_BCr = state["q"].get(str(i))
-        if q_BCr is None:  # a vector, or a matrix too small to gain: exact
+        q = state["q"].get(str(i))
+        if q is None:  # a vector, or a matrix too small to gain: exact
             means.append(jax.lax.pmean(g, AXIS))
             continue
         batch, rows, cols = matrix_view(g.shape)
-        m_BRC = g.reshape(batch, rows, cols).astype(jnp.float32)
-        p_BRr = jax.lax.pmean(m_BRC @ q_BCr, AXIS)
-        p_BRr = jnp.linalg.qr(p_BRr)[0]  # the same on every replica: it was all-reduced
-        q_BCr = jax.lax.pmean(jnp.swapaxes(m_BRC, 1, 2) @ p_BRr, AXIS)
-        means.append((p_BRr @ jnp.swapaxes(q_BCr, 1, 2)).reshape(g.shape).astype(g.dtype))
-        new_q[str(i)] = q_BCr
+        # m: (batch, rows, cols) matrices; p: (batch, rows, r) and q: (batch, cols, r) their factors.
+        m = g.reshape(batch, rows, cols).astype(jnp.float32)
+        p = jax.lax.pmean(m @ q, AXIS)
+        p = jnp.linalg.qr(p)[0]  # the same on every replica: it was all-reduced
+        q = jax.lax.pmean(jnp.swapaxes(m, 1, 2) @ p, AXIS)
+        means.append((p @ jnp.swapaxes(q, 1, 2)).reshape(g.shape).astype(g.dtype))
+        new_q[str(i)] = q
     mean = treedef.unflatten(means)
     # This replica's error: its gradient minus what the shared approximation kept of it.
     error = jax.tree.map(lambda g, m: g - m, grads, mean)

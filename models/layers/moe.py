@@ -1,6 +1,6 @@
 """Mixture-of-Experts feed-forward layer: routers, GShard capacity, dropless grouped matmul, expert parallelism.
 
-Each token x picks K of E routed experts (SwiGLU MLPs of hidden size F); its output is
+Each token x picks X of E routed experts (SwiGLU MLPs of hidden size F); its output is
 
     y = routed_scaling_factor * sum_k w_k * expert_{e_k}(x)  +  shared(x) [* sigmoid(x . g)]
 
@@ -8,9 +8,9 @@ The router and its balancing statistics are in models/layers/moe_routing.py; sen
 assignments to the experts (capacity or dropless, expert parallelism) in
 models/layers/moe_dispatch.py.
 
-Dimension letters: B batch, L sequence, D model, E experts, F expert hidden, K choices per token,
-C capacity slots per expert and group, T tokens (B*L), A assignments (T*K), S buffer slots,
-N devices along the expert axes, G expert groups.
+Shape letters (docs/architecture.md#shape-letters): B batch, L sequence, D model, E experts, F expert
+hidden, X choices per token, Q capacity slots per expert and group, T tokens (B*L), A assignments
+(T*X), Z dispatch-buffer slots, N devices along the expert axes, U expert groups.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class MoE(nnx.Module):
     `dropped_fraction` of assignments dropped by capacity (0 when dropless).
 
     Expert parallelism (see models/layers/moe_dispatch.py) moves, per device and direction, an
-    (E, B_local * C, D) buffer in capacity mode and N * (B_local * L * K) rows of D in dropless
+    (E, B_local * Q, D) buffer in capacity mode and N * (B_local * L * X) rows of D in dropless
     mode (the no-drop worst case). `all_to_all="hierarchical"` exchanges in two levels
     (`meshwork.sharding.all_to_all_algorithms.hierarchical_all_to_all`) when `expert` maps to two mesh axes, e.g.
     ("data", "expert"): first inside the inner axis, then across the outer one; with one expert
@@ -116,34 +116,34 @@ class MoE(nnx.Module):
         """noise_key: draws the noisy router's noise (pass one per step in training; None to evaluate)."""
         cfg = self.cfg
         L = x_BLD.shape[1]
-        E, K = cfg.n_experts, cfg.top_k
+        E, X = cfg.n_experts, cfg.top_k
         logits_BLE = self.router_logits(x_BLD)
         gate_logits_BLE = logits_BLE
         if cfg.router == "noisy" and noise_key is not None:
             noise_scale_BLE = cfg.noise_std * jax.nn.softplus(jnp.einsum(
                 "BLD,DE->BLE", x_BLD.astype(F32), self.noise[...].astype(F32), precision=lax.Precision.HIGHEST))
             gate_logits_BLE = logits_BLE + jax.random.normal(noise_key, logits_BLE.shape, F32) * noise_scale_BLE
-        expert_BLK, weight_BLK, probs_BLE = select_experts(
-            gate_logits_BLE, router=cfg.router, k=K, norm_topk_prob=cfg.norm_topk_prob,
+        expert_BLX, weight_BLX, probs_BLE = select_experts(
+            gate_logits_BLE, router=cfg.router, k=X, norm_topk_prob=cfg.norm_topk_prob,
             bias_E=self.router_bias[...] if cfg.router == "sigmoid" else None,
             n_groups=cfg.n_groups, topk_groups=cfg.topk_groups)
         across = _manual_token_axes()
-        stats = {"aux_loss": load_balancing_loss(probs_BLE, expert_BLK, across),
+        stats = {"aux_loss": load_balancing_loss(probs_BLE, expert_BLX, across),
                  "z_loss": router_z_loss(logits_BLE, across),
-                 "load": expert_load(expert_BLK, E, across)}
+                 "load": expert_load(expert_BLX, E, across)}
 
         x_BLD = x_BLD.astype(self.dtype)
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if cfg.capacity_factor is not None:
-            C = capacity_per_group(cfg.capacity_factor, L, K, E)
-            routes_BLK = capacity_slots(expert_BLK, E, C)
-            stats["dropped_fraction"] = token_mean(jnp.mean((routes_BLK == E * C).astype(F32)), across)
-            body = functools.partial(capacity_experts, n_experts=E, capacity=C)
+            Q = capacity_per_group(cfg.capacity_factor, L, X, E)
+            routes_BLX = capacity_slots(expert_BLX, E, Q)
+            stats["dropped_fraction"] = token_mean(jnp.mean((routes_BLX == E * Q).astype(F32)), across)
+            body = functools.partial(capacity_experts, n_experts=E, capacity=Q)
         else:
-            routes_BLK = expert_BLK
+            routes_BLX = expert_BLX
             stats["dropped_fraction"] = jnp.zeros((), F32)
             body = functools.partial(dropless_experts, n_experts=E)
-        y_BLD = run_experts(body, x_BLD, routes_BLK, weight_BLK.astype(self.dtype), weights, n_experts=E,
+        y_BLD = run_experts(body, x_BLD, routes_BLX, weight_BLX.astype(self.dtype), weights, n_experts=E,
                              impl=self.all_to_all)
         if cfg.routed_scaling_factor != 1.0:
             y_BLD = y_BLD * cfg.routed_scaling_factor

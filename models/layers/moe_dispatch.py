@@ -1,10 +1,10 @@
 """MoE dispatch and combine: sending each token's assignments to its experts and weighting the results back.
 
 - capacity (`cfg.capacity_factor` set): GShard token dropping. A group is one batch row (L
-  tokens); each expert takes C = ceil(capacity_factor * L * K / E) assignments per group, admitted
+  tokens); each expert takes Q = ceil(capacity_factor * L * X / E) assignments per group, admitted
   choice-major (all tokens' 1st choices in sequence order, then all 2nd choices, ...); the rest are
   dropped (that expert's term is skipped; the residual outside the layer carries the token). The
-  experts run as one batched matmul over an (E, C) slot buffer.
+  experts run as one batched matmul over an (E, Q) slot buffer.
 - dropless (`capacity_factor` null): the (token, choice) assignments are sorted by expert and the
   experts run as one grouped matmul, `jax.lax.ragged_dot`.
 
@@ -17,7 +17,7 @@ the drops) are those of the single-device layer. See `MoE` for the buffer sizes.
 split but not the experts (dp, fsdp) the dispatch runs per device in the same shard_map, with
 no exchange, so the token sort stays local rather than being all-gathered by GSPMD.
 
-Dimension letters as in models/layers/moe.py.
+Shape letters: docs/architecture.md#shape-letters (X choices per token, Q capacity, Z buffer slots).
 """
 
 from __future__ import annotations
@@ -56,46 +56,46 @@ def _rank_within(group_A: jax.Array, n_groups: int) -> jax.Array:
     return jnp.zeros_like(group_A).at[order_A].set(rank_sorted_A.astype(group_A.dtype))
 
 
-def capacity_slots(expert_BLK: jax.Array, n_experts: int, capacity: int) -> jax.Array:
-    """GShard capacity rule: each assignment's slot e * C + position, or E * C when dropped.
+def capacity_slots(expert_BLX: jax.Array, n_experts: int, capacity: int) -> jax.Array:
+    """GShard capacity rule: each assignment's slot e * Q + position, or E * Q when dropped.
 
     Groups are batch rows. Within a row, assignments are admitted choice-major: every token's
-    1st choice in sequence order, then every 2nd choice, ...; an expert's first C are kept.
+    1st choice in sequence order, then every 2nd choice, ...; an expert's first Q are kept.
 
     >>> experts = jnp.array([[[0, 1], [0, 2], [0, 1]]])    # 3 tokens, 2 choices, all want expert 0
-    >>> capacity_slots(experts, 3, 2).tolist()             # E*C = 6 means dropped
+    >>> capacity_slots(experts, 3, 2).tolist()             # E*Q = 6 means dropped
     [[[0, 2], [1, 4], [6, 3]]]
     """
-    B, L, K = expert_BLK.shape
-    e_BA = expert_BLK.transpose(0, 2, 1).reshape(B, K * L)  # priority order
+    B, L, X = expert_BLX.shape
+    e_BA = expert_BLX.transpose(0, 2, 1).reshape(B, X * L)  # priority order
     pos_BA = jax.vmap(_rank_within, in_axes=(0, None))(e_BA, n_experts)
     slot_BA = jnp.where(pos_BA < capacity, e_BA * capacity + pos_BA, n_experts * capacity)
-    return slot_BA.reshape(B, K, L).transpose(0, 2, 1)
+    return slot_BA.reshape(B, X, L).transpose(0, 2, 1)
 
 
 # ---------------------------------------------------------------- expert compute
 
 
-def _swiglu_dense(x_ESD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array, w_down_EFD: jax.Array) -> jax.Array:
+def _swiglu_dense(x_EZD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array, w_down_EFD: jax.Array) -> jax.Array:
     """Every expert on its own slot buffer: one batched matmul per projection."""
-    gate_ESF = jnp.einsum("ESD,EDF->ESF", x_ESD, w_gate_EDF)
-    up_ESF = jnp.einsum("ESD,EDF->ESF", x_ESD, w_up_EDF)
-    return jnp.einsum("ESF,EFD->ESD", jax.nn.silu(gate_ESF) * up_ESF, w_down_EFD)
+    gate_EZF = jnp.einsum("EZD,EDF->EZF", x_EZD, w_gate_EDF)
+    up_EZF = jnp.einsum("EZD,EDF->EZF", x_EZD, w_up_EDF)
+    return jnp.einsum("EZF,EFD->EZD", jax.nn.silu(gate_EZF) * up_EZF, w_down_EFD)
 
 
-def _swiglu_grouped(x_RD: jax.Array, expert_R: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
+def _swiglu_grouped(x_AD: jax.Array, expert_A: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
                     w_down_EFD: jax.Array) -> jax.Array:
-    """Row r through expert expert_R[r] by grouped matmuls; rows with expert >= E give zeros."""
+    """Row a through expert expert_A[a] by grouped matmuls; rows with expert >= E give zeros."""
     E = w_gate_EDF.shape[0]
-    order_R = jnp.argsort(expert_R, stable=True)
+    order_A = jnp.argsort(expert_A, stable=True)
     # Rows past the last group (expert id >= E, padding) are outside every group: ragged_dot
     # leaves them zero.
-    sizes_E = jnp.bincount(expert_R, length=E).astype(jnp.int32)
-    x_RD = x_RD[order_R]
-    h_RF = jax.nn.silu(lax.ragged_dot(x_RD, w_gate_EDF, sizes_E)) * lax.ragged_dot(x_RD, w_up_EDF, sizes_E)
-    y_RD = lax.ragged_dot(h_RF, w_down_EFD, sizes_E)
-    inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype))
-    return y_RD[inverse_R]
+    sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
+    x_AD = x_AD[order_A]
+    h_AF = jax.nn.silu(lax.ragged_dot(x_AD, w_gate_EDF, sizes_E)) * lax.ragged_dot(x_AD, w_up_EDF, sizes_E)
+    y_AD = lax.ragged_dot(h_AF, w_down_EFD, sizes_E)
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
+    return y_AD[inverse_A]
 
 
 def _exchange(x: jax.Array, axes: tuple[str, ...], split_axis: int, concat_axis: int, impl: str) -> jax.Array:
@@ -105,52 +105,52 @@ def _exchange(x: jax.Array, axes: tuple[str, ...], split_axis: int, concat_axis:
     return lax.all_to_all(x, axes[0] if len(axes) == 1 else axes, split_axis, concat_axis, tiled=True)
 
 
-def capacity_experts(x_BLD, slot_BLK, weight_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
+def capacity_experts(x_BLD, slot_BLX, weight_BLX, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
                       capacity: int, axes: tuple[str, ...] | None, impl: str) -> jax.Array:
-    """Capacity dispatch on this device's rows: slot buffer (B, E, C, D) -> experts -> combine.
+    """Capacity dispatch on this device's rows: slot buffer (B, E, Q, D) -> experts -> combine.
 
-    Under expert parallelism the buffer, expert-major (E, B, C, D), is cut along E into N
-    pieces of E/N experts, one per device; each device receives (E/N, N*B, C, D): its experts'
+    Under expert parallelism the buffer, expert-major (E, B, Q, D), is cut along E into N
+    pieces of E/N experts, one per device; each device receives (E/N, N*B, Q, D): its experts'
     slots from every peer. Fixed size, so the exchange is one plain all-to-all each way.
     """
     B, L, D = x_BLD.shape
-    K = slot_BLK.shape[-1]
-    E, C = n_experts, capacity
+    X = slot_BLX.shape[-1]
+    E, Q = n_experts, capacity
     rows_B11 = jnp.arange(B)[:, None, None]
     # Which token fills each slot (L = none: the zero row appended below).
-    token_BS = jnp.full((B, E * C), L, jnp.int32).at[rows_B11, slot_BLK].set(
-        jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :, None], (B, L, K)), mode="drop")
+    token_BZ = jnp.full((B, E * Q), L, jnp.int32).at[rows_B11, slot_BLX].set(
+        jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :, None], (B, L, X)), mode="drop")
     x_BLD = jnp.concatenate([x_BLD, jnp.zeros((B, 1, D), x_BLD.dtype)], axis=1)
-    x_EBCD = x_BLD[jnp.arange(B)[:, None], token_BS].reshape(B, E, C, D).transpose(1, 0, 2, 3)
+    x_EBQD = x_BLD[jnp.arange(B)[:, None], token_BZ].reshape(B, E, Q, D).transpose(1, 0, 2, 3)
     if axes:
-        x_EBCD = _exchange(x_EBCD, axes, 0, 1, impl)  # -> (E/N, N*B, C, D)
-    E_here, B_here = x_EBCD.shape[:2]
-    y_EBCD = _swiglu_dense(x_EBCD.reshape(E_here, B_here * C, D), w_gate_EDF, w_up_EDF,
-                           w_down_EFD).reshape(E_here, B_here, C, D)
+        x_EBQD = _exchange(x_EBQD, axes, 0, 1, impl)  # -> (E/N, N*B, Q, D)
+    E_here, B_here = x_EBQD.shape[:2]
+    y_EBQD = _swiglu_dense(x_EBQD.reshape(E_here, B_here * Q, D), w_gate_EDF, w_up_EDF,
+                           w_down_EFD).reshape(E_here, B_here, Q, D)
     if axes:
-        y_EBCD = _exchange(y_EBCD, axes, 1, 0, impl)  # -> (E, B, C, D)
-    y_BSD = y_EBCD.transpose(1, 0, 2, 3).reshape(B, E * C, D)
-    y_BSD = jnp.concatenate([y_BSD, jnp.zeros((B, 1, D), y_BSD.dtype)], axis=1)  # slot E*C: dropped
-    y_BLKD = y_BSD[jnp.arange(B)[:, None], slot_BLK.reshape(B, L * K)].reshape(B, L, K, D)
-    return jnp.einsum("BLKD,BLK->BLD", y_BLKD, weight_BLK)
+        y_EBQD = _exchange(y_EBQD, axes, 1, 0, impl)  # -> (E, B, Q, D)
+    y_BZD = y_EBQD.transpose(1, 0, 2, 3).reshape(B, E * Q, D)
+    y_BZD = jnp.concatenate([y_BZD, jnp.zeros((B, 1, D), y_BZD.dtype)], axis=1)  # slot E*Q: dropped
+    y_BLXD = y_BZD[jnp.arange(B)[:, None], slot_BLX.reshape(B, L * X)].reshape(B, L, X, D)
+    return jnp.einsum("BLXD,BLX->BLD", y_BLXD, weight_BLX)
 
 
-def dropless_experts(x_BLD, expert_BLK, weight_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
+def dropless_experts(x_BLD, expert_BLX, weight_BLX, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
                       axes: tuple[str, ...] | None, impl: str) -> jax.Array:
     """Dropless dispatch on this device's tokens: sort by expert, grouped matmul, unsort, combine.
 
-    Under expert parallelism each device sends N buffers of A = T*K rows (its assignments for
+    Under expert parallelism each device sends N buffers of A = T*X rows (its assignments for
     the devices owning experts [0, E/N), [E/N, 2E/N), ...), each with the expert id of every row
     (id E marks padding). A is the worst case (every local assignment bound for one device), so
     nothing is ever dropped and the result equals the single-device layer, at the price of N
     times the all-to-all bytes and receive memory (N*A rows) of a perfectly balanced exchange.
     """
     B, L, D = x_BLD.shape
-    K = expert_BLK.shape[-1]
-    T, A = B * L, B * L * K
+    X = expert_BLX.shape[-1]
+    T, A = B * L, B * L * X
     x_TD = x_BLD.reshape(T, D)
-    expert_A = expert_BLK.reshape(A)
-    token_A = jnp.arange(A, dtype=jnp.int32) // K
+    expert_A = expert_BLX.reshape(A)
+    token_A = jnp.arange(A, dtype=jnp.int32) // X
     if not axes:
         y_AD = _swiglu_grouped(x_TD[token_A], expert_A, w_gate_EDF, w_up_EDF, w_down_EFD)
     else:
@@ -158,17 +158,17 @@ def dropless_experts(x_BLD, expert_BLK, weight_BLK, w_gate_EDF, w_up_EDF, w_down
         N = n_experts // E_here
         dest_A = expert_A // E_here
         slot_A = dest_A * A + _rank_within(dest_A, N)
-        token_S = jnp.full((N * A,), T, jnp.int32).at[slot_A].set(token_A)
-        expert_S = jnp.full((N * A,), n_experts, jnp.int32).at[slot_A].set(expert_A)
-        x_SD = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])[token_S]
-        x_SD = _exchange(x_SD.reshape(N, A, D), axes, 0, 0, impl).reshape(N * A, D)
-        expert_S = _exchange(expert_S.reshape(N, A), axes, 0, 0, impl).reshape(N * A)
+        token_Z = jnp.full((N * A,), T, jnp.int32).at[slot_A].set(token_A)
+        expert_Z = jnp.full((N * A,), n_experts, jnp.int32).at[slot_A].set(expert_A)
+        x_ZD = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])[token_Z]
+        x_ZD = _exchange(x_ZD.reshape(N, A, D), axes, 0, 0, impl).reshape(N * A, D)
+        expert_Z = _exchange(expert_Z.reshape(N, A), axes, 0, 0, impl).reshape(N * A)
         # Local expert ids; padding (id E) maps to >= E_here, outside every group.
-        local_S = jnp.minimum(expert_S - lax.axis_index(axes) * E_here, E_here)
-        y_SD = _swiglu_grouped(x_SD, local_S, w_gate_EDF, w_up_EDF, w_down_EFD)
-        y_SD = _exchange(y_SD.reshape(N, A, D), axes, 0, 0, impl).reshape(N * A, D)
-        y_AD = y_SD[slot_A]
-    y_TD = jnp.einsum("TKD,TK->TD", y_AD.reshape(T, K, D), weight_BLK.reshape(T, K))
+        local_Z = jnp.minimum(expert_Z - lax.axis_index(axes) * E_here, E_here)
+        y_ZD = _swiglu_grouped(x_ZD, local_Z, w_gate_EDF, w_up_EDF, w_down_EFD)
+        y_ZD = _exchange(y_ZD.reshape(N, A, D), axes, 0, 0, impl).reshape(N * A, D)
+        y_AD = y_ZD[slot_A]
+    y_TD = jnp.einsum("TXD,TX->TD", y_AD.reshape(T, X, D), weight_BLX.reshape(T, X))
     return y_TD.reshape(B, L, D)
 
 
@@ -207,7 +207,7 @@ def _spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def run_experts(body: Callable, x_BLD, routes_BLK, weight_BLK, weights, *, n_experts: int, impl: str):
+def run_experts(body: Callable, x_BLD, routes_BLX, weight_BLX, weights, *, n_experts: int, impl: str):
     """`body` on the whole batch, or per device inside shard_map when the batch is split.
 
     Data parallelism without expert parallelism goes through shard_map too: the dispatch sorts
@@ -215,7 +215,7 @@ def run_experts(body: Callable, x_BLD, routes_BLK, weight_BLK, weights, *, n_exp
     """
     layout = _token_layout(n_experts)
     if layout is None:
-        return body(x_BLD, routes_BLK, weight_BLK, *weights, axes=None, impl=impl)
+        return body(x_BLD, routes_BLX, weight_BLX, *weights, axes=None, impl=impl)
     mesh, batch_axes, expert_axes = layout
     parts = math.prod(dict(mesh.shape)[a] for a in batch_axes)
     if x_BLD.shape[0] % parts:
@@ -227,4 +227,4 @@ def run_experts(body: Callable, x_BLD, routes_BLK, weight_BLK, weights, *, n_exp
     f = jax.shard_map(functools.partial(body, axes=expert_axes or None, impl=impl), mesh=mesh,
                       in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens,
                       axis_names=frozenset(batch_axes))
-    return f(x_BLD, routes_BLK, weight_BLK, *weights)
+    return f(x_BLD, routes_BLX, weight_BLX, *weights)

@@ -1,4 +1,4 @@
-"""MoE routing: choosing each token's K experts and the statistics that keep the choice balanced.
+"""MoE routing: choosing each token's X experts and the statistics that keep the choice balanced.
 
 Routers (`cfg.router`), all in float32 whatever the compute dtype:
 - "softmax" (Mixtral): top-k of softmax(x W_r); with `norm_topk_prob` the k weights are
@@ -10,8 +10,8 @@ Routers (`cfg.router`), all in float32 whatever the compute dtype:
   to `topk_groups` of `n_groups` expert groups; the weights are the unbiased scores.
 
 Balancing: the Switch/GShard `load_balancing_loss`, the ST-MoE `router_z_loss`, and the
-per-expert `expert_load` that `updated_router_bias` consumes. Dimension letters as in
-models/layers/moe.py.
+per-expert `expert_load` that `updated_router_bias` consumes. Shape letters as in
+models/layers/moe.py (U expert groups, e one group's experts).
 """
 
 from __future__ import annotations
@@ -75,19 +75,19 @@ def _limit_to_groups(choice_BLE: jax.Array, n_groups: int, topk_groups: int) -> 
     if n_groups == 1 or topk_groups >= n_groups:
         return choice_BLE
     per_group = E // n_groups
-    grouped_BLGE = choice_BLE.reshape(*choice_BLE.shape[:-1], n_groups, per_group)
-    group_score_BLG = top_k(grouped_BLGE, min(2, per_group))[0].sum(-1)
-    _, best_groups = top_k(group_score_BLG, topk_groups)
-    keep_BLG = jax.nn.one_hot(best_groups, n_groups, dtype=jnp.bool_).any(-2)
-    return jnp.where(jnp.repeat(keep_BLG, per_group, axis=-1), choice_BLE, -jnp.inf)
+    grouped_BLUe = choice_BLE.reshape(*choice_BLE.shape[:-1], n_groups, per_group)
+    group_score_BLU = top_k(grouped_BLUe, min(2, per_group))[0].sum(-1)
+    _, best_groups = top_k(group_score_BLU, topk_groups)
+    keep_BLU = jax.nn.one_hot(best_groups, n_groups, dtype=jnp.bool_).any(-2)
+    return jnp.where(jnp.repeat(keep_BLU, per_group, axis=-1), choice_BLE, -jnp.inf)
 
 
 def select_experts(logits_BLE: jax.Array, *, router: str, k: int, norm_topk_prob: bool = True,
                    bias_E: jax.Array | None = None, n_groups: int = 1,
                    topk_groups: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Chooses K experts per token from router logits.
+    """Chooses `k` experts per token (X in the shape letters) from router logits.
 
-    Returns (expert_BLK int32, weight_BLK float32, probs_BLE float32): the chosen experts, best
+    Returns (expert_BLX int32, weight_BLX float32, probs_BLE float32): the chosen experts, best
     first; their combine weights; and the per-token routing distribution the load-balancing loss
     uses (softmax probabilities; for "sigmoid", the scores normalized per token).
     `bias_E` ("sigmoid" only) shifts the scores for selection, never the weights.
@@ -100,29 +100,29 @@ def select_experts(logits_BLE: jax.Array, *, router: str, k: int, norm_topk_prob
     logits_BLE = logits_BLE.astype(F32)
     if router in ("softmax", "noisy"):
         probs_BLE = jax.nn.softmax(logits_BLE, axis=-1)
-        weight_BLK, expert_BLK = top_k(probs_BLE, k)
+        weight_BLX, expert_BLX = top_k(probs_BLE, k)
     elif router == "sigmoid":
         scores_BLE = jax.nn.sigmoid(logits_BLE)
         choice_BLE = scores_BLE if bias_E is None else scores_BLE + bias_E.astype(F32)
         choice_BLE = _limit_to_groups(lax.stop_gradient(choice_BLE), n_groups, topk_groups)
-        _, expert_BLK = top_k(choice_BLE, k)
-        weight_BLK = jnp.take_along_axis(scores_BLE, expert_BLK, axis=-1)
+        _, expert_BLX = top_k(choice_BLE, k)
+        weight_BLX = jnp.take_along_axis(scores_BLE, expert_BLX, axis=-1)
         probs_BLE = scores_BLE / scores_BLE.sum(-1, keepdims=True)
     else:
         raise ValueError(f"router {router!r} is not known; use softmax, noisy or sigmoid")
     if norm_topk_prob:
-        weight_BLK = weight_BLK / weight_BLK.sum(-1, keepdims=True)
-    return expert_BLK.astype(jnp.int32), weight_BLK, probs_BLE
+        weight_BLX = weight_BLX / weight_BLX.sum(-1, keepdims=True)
+    return expert_BLX.astype(jnp.int32), weight_BLX, probs_BLE
 
 
-def expert_load(expert_BLK: jax.Array, n_experts: int, across: tuple[str, ...] = ()) -> jax.Array:
+def expert_load(expert_BLX: jax.Array, n_experts: int, across: tuple[str, ...] = ()) -> jax.Array:
     """(E,) fraction of all (token, choice) assignments routed to each expert (sums to 1).
 
     `across`: manual mesh axes that split the tokens (inside a shard_map, e.g. a pipeline stage's
     data shards); the fraction is then the whole batch's, as everywhere else. So for the means below.
     """
-    counts_E = jnp.bincount(expert_BLK.reshape(-1), length=n_experts)
-    return token_mean(counts_E.astype(F32) / expert_BLK.size, across)
+    counts_E = jnp.bincount(expert_BLX.reshape(-1), length=n_experts)
+    return token_mean(counts_E.astype(F32) / expert_BLX.size, across)
 
 
 def token_mean(mean: jax.Array, across: tuple[str, ...]) -> jax.Array:
@@ -131,7 +131,7 @@ def token_mean(mean: jax.Array, across: tuple[str, ...]) -> jax.Array:
     return lax.pmean(mean, across) if across else mean
 
 
-def load_balancing_loss(probs_BLE: jax.Array, expert_BLK: jax.Array, across: tuple[str, ...] = ()) -> jax.Array:
+def load_balancing_loss(probs_BLE: jax.Array, expert_BLX: jax.Array, across: tuple[str, ...] = ()) -> jax.Array:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e; 1.0 when routing is uniform.
 
     f_e: fraction of assignments routed to e (no gradient); P_e: mean routing probability of e.
@@ -143,7 +143,7 @@ def load_balancing_loss(probs_BLE: jax.Array, expert_BLK: jax.Array, across: tup
     1.0
     """
     E = probs_BLE.shape[-1]
-    return E * jnp.sum(expert_load(expert_BLK, E, across) * token_mean(probs_BLE.mean(axis=(0, 1)), across))
+    return E * jnp.sum(expert_load(expert_BLX, E, across) * token_mean(probs_BLE.mean(axis=(0, 1)), across))
 
 
 def router_z_loss(logits_BLE: jax.Array, across: tuple[str, ...] = ()) -> jax.Array:

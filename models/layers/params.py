@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,31 +47,3 @@ def matmul(spec: str, x: jax.Array, weight: nnx.Param | nnx.Module, dtype: jnp.d
         return weight_einsum(spec, x, w.astype(dtype))
     return w.matmul(spec, x, dtype)
 
-
-_TRAINING_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("meshwork_training_key",
-                                                                                  default=None)
-
-
-@contextlib.contextmanager
-def training_key(key: jax.Array | None) -> Iterator[None]:
-    """Makes `key` the randomness that weight wrappers read while tracing one layer
-    (models/lora.py's dropout on the LoRA branch); None (the default) means evaluation.
-
-    Set per layer inside the layer scan (models/transformer.py `apply_layers`), so
-    the projections need no key argument.
-
-    >>> with training_key(jax.random.key(0)):
-    ...     current_training_key() is not None
-    True
-    >>> current_training_key() is None
-    True
-    """
-    token = _TRAINING_KEY.set(key)
-    try:
-        yield
-    finally:
-        _TRAINING_KEY.reset(token)
-
-
-def current_training_key() -> jax.Array | None:
-    return _TRAINING_KEY.get()

@@ -63,7 +63,7 @@ def denoise_patch(model_fn: ModelFn, x_own, t_B, labels, *, axis: str, n: int, s
 # The sampling loop
 # --------------------------------------------------------------------------
 
-def _body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, scale, null_label, warmup, *, static, axis, n,
+def _body(arrays, x_own, k_steps, t_N, prev_N, abar, labels, scale, null_label, warmup, *, static, axis, n,
           batch_axes, full_shape, prediction, clip, eta, guided):
     """Per device: DDIM on its patch, the UNet's per-layer state carried from step to step."""
     model_fn = _combine(static, arrays)
@@ -73,14 +73,14 @@ def _body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, scale, null_label
     update = functools.partial(_ddim_update, prediction=prediction, clip=clip, eta=eta)
 
     def step(k, x_own, stale):
-        t_B = jnp.full((x_own.shape[0],), t_S[k], jnp.int32)
+        t_B = jnp.full((x_own.shape[0],), t_N[k], jnp.int32)
         out, sent = denoise_patch(model_fn, x_own, t_B, labels, axis=axis, n=n, stale=stale,
                                   guidance_scale=scale if guided else None, null_label=null_label)
         noise = None
         if eta:  # the full-size draw, sliced: the same z as the single-device sampler's
             z = jax.random.normal(jax.random.fold_in(k_steps, k), full_shape, F32)
             noise = jax.lax.dynamic_slice(z, (b0, row0, 0, 0), x_own.shape)
-        return update(x_own, out, t_S[k], prev_S[k], abar_T, noise), sent
+        return update(x_own, out, t_N[k], prev_N[k], abar, noise), sent
 
     # The state's structure from an abstract synchronous step; its zeros are never read, since
     # step 0 is synchronous (warmup >= 1). `warmup` is an argument, not a constant: one compile
@@ -88,7 +88,7 @@ def _body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, scale, null_label
     shapes = jax.eval_shape(lambda x: step(0, x, None)[1], x_own)
     carry = (x_own, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
     carry = jax.lax.fori_loop(0, warmup, lambda k, c: step(k, c[0], None), carry)
-    x_own, _ = jax.lax.fori_loop(warmup, t_S.shape[0], lambda k, c: step(k, *c), carry)
+    x_own, _ = jax.lax.fori_loop(warmup, t_N.shape[0], lambda k, c: step(k, *c), carry)
     return x_own
 
 
@@ -111,13 +111,13 @@ def _setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", batch_axes=(), s
     shape, batch_axes = tuple(int(s) for s in shape), tuple(batch_axes)
     _check_guidance(shape, labels, guidance_scale, null_label)
     _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, "distrifusion_sample")
-    x_T, k_steps, t_S, prev_S, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "distrifusion_sample")
+    x_T, k_steps, t_N, prev_N, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "distrifusion_sample")
     guided = guidance_scale is not None
     labels = None if labels is None else jnp.asarray(labels, jnp.int32)
     f = _program(static, len(arrays), labels is not None, mesh=mesh, axis=axis, batch_axes=batch_axes,
                  full_shape=shape, prediction=cfg.prediction,
                  clip=None if clip_sample is None else float(clip_sample), eta=float(eta), guided=guided)
-    args = (arrays, x_T.astype(F32), k_steps, t_S, prev_S, alphas_cumprod(cfg), labels,
+    args = (arrays, x_T.astype(F32), k_steps, t_N, prev_N, alphas_cumprod(cfg), labels,
             jnp.float32(guidance_scale if guided else 0.0), jnp.int32(null_label if guided else 0),
             jnp.int32(warmup))
     return f, args

@@ -100,43 +100,44 @@ class PatchExchange:
             top, bottom = self.stale[key]
         return jnp.concatenate([top.astype(x_BhWC.dtype), x_BhWC, bottom.astype(x_BhWC.dtype)], axis=1)
 
-    def group_moments(self, x_BhWGc: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(mean, biased variance) per (batch, group) of the whole image, shaped (B, 1, 1, G, 1).
+    def group_moments(self, x_BhWUc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(mean, biased variance) per (batch, group) of the whole image, shaped (B, 1, 1, U, 1)
+        (U: the GroupNorm's groups, c: one group's channels).
 
         Each patch contributes its own mean m_j and sum of squared deviations M2_j (two-pass,
         as the whole-image norm computes them); they combine exactly (Chan et al.):
         mean = avg_j m_j, M2 = sum_j M2_j + c sum_j (m_j - mean)^2 with c values per patch.
         On stale steps the other patches' (m_j, M2_j) are the previous step's, this patch's fresh.
         """
-        x = x_BhWGc.astype(F32)
+        x = x_BhWUc.astype(F32)
         c = x.shape[1] * x.shape[2] * x.shape[4]
         m = x.mean(axis=(1, 2, 4))
         m2 = jnp.square(x - m[:, None, None, :, None]).sum(axis=(1, 2, 4))
-        own_BG2 = jnp.stack([m, m2], axis=-1)
+        own_BU2 = jnp.stack([m, m2], axis=-1)
         key = self._key("norm")
-        gathered_nBG2 = jax.lax.all_gather(own_BG2, self.axis)
-        self.fresh[key] = gathered_nBG2
+        gathered_NBU2 = jax.lax.all_gather(own_BU2, self.axis)
+        self.fresh[key] = gathered_NBU2
         if self.synchronous:
-            parts = gathered_nBG2
+            parts = gathered_NBU2
         else:
-            parts = self.stale[key].at[self.index].set(own_BG2)
-        mean_BG = parts[..., 0].mean(axis=0)
-        m2_BG = parts[..., 1].sum(axis=0) + c * jnp.square(parts[..., 0] - mean_BG).sum(axis=0)
-        var_BG = m2_BG / (c * self.n)
-        return mean_BG[:, None, None, :, None], var_BG[:, None, None, :, None]
+            parts = self.stale[key].at[self.index].set(own_BU2)
+        mean_BU = parts[..., 0].mean(axis=0)
+        m2_BU = parts[..., 1].sum(axis=0) + c * jnp.square(parts[..., 0] - mean_BU).sum(axis=0)
+        var_BU = m2_BU / (c * self.n)
+        return mean_BU[:, None, None, :, None], var_BU[:, None, None, :, None]
 
-    def keys_values(self, k_BlNK: jax.Array, v_BlNK: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(K, V) of every position of the image, (B, L, N, K) each: this patch's fresh, the
+    def keys_values(self, k_BlHK: jax.Array, v_BlHK: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(K, V) of every position of the image, (B, L, H, K) each: this patch's fresh, the
         others' fresh on synchronous steps and the previous step's on stale ones."""
-        kv_Bl2NK = jnp.stack([k_BlNK, v_BlNK], axis=2)
+        kv_Bl2HK = jnp.stack([k_BlHK, v_BlHK], axis=2)
         key = self._key("kv")
-        full_BL2NK = jax.lax.all_gather(kv_Bl2NK, self.axis, axis=1, tiled=True)
-        self.fresh[key] = full_BL2NK
+        full_BL2HK = jax.lax.all_gather(kv_Bl2HK, self.axis, axis=1, tiled=True)
+        self.fresh[key] = full_BL2HK
         if not self.synchronous:
-            l = kv_Bl2NK.shape[1]
-            full_BL2NK = jax.lax.dynamic_update_slice_in_dim(self.stale[key], kv_Bl2NK.astype(full_BL2NK.dtype),
+            l = kv_Bl2HK.shape[1]
+            full_BL2HK = jax.lax.dynamic_update_slice_in_dim(self.stale[key], kv_Bl2HK.astype(full_BL2HK.dtype),
                                                              self.index * l, axis=1)
-        return full_BL2NK[:, :, 0], full_BL2NK[:, :, 1]
+        return full_BL2HK[:, :, 0], full_BL2HK[:, :, 1]
 
 
 def sent_bytes(kind: str, shape: tuple[int, ...], itemsize: int, n: int) -> int:

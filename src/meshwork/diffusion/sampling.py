@@ -13,9 +13,9 @@ with abar_t = prod_{s<=t} (1 - beta_s) the cumulative signal level:
     x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps,         eps ~ N(0, I)
     v   = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0           (v-prediction)
 
-Sampling visits S timesteps t_0 > t_1 > ... > t_{S-1} = 0 with "leading"
-spacing (diffusers' default): t_k = (S-1-k) * (T // S); the step from t_k goes
-to t_k - T // S, where abar = 1 once below 0 (`set_alpha_to_one`). The whole
+Sampling visits N timesteps t_0 > t_1 > ... > t_{N-1} = 0 with "leading"
+spacing (diffusers' default): t_k = (N-1-k) * (T // N), T the training timesteps; the step
+from t_k goes to t_k - T // N, where abar = 1 once below 0 (`set_alpha_to_one`). The whole
 loop is one `lax.fori_loop` under `jax.jit`, so it compiles once per
 (model, shape, step count), whatever the key, labels or guidance scale.
 
@@ -71,28 +71,28 @@ def sampling_timesteps(cfg: DiffusionConfig, steps: int | None = None) -> np.nda
 
 
 def _step_table(cfg: DiffusionConfig, steps: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(t_S, prev_S): each step's timestep and the one it steps to (negative on the last step)."""
+    """(t_N, prev_N): each step's timestep and the one it steps to (negative on the last step)."""
     t = sampling_timesteps(cfg, steps)
     return t, t - np.int32(cfg.num_train_timesteps // len(t))
 
 
-def _abar_pair(abar_T, t, prev_t):
+def _abar_pair(abar, t, prev_t):
     """(abar_t, abar_prev), abar_prev = 1 below t = 0 (diffusers' set_alpha_to_one)."""
-    return abar_T[t], jnp.where(prev_t >= 0, abar_T[jnp.maximum(prev_t, 0)], 1.0)
+    return abar[t], jnp.where(prev_t >= 0, abar[jnp.maximum(prev_t, 0)], 1.0)
 
 
-def _ddpm_update(x_t, out, t, prev_t, abar_T, noise, *, prediction, clip, eta=None):
+def _ddpm_update(x_t, out, t, prev_t, abar, noise, *, prediction, clip, eta=None):
     """Ancestral step: the Gaussian posterior q(x_prev | x_t, x0_hat) with "fixed_small" variance
     (`meshwork.diffusion.schedule.ddpm_step`). With a = abar_t, a' = abar_prev, beta = 1 - a / a':
         mean = sqrt(a') beta / (1-a) x0_hat + sqrt(a / a') (1-a') / (1-a) x_t
         var  = (1-a') / (1-a) beta            (no noise on the last step)
     """
-    x, _ = ddpm_step(out, t, x_t, None, abar_T, prev_t=prev_t, prediction=prediction, clip_sample=clip is not None,
+    x, _ = ddpm_step(out, t, x_t, None, abar, prev_t=prev_t, prediction=prediction, clip_sample=clip is not None,
                      clip_sample_range=1.0 if clip is None else clip, noise=noise)
     return x
 
 
-def _ddim_update(x_t, out, t, prev_t, abar_T, noise, *, prediction, clip, eta):
+def _ddim_update(x_t, out, t, prev_t, abar, noise, *, prediction, clip, eta):
     """DDIM step (Song et al. eq. 12), with a = abar_t, a' = abar_prev:
         x_prev = sqrt(a') x0_hat + sqrt(1 - a' - sigma^2) eps_hat + sigma z,
         sigma  = eta sqrt((1-a')/(1-a)) sqrt(1 - a/a').
@@ -101,8 +101,8 @@ def _ddim_update(x_t, out, t, prev_t, abar_T, noise, *, prediction, clip, eta):
     eps_hat = out (epsilon) or sqrt(1-a) x_t + sqrt(a) v (v); `clip` clips x0_hat only,
     as diffusers' clip_sample, and eps_hat stays the model's.
     """
-    a, a_prev = _abar_pair(abar_T, t, prev_t)
-    x0 = predicted_x0(out, x_t, t, abar_T, prediction)
+    a, a_prev = _abar_pair(abar, t, prev_t)
+    x0 = predicted_x0(out, x_t, t, abar, prediction)
     eps = out if prediction == "epsilon" else jnp.sqrt(1 - a) * x_t + jnp.sqrt(a) * out
     if clip is not None:
         x0 = jnp.clip(x0, -clip, clip)
@@ -155,21 +155,21 @@ def _noise_key(key):
 
 
 @functools.partial(jax.jit, static_argnames=("static", "update", "prediction", "clip", "eta", "guided"))
-def _sample_loop(arrays, x_T, k_steps, t_S, prev_S, abar_T, labels, scale, null_label, *, static, update,
+def _sample_loop(arrays, x_T, k_steps, t_N, prev_N, abar, labels, scale, null_label, *, static, update,
                  prediction, clip, eta, guided):
     model_fn = _combine(static, arrays)
     step = functools.partial(_ddpm_update if update == "ddpm" else _ddim_update, prediction=prediction,
                              clip=clip, eta=eta)
 
     def body(k, x):
-        t_B = jnp.full((x.shape[0],), t_S[k], jnp.int32)
+        t_B = jnp.full((x.shape[0],), t_N[k], jnp.int32)
         out = _guided(model_fn, x, t_B, labels, scale if guided else None, null_label).astype(F32)
         noise = None
         if eta or update == "ddpm":
             noise = jax.random.normal(jax.random.fold_in(k_steps, k), x.shape, F32)
-        return step(x, out, t_S[k], prev_S[k], abar_T, noise)
+        return step(x, out, t_N[k], prev_N[k], abar, noise)
 
-    return jax.lax.fori_loop(0, t_S.shape[0], body, x_T.astype(F32))
+    return jax.lax.fori_loop(0, t_N.shape[0], body, x_T.astype(F32))
 
 
 def _check_guidance(shape, labels, guidance_scale, null_label):
@@ -191,17 +191,17 @@ def _start(model_fn, shape, key, cfg, steps, x_T, who: str):
         x_T = jax.random.normal(k_init, shape, F32)
     elif tuple(x_T.shape) != shape:
         raise ValueError(f"{who}: x_T shape {tuple(x_T.shape)} must equal shape {shape}")
-    t_S, prev_S = _step_table(cfg, steps)
+    t_N, prev_N = _step_table(cfg, steps)
     static, arrays = _partition(model_fn)
-    return x_T, k_steps, t_S, prev_S, static, arrays
+    return x_T, k_steps, t_N, prev_N, static, arrays
 
 
 def _sample(model_fn, shape, key, cfg, steps, *, update, eta, labels, guidance_scale, null_label, x_T, clip_sample):
     shape = tuple(int(s) for s in shape)
     _check_guidance(shape, labels, guidance_scale, null_label)
-    x_T, k_steps, t_S, prev_S, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "sampling")
+    x_T, k_steps, t_N, prev_N, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "sampling")
     guided = guidance_scale is not None
-    return _sample_loop(arrays, x_T, k_steps, t_S, prev_S, alphas_cumprod(cfg),
+    return _sample_loop(arrays, x_T, k_steps, t_N, prev_N, alphas_cumprod(cfg),
                         None if labels is None else jnp.asarray(labels, jnp.int32),
                         jnp.float32(guidance_scale if guided else 0.0), jnp.int32(null_label if guided else 0),
                         static=static, update=update, prediction=cfg.prediction,
@@ -274,7 +274,7 @@ def patch_parallel_comm_bytes(shape: Sequence[int], n_patches: int, *, batch_sha
     return {"patch_bytes": patch, "sent_per_step": (n_patches - 1) * patch, "gathered_bytes": n_patches * patch}
 
 
-def _patch_parallel_body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, scale, null_label, *, static,
+def _patch_parallel_body(arrays, x_own, k_steps, t_N, prev_N, abar, labels, scale, null_label, *, static,
                          axis, batch_axes, full_shape, warmup, prediction, clip, eta, guided):
     """Per device: the sampling loop on this device's patch (rows idx*h .. idx*h+h)."""
     model_fn = _combine(static, arrays)
@@ -287,7 +287,7 @@ def _patch_parallel_body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, sc
         # The model sees the full image [stale others | fresh own] and only this
         # device's rows of its output are kept.
         x_in = jax.lax.dynamic_update_slice_in_dim(context, x_own, row0, axis=1)
-        t_B = jnp.full((x_in.shape[0],), t_S[k], jnp.int32)
+        t_B = jnp.full((x_in.shape[0],), t_N[k], jnp.int32)
         out = _guided(model_fn, x_in, t_B, labels, scale if guided else None, null_label).astype(F32)
         out = jax.lax.dynamic_slice_in_dim(out, row0, h, axis=1)
         noise = None
@@ -295,7 +295,7 @@ def _patch_parallel_body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, sc
             # The full-size draw, sliced, keeps z identical to the single-device sampler's.
             z = jax.random.normal(jax.random.fold_in(k_steps, k), full_shape, F32)
             noise = jax.lax.dynamic_slice(z, (b0, row0, 0, 0), x_own.shape)
-        return update(x_own, out, t_S[k], prev_S[k], abar_T, noise)
+        return update(x_own, out, t_N[k], prev_N[k], abar, noise)
 
     def gather(x_own):
         return jax.lax.all_gather(x_own, axis, axis=1, tiled=True)
@@ -316,7 +316,7 @@ def _patch_parallel_body(arrays, x_own, k_steps, t_S, prev_S, abar_T, labels, sc
     stale0 = jnp.zeros((x_own.shape[0], h * jax.lax.axis_size(axis), *x_own.shape[2:]), F32)
     stale0 = jax.lax.pcast(stale0, (axis, *batch_axes), to="varying")
     carry = jax.lax.fori_loop(0, warmup, sync_step, (x_own, stale0))
-    x_own, _ = jax.lax.fori_loop(warmup, t_S.shape[0], async_step, carry)
+    x_own, _ = jax.lax.fori_loop(warmup, t_N.shape[0], async_step, carry)
     return x_own
 
 
@@ -342,7 +342,7 @@ def _patch_parallel_setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", b
     _check_guidance(shape, labels, guidance_scale, null_label)
     batch_axes = tuple(batch_axes)
     _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, "patch_parallel_sample")
-    x_T, k_steps, t_S, prev_S, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T,
+    x_T, k_steps, t_N, prev_N, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T,
                                                        "patch_parallel_sample")
     guided = guidance_scale is not None
     labels = None if labels is None else jnp.asarray(labels, jnp.int32)
@@ -350,7 +350,7 @@ def _patch_parallel_setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", b
                                 batch_axes=batch_axes, full_shape=shape, warmup=int(warmup),
                                 prediction=cfg.prediction, clip=None if clip_sample is None else float(clip_sample),
                                 eta=float(eta), guided=guided)
-    args = (arrays, x_T.astype(F32), k_steps, t_S, prev_S, alphas_cumprod(cfg), labels,
+    args = (arrays, x_T.astype(F32), k_steps, t_N, prev_N, alphas_cumprod(cfg), labels,
             jnp.float32(guidance_scale if guided else 0.0), jnp.int32(null_label if guided else 0))
     return f, args
 

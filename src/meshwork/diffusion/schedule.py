@@ -58,9 +58,9 @@ def alphas_cumprod(cfg: DiffusionConfig) -> jax.Array:
     return jnp.asarray(np.cumprod(1.0 - _betas64(cfg)), F32)
 
 
-def _at(abar_T: jax.Array, t: jax.Array, ndim: int) -> jax.Array:
+def _at(abar: jax.Array, t: jax.Array, ndim: int) -> jax.Array:
     """abar[t] shaped to broadcast against an (B, ...) array of rank `ndim`."""
-    a = jnp.asarray(abar_T, F32)[jnp.asarray(t)]
+    a = jnp.asarray(abar, F32)[jnp.asarray(t)]
     return a.reshape(a.shape + (1,) * (ndim - a.ndim)) if a.ndim else a
 
 

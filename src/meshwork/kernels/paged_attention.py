@@ -192,8 +192,8 @@ def _paged_splits(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL, layer, to
         lo_BC = jnp.minimum(floor_div(jnp.maximum(first - cfg.window + 1, 0), T), P)
     else:
         lo_BC = jnp.zeros((B, C), jnp.int32)
-    pos_BCr = jnp.repeat(pos_BC_t, R, axis=2)  # row = token * R + head
-    pos_BCr = jnp.pad(pos_BCr, ((0, 0), (0, 0), (0, cfg.rows - tokens * R)), constant_values=-1)
+    pos_BC_rows = jnp.repeat(pos_BC_t, R, axis=2)  # row = token * R + head
+    pos_BC_rows = jnp.pad(pos_BC_rows, ((0, 0), (0, 0), (0, cfg.rows - tokens * R)), constant_values=-1)
     q = jnp.pad(q_BLHK, ((0, 0), (0, C * tokens - L), (0, 0), (0, 0))).reshape(B, C, tokens, G, R, K)
     q = q.transpose(0, 3, 1, 2, 4, 5).reshape(B, G, C, tokens * R, K)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, cfg.rows - tokens * R), (0, 0)))
@@ -214,7 +214,7 @@ def _paged_splits(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL, layer, to
     in_specs = [*small, pl.BlockSpec((None, None, cfg.rows), lambda b, g, c, s: (b, c, 0)),
                 pl.BlockSpec((None, None, None, cfg.rows, K), lambda b, g, c, s: (b, g, c, 0, 0)),
                 pool_spec, pool_spec]
-    args = (layer, table, lo_BC, hi_BC, pos_BCr, q, k_pool, v_pool)
+    args = (layer, table, lo_BC, hi_BC, pos_BC_rows, q, k_pool, v_pool)
     out_specs = [out_spec(K), out_spec(1)]
     kernel = functools.partial(_paged_kernel, cfg=cfg)
     aliases = {}

@@ -30,7 +30,7 @@ from meshwork.matmul import f32_product
 from meshwork.sharding.parallel import current_rules, with_logical_constraint
 from meshwork.sharding.rules import compiler_axes, split_axes
 
-ACT_NV = ("act_batch", "act_vocab")  # a chunk's logits: rows split like the batch, vocabulary like the head
+ACT_TV = ("act_batch", "act_vocab")  # a chunk's logits: rows split like the batch, vocabulary like the head
 W_DV = ("embed", "vocab")  # the head weight's logical axes (tied: the embedding table's, transposed)
 W_GATHERED = (None, "vocab")  # the weight as every chunk reads it: whole, but for a vocabulary split
 PARTIAL_DV = ("act_batch", None, "act_vocab")  # one (D, V) partial sum of dW per device that holds rows
@@ -57,23 +57,23 @@ def fused_cross_entropy(h_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array
     N = B * L
     dtype = dtype or h_BLD.dtype
     if loss_mask_BL is None:
-        weight_N = jnp.full((N,), 1.0 / N, jnp.float32)
+        weight_T = jnp.full((N,), 1.0 / N, jnp.float32)
     else:
-        mask_N = loss_mask_BL.reshape(N).astype(jnp.float32)
-        weight_N = mask_N / jnp.maximum(mask_N.sum(), 1.0)
+        mask_T = loss_mask_BL.reshape(N).astype(jnp.float32)
+        weight_T = mask_T / jnp.maximum(mask_T.sum(), 1.0)
     chunk = min(chunk, N)
     C = -(-N // chunk)  # number of chunks
     pad = C * chunk - N
-    h_ND = h_BLD.reshape(N, D).astype(dtype)
-    t_N = targets_BL.reshape(N).astype(jnp.int32)
+    h_TD = h_BLD.reshape(N, D).astype(dtype)
+    t_T = targets_BL.reshape(N).astype(jnp.int32)
     if pad:
-        h_ND = jnp.pad(h_ND, ((0, pad), (0, 0)))
-        t_N, weight_N = jnp.pad(t_N, (0, pad)), jnp.pad(weight_N, (0, pad))
+        h_TD = jnp.pad(h_TD, ((0, pad), (0, 0)))
+        t_T, weight_T = jnp.pad(t_T, (0, pad)), jnp.pad(weight_T, (0, pad))
     # Row r*C + c goes to chunk c: (chunk, C, ...) -> (C, chunk, ...).
     strided = lambda x: x.reshape(chunk, C, *x.shape[1:]).swapaxes(0, 1)  # noqa: E731
     parts = _row_shards()
     parts = parts if chunk % parts == 0 else 1
-    return _chunked_ce(parts, strided(h_ND), w_DV.astype(dtype), strided(t_N), strided(weight_N))
+    return _chunked_ce(parts, strided(h_TD), w_DV.astype(dtype), strided(t_T), strided(weight_T))
 
 
 def _row_shards() -> int:
@@ -84,34 +84,34 @@ def _row_shards() -> int:
     return math.prod(mesh.shape[a] for a in compiler_axes(split_axes("act_batch", rules, mesh.shape)))
 
 
-def _chunk_logits(h_ND: jax.Array, w_DV: jax.Array) -> jax.Array:
-    logits_NV = jnp.einsum("ND,DV->NV", h_ND, w_DV, preferred_element_type=jnp.float32)
-    return with_logical_constraint(logits_NV, ACT_NV)
+def _chunk_logits(h_TD: jax.Array, w_DV: jax.Array) -> jax.Array:
+    logits_TV = jnp.einsum("TD,DV->TV", h_TD, w_DV, preferred_element_type=jnp.float32)
+    return with_logical_constraint(logits_TV, ACT_TV)
 
 
-def _target_logit(logits_NV: jax.Array, t_N: jax.Array) -> jax.Array:
-    return jnp.take_along_axis(logits_NV, t_N[:, None], axis=-1)[:, 0]
+def _target_logit(logits_TV: jax.Array, t_T: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(logits_TV, t_T[:, None], axis=-1)[:, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_ce(parts: int, h_CND: jax.Array, w_DV: jax.Array, t_CN: jax.Array, weight_CN: jax.Array) -> jax.Array:
+def _chunked_ce(parts: int, h_CtD: jax.Array, w_DV: jax.Array, t_Ct: jax.Array, weight_Ct: jax.Array) -> jax.Array:
     del parts
-    return _forward(h_CND, w_DV, t_CN, weight_CN)[0]
+    return _forward(h_CtD, w_DV, t_Ct, weight_Ct)[0]
 
 
-def _forward(h_CND, w_DV, t_CN, weight_CN):
+def _forward(h_CtD, w_DV, t_Ct, weight_Ct):
     def body(total, xs):
-        h_ND, t_N, weight_N = xs
-        logits_NV = _chunk_logits(h_ND, w_DV)
-        lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
-        ce_N = lse_N - _target_logit(logits_NV, t_N)
-        return total + (ce_N * weight_N).sum(), lse_N
+        h_TD, t_T, weight_T = xs
+        logits_TV = _chunk_logits(h_TD, w_DV)
+        lse_T = jax.nn.logsumexp(logits_TV, axis=-1)
+        ce_T = lse_T - _target_logit(logits_TV, t_T)
+        return total + (ce_T * weight_T).sum(), lse_T
 
-    loss, lse_CN = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_CND, t_CN, weight_CN))
-    return loss, lse_CN
+    loss, lse_Ct = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_CtD, t_Ct, weight_Ct))
+    return loss, lse_Ct
 
 
-def _fwd(parts, h_CND, w_DV, t_CN, weight_CN):
+def _fwd(parts, h_CtD, w_DV, t_Ct, weight_Ct):
     """The loss and, in the same pass over the chunks, its gradients for a cotangent of 1.
 
     dW is summed per row shard: each chunk's rows are grouped by the `parts` devices that hold
@@ -127,39 +127,39 @@ def _fwd(parts, h_CND, w_DV, t_CN, weight_CN):
     # transpose gathered dW back in full.
     w_DV = with_logical_constraint(w_DV, W_GATHERED)
 
-    def chunk(h_ND, t_N, weight_N):
+    def chunk(h_TD, t_T, weight_T):
         """(loss, dW, dh) of one chunk."""
-        logits_NV = _chunk_logits(h_ND, w_DV)
-        lse_N = jax.nn.logsumexp(logits_NV, axis=-1)
-        loss = ((lse_N - _target_logit(logits_NV, t_N)) * weight_N).sum()
+        logits_TV = _chunk_logits(h_TD, w_DV)
+        lse_T = jax.nn.logsumexp(logits_TV, axis=-1)
+        loss = ((lse_T - _target_logit(logits_TV, t_T)) * weight_T).sum()
         # d(loss)/d(logits) of this chunk: (softmax - onehot) * the row's weight.
-        p_NV = jnp.exp(logits_NV - lse_N[:, None])
-        dlogits_NV = (p_NV - jax.nn.one_hot(t_N, V, dtype=jnp.float32)) * weight_N[:, None]
-        dlogits_NV = with_logical_constraint(dlogits_NV, ACT_NV).astype(h_ND.dtype)
-        dh_ND = jnp.einsum("NV,DV->ND", dlogits_NV, w_DV, preferred_element_type=jnp.float32)
-        dw_PDV = f32_product("PND,PNV->PDV", h_ND.reshape(parts, -1, D), dlogits_NV.reshape(parts, -1, V))
-        return loss, with_logical_constraint(dw_PDV, PARTIAL_DV), dh_ND.astype(h_ND.dtype)
+        p_TV = jnp.exp(logits_TV - lse_T[:, None])
+        dlogits_TV = (p_TV - jax.nn.one_hot(t_T, V, dtype=jnp.float32)) * weight_T[:, None]
+        dlogits_TV = with_logical_constraint(dlogits_TV, ACT_TV).astype(h_TD.dtype)
+        dh_TD = jnp.einsum("TV,DV->TD", dlogits_TV, w_DV, preferred_element_type=jnp.float32)
+        dw_NDV = f32_product("NtD,NtV->NDV", h_TD.reshape(parts, -1, D), dlogits_TV.reshape(parts, -1, V))
+        return loss, with_logical_constraint(dw_NDV, PARTIAL_DV), dh_TD.astype(h_TD.dtype)
 
     def body(carry, xs):
-        loss, dw_PDV, dh_ND = chunk(*xs)
-        return (carry[0] + loss, carry[1] + dw_PDV), dh_ND
+        loss, dw_NDV, dh_TD = chunk(*xs)
+        return (carry[0] + loss, carry[1] + dw_NDV), dh_TD
 
     # The first chunk outside the scan starts the sums: no zero-filled (D, V) buffer to add to.
-    loss, dw_PDV, dh_ND = chunk(h_CND[0], t_CN[0], weight_CN[0])
-    dh_CND = dh_ND[None]
-    if h_CND.shape[0] > 1:
-        (loss, dw_PDV), dh_rest = jax.lax.scan(body, (loss, dw_PDV), (h_CND[1:], t_CN[1:], weight_CN[1:]))
-        dh_CND = jnp.concatenate([dh_CND, dh_rest])
+    loss, dw_NDV, dh_TD = chunk(h_CtD[0], t_Ct[0], weight_Ct[0])
+    dh_CtD = dh_TD[None]
+    if h_CtD.shape[0] > 1:
+        (loss, dw_NDV), dh_rest = jax.lax.scan(body, (loss, dw_NDV), (h_CtD[1:], t_Ct[1:], weight_Ct[1:]))
+        dh_CtD = jnp.concatenate([dh_CtD, dh_rest])
     # Laid out like the weight: under FSDP the partial sums are reduce-scattered to the owners.
-    dw_DV = with_logical_constraint(dw_PDV.sum(0), W_DV)
+    dw_DV = with_logical_constraint(dw_NDV.sum(0), W_DV)
     # Residuals: the two gradients (the sizes of h and w), never a (rows, V) array.
-    return loss, (dh_CND, dw_DV)
+    return loss, (dh_CtD, dw_DV)
 
 
 def _bwd(parts, res, g):
     del parts
-    dh_CND, dw_DV = res  # h and w share the compute dtype (fused_cross_entropy casts both)
-    return (dh_CND * g).astype(dh_CND.dtype), (dw_DV * g).astype(dh_CND.dtype), None, None
+    dh_CtD, dw_DV = res  # h and w share the compute dtype (fused_cross_entropy casts both)
+    return (dh_CtD * g).astype(dh_CtD.dtype), (dw_DV * g).astype(dh_CtD.dtype), None, None
 
 
 _chunked_ce.defvjp(_fwd, _bwd)
