@@ -38,9 +38,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from meshwork.perf.hardware import accelerator_for_device_kind, measure_cpu_peak, table_dtype
 from meshwork.kernels import flash_attention as fa
 from meshwork.kernels import tuning
+from meshwork.perf.hardware import accelerator_for_device_kind, measure_cpu_peak, table_dtype
 
 # Backward FLOPs per forward FLOP (see the module docstring).
 BWD_FLOPS_FACTOR = 2.5
@@ -49,6 +49,7 @@ BWD_FLOPS_FACTOR = 2.5
 # --------------------------------------------------------------------------
 # Helpers shared with autotune_attention.py
 # --------------------------------------------------------------------------
+
 
 def attention_flops(B: int, H: int, L: int, S: int, K: int, causal: bool, backward: bool) -> float:
     """Useful FLOPs of one attention call (forward, or forward+backward), by the convention above.
@@ -63,12 +64,17 @@ def attention_flops(B: int, H: int, L: int, S: int, K: int, causal: bool, backwa
 def make_inputs(B, L, S, H, G, K, dtype, seed=0):
     """(q, k, v, do): normal inputs and an output cotangent for the backward pass."""
     kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(kq, (B, L, H, K), dtype), jax.random.normal(kk, (B, S, G, K), dtype),
-            jax.random.normal(kv, (B, S, G, K), dtype), jax.random.normal(kd, (B, L, H, K), dtype))
+    return (
+        jax.random.normal(kq, (B, L, H, K), dtype),
+        jax.random.normal(kk, (B, S, G, K), dtype),
+        jax.random.normal(kv, (B, S, G, K), dtype),
+        jax.random.normal(kd, (B, L, H, K), dtype),
+    )
 
 
 def step(attn, backward: bool):
     """fn(q, k, v, do): attn's output, and with backward=True also (dq, dk, dv) for the cotangent do."""
+
     def fwd(q, k, v, do):
         del do
         return attn(q, k, v)
@@ -76,6 +82,7 @@ def step(attn, backward: bool):
     def fwd_bwd(q, k, v, do):
         o, vjp = jax.vjp(attn, q, k, v)
         return (o, *vjp(do))
+
     return fwd_bwd if backward else fwd
 
 
@@ -122,8 +129,6 @@ def peak_flops(dtype: str, device) -> tuple[float, str]:
     return acc.peak_flops[table_dtype(dtype)], f"{acc.name} table"
 
 
-
-
 # --------------------------------------------------------------------------
 # The benchmark
 # --------------------------------------------------------------------------
@@ -141,8 +146,15 @@ def measure(impl, causal, backward, args, *, backend, tuned, repeats, device) ->
     """One cell: seconds (or why it was skipped), compiled temp bytes, device high-water mark."""
     # Tuned flash_attention kwargs (blocks, and on GPU num_warps / num_stages); {} when untuned.
     kwargs = tuning.tuned_blocks(args[0], args[1], causal, backend) if impl == "pallas" and tuned else {}
-    cell = {"blocks": {n: v for n, v in kwargs.items() if n in ("block_q", "block_kv")},
-            "num_warps": kwargs.get("num_warps"), "num_stages": kwargs.get("num_stages")} if impl == "pallas" else {}
+    cell = (
+        {
+            "blocks": {n: v for n, v in kwargs.items() if n in ("block_q", "block_kv")},
+            "num_warps": kwargs.get("num_warps"),
+            "num_stages": kwargs.get("num_stages"),
+        }
+        if impl == "pallas"
+        else {}
+    )
     try:
         lowered = jax.jit(step(attention_fn(impl, causal, kwargs), backward)).trace(*args).lower()
         compiled = lowered.compile()
@@ -185,8 +197,11 @@ def print_growth(growth: dict, label: str) -> None:
             parts.append(f"{impl} x{t1 / t0:.1f}")
     if parts:
         r = span[1] / span[0]
-        print(f"  temp per sequence, S {span[0]} -> {span[1]} ({label}): {', '.join(parts)}   "
-              f"[O(S) would be x{r:.0f}, O(S^2) x{r * r:.0f}]", flush=True)
+        print(
+            f"  temp per sequence, S {span[0]} -> {span[1]} ({label}): {', '.join(parts)}   "
+            f"[O(S) would be x{r:.0f}, O(S^2) x{r * r:.0f}]",
+            flush=True,
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -215,19 +230,29 @@ def main(argv: list[str]) -> None:
     device, backend = jax.devices()[0], jax.default_backend()
     impls = [i for i in args.impls if i != "cudnn" or backend == "gpu"]
     peak, peak_src = peak_flops(args.dtype, device)
-    print(f"machine: {device.device_kind}, backend {backend}, jax {jax.__version__}, {os.cpu_count()} cores; "
-          f"{args.dtype}; B*S = {args.batch_tokens} tokens, H*K = {args.d_model}, H/G = {args.gqa}; "
-          f"peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
-    print(f"FLOPs: forward 4*B*H*L*S*K (/2 causal), fwd+bwd {1 + BWD_FLOPS_FACTOR} x forward. Pallas: "
-          f"{'interpret mode' if backend == 'cpu' else 'compiled'}, "
-          f"{'launch parameters from the tuning cache' if args.tuned else 'DEFAULT_BLOCKS'}. "
-          f"temp = compiled scratch; peak = device high-water mark ('<=': set by an earlier config)")
+    print(
+        f"machine: {device.device_kind}, backend {backend}, jax {jax.__version__}, {os.cpu_count()} cores; "
+        f"{args.dtype}; B*S = {args.batch_tokens} tokens, H*K = {args.d_model}, H/G = {args.gqa}; "
+        f"peak {peak / 1e12:.2f} TFLOP/s ({peak_src})"
+    )
+    print(
+        f"FLOPs: forward 4*B*H*L*S*K (/2 causal), fwd+bwd {1 + BWD_FLOPS_FACTOR} x forward. Pallas: "
+        f"{'interpret mode' if backend == 'cpu' else 'compiled'}, "
+        f"{'launch parameters from the tuning cache' if args.tuned else 'DEFAULT_BLOCKS'}. "
+        f"temp = compiled scratch; peak = device high-water mark ('<=': set by an earlier config)"
+    )
     if "cudnn" in args.impls and "cudnn" not in impls:
         print(f"cudnn: skipped (it needs an NVIDIA GPU; this run's backend is {backend})")
     others = [i for i in impls if i != "pallas"] if "pallas" in impls else []
-    print(f"\n{'causal':>6} {'K':>4} {'S':>6} {'B':>3} {'H':>3} {'pass':>8} | TFLOP/s "
-          + " ".join(f"{i:>7}" for i in impls) + " | " + " ".join(f"{'pallas/' + i:>13}" for i in others)
-          + " | temp/peak " + " ".join(f"{i:>13}" for i in impls), flush=True)
+    print(
+        f"\n{'causal':>6} {'K':>4} {'S':>6} {'B':>3} {'H':>3} {'pass':>8} | TFLOP/s "
+        + " ".join(f"{i:>7}" for i in impls)
+        + " | "
+        + " ".join(f"{'pallas/' + i:>13}" for i in others)
+        + " | temp/peak "
+        + " ".join(f"{i:>13}" for i in impls),
+        flush=True,
+    )
 
     cells, t_start = [], time.perf_counter()
     for causal in {"both": [False, True], "true": [True], "false": [False]}[args.causal]:
@@ -242,21 +267,51 @@ def main(argv: list[str]) -> None:
                     G = max(1, H // args.gqa)
                     inputs = make_inputs(B, S, S, H, G, K, jnp.dtype(args.dtype))
                     flops = attention_flops(B, H, S, S, K, causal, pass_ == "fwd+bwd")
-                    row = {impl: measure(impl, causal, pass_ == "fwd+bwd", inputs, backend=backend,
-                                         tuned=args.tuned, repeats=args.repeats, device=device) for impl in impls}
+                    row = {
+                        impl: measure(
+                            impl,
+                            causal,
+                            pass_ == "fwd+bwd",
+                            inputs,
+                            backend=backend,
+                            tuned=args.tuned,
+                            repeats=args.repeats,
+                            device=device,
+                        )
+                        for impl in impls
+                    }
                     del inputs
                     tf = {i: flops / c["seconds"] / 1e12 if "seconds" in c else None for i, c in row.items()}
                     for impl, cell in row.items():
-                        cells.append(dict(causal=causal, K=K, S=S, B=B, H=H, G=G, passes=pass_, impl=impl,
-                                          flops=flops, tflops=tf[impl], **cell))
+                        cells.append(
+                            dict(
+                                causal=causal,
+                                K=K,
+                                S=S,
+                                B=B,
+                                H=H,
+                                G=G,
+                                passes=pass_,
+                                impl=impl,
+                                flops=flops,
+                                tflops=tf[impl],
+                                **cell,
+                            )
+                        )
                         growth.setdefault(impl, []).append((S, cell.get("temp") and cell["temp"] / B))
                     rates = " ".join(f"{tf[i]:7.2f}" if tf[i] else f"{'skip':>7}" for i in impls)
-                    ratio = " ".join(f"{tf['pallas'] / tf[i]:13.2f}" if tf["pallas"] and tf[i] else f"{'-':>13}"
-                                     for i in others)
-                    mem = " ".join(f"{fmt_bytes(c.get('temp'))}/{fmt_bytes(c.get('peak'), c.get('peak_is_own', True))}"
-                                   .rjust(13) for c in row.values())
-                    print(f"{str(causal):>6} {K:>4} {S:>6} {B:>3} {H:>3} {pass_:>8} |         {rates} | {ratio} | "
-                          f"          {mem}", flush=True)
+                    ratio = " ".join(
+                        f"{tf['pallas'] / tf[i]:13.2f}" if tf["pallas"] and tf[i] else f"{'-':>13}" for i in others
+                    )
+                    mem = " ".join(
+                        f"{fmt_bytes(c.get('temp'))}/{fmt_bytes(c.get('peak'), c.get('peak_is_own', True))}".rjust(13)
+                        for c in row.values()
+                    )
+                    print(
+                        f"{str(causal):>6} {K:>4} {S:>6} {B:>3} {H:>3} {pass_:>8} |         {rates} | {ratio} | "
+                        f"          {mem}",
+                        flush=True,
+                    )
                     for impl, cell in row.items():
                         if "skip" in cell:
                             print(f"    {impl} skipped: {cell['skip']}", flush=True)

@@ -66,8 +66,11 @@ from autotune_trials import tune_shape  # noqa: E402
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="CPU check: one tiny causal GQA shape, 3x3 block grid, plus a static-only GPU ranking")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU check: one tiny causal GQA shape, 3x3 block grid, plus a static-only GPU ranking",
+    )
     p.add_argument("--backend", choices=["gpu", "tpu", "cpu"], default=None, help="default: JAX's default backend")
     p.add_argument("--static-only", action="store_true", help="cost and rank without compiling or timing")
     p.add_argument("--seq", type=int, nargs="+", default=[4096], help="L = S values")
@@ -79,8 +82,9 @@ def parse(argv):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--objective", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
     for name in ("block_q", "block_kv", "num_warps", "num_stages"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=None,
-                       help=f"override the grid's {name} values")
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=int, nargs="+", default=None, help=f"override the grid's {name} values"
+        )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--random-orders", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -89,8 +93,11 @@ def parse(argv):
     p.add_argument("--show", type=int, default=8, help="rows printed per shape, in static order")
     p.add_argument("--cache", default=None, help="tuning cache file (default: $MESHWORK_TUNING_CACHE or ~/.cache)")
     p.add_argument("--no-write", dest="write_cache", action="store_false", help="do not record winners")
-    p.add_argument("--skip-infeasible", action="store_true",
-                   help="do not compile candidates the static model rules out (they count as failed trials)")
+    p.add_argument(
+        "--skip-infeasible",
+        action="store_true",
+        help="do not compile candidates the static model rules out (they count as failed trials)",
+    )
     p.add_argument("--max-seconds", type=float, default=None, help="start no new shape after this long")
     p.add_argument("--json", default=None, help="write every candidate's figures to this file")
     return p.parse_args(argv)
@@ -102,8 +109,9 @@ def shapes(args) -> list[dict]:
         for K in args.head_dims:
             for S in args.seq:
                 H = max(1, args.d_model // K)
-                out.append(dict(B=max(1, args.batch_tokens // S), L=S, S=S, H=H, G=max(1, H // args.gqa), K=K,
-                                causal=causal))
+                out.append(
+                    dict(B=max(1, args.batch_tokens // S), L=S, S=S, H=H, G=max(1, H // args.gqa), K=K, causal=causal)
+                )
     return out
 
 
@@ -114,14 +122,17 @@ def run(args, grid) -> list[dict]:
         args.device_kind = jax.devices(args.backend)[0].device_kind
     except RuntimeError:
         if not args.static_only:
-            raise SystemExit(f"no {args.backend} device here; pass --static-only to rank without timing")
+            raise SystemExit(f"no {args.backend} device here; pass --static-only to rank without timing") from None
         args.device_kind = {"gpu": "NVIDIA H100 (assumed)", "tpu": "TPU v5 lite (assumed)"}.get(args.backend, "cpu")
     if args.compile_workers is None:
         args.compile_workers = 8 if args.backend == "gpu" else 1
     grid = {k: tuple(getattr(args, k) or v) for k, v in grid[args.backend].items()}
     cands = candidates(grid)
-    print(f"backend {args.backend} ({'static only' if args.static_only else 'timed'}), device "
-          f"{args.device_kind!r}, jax {jax.__version__}; grid {grid} + defaults", flush=True)
+    print(
+        f"backend {args.backend} ({'static only' if args.static_only else 'timed'}), device "
+        f"{args.device_kind!r}, jax {jax.__version__}; grid {grid} + defaults",
+        flush=True,
+    )
     results, t0 = [], time.perf_counter()
     for shape in shapes(args):
         if args.max_seconds and time.perf_counter() - t0 > args.max_seconds:
@@ -132,10 +143,12 @@ def run(args, grid) -> list[dict]:
     if timed:
         sums = {k: sum(s[k] for s in timed) for k in timed[0] if k.startswith(("static_", "random_"))}
         near = f"within {args.tolerance:.0%}"
-        print(f"\nsummary over {len(timed)} shapes: trials to reach the best: static {sums['static_best']}, "
-              f"random {sums['random_best']:.1f}; to reach {near}: static {sums[f'static_{near}']}, "
-              f"random {sums[f'random_{near}']:.1f}; median Spearman {np.median([s['spearman'] for s in timed]):.2f}",
-              flush=True)
+        print(
+            f"\nsummary over {len(timed)} shapes: trials to reach the best: static {sums['static_best']}, "
+            f"random {sums['random_best']:.1f}; to reach {near}: static {sums[f'static_{near}']}, "
+            f"random {sums[f'random_{near}']:.1f}; median Spearman {np.median([s['spearman'] for s in timed]):.2f}",
+            flush=True,
+        )
     return results
 
 
@@ -151,8 +164,16 @@ def main(argv: list[str]) -> None:
         args.repeats, args.random_orders = min(args.repeats, 5), min(args.random_orders, 100)
         results += run(args, QUICK_GRIDS)
         if args.backend != "gpu":
-            gpu_args = argparse.Namespace(**{**vars(args), "backend": "gpu", "static_only": True,
-                                             "compile_workers": None, "head_dims": [64], "seq": [1024]})
+            gpu_args = argparse.Namespace(
+                **{
+                    **vars(args),
+                    "backend": "gpu",
+                    "static_only": True,
+                    "compile_workers": None,
+                    "head_dims": [64],
+                    "seq": [1024],
+                }
+            )
             results += run(gpu_args, QUICK_GRIDS)
     else:
         results = run(args, GRIDS)

@@ -102,8 +102,9 @@ def tpu_cost(kernels: list[Kernel]) -> tuple[float, dict]:
         flops = sum(level_runs(kn, d) * lv.flops for d, lv in kn.levels.items())
         moved = sum(level_runs(kn, d) * (lv.load_bytes + lv.store_bytes) for d, lv in kn.levels.items())
         iters = sum(level_runs(kn, d) for d in kn.levels if d)
-        total += kn.executions[0] * TPU["per_step"] + iters * TPU["per_iter"] + max(flops / TPU["peak"],
-                                                                                   moved / TPU["hbm"])
+        total += (
+            kn.executions[0] * TPU["per_step"] + iters * TPU["per_iter"] + max(flops / TPU["peak"], moved / TPU["hbm"])
+        )
     return total, {}
 
 

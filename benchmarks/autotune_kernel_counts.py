@@ -30,12 +30,13 @@ LOOPS = {"while", "scan"}
 @dataclasses.dataclass
 class Level:
     """Work of one execution of a loop level's body (level 0: the program outside any loop)."""
+
     dots: list = dataclasses.field(default_factory=list)  # (flops, M) per dot_general
-    elems: float = 0.0          # vector element-ops, transcendentals included
+    elems: float = 0.0  # vector element-ops, transcendentals included
     transcendental: float = 0.0
     load_bytes: float = 0.0
     store_bytes: float = 0.0
-    ops: int = 0                # jaxpr equations: the interpreter pays per op
+    ops: int = 0  # jaxpr equations: the interpreter pays per op
     carried_words: float = 0.0  # 4-byte words carried by loops that start at this level
     max_tile_words: float = 0.0
 
@@ -46,13 +47,13 @@ class Level:
 
 @dataclasses.dataclass
 class Kernel:
-    kind: str                 # "fwd" | "dq" | "dkdv" | "?"
-    levels: dict              # depth -> Level
-    executions: list          # depth -> how many times that level's body runs, over the whole grid
-    block_bytes: float        # bytes of all ref blocks one program sees (inputs and outputs)
+    kind: str  # "fwd" | "dq" | "dkdv" | "?"
+    levels: dict  # depth -> Level
+    executions: list  # depth -> how many times that level's body runs, over the whole grid
+    block_bytes: float  # bytes of all ref blocks one program sees (inputs and outputs)
     num_warps: int | None
     num_stages: int | None
-    blocks: tuple             # (block_q, block_kv) this kernel runs with
+    blocks: tuple  # (block_q, block_kv) this kernel runs with
 
 
 def _size(aval) -> int:
@@ -160,8 +161,18 @@ def _executions(kind: str, cfg, B: int, H: int, G: int) -> list[float]:
 def kernels_of(traced, shape: dict, cand: Candidate, backend: str) -> list[Kernel]:
     """The flash-attention kernels in a traced program, with their counted work."""
     B, L, S, H, G, K = (shape[k] for k in "BLSHGK")
-    cfg = fa.plan((B, L, H, K), (B, S, G, K), causal=shape["causal"], scale=None, window=None, segmented=False,
-                  block_q=cand.block_q, block_kv=cand.block_kv, backend=backend, interpret=None)
+    cfg = fa.plan(
+        (B, L, H, K),
+        (B, S, G, K),
+        causal=shape["causal"],
+        scale=None,
+        window=None,
+        segmented=False,
+        block_q=cand.block_q,
+        block_kv=cand.block_kv,
+        backend=backend,
+        interpret=None,
+    )
     out = []
     for i, eqn in enumerate(_pallas_calls(traced.jaxpr.jaxpr)):
         kind = _kind(eqn, i)

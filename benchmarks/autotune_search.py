@@ -19,6 +19,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One launch configuration; None leaves the choice to the kernel (all None: its defaults)."""
+
     block_q: int | None = None
     block_kv: int | None = None
     num_warps: int | None = None
@@ -56,6 +57,7 @@ def candidates(grid: dict) -> list[Candidate]:
 # --------------------------------------------------------------------------
 # Search statistics
 # --------------------------------------------------------------------------
+
 
 def trials_to_reach(order, times, tol: float = 0.0) -> int:
     """Timed trials, in `order`, until one within (1 + tol) x the best time (1-based)."""

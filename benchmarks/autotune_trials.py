@@ -53,9 +53,20 @@ def prepare(cands, shape, args, platform: str | None) -> list[Trial]:
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in ((B, L, H, K), (B, S, G, K), (B, S, G, K), (B, L, H, K))]
     trials, seen = [], set()
     for cand in cands:
+
         def attn(q, k, v, c=cand):
-            return fa.flash_attention(q, k, v, causal=shape["causal"], block_q=c.block_q, block_kv=c.block_kv,
-                                      num_warps=c.num_warps, num_stages=c.num_stages, backend=backend)
+            return fa.flash_attention(
+                q,
+                k,
+                v,
+                causal=shape["causal"],
+                block_q=c.block_q,
+                block_kv=c.block_kv,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+                backend=backend,
+            )
+
         traced = jax.jit(step(attn, args.objective == "fwd+bwd")).trace(*specs)
         try:
             kernels = kernels_of(traced, shape, cand, backend)
@@ -64,8 +75,7 @@ def prepare(cands, shape, args, platform: str | None) -> list[Trial]:
         except Exception as e:  # noqa: BLE001 -- JAX internals moved: still time everything, in grid order
             kernels, launch, cost, facts = [], cand, math.inf, dict(static="unavailable")
             if not getattr(args, "warned", False):
-                print(f"WARNING: no static measure ({type(e).__name__}: {e}); candidates run in grid order",
-                      flush=True)
+                print(f"WARNING: no static measure ({type(e).__name__}: {e}); candidates run in grid order", flush=True)
                 args.warned = True
         if launch in seen:
             continue
@@ -79,8 +89,10 @@ def prepare(cands, shape, args, platform: str | None) -> list[Trial]:
             found = triton_launches(trial.lowered.as_text())
             wrong = [(w, st) for w, st in found if cand.num_warps not in (None, w) or cand.num_stages not in (None, st)]
             if not found or wrong:
-                raise RuntimeError(f"{cand.label()}: the lowered Triton calls run (warps, stages) {found}; the "
-                                   f"flash_attention(num_warps=, num_stages=) no longer reach the kernel")
+                raise RuntimeError(
+                    f"{cand.label()}: the lowered Triton calls run (warps, stages) {found}; the "
+                    f"flash_attention(num_warps=, num_stages=) no longer reach the kernel"
+                )
         if args.skip_infeasible and math.isinf(cost) and kernels:
             trial.lowered, trial.error = None, "not timed: statically infeasible"
         trials.append(trial)
@@ -93,6 +105,7 @@ def compile_all(trials, workers: int) -> None:
             t.compiled = t.lowered.compile()
         except Exception as e:  # noqa: BLE001 -- e.g. out of shared memory: a failed trial, not a crash
             t.error = f"compile: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
     todo = [t for t in trials if t.lowered is not None]
     if workers > 1:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -117,16 +130,23 @@ def time_trials(trials, shape, args) -> None:
 
 def print_trials(trials, order, best, shape, args) -> None:
     """The first --show candidates in static order, plus the measured best and the defaults."""
-    flops = attention_flops(shape["B"], shape["H"], shape["L"], shape["S"], shape["K"], shape["causal"],
-                            args.objective == "fwd+bwd")
+    flops = attention_flops(
+        shape["B"], shape["H"], shape["L"], shape["S"], shape["K"], shape["causal"], args.objective == "fwd+bwd"
+    )
     print(f"{'static#':>7} {'est ms':>9} {'meas ms':>9} {'TFLOP/s':>8}  candidate  [static model's resource figures]")
-    for i in order[:args.show] + [i for i in (best, 0) if i not in order[:args.show]]:
+    for i in order[: args.show] + [i for i in (best, 0) if i not in order[: args.show]]:
         t = trials[i]
         facts = " ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.facts.items())
-        measured = f"{t.seconds * 1e3:9.3f} {flops / t.seconds / 1e12:8.2f}" if math.isfinite(t.seconds) \
+        measured = (
+            f"{t.seconds * 1e3:9.3f} {flops / t.seconds / 1e12:8.2f}"
+            if math.isfinite(t.seconds)
             else f"{'-':>9} {'-':>8}"
-        print(f"{order.index(i) + 1:>7} {t.static * 1e3:9.3f} {measured}  {t.cand.label()}  [{facts}]"
-              + (" <- best" if i == best and not args.static_only else "") + (f"  ({t.error})" if t.error else ""))
+        )
+        print(
+            f"{order.index(i) + 1:>7} {t.static * 1e3:9.3f} {measured}  {t.cand.label()}  [{facts}]"
+            + (" <- best" if i == best and not args.static_only else "")
+            + (f"  ({t.error})" if t.error else "")
+        )
 
 
 def search_stats(trials, order, args) -> dict:
@@ -138,12 +158,17 @@ def search_stats(trials, order, args) -> dict:
         tag = "best" if tol == 0 else f"within {tol:.0%}"
         stats[f"static_{tag}"] = trials_to_reach(order, times, tol)
         stats[f"random_{tag}"] = random_trials(times, tol, args.random_orders, args.seed)
-        print(f"trials to reach {tag}: static order {stats[f'static_{tag}']}, random order "
-              f"{stats[f'random_{tag}']:.1f} (mean of {args.random_orders} orders, seed {args.seed})")
+        print(
+            f"trials to reach {tag}: static order {stats[f'static_{tag}']}, random order "
+            f"{stats[f'random_{tag}']:.1f} (mean of {args.random_orders} orders, seed {args.seed})"
+        )
     both = [i for i, t in enumerate(trials) if math.isfinite(t.seconds) and math.isfinite(t.static)]
     stats["spearman"] = spearman([trials[i].static for i in both], [times[i] for i in both])
-    print(f"best {trials[best].cand.label()}: {times[best] * 1e3:.3f} ms, x{times[0] / times[best]:.2f} vs defaults; "
-          f"Spearman(static, measured) = {stats['spearman']:.2f} over {len(both)} candidates", flush=True)
+    print(
+        f"best {trials[best].cand.label()}: {times[best] * 1e3:.3f} ms, x{times[0] / times[best]:.2f} vs defaults; "
+        f"Spearman(static, measured) = {stats['spearman']:.2f} over {len(both)} candidates",
+        flush=True,
+    )
     return stats
 
 
@@ -152,19 +177,34 @@ def tune_shape(shape, args, platform, cands) -> dict:
     key = tuning.shape_key(L=shape["L"], S=shape["S"], K=shape["K"], dtype=args.dtype, causal=shape["causal"])
     t0 = time.perf_counter()
     trials = prepare(cands, shape, args, platform)
-    print(f"\n== {key}  (L {shape['L']}, S {shape['S']}, B {shape['B']}, H {shape['H']}, G {shape['G']}); "
-          f"objective {args.objective}; {len(trials)} distinct candidates, "
-          f"{sum(math.isinf(t.static) for t in trials)} statically infeasible; traced, costed and lowered in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"\n== {key}  (L {shape['L']}, S {shape['S']}, B {shape['B']}, H {shape['H']}, G {shape['G']}); "
+        f"objective {args.objective}; {len(trials)} distinct candidates, "
+        f"{sum(math.isinf(t.static) for t in trials)} statically infeasible; traced, costed and lowered in "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     order = sorted(range(len(trials)), key=lambda i: (trials[i].static, i))
     if not args.static_only:
         time_trials(trials, shape, args)
     timed = any(math.isfinite(t.seconds) for t in trials)
     best = int(np.argmin([t.seconds for t in trials])) if timed else order[0]
     print_trials(trials, order, best, shape, args)
-    result = dict(key=key, shape=shape, candidates=[
-        dict(config=t.cand.config(), static_s=t.static, seconds=t.seconds, facts=t.facts,
-             static_rank=order.index(i) + 1, error=t.error) for i, t in enumerate(trials)])
+    result = dict(
+        key=key,
+        shape=shape,
+        candidates=[
+            dict(
+                config=t.cand.config(),
+                static_s=t.static,
+                seconds=t.seconds,
+                facts=t.facts,
+                static_rank=order.index(i) + 1,
+                error=t.error,
+            )
+            for i, t in enumerate(trials)
+        ],
+    )
     if args.static_only:
         return result
     if not timed:
@@ -173,9 +213,20 @@ def tune_shape(shape, args, platform, cands) -> dict:
     result["stats"] = search_stats(trials, order, args)
     if args.write_cache:
         config = trials[best].cand.config()
-        path = tuning.record(args.device_kind, key, config, path=args.cache, measured=dict(
-            ms=trials[best].seconds * 1e3, default_ms=trials[0].seconds * 1e3, objective=args.objective,
-            candidates=len(trials), shape={k: shape[k] for k in "BLSHGK"},
-            date=datetime.date.today().isoformat(), jax=jax.__version__))
+        path = tuning.record(
+            args.device_kind,
+            key,
+            config,
+            path=args.cache,
+            measured=dict(
+                ms=trials[best].seconds * 1e3,
+                default_ms=trials[0].seconds * 1e3,
+                objective=args.objective,
+                candidates=len(trials),
+                shape={k: shape[k] for k in "BLSHGK"},
+                date=datetime.date.today().isoformat(),
+                jax=jax.__version__,
+            ),
+        )
         print(f"recorded {args.device_kind!r} {key} -> {config or 'defaults'} in {path}", flush=True)
     return result

@@ -38,9 +38,18 @@ from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The suite's tiny model (tests/conftest.py, tiny_overrides) and tests/test_comm.py's layout.
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-        "data.seq_len=32", "train.global_batch=8", "log.progress=false", "log.tensorboard=false",
-        "log.eval_batches=2"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "train.global_batch=8",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "log.eval_batches=2",
+]
 DP = ["mesh.data=8", "rules.preset=dp", "checkpoint.every=1000"]
 OPTIONS = {
     "exact DP": [],
@@ -54,16 +63,28 @@ OPTIONS = {
     "PowerSGD r=4, no error feedback": ["comm.compression=powersgd", "comm.rank=4", "comm.error_feedback=false"],
     "stale gradients": ["comm.stale_gradients=true"],
     "DiLoCo H=4 (outer lr 0.7, momentum 0.9)": ["comm.local_steps=4"],
-    "DiLoCo H=4, plain averaging (outer lr 1, momentum 0)": ["comm.local_steps=4", "comm.outer_lr=1.0",
-                                                             "comm.outer_momentum=0.0"],
+    "DiLoCo H=4, plain averaging (outer lr 1, momentum 0)": [
+        "comm.local_steps=4",
+        "comm.outer_lr=1.0",
+        "comm.outer_momentum=0.0",
+    ],
 }
-BYTES = ["exact DP", "bf16", "int8", "PowerSGD r=1", "PowerSGD r=2", "PowerSGD r=4",
-         "DiLoCo H=4 (outer lr 0.7, momentum 0.9)"]
+BYTES = [
+    "exact DP",
+    "bf16",
+    "int8",
+    "PowerSGD r=1",
+    "PowerSGD r=2",
+    "PowerSGD r=4",
+    "DiLoCo H=4 (outer lr 0.7, momentum 0.9)",
+]
 
 
 def _cfg(run_dir, name: str, steps: int):
-    return load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={run_dir}", *TINY, f"train.steps={steps}", *DP,
-                                                       f"log.eval_every={steps}", *OPTIONS[name]])
+    return load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [f"run.dir={run_dir}", *TINY, f"train.steps={steps}", *DP, f"log.eval_every={steps}", *OPTIONS[name]],
+    )
 
 
 def _sent(trainer) -> float:
@@ -85,10 +106,15 @@ def bytes_table() -> None:
             sent /= 4  # the parameter all-reduce sits in the sync branch, taken once per H = 4 steps
         base = base or sent
         ring = 2 * (8 - 1) / 8 * grads
-        print(f"| {name} | {sent:,.0f} | {sent / base:.4f} = 1/{base / sent:.2f} | {sent / ring:.4f} = "
-              f"1/{ring / sent:.2f} |", flush=True)
-    print("(DiLoCo: the sync branch's bytes / H. The last column is the ratio tests/test_comm.py checks; "
-          "exact DP's step also all-reduces a few metric scalars.)")
+        print(
+            f"| {name} | {sent:,.0f} | {sent / base:.4f} = 1/{base / sent:.2f} | {sent / ring:.4f} = "
+            f"1/{ring / sent:.2f} |",
+            flush=True,
+        )
+    print(
+        "(DiLoCo: the sync branch's bytes / H. The last column is the ratio tests/test_comm.py checks; "
+        "exact DP's step also all-reduces a few metric scalars.)"
+    )
 
 
 def loss_table(steps_list: list[int]) -> None:

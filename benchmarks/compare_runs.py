@@ -40,8 +40,7 @@ def compare(a: dict[int, dict], b: dict[int, dict], keys: tuple[str, ...], max_s
     out = {}
     for key in keys:
         pairs = [(a[s][key], b[s][key]) for s in steps if key in a[s] and key in b[s]]
-        diffs = [abs(float(x) - float(y)) if not (isinstance(x, float) and math.isnan(x)) else 0.0
-                 for x, y in pairs]
+        diffs = [abs(float(x) - float(y)) if not (isinstance(x, float) and math.isnan(x)) else 0.0 for x, y in pairs]
         out[key] = (len(pairs), sum(x == y for x, y in pairs), max(diffs, default=0.0))
     return steps, out
 

@@ -28,17 +28,21 @@ import jax  # noqa: E402
 
 from meshwork.config import load_config  # noqa: E402
 from meshwork.partitioning import abstract_with_shardings  # noqa: E402
-from meshwork.train.trainer import Trainer, build_trainer, check_runtime  # noqa: E402
 from meshwork.train.state import RUN_ONCE_OPTIONS, _fresh_state  # noqa: E402
+from meshwork.train.trainer import Trainer, build_trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = {"unet_digits": ("unet_digits", ["train.global_batch=16", "mesh.data=8"]),
-           "lm_tiny": ("lm_tiny", ["mesh.data=8"]),
-           "lm_tiny fsdp": ("lm_tiny", ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"])}
+CONFIGS = {
+    "unet_digits": ("unet_digits", ["train.global_batch=16", "mesh.data=8"]),
+    "lm_tiny": ("lm_tiny", ["mesh.data=8"]),
+    "lm_tiny fsdp": ("lm_tiny", ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]),
+}
 # The test session's options (tests/conftest.py's FAST_COMPILE_FLAGS, as compile options); jaxlib
 # 0.12's XLA has only the MLIR fusion emitters, so there the session's options are RUN_ONCE_OPTIONS.
-TEST_SESSION_OPTIONS = {**RUN_ONCE_OPTIONS, **({"xla_cpu_use_fusion_emitters": False}
-                                               if jax.__version_info__ < (0, 11) else {})}
+TEST_SESSION_OPTIONS = {
+    **RUN_ONCE_OPTIONS,
+    **({"xla_cpu_use_fusion_emitters": False} if jax.__version_info__ < (0, 11) else {}),
+}
 
 
 def timed(lower: Callable[[], jax.stages.Lowered], options: dict, *args, runs: int = 5) -> tuple[float, float]:
@@ -69,17 +73,22 @@ def programs(trainer: Trainer) -> dict[str, tuple[Callable[[], jax.stages.Lowere
 
     def step():  # not donated: the same state feeds every timed call
         with trainer.context():
-            return jax.jit(trainer.make_step(trainer.grad_shardings), in_shardings=(
-                trainer.shardings, trainer.batch_sharding)).lower(
-                    abstract_with_shardings(trainer.abstract, trainer.shardings), batch_abstract)
+            return jax.jit(
+                trainer.make_step(trainer.grad_shardings), in_shardings=(trainer.shardings, trainer.batch_sharding)
+            ).lower(abstract_with_shardings(trainer.abstract, trainer.shardings), batch_abstract)
+
     return {"init": (init, ()), "step": (step, (state, batch))}
 
 
 def main() -> None:
-    print(f"jax {jax.__version__}, {jax.device_count()} CPU devices, options {RUN_ONCE_OPTIONS}, "
-          f"test session {TEST_SESSION_OPTIONS}")
-    print("| model | program | compile s (default / fast / tests) | run ms (default / fast / tests) | "
-          "compile x (fast, tests) | run x (fast, tests) |")
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} CPU devices, options {RUN_ONCE_OPTIONS}, "
+        f"test session {TEST_SESSION_OPTIONS}"
+    )
+    print(
+        "| model | program | compile s (default / fast / tests) | run ms (default / fast / tests) | "
+        "compile x (fast, tests) | run x (fast, tests) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, (config, overrides) in CONFIGS.items():
         with tempfile.TemporaryDirectory() as tmp:
@@ -87,10 +96,14 @@ def main() -> None:
             trainer = build_trainer(cfg, check_runtime(cfg), jax.devices()).compile()
             for program, (lower, args) in programs(trainer).items():
                 with trainer.context():
-                    (c0, r0), (c1, r1), (c2, r2) = (timed(lower, options, *args) for options in
-                                                    ({}, RUN_ONCE_OPTIONS, TEST_SESSION_OPTIONS))
-                print(f"| {name} | {program} | {c0:.2f} / {c1:.2f} / {c2:.2f} | {r0:.1f} / {r1:.1f} / {r2:.1f} | "
-                      f"{c0 / c1:.2f}, {c0 / c2:.2f} | {r0 / r1:.2f}, {r0 / r2:.2f} |", flush=True)
+                    (c0, r0), (c1, r1), (c2, r2) = (
+                        timed(lower, options, *args) for options in ({}, RUN_ONCE_OPTIONS, TEST_SESSION_OPTIONS)
+                    )
+                print(
+                    f"| {name} | {program} | {c0:.2f} / {c1:.2f} / {c2:.2f} | {r0:.1f} / {r1:.1f} / {r2:.1f} | "
+                    f"{c0 / c1:.2f}, {c0 / c2:.2f} | {r0 / r1:.2f}, {r0 / r2:.2f} |",
+                    flush=True,
+                )
     print("(x: default / the other; above 1 the other compiles or runs quicker, below 1 slower)")
 
 

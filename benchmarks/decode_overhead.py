@@ -54,8 +54,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
     "lm_tiny": [],
     # ~50M parameters: 8 layers of d=512 and a 32k vocabulary (untied embeddings).
-    "50m": ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=8", "model.n_heads=8",
-            "model.n_kv_heads=4", "model.d_ff=1536"],
+    "50m": [
+        "model.vocab_size=32000",
+        "model.d_model=512",
+        "model.n_layers=8",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+        "model.d_ff=1536",
+    ],
 }
 
 
@@ -68,8 +74,9 @@ def build(name: str):
 
 def old_server_class(commit: str):
     """`Server` as inference/serving.py defined it at `commit` (the before of this benchmark)."""
-    source = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:inference/serving.py"], check=True,
-                            capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{commit}:inference/serving.py"], check=True, capture_output=True, text=True
+    ).stdout
     path = os.path.join(tempfile.mkdtemp(), "serving_before.py")
     with open(path, "w") as f:
         f.write(source)
@@ -81,8 +88,14 @@ def old_server_class(commit: str):
 
 
 def serve_once(server, B: int, prompt_len: int, new: int, tag: str, rng) -> float:
-    requests = [Request(f"{tag}/{i}", rng.integers(0, server.cfg.vocab_size, prompt_len).tolist(),
-                        SamplingParams(temperature=0.0, max_new_tokens=new)) for i in range(B)]
+    requests = [
+        Request(
+            f"{tag}/{i}",
+            rng.integers(0, server.cfg.vocab_size, prompt_len).tolist(),
+            SamplingParams(temperature=0.0, max_new_tokens=new),
+        )
+        for i in range(B)
+    ]
     t = time.perf_counter()
     server.run(requests)
     return time.perf_counter() - t
@@ -147,14 +160,18 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before-commit", default="486c893", help="the commit whose serving.py is the before")
     args = ap.parse_args(argv)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{len(jax.devices())}, "
-          f"{os.cpu_count()} cpus; prompt {args.prompt_len}, {args.steps} new tokens, greedy")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{len(jax.devices())}, "
+        f"{os.cpu_count()} cpus; prompt {args.prompt_len}, {args.steps} new tokens, greedy"
+    )
     for name in args.models:
         model, n_params = build(name)
         V = model.cfg.vocab_size
         print(f"\n{name}: {n_params / 1e6:.2f}M parameters, vocabulary {V}")
-        print(f"{'B':>3} {'before ms':>10} {'1/disp ms':>10} {f'{args.dispatch}/disp ms':>10} {'floor ms':>9}"
-              f" {'steps/disp':>10} {'before/after':>12} {'after/floor':>11}")
+        print(
+            f"{'B':>3} {'before ms':>10} {'1/disp ms':>10} {f'{args.dispatch}/disp ms':>10} {'floor ms':>9}"
+            f" {'steps/disp':>10} {'before/after':>12} {'after/floor':>11}"
+        )
         for B in args.batches:
             modes = ("before", "1/dispatch", "N/dispatch", "floor")
             servers = {m: warm_server(model, B, args, m) for m in modes}
@@ -164,14 +181,18 @@ def main(argv: list[str]) -> None:
                     runs[m].append(decode_step_s(servers[m], B, args, r))
             before, one, fused, floor = (min(t for t, _ in runs[m]) for m in modes)
             ratio = runs["N/dispatch"][0][1]
-            print(f"{B:>3} {before * 1e3:>10.3f} {one * 1e3:>10.3f} {fused * 1e3:>10.3f} {floor * 1e3:>9.3f}"
-                  f" {ratio:>10.2f} {before / fused:>11.2f}x {fused / floor:>10.2f}x")
+            print(
+                f"{B:>3} {before * 1e3:>10.3f} {one * 1e3:>10.3f} {fused * 1e3:>10.3f} {floor * 1e3:>9.3f}"
+                f" {ratio:>10.2f} {before / fused:>11.2f}x {fused / floor:>10.2f}x"
+            )
         print(f"sampler alone, (B, {V}) logits:")
         print(f"{'B':>3} {'rows':>14} {'sort ms':>9} {'new ms':>9} {'sort/new':>9}")
         for B in args.batches:
-            for label, p in [("greedy", SamplingParams(temperature=0.0)),
-                             ("top_p=0.9", SamplingParams(temperature=0.8, top_p=0.9)),
-                             ("top_k=50", SamplingParams(temperature=0.8, top_k=50))]:
+            for label, p in [
+                ("greedy", SamplingParams(temperature=0.0)),
+                ("top_p=0.9", SamplingParams(temperature=0.8, top_p=0.9)),
+                ("top_k=50", SamplingParams(temperature=0.8, top_k=50)),
+            ]:
                 old, new = sampler_s(sampling.sample_reference, B, V, p), sampler_s(sampling.sample, B, V, p)
                 print(f"{B:>3} {label:>14} {old * 1e3:>9.3f} {new * 1e3:>9.3f} {old / new:>8.1f}x")
 

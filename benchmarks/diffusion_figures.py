@@ -46,14 +46,25 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _train(run_dir: pathlib.Path, steps: int) -> None:
     from meshwork.train.loop import train
 
-    cfg = load_config(ROOT / "configs/unet_digits.yaml", [
-        f"run.dir={run_dir}", f"train.steps={steps}", f"checkpoint.every={steps}", "log.progress=false",
-        "log.tensorboard=false", f"log.eval_every={steps}"])
+    cfg = load_config(
+        ROOT / "configs/unet_digits.yaml",
+        [
+            f"run.dir={run_dir}",
+            f"train.steps={steps}",
+            f"checkpoint.every={steps}",
+            "log.progress=false",
+            "log.tensorboard=false",
+            f"log.eval_every={steps}",
+        ],
+    )
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         summary = train(cfg)
-    print(f"trained unet_digits {steps} steps in {time.perf_counter() - t0:.0f} s "
-          f"(validation loss {summary['val_loss'][steps]:.4f})", flush=True)
+    print(
+        f"trained unet_digits {steps} steps in {time.perf_counter() - t0:.0f} s "
+        f"(validation loss {summary['val_loss'][steps]:.4f})",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,9 +91,11 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\n| images ({args.num}, DDIM {args.steps} steps) | classifier accuracy |\n|---|---|")
     print(f"| real held-out digits | {clf.real_accuracy():.1%} |")
-    rows = ((f"samples, untrained model (seed {cfg.run.seed})", untrained, None),
-            (f"samples, {step} training steps (EMA)", trained, None),
-            (f"samples, {step} training steps (EMA), guidance 2", trained, 2.0))
+    rows = (
+        (f"samples, untrained model (seed {cfg.run.seed})", untrained, None),
+        (f"samples, {step} training steps (EMA)", trained, None),
+        (f"samples, {step} training steps (EMA), guidance 2", trained, 2.0),
+    )
     for label, model, guidance in rows if not args.patch_parallel_only else ():
         x, y = images.sample_images(model, cfg, num=args.num, steps=args.steps, guidance=guidance)
         print(f"| {label} | {clf.accuracy(x, y):.1%} |", flush=True)
@@ -99,16 +112,21 @@ def main(argv: list[str] | None = None) -> None:
     key = jax.random.key(0)
     kw = dict(steps=args.pp_steps, labels=labels, clip_sample=1.0)
     ref = np.asarray(ddim_sample(model_fn, shape, key, cfg.model.diffusion, **kw))
-    print(f"\npatch-parallel on 4 devices, {args.pp_num} images, {args.pp_steps} DDIM steps, trained model; "
-          f"max |x_0| = {np.abs(ref).max():.2f}")
+    print(
+        f"\npatch-parallel on 4 devices, {args.pp_num} images, {args.pp_steps} DDIM steps, trained model; "
+        f"max |x_0| = {np.abs(ref).max():.2f}"
+    )
     print("| synchronous warm-up steps | max abs difference from one device |\n|---|---|")
     for warmup in (1, 10, args.pp_steps):
-        pp = np.asarray(patch_parallel_sample(model_fn, shape, key, cfg.model.diffusion, mesh=mesh, warmup=warmup,
-                                              **kw))
+        pp = np.asarray(
+            patch_parallel_sample(model_fn, shape, key, cfg.model.diffusion, mesh=mesh, warmup=warmup, **kw)
+        )
         print(f"| {warmup}{' (all)' if warmup == args.pp_steps else ''} | {np.abs(pp - ref).max():.2g} |", flush=True)
     comm = patch_parallel_comm_bytes(shape, 4)
-    print(f"bytes each device sends per step: {comm['sent_per_step']:,} = (n-1)/n of one batch of images "
-          f"({comm['gathered_bytes']:,} B)")
+    print(
+        f"bytes each device sends per step: {comm['sent_per_step']:,} = (n-1)/n of one batch of images "
+        f"({comm['gathered_bytes']:,} B)"
+    )
     print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 

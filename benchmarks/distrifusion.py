@@ -48,11 +48,11 @@ from meshwork.diffusion.sampling import patch_parallel_sample  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from diffusion_figures import _train  # noqa: E402  (the same unet_digits run when none is given)
+
 from meshwork.evaluation.digit_quality import DigitClassifier  # noqa: E402
 from meshwork.models.unet import ResnetBlock, TimeEmbedding  # noqa: E402
 from meshwork.sharding.hlo import collective_summary  # noqa: E402
 from meshwork.sharding.mesh import make_mesh  # noqa: E402
-
 
 
 def replicated_flops(model, batch: int) -> int:
@@ -92,7 +92,11 @@ def halo_flops(fn, *args) -> int:
             if eqn.primitive.name != "conv_general_dilated":
                 continue
             lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-            dn, (sh, sw), (ph, pw) = eqn.params["dimension_numbers"], eqn.params["window_strides"], eqn.params["padding"]
+            dn, (sh, sw), (ph, pw) = (
+                eqn.params["dimension_numbers"],
+                eqn.params["window_strides"],
+                eqn.params["padding"],
+            )
             b, c_in, h, w = (lhs[i] for i in dn.lhs_spec)
             c_out, _, kh, kw = (rhs[i] for i in dn.rhs_spec)
             total += 2 * b * c_in * c_out * _taps(h, kh, sh, ph)[1] * _taps(w, kw, sw, pw)[0]
@@ -118,13 +122,22 @@ def step_costs(model, cfg, n: int, batch: int) -> dict:
     compiled = stale.lower(arrays, x, t, y, sent).compile()
     hlo = compiled.as_text()
     comm = collective_summary(hlo)
-    one_device = {k: jax.tree.map(lambda s: s.shape[1:], v, is_leaf=lambda s: hasattr(s, "shape"))
-                  for k, v in sent.items()}
+    one_device = {
+        k: jax.tree.map(lambda s: s.shape[1:], v, is_leaf=lambda s: hasattr(s, "shape")) for k, v in sent.items()
+    }
     rep, halo = replicated_flops(model, batch), halo_flops(fn, x, t, y)
-    return {"single": single, "device": compiled.cost_analysis()["flops"], "device_sync": sync_flops,
-            "formula": (single - rep + halo) / n + rep, "rep": rep, "halo": halo, "hlo_bytes": comm["all-gather"]["bytes"] + comm["collective-permute"]["bytes"],
-            "formula_bytes": df.comm_formula(one_device, n), "deps": df.stale_step_dependencies(hlo),
-            "all_gather_everything": _all_gather_everything(one_device, n)}
+    return {
+        "single": single,
+        "device": compiled.cost_analysis()["flops"],
+        "device_sync": sync_flops,
+        "formula": (single - rep + halo) / n + rep,
+        "rep": rep,
+        "halo": halo,
+        "hlo_bytes": comm["all-gather"]["bytes"] + comm["collective-permute"]["bytes"],
+        "formula_bytes": df.comm_formula(one_device, n),
+        "deps": df.stale_step_dependencies(hlo),
+        "all_gather_everything": _all_gather_everything(one_device, n),
+    }
 
 
 def _all_gather_everything(shapes: dict, n: int, itemsize: int = 4) -> int:
@@ -160,44 +173,70 @@ def main(argv: list[str] | None = None) -> None:
             _train(run_dir, args.train_steps)
         cfg, model, step = load_run(run_dir)
 
-    print(f"\none denoising step, batch {args.cost_batch}, {cfg.model.unet.sample_size}px; per-device FLOPs "
-          "(cost_analysis) and bytes sent (HLO)")
-    print("| n | FLOPs 1 device | FLOPs per device, stale step | ratio | synchronous step ratio | formula (F1-Frep+Fhalo)/n+Frep | bytes sent (HLO) | formula "
-          "(halo + norm + kv) | all-gather every layer | collectives feeding the step's output |")
+    print(
+        f"\none denoising step, batch {args.cost_batch}, {cfg.model.unet.sample_size}px; per-device FLOPs "
+        "(cost_analysis) and bytes sent (HLO)"
+    )
+    print(
+        "| n | FLOPs 1 device | FLOPs per device, stale step | ratio | synchronous step ratio | formula (F1-Frep+Fhalo)/n+Frep | bytes sent (HLO) | formula "
+        "(halo + norm + kv) | all-gather every layer | collectives feeding the step's output |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n in (2, 4):
         c = step_costs(model, cfg, n, args.cost_batch)
         fb = c["formula_bytes"]
-        print(f"| {n} | {c['single']:,.0f} | {c['device']:,.0f} | {c['device'] / c['single']:.3f} | "
-              f"{c['device_sync'] / c['single']:.3f} | "
-              f"{c['formula']:,.0f} ({c['formula'] / c['single']:.3f}) | {c['hlo_bytes']:,} | {fb['total']:,} "
-              f"({fb['halo']:,} + {fb['norm']:,} + {fb['kv']:,}) | {c['all_gather_everything']:,} | "
-              f"{c['deps']['feeding_output']} of {c['deps']['collectives']} |", flush=True)
-    print(f"F_rep (time-embedding dense layers, whole on every device) = {c['rep']:,} "
-          f"({c['rep'] / c['single']:.2%} of F1); F_halo (conv taps on the image's padding rows, which the "
-          f"patches compute as halo rows) = {c['halo']:,} ({c['halo'] / c['single']:.2%} of F1)")
+        print(
+            f"| {n} | {c['single']:,.0f} | {c['device']:,.0f} | {c['device'] / c['single']:.3f} | "
+            f"{c['device_sync'] / c['single']:.3f} | "
+            f"{c['formula']:,.0f} ({c['formula'] / c['single']:.3f}) | {c['hlo_bytes']:,} | {fb['total']:,} "
+            f"({fb['halo']:,} + {fb['norm']:,} + {fb['kv']:,}) | {c['all_gather_everything']:,} | "
+            f"{c['deps']['feeding_output']} of {c['deps']['collectives']} |",
+            flush=True,
+        )
+    print(
+        f"F_rep (time-embedding dense layers, whole on every device) = {c['rep']:,} "
+        f"({c['rep'] / c['single']:.2%} of F1); F_halo (conv taps on the image's padding rows, which the "
+        f"patches compute as halo rows) = {c['halo']:,} ({c['halo'] / c['single']:.2%} of F1)"
+    )
     if args.costs_only:
         return
 
     clf = DigitClassifier(cfg.model.unet.sample_size)
     kw = dict(num=args.num, steps=args.steps)
     ref, y = sample_images(model, cfg, **kw)
-    print(f"\n{args.num} images, DDIM {args.steps} steps, {step} training steps (EMA), 4 devices; "
-          f"one device: classifier {clf.accuracy(ref, y):.1%}")
-    print("| warm-up steps | mean abs diff | max abs diff | classifier | input-only patch_parallel_sample: mean abs "
-          "diff | classifier |\n|---|---|---|---|---|---|")
+    print(
+        f"\n{args.num} images, DDIM {args.steps} steps, {step} training steps (EMA), 4 devices; "
+        f"one device: classifier {clf.accuracy(ref, y):.1%}"
+    )
+    print(
+        "| warm-up steps | mean abs diff | max abs diff | classifier | input-only patch_parallel_sample: mean abs "
+        "diff | classifier |\n|---|---|---|---|---|---|"
+    )
     mesh = make_mesh({"sequence": 4}, devices=jax.devices()[:4])
     graphdef, state = nnx.split(model)
-    fn = jax.device_put(jax.tree_util.Partial(_apply, graphdef, state),
-                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    fn = jax.device_put(
+        jax.tree_util.Partial(_apply, graphdef, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
     for warmup in (*args.warmups, args.steps):
         x, _ = sample_images(model, cfg, patch_parallel=4, warmup=warmup, **kw)
-        row = f"| {warmup}{' (all)' if warmup == args.steps else ''} | {np.abs(x - ref).mean():.2e} | " \
-              f"{np.abs(x - ref).max():.2e} | {clf.accuracy(x, y):.1%} |"
+        row = (
+            f"| {warmup}{' (all)' if warmup == args.steps else ''} | {np.abs(x - ref).mean():.2e} | "
+            f"{np.abs(x - ref).max():.2e} | {clf.accuracy(x, y):.1%} |"
+        )
         if warmup != args.steps:
-            pp = np.asarray(patch_parallel_sample(fn, ref.shape, jax.random.key(0), cfg.model.diffusion, mesh=mesh,
-                                                  steps=args.steps, warmup=warmup, labels=jnp.asarray(y),
-                                                  clip_sample=1.0))
+            pp = np.asarray(
+                patch_parallel_sample(
+                    fn,
+                    ref.shape,
+                    jax.random.key(0),
+                    cfg.model.diffusion,
+                    mesh=mesh,
+                    steps=args.steps,
+                    warmup=warmup,
+                    labels=jnp.asarray(y),
+                    clip_sample=1.0,
+                )
+            )
             row += f" {np.abs(pp - ref).mean():.2e} | {clf.accuracy(pp, y):.1%} |"
         else:
             row += " | |"

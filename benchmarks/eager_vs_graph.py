@@ -41,13 +41,21 @@ from meshwork.config import load_config  # noqa: E402
 from meshwork.sharding.hlo_kernels import hlo_kernels  # noqa: E402
 from meshwork.sharding.jaxpr_ops import jaxpr_op_counts  # noqa: E402
 
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-        "data.seq_len=32", "train.global_batch=8"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "train.global_batch=8",
+]
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 # ---------------------------------------------------------------------------
 # Op-by-op execution of a jaxpr.
+
 
 class EagerInterpreter:
     """Runs a jaxpr one primitive at a time; `dispatches` counts the ops sent to the device."""
@@ -85,8 +93,14 @@ class EagerInterpreter:
             return self.closed(branch, *invals[1:])
         if name == "while":
             return self.while_loop(params, invals)
-        sub = next((params[p] for p in _CALL_PARAMS if p in params and hasattr(getattr(params[p], "jaxpr", params[p]),
-                                                                             "eqns")), None)
+        sub = next(
+            (
+                params[p]
+                for p in _CALL_PARAMS
+                if p in params and hasattr(getattr(params[p], "jaxpr", params[p]), "eqns")
+            ),
+            None,
+        )
         if sub is not None and name != "pallas_call":
             return self.closed(sub, *invals)
         self.dispatches += 1
@@ -95,7 +109,7 @@ class EagerInterpreter:
 
     def scan(self, p, invals) -> list:
         n_c, n_k = p["num_consts"], p["num_carry"]
-        consts, carry, xs = invals[:n_c], invals[n_c:n_c + n_k], invals[n_c + n_k:]
+        consts, carry, xs = invals[:n_c], invals[n_c : n_c + n_k], invals[n_c + n_k :]
         ys_steps = []
         order = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
         for i in order:
@@ -112,7 +126,7 @@ class EagerInterpreter:
 
     def while_loop(self, p, invals) -> list:
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cconsts, bconsts, carry = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+        cconsts, bconsts, carry = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
         while bool(self.closed(p["cond_jaxpr"], *cconsts, *carry)[0]):
             carry = self.closed(p["body_jaxpr"], *bconsts, *carry)
         return carry
@@ -121,12 +135,15 @@ class EagerInterpreter:
 # ---------------------------------------------------------------------------
 # The step, eager and compiled.
 
+
 def _trainer(overrides: list[str]):
     from meshwork.train.trainer import build_trainer, check_runtime
 
     tmp = tempfile.mkdtemp(prefix="eager_vs_graph_")
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp}", "mesh.data=1", "log.progress=false",
-                                                      "log.tensorboard=false", *overrides])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [f"run.dir={tmp}", "mesh.data=1", "log.progress=false", "log.tensorboard=false", *overrides],
+    )
     devices = jax.devices()[:1]
     return build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
 
@@ -160,13 +177,20 @@ def eager_vs_graph(overrides: list[str], steps: int = 3) -> dict[str, float]:
         graph_s = (time.perf_counter() - t) / steps
     kernels = hlo_kernels(trainer.step_fn.as_text())
     counts = jaxpr_op_counts(closed)
-    return {"eager_s": eager_s, "graph_s": graph_s, "eager_dispatches": dispatches,
-            "jaxpr_ops": counts["ops"], "jaxpr_ops_per_step": counts["per_step"],
-            "graph_kernels": len(kernels), "graph_kernels_per_step": sum(k.multiplier for k in kernels)}
+    return {
+        "eager_s": eager_s,
+        "graph_s": graph_s,
+        "eager_dispatches": dispatches,
+        "jaxpr_ops": counts["ops"],
+        "jaxpr_ops_per_step": counts["per_step"],
+        "graph_kernels": len(kernels),
+        "graph_kernels_per_step": sum(k.multiplier for k in kernels),
+    }
 
 
 # ---------------------------------------------------------------------------
 # Attention: separate ops vs the fused implementations.
+
 
 def naive_attention(q_BLHK, k_BSGK, v_BSGK, key, *, dropout: float = 0.1):
     """softmax(Q K^T * scale + causal mask), dropout, times V: every step its own op."""
@@ -203,6 +227,7 @@ def attention_variants(B: int = 2, L: int = 128, H: int = 4, G: int = 2, K: int 
     }
     rows = []
     for name, fn in variants.items():
+
         def loss(q, k, v, fn=fn):
             return (fn(q, k, v) ** 2).sum()
 
@@ -212,20 +237,29 @@ def attention_variants(B: int = 2, L: int = 128, H: int = 4, G: int = 2, K: int 
             rows.append({"variant": name, "unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
             continue
         kernels = hlo_kernels(compiled.as_text())
-        rows.append({"variant": name, "kernels": len(kernels), "kernels_per_step": sum(k.multiplier for k in kernels),
-                     "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)})
+        rows.append(
+            {
+                "variant": name,
+                "kernels": len(kernels),
+                "kernels_per_step": sum(k.multiplier for k in kernels),
+                "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+            }
+        )
     return rows
 
 
 def format_attention(rows: list[dict[str, Any]], shape: str) -> str:
-    lines = [f"attention forward + backward, one device, {shape}:",
-             f"  {'variant':<36} {'HLO kernels':>11} {'per run':>8} {'temp KiB':>10}"]
+    lines = [
+        f"attention forward + backward, one device, {shape}:",
+        f"  {'variant':<36} {'HLO kernels':>11} {'per run':>8} {'temp KiB':>10}",
+    ]
     for r in rows:
         if "unavailable" in r:
             lines.append(f"  {r['variant']:<36} unavailable on {jax.default_backend()}: {r['unavailable']}")
         else:
-            lines.append(f"  {r['variant']:<36} {r['kernels']:>11} {r['kernels_per_step']:>8} "
-                         f"{r['temp_bytes'] / 1024:>10.1f}")
+            lines.append(
+                f"  {r['variant']:<36} {r['kernels']:>11} {r['kernels_per_step']:>8} {r['temp_bytes'] / 1024:>10.1f}"
+            )
     return "\n".join(lines)
 
 
@@ -238,14 +272,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     overrides = [*(TINY if args.tiny else []), *args.overrides]
     r = eager_vs_graph(overrides, args.steps)
-    print(f"lm_tiny train step on {jax.devices()[0].platform} ({'tiny shape' if args.tiny else 'lm_tiny shape'}), "
-          f"{args.steps} timed steps each, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}")
-    print(f"eager (op by op): {r['eager_s'] * 1e3:9.2f} ms/step, {r['eager_dispatches']:6d} dispatches "
-          f"(jaxpr: {r['jaxpr_ops']} ops, {r['jaxpr_ops_per_step']} per step)")
-    print(f"graph (compiled): {r['graph_s'] * 1e3:9.2f} ms/step, {r['graph_kernels_per_step']:6d} kernels "
-          f"({r['graph_kernels']} in the HLO text)")
-    print(f"ratio eager/graph: time {r['eager_s'] / r['graph_s']:.1f}x, launches "
-          f"{r['eager_dispatches'] / r['graph_kernels_per_step']:.1f}x")
+    print(
+        f"lm_tiny train step on {jax.devices()[0].platform} ({'tiny shape' if args.tiny else 'lm_tiny shape'}), "
+        f"{args.steps} timed steps each, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}"
+    )
+    print(
+        f"eager (op by op): {r['eager_s'] * 1e3:9.2f} ms/step, {r['eager_dispatches']:6d} dispatches "
+        f"(jaxpr: {r['jaxpr_ops']} ops, {r['jaxpr_ops_per_step']} per step)"
+    )
+    print(
+        f"graph (compiled): {r['graph_s'] * 1e3:9.2f} ms/step, {r['graph_kernels_per_step']:6d} kernels "
+        f"({r['graph_kernels']} in the HLO text)"
+    )
+    print(
+        f"ratio eager/graph: time {r['eager_s'] / r['graph_s']:.1f}x, launches "
+        f"{r['eager_dispatches'] / r['graph_kernels_per_step']:.1f}x"
+    )
     out: dict[str, Any] = dict(r)
     if args.attention:
         B, L, H, G, K = (2, 64, 4, 2, 16) if args.tiny else (2, 128, 4, 2, 32)

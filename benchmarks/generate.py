@@ -53,11 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from meshwork.config import ConfigError, load_config
 from meshwork.inference.generate import Generator
 from meshwork.inference.kv_cache import cache_bytes_per_token
 from meshwork.inference.sampling import SamplingArrays, SamplingParams
 from meshwork.models.quantize import MODES, quantize_model, weight_bytes
-from meshwork.config import ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -87,8 +87,10 @@ def load_model(args: argparse.Namespace):
     """(model, where it came from) from --checkpoint or --config + overrides."""
     if args.checkpoint:
         if args.overrides:
-            raise ConfigError(f"overrides {args.overrides} apply to --config only; with --checkpoint the run's "
-                              "own config.yaml is used")
+            raise ConfigError(
+                f"overrides {args.overrides} apply to --config only; with --checkpoint the run's "
+                "own config.yaml is used"
+            )
         from meshwork.inference.runs import load_run
 
         cfg, model, step = load_run(args.checkpoint)
@@ -140,18 +142,27 @@ def time_generation(gen: Generator, batch: int, prompt_len: int, steps: int, rep
             prefill_s.append(t1 - t0)
             decode_s.append(t2 - t1)
     del cache
-    return {"batch": batch, "max_len": max_len, "cache_nbytes": cache_nbytes,
-            "prefill_s": statistics.median(prefill_s), "decode_s": statistics.median(decode_s),
-            "prefill_tok_s": batch * prompt_len / statistics.median(prefill_s),
-            "decode_tok_s": batch * steps / statistics.median(decode_s)}
+    return {
+        "batch": batch,
+        "max_len": max_len,
+        "cache_nbytes": cache_nbytes,
+        "prefill_s": statistics.median(prefill_s),
+        "decode_s": statistics.median(decode_s),
+        "prefill_tok_s": batch * prompt_len / statistics.median(prefill_s),
+        "decode_tok_s": batch * steps / statistics.median(decode_s),
+    }
 
 
 def roofline(weights_read: int, kv_bytes_per_token: int, batch: int, mean_len: float, bandwidth: float) -> dict:
     """Bytes a decode step must read and the tokens/s that reading them at `bandwidth` allows."""
     kv_read = batch * mean_len * kv_bytes_per_token
     per_step = weights_read + kv_read
-    return {"weights_read": weights_read, "kv_read": kv_read, "bytes_per_step": per_step,
-            "ceiling_tok_s": batch * bandwidth / per_step}
+    return {
+        "weights_read": weights_read,
+        "kv_read": kv_read,
+        "bytes_per_step": per_step,
+        "ceiling_tok_s": batch * bandwidth / per_step,
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -187,44 +198,66 @@ def main(argv: list[str]) -> None:
     mean_len = args.prompt_len + (args.decode_steps + 1) / 2  # keys attended, averaged over the steps
     # Other processes on a CPU host skew its figures: say how busy it was.
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    print(f"machine: {device.device_kind}, backend {jax.default_backend()}, jax {jax.__version__}, "
-          f"{os.cpu_count()} cores{load}; measured read bandwidth {bandwidth / 1e9:.1f} GB/s "
-          f"(jitted sum over {args.bandwidth_mib} MiB)")
-    print(f"model: {source}; {cfg.kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads / "
-          f"{cfg.n_kv_heads} kv heads x {cfg.resolved_head_dim}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}, "
-          f"attention {cfg.attention}; weights {wbytes / MB:.2f} MB ({jnp.dtype(model.dtype).name} compute), "
-          f"KV cache {jnp.dtype(gen.cache_dtype).name}")
-    print(f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps (cache length "
-          f"{args.prompt_len + args.decode_steps}, mean attended length {mean_len:g}), median of {args.repeats}")
-    print(f"\n{'batch':>5} | {'prefill tok/s':>13} | {'decode tok/s':>12} {'ms/step':>8} | KV B/token formula "
-          f"measured | {'weights MB':>10} {'KV MB':>7} /step | {'ceiling tok/s':>13} {'measured/ceil':>13}",
-          flush=True)
+    print(
+        f"machine: {device.device_kind}, backend {jax.default_backend()}, jax {jax.__version__}, "
+        f"{os.cpu_count()} cores{load}; measured read bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"(jitted sum over {args.bandwidth_mib} MiB)"
+    )
+    print(
+        f"model: {source}; {cfg.kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads / "
+        f"{cfg.n_kv_heads} kv heads x {cfg.resolved_head_dim}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}, "
+        f"attention {cfg.attention}; weights {wbytes / MB:.2f} MB ({jnp.dtype(model.dtype).name} compute), "
+        f"KV cache {jnp.dtype(gen.cache_dtype).name}"
+    )
+    print(
+        f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps (cache length "
+        f"{args.prompt_len + args.decode_steps}, mean attended length {mean_len:g}), median of {args.repeats}"
+    )
+    print(
+        f"\n{'batch':>5} | {'prefill tok/s':>13} | {'decode tok/s':>12} {'ms/step':>8} | KV B/token formula "
+        f"measured | {'weights MB':>10} {'KV MB':>7} /step | {'ceiling tok/s':>13} {'measured/ceil':>13}",
+        flush=True,
+    )
 
     rows = []
     for B in args.batches:
         t = time_generation(gen, B, args.prompt_len, args.decode_steps, args.repeats)
         kv_measured = t["cache_nbytes"] / (B * t["max_len"])
         roof = roofline(weights_read_per_step(model, wbytes, B), kv_formula, B, mean_len, bandwidth)
-        row = {**t, **roof, "kv_bytes_per_token_formula": kv_formula, "kv_bytes_per_token_measured": kv_measured,
-               "ratio": t["decode_tok_s"] / roof["ceiling_tok_s"]}
+        row = {
+            **t,
+            **roof,
+            "kv_bytes_per_token_formula": kv_formula,
+            "kv_bytes_per_token_measured": kv_measured,
+            "ratio": t["decode_tok_s"] / roof["ceiling_tok_s"],
+        }
         rows.append(row)
         agree = "" if kv_measured == kv_formula else "  MISMATCH"
-        print(f"{B:>5} | {t['prefill_tok_s']:>13,.0f} | {t['decode_tok_s']:>12,.0f} "
-              f"{t['decode_s'] / args.decode_steps * 1e3:>8.2f} | {kv_formula:>18,} {kv_measured:>8,.0f}{agree} | "
-              f"{roof['weights_read'] / MB:>10.2f} {roof['kv_read'] / MB:>7.2f}      | "
-              f"{roof['ceiling_tok_s']:>13,.0f} {row['ratio']:>13.1%}", flush=True)
+        print(
+            f"{B:>5} | {t['prefill_tok_s']:>13,.0f} | {t['decode_tok_s']:>12,.0f} "
+            f"{t['decode_s'] / args.decode_steps * 1e3:>8.2f} | {kv_formula:>18,} {kv_measured:>8,.0f}{agree} | "
+            f"{roof['weights_read'] / MB:>10.2f} {roof['kv_read'] / MB:>7.2f}      | "
+            f"{roof['ceiling_tok_s']:>13,.0f} {row['ratio']:>13.1%}",
+            flush=True,
+        )
 
     quantized = []
     if modes:
         B = args.quantize_batch
-        base = next((r for r in rows if r["batch"] == B), None) or \
-            time_generation(gen, B, args.prompt_len, args.decode_steps, args.repeats)
+        base = next((r for r in rows if r["batch"] == B), None) or time_generation(
+            gen, B, args.prompt_len, args.decode_steps, args.repeats
+        )
         print(f"\nquantized weights, decode at batch {B} (float row: the table above, or measured now):")
-        print(f"{'weights':>8} | {'weights MB':>10} {'vs float':>8} | {'decode tok/s':>12} {'vs float':>8} | "
-              f"{'ceiling tok/s':>13} {'measured/ceil':>13}")
+        print(
+            f"{'weights':>8} | {'weights MB':>10} {'vs float':>8} | {'decode tok/s':>12} {'vs float':>8} | "
+            f"{'ceiling tok/s':>13} {'measured/ceil':>13}"
+        )
         ceiling = roofline(weights_read_per_step(model, wbytes, B), kv_formula, B, mean_len, bandwidth)["ceiling_tok_s"]
-        print(f"{'float':>8} | {wbytes / MB:>10.2f} {1:>8.2f} | {base['decode_tok_s']:>12,.0f} {1:>8.2f} | "
-              f"{ceiling:>13,.0f} {base['decode_tok_s'] / ceiling:>13.1%}", flush=True)
+        print(
+            f"{'float':>8} | {wbytes / MB:>10.2f} {1:>8.2f} | {base['decode_tok_s']:>12,.0f} {1:>8.2f} | "
+            f"{ceiling:>13,.0f} {base['decode_tok_s'] / ceiling:>13.1%}",
+            flush=True,
+        )
         del gen
         for mode in modes:
             qmodel = nnx.clone(model)  # quantize_model works in place: the float model stays as it is
@@ -232,34 +265,62 @@ def main(argv: list[str]) -> None:
             qbytes = weight_bytes(qmodel)["total"]
             t = time_generation(Generator(qmodel), B, args.prompt_len, args.decode_steps, args.repeats)
             roof = roofline(weights_read_per_step(qmodel, qbytes, B), kv_formula, B, mean_len, bandwidth)
-            q = {"mode": mode, "batch": B, "weight_bytes": qbytes, "decode_tok_s": t["decode_tok_s"],
-                 "vs_float": t["decode_tok_s"] / base["decode_tok_s"], **roof,
-                 "ratio": t["decode_tok_s"] / roof["ceiling_tok_s"]}
+            q = {
+                "mode": mode,
+                "batch": B,
+                "weight_bytes": qbytes,
+                "decode_tok_s": t["decode_tok_s"],
+                "vs_float": t["decode_tok_s"] / base["decode_tok_s"],
+                **roof,
+                "ratio": t["decode_tok_s"] / roof["ceiling_tok_s"],
+            }
             quantized.append(q)
-            print(f"{mode:>8} | {qbytes / MB:>10.2f} {qbytes / wbytes:>8.2f} | {t['decode_tok_s']:>12,.0f} "
-                  f"{q['vs_float']:>8.2f} | {roof['ceiling_tok_s']:>13,.0f} {q['ratio']:>13.1%}", flush=True)
+            print(
+                f"{mode:>8} | {qbytes / MB:>10.2f} {qbytes / wbytes:>8.2f} | {t['decode_tok_s']:>12,.0f} "
+                f"{q['vs_float']:>8.2f} | {roof['ceiling_tok_s']:>13,.0f} {q['ratio']:>13.1%}",
+                flush=True,
+            )
             del qmodel
 
-    print("\nnotes: ceiling = batch x bandwidth / (weights + attended KV bytes) per step, memory traffic only; "
-          "decode tokens stay on the device between steps (no per-token host sync).\n"
-          "  A step also has a fixed cost (Python dispatch, the layer scan, the sampler's sort over the vocabulary) "
-          "that no byte count sees: a small model runs far below its ceiling, whatever the device.")
+    print(
+        "\nnotes: ceiling = batch x bandwidth / (weights + attended KV bytes) per step, memory traffic only; "
+        "decode tokens stay on the device between steps (no per-token host sync).\n"
+        "  A step also has a fixed cost (Python dispatch, the layer scan, the sampler's sort over the vocabulary) "
+        "that no byte count sees: a small model runs far below its ceiling, whatever the device."
+    )
     if device.platform == "cpu":
-        print("  CPU: XLA's CPU backend copies each layer's weights out of the stacked (layers, ...) arrays into a "
-              "temporary before their matmul (seen in the compiled decode step with jax 0.10.2), traffic the "
-              "ceiling does not count; weights that fit in the last-level cache are read faster than the measured "
-              "bandwidth; other processes on the host skew both the bandwidth and the timings (see the load).")
+        print(
+            "  CPU: XLA's CPU backend copies each layer's weights out of the stacked (layers, ...) arrays into a "
+            "temporary before their matmul (seen in the compiled decode step with jax 0.10.2), traffic the "
+            "ceiling does not count; weights that fit in the last-level cache are read faster than the measured "
+            "bandwidth; other processes on the host skew both the bandwidth and the timings (see the load)."
+        )
     if cfg.kind == "moe":
-        print("  MoE: the ceiling counts every expert as read each step; at small batch a step reads only the "
-              "experts its tokens are routed to, so the true ceiling is higher.")
+        print(
+            "  MoE: the ceiling counts every expert as read each step; at small batch a step reads only the "
+            "experts its tokens are routed to, so the true ceiling is higher."
+        )
     if any(not r["kv_bytes_per_token_measured"] == kv_formula for r in rows):
         print("  WARNING: the allocated cache's bytes per token differ from the formula.")
 
     if args.json:
-        print(json.dumps({"device": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-                          "model": source, "weight_bytes": wbytes, "bandwidth_bytes_s": bandwidth,
-                          "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
-                          "mean_attended_len": mean_len, "rows": rows, "quantized": quantized}))
+        print(
+            json.dumps(
+                {
+                    "device": device.device_kind,
+                    "backend": jax.default_backend(),
+                    "jax": jax.__version__,
+                    "model": source,
+                    "weight_bytes": wbytes,
+                    "bandwidth_bytes_s": bandwidth,
+                    "prompt_len": args.prompt_len,
+                    "decode_steps": args.decode_steps,
+                    "mean_attended_len": mean_len,
+                    "rows": rows,
+                    "quantized": quantized,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,18 @@ from meshwork.perf.goodput_sim import Scenario, simulate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # tests/conftest.py's tiny_overrides (without run.dir), a model that compiles in seconds.
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-        "data.seq_len=32", "train.global_batch=8", "log.progress=false", "log.tensorboard=false",
-        "log.eval_batches=2"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "train.global_batch=8",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "log.eval_batches=2",
+]
 RESTORE_LINE = re.compile(r"restoring the checkpoint of step (\d+)")
 LOG_EVERY = 10
 KEYS: dict[str, float] = {}  # the real runs' figures, printed as key=value by goodput_sim.py
@@ -79,8 +88,9 @@ def poll_rows(metrics: pathlib.Path, seen: set[str], t0: float, rows: list) -> N
             rows.append((time.monotonic() - t0, json.loads(line)))
 
 
-def run_with_kills(cmd: list[str], run_dir: pathlib.Path, steps: int, unit_trace: np.ndarray, mttf: float | None,
-                   max_wall: float) -> tuple[float, np.ndarray, float, list[dict]]:
+def run_with_kills(
+    cmd: list[str], run_dir: pathlib.Path, steps: int, unit_trace: np.ndarray, mttf: float | None, max_wall: float
+) -> tuple[float, np.ndarray, float, list[dict]]:
     """Runs `cmd` to completion, killing it (SIGKILL) and relaunching it at once at the failure times.
 
     The failures are `unit_trace` (a Poisson trace of mean 1) times `mttf`, counted from the first
@@ -101,8 +111,9 @@ def run_with_kills(cmd: list[str], run_dir: pathlib.Path, steps: int, unit_trace
     while True:
         now = time.monotonic() - t0
         # A session of its own, so that the kill takes the trainer's children too, as a machine's failure would.
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         failed_at = float(kills[k - 1]) if k else 0.0  # when the failure that this launch recovers from struck
         launch = {"start": now, "failed_at": failed_at, "lines": [], "rows": [], "killed": False}
         launches.append(launch)
@@ -110,11 +121,13 @@ def run_with_kills(cmd: list[str], run_dir: pathlib.Path, steps: int, unit_trace
         def read(proc=proc, lines=launch["lines"]):
             for line in proc.stdout:
                 lines.append((time.monotonic() - t0, line.rstrip("\n")))
+
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         try:
             while proc.poll() is None and time.monotonic() - t0 < (
-                    deadline := min(kills[k] if kills is not None and k < len(kills) else max_wall, max_wall)):
+                deadline := min(kills[k] if kills is not None and k < len(kills) else max_wall, max_wall)
+            ):
                 poll(launch)
                 if kills is None and len(rows := [(t, r) for t, r in launch["rows"] if "step_time_s" in r]) >= 3:
                     step_time = np.mean([r["step_time_s"] for _, r in rows[1:3]])
@@ -161,11 +174,13 @@ def measure(launches: list[dict], every: int, fast_every: int | None) -> dict:
             if persist and fast:
                 continue
             (saves["persistent"] if persist else saves["fast"] if fast else regular).append(
-                (row["step_time_s"] * (s2 - s1), s2 - s1))
+                (row["step_time_s"] * (s2 - s1), s2 - s1)
+            )
     step_time = sum(dt for dt, _ in regular) / sum(ds for _, ds in regular)
     # A stall smaller than the steps' jitter can come out negative: it is then taken as none.
-    cost = {tier: max(0.0, float(np.mean([dt - ds * step_time for dt, ds in v]))) if v else 0.0
-            for tier, v in saves.items()}
+    cost = {
+        tier: max(0.0, float(np.mean([dt - ds * step_time for dt, ds in v]))) if v else 0.0 for tier, v in saves.items()
+    }
     first, restarts = None, []
     for launch in launches:
         restored = [int(m.group(1)) for _, line in launch["lines"] if (m := RESTORE_LINE.search(line))]
@@ -181,22 +196,40 @@ def measure(launches: list[dict], every: int, fast_every: int | None) -> dict:
             first = to_training
     last = launches[-1]
     tail = last["end"] - [t for t, r in last["rows"] if "step_time_s" in r][-1] - cost["persistent"]
-    return {"step_time": step_time, "checkpoint": cost["persistent"], "fast_checkpoint": cost["fast"],
-            "initial": first, "restart": float(np.mean(restarts)) if restarts else None, "restarts": restarts,
-            "tail": tail, "n_steady": len(regular), "n_saves": len(saves["persistent"])}
+    return {
+        "step_time": step_time,
+        "checkpoint": cost["persistent"],
+        "fast_checkpoint": cost["fast"],
+        "initial": first,
+        "restart": float(np.mean(restarts)) if restarts else None,
+        "restarts": restarts,
+        "tail": tail,
+        "n_steady": len(regular),
+        "n_saves": len(saves["persistent"]),
+    }
 
 
 def real_run(args, unit_trace: np.ndarray, fast_every: int | None) -> dict:
     mode = "fast" if fast_every else "persistent"
     with tempfile.TemporaryDirectory(prefix="goodput_sim_") as tmp:
         run_dir = pathlib.Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "train", "--config", "configs/lm_tiny.yaml", f"run.dir={run_dir}", *TINY,
-               f"train.steps={args.steps}", f"checkpoint.every={args.every}", "checkpoint.async=false",
-               f"log.every={LOG_EVERY}", "log.eval_every=1000000"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "train",
+            "--config",
+            "configs/lm_tiny.yaml",
+            f"run.dir={run_dir}",
+            *TINY,
+            f"train.steps={args.steps}",
+            f"checkpoint.every={args.every}",
+            "checkpoint.async=false",
+            f"log.every={LOG_EVERY}",
+            "log.eval_every=1000000",
+        ]
         if fast_every:
             cmd += [f"checkpoint.fast_every={fast_every}", f"checkpoint.fast_path={pathlib.Path(tmp) / 'fast'}"]
-        wall, kills, mttf, launches = run_with_kills(cmd, run_dir, args.steps, unit_trace, args.run_mttf,
-                                                     args.max_wall)
+        wall, kills, mttf, launches = run_with_kills(cmd, run_dir, args.steps, unit_trace, args.run_mttf, args.max_wall)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         account = next((r for r in reversed(rows) if "time_wall_s" in r), {})
     if args.log:
@@ -204,36 +237,71 @@ def real_run(args, unit_trace: np.ndarray, fast_every: int | None) -> dict:
         log.write_text(json.dumps({"cmd": cmd, "kills": kills.tolist(), "wall": wall, "launches": launches}))
     c = measure(launches, args.every, fast_every)
     restart = c["restart"] if c["restart"] is not None else c["initial"]  # no kill hit after a checkpoint
-    s = Scenario(mode, c["step_time"], c["checkpoint"], args.every, restart, fast_every=fast_every,
-                 fast_cost=c["fast_checkpoint"], fast_recovery_cost=restart, initial_cost=c["initial"])
+    s = Scenario(
+        mode,
+        c["step_time"],
+        c["checkpoint"],
+        args.every,
+        restart,
+        fast_every=fast_every,
+        fast_cost=c["fast_checkpoint"],
+        fast_recovery_cost=restart,
+        initial_cost=c["initial"],
+    )
     sim = simulate(s, kills, total_steps=args.steps)
     sim_wall = sim.wall + c["tail"]
     productive = args.steps * c["step_time"]
     real_g, sim_g = productive / wall, productive / sim_wall
     kills_used = sum(launch["killed"] for launch in launches)
-    print(f"\n# Part 2: real run, mode {mode!r}: lm_tiny tiny overrides, {args.steps} steps, checkpoint every "
-          f"{args.every}" + (f", fast tier every {fast_every}" if fast_every else "") + ", synchronous writes")
-    print(f"kill trace (seed {args.seed}, mean {mttf or 0:.1f} s): "
-          + ", ".join(f"{t:.1f}" for t in kills) + f" s; kills that landed: {kills_used}, simulated failures: "
-          f"{sim.failures}")
-    print("launches: " + "; ".join(
-        f"{launch['start']:.1f}-{launch['end']:.1f} s" + (" killed" if launch["killed"] else " finished")
-        for launch in launches))
-    print(f"measured costs: step {c['step_time'] * 1e3:.2f} ms ({c['n_steady']} rows), persistent checkpoint "
-          f"{c['checkpoint']:.3f} s ({c['n_saves']} saves)"
-          + (f", fast copy {c['fast_checkpoint']:.3f} s" if fast_every else "")
-          + f", first start {c['initial']:.2f} s, restarts " + ", ".join(f"{x:.2f}" for x in c["restarts"])
-          + f" s (mean {restart:.2f}), tail (final eval, exit) {c['tail']:.2f} s")
-    print(f"real wall {wall:.2f} s, simulated {sim_wall:.2f} s; goodput (steps x step time / wall): real "
-          f"{real_g:.4f}, simulated {sim_g:.4f}, relative error {(sim_g - real_g) / real_g:+.2%}")
-    print("simulated breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sim.breakdown.items())
-          + f", tail {c['tail']:.2f}")
+    print(
+        f"\n# Part 2: real run, mode {mode!r}: lm_tiny tiny overrides, {args.steps} steps, checkpoint every "
+        f"{args.every}" + (f", fast tier every {fast_every}" if fast_every else "") + ", synchronous writes"
+    )
+    print(
+        f"kill trace (seed {args.seed}, mean {mttf or 0:.1f} s): "
+        + ", ".join(f"{t:.1f}" for t in kills)
+        + f" s; kills that landed: {kills_used}, simulated failures: "
+        f"{sim.failures}"
+    )
+    print(
+        "launches: "
+        + "; ".join(
+            f"{launch['start']:.1f}-{launch['end']:.1f} s" + (" killed" if launch["killed"] else " finished")
+            for launch in launches
+        )
+    )
+    print(
+        f"measured costs: step {c['step_time'] * 1e3:.2f} ms ({c['n_steady']} rows), persistent checkpoint "
+        f"{c['checkpoint']:.3f} s ({c['n_saves']} saves)"
+        + (f", fast copy {c['fast_checkpoint']:.3f} s" if fast_every else "")
+        + f", first start {c['initial']:.2f} s, restarts "
+        + ", ".join(f"{x:.2f}" for x in c["restarts"])
+        + f" s (mean {restart:.2f}), tail (final eval, exit) {c['tail']:.2f} s"
+    )
+    print(
+        f"real wall {wall:.2f} s, simulated {sim_wall:.2f} s; goodput (steps x step time / wall): real "
+        f"{real_g:.4f}, simulated {sim_g:.4f}, relative error {(sim_g - real_g) / real_g:+.2%}"
+    )
+    print(
+        "simulated breakdown (s): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in sim.breakdown.items())
+        + f", tail {c['tail']:.2f}"
+    )
     if account:
-        print("trainer's account (metrics.jsonl, from its first start, python start-up not counted): goodput "
-              f"{account['goodput']:.4f} of {account['time_wall_s']:.1f} s; " + ", ".join(
-                  f"{k[5:-2]} {v:.2f}" for k, v in account.items() if k.startswith("time_") and k != "time_wall_s"))
-    KEYS.update({f"real_goodput[{mode}]": real_g, f"sim_goodput[{mode}]": sim_g,
-                 f"rel_error[{mode}]": (sim_g - real_g) / real_g})
+        print(
+            "trainer's account (metrics.jsonl, from its first start, python start-up not counted): goodput "
+            f"{account['goodput']:.4f} of {account['time_wall_s']:.1f} s; "
+            + ", ".join(
+                f"{k[5:-2]} {v:.2f}" for k, v in account.items() if k.startswith("time_") and k != "time_wall_s"
+            )
+        )
+    KEYS.update(
+        {
+            f"real_goodput[{mode}]": real_g,
+            f"sim_goodput[{mode}]": sim_g,
+            f"rel_error[{mode}]": (sim_g - real_g) / real_g,
+        }
+    )
     return {"real": real_g, "sim": sim_g}
 
 
@@ -246,22 +314,46 @@ def elastic_run(args, unit_trace: np.ndarray) -> dict:
     empties it. Failures that strike while the devices are still out are not injected."""
     with tempfile.TemporaryDirectory(prefix="goodput_sim_") as tmp:
         run_dir, faults = pathlib.Path(tmp) / "run", pathlib.Path(tmp) / "lost_devices"
-        cmd = [sys.executable, "-m", "train", "--config", "configs/lm_tiny.yaml", f"run.dir={run_dir}", *TINY,
-               f"train.steps={args.steps}", f"checkpoint.every={args.every}", "checkpoint.async=false",
-               f"log.every={LOG_EVERY}", "log.eval_every=1000000", "mesh.data=8", "rules.preset=dp",
-               f"checkpoint.fast_every={args.fast_every}", f"checkpoint.fast_path={pathlib.Path(tmp) / 'fast'}",
-               "train.elastic=true", f"train.fault_file={faults}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "train",
+            "--config",
+            "configs/lm_tiny.yaml",
+            f"run.dir={run_dir}",
+            *TINY,
+            f"train.steps={args.steps}",
+            f"checkpoint.every={args.every}",
+            "checkpoint.async=false",
+            f"log.every={LOG_EVERY}",
+            "log.eval_every=1000000",
+            "mesh.data=8",
+            "rules.preset=dp",
+            f"checkpoint.fast_every={args.fast_every}",
+            f"checkpoint.fast_path={pathlib.Path(tmp) / 'fast'}",
+            "train.elastic=true",
+            f"train.fault_file={faults}",
+        ]
 
         def write(text):  # whole or not at all: the trainer reads the file at every step
             faults.with_suffix(".tmp").write_text(text)
             faults.with_suffix(".tmp").replace(faults)
+
         write("")
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=trainer_env(8), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=trainer_env(8),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         lines, rows, seen, events = [], [], set(), []
-        reader = threading.Thread(target=lambda: lines.extend((time.monotonic() - t0, x.rstrip("\n"))
-                                                              for x in proc.stdout), daemon=True)
+        reader = threading.Thread(
+            target=lambda: lines.extend((time.monotonic() - t0, x.rstrip("\n")) for x in proc.stdout), daemon=True
+        )
         reader.start()
         kills, k, back_at, mttf, replacement = None, 0, None, args.run_mttf, args.replacement_real
         try:
@@ -291,8 +383,10 @@ def elastic_run(args, unit_trace: np.ndarray) -> dict:
         reader.join()
         poll_rows(run_dir / "metrics.jsonl", seen, t0, rows)
         if proc.returncode != 0:
-            raise SystemExit(f"goodput_sim.py: the trainer exited with status {proc.returncode}:\n"
-                             + "\n".join(x for _, x in lines[-15:]))
+            raise SystemExit(
+                f"goodput_sim.py: the trainer exited with status {proc.returncode}:\n"
+                + "\n".join(x for _, x in lines[-15:])
+            )
     if args.log:
         log = args.log.with_name(f"{args.log.stem}_elastic{args.log.suffix}")
         log.write_text(json.dumps({"cmd": cmd, "failures": events, "wall": wall, "lines": lines, "rows": rows}))
@@ -320,34 +414,63 @@ def elastic_run(args, unit_trace: np.ndarray) -> dict:
             (full if devices == 8 else degraded).append(item)
     step_time = sum(a for a, _ in full) / sum(b for _, b in full)
     step_degraded = sum(a for a, _ in degraded) / sum(b for _, b in degraded) if degraded else step_time
-    cost = {tier: max(0.0, float(np.mean([a - b * step_time for a, b in v]))) if v else 0.0
-            for tier, v in saves.items()}
+    cost = {
+        tier: max(0.0, float(np.mean([a - b * step_time for a, b in v]))) if v else 0.0 for tier, v in saves.items()
+    }
     initial = timed[0][0] - timed[0][1]["step"] * step_time
     tail = wall - timed[-1][0] - cost["persistent"]
     fraction = min(0.99, max(-0.99, 1 - step_time / step_degraded))  # negative: 4 devices ran faster than 8
     shrink = float(np.mean(shrinks)) if shrinks else 0.0
-    s = Scenario("elastic", step_time, cost["persistent"], args.every, recovery_cost=initial,
-                 fast_every=args.fast_every, fast_cost=cost["fast"], fast_recovery_cost=shrink,
-                 rollback=1.0 if redone else 0.0, degraded_fraction=fraction, replacement_time=replacement,
-                 rejoin_cost=float(np.mean(grows)) if grows else 0.0, initial_cost=initial)
+    s = Scenario(
+        "elastic",
+        step_time,
+        cost["persistent"],
+        args.every,
+        recovery_cost=initial,
+        fast_every=args.fast_every,
+        fast_cost=cost["fast"],
+        fast_recovery_cost=shrink,
+        rollback=1.0 if redone else 0.0,
+        degraded_fraction=fraction,
+        replacement_time=replacement,
+        rejoin_cost=float(np.mean(grows)) if grows else 0.0,
+        initial_cost=initial,
+    )
     sim = simulate(s, np.array(events), total_steps=args.steps)
     sim_wall = sim.wall + tail
     productive = args.steps * step_time
     real_g, sim_g = productive / wall, productive / sim_wall
-    print(f"\n# Part 2: real run, mode 'elastic': lm_tiny tiny overrides on 8 CPU devices (dp), {args.steps} steps, "
-          f"checkpoint every {args.every}, fast tier every {args.fast_every}, train.elastic; a failure loses devices "
-          f"{LOST}, back {replacement:.1f} s later")
-    print(f"failure trace (seed {args.seed}, mean {mttf:.1f} s): injected at " + ", ".join(f"{t:.1f}" for t in events)
-          + f" s; changes: {len(shrinks)} shrinks, {len(grows)} grows, {redone} steps redone")
-    print(f"measured costs: step {step_time * 1e3:.2f} ms on 8 ({len(full)} rows), {step_degraded * 1e3:.2f} ms on 4 "
-          f"({len(degraded)} rows; degraded fraction {fraction:.3f}), persistent checkpoint {cost['persistent']:.3f} s, "
-          f"fast copy {cost['fast']:.3f} s, first start {initial:.2f} s, shrinks "
-          + ", ".join(f"{x:.2f}" for x in shrinks) + " s, grows " + ", ".join(f"{x:.2f}" for x in grows)
-          + f" s, tail {tail:.2f} s")
-    print(f"real wall {wall:.2f} s, simulated {sim_wall:.2f} s; goodput (steps x step time / wall): real "
-          f"{real_g:.4f}, simulated {sim_g:.4f}, relative error {(sim_g - real_g) / real_g:+.2%}")
-    print("simulated breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sim.breakdown.items())
-          + f", tail {tail:.2f}")
-    KEYS.update({"real_goodput[elastic]": real_g, "sim_goodput[elastic]": sim_g,
-                 "rel_error[elastic]": (sim_g - real_g) / real_g})
+    print(
+        f"\n# Part 2: real run, mode 'elastic': lm_tiny tiny overrides on 8 CPU devices (dp), {args.steps} steps, "
+        f"checkpoint every {args.every}, fast tier every {args.fast_every}, train.elastic; a failure loses devices "
+        f"{LOST}, back {replacement:.1f} s later"
+    )
+    print(
+        f"failure trace (seed {args.seed}, mean {mttf:.1f} s): injected at "
+        + ", ".join(f"{t:.1f}" for t in events)
+        + f" s; changes: {len(shrinks)} shrinks, {len(grows)} grows, {redone} steps redone"
+    )
+    print(
+        f"measured costs: step {step_time * 1e3:.2f} ms on 8 ({len(full)} rows), {step_degraded * 1e3:.2f} ms on 4 "
+        f"({len(degraded)} rows; degraded fraction {fraction:.3f}), persistent checkpoint {cost['persistent']:.3f} s, "
+        f"fast copy {cost['fast']:.3f} s, first start {initial:.2f} s, shrinks "
+        + ", ".join(f"{x:.2f}" for x in shrinks)
+        + " s, grows "
+        + ", ".join(f"{x:.2f}" for x in grows)
+        + f" s, tail {tail:.2f} s"
+    )
+    print(
+        f"real wall {wall:.2f} s, simulated {sim_wall:.2f} s; goodput (steps x step time / wall): real "
+        f"{real_g:.4f}, simulated {sim_g:.4f}, relative error {(sim_g - real_g) / real_g:+.2%}"
+    )
+    print(
+        "simulated breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sim.breakdown.items()) + f", tail {tail:.2f}"
+    )
+    KEYS.update(
+        {
+            "real_goodput[elastic]": real_g,
+            "sim_goodput[elastic]": sim_g,
+            "rel_error[elastic]": (sim_g - real_g) / real_g,
+        }
+    )
     return {"real": real_g, "sim": sim_g}

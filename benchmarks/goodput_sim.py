@@ -48,8 +48,8 @@ from meshwork.perf.goodput_sim import MODES, failure_trace, scenario, simulate
 from meshwork.perf.reliability import cluster_mttf, goodput
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from goodput_real_runs import KEYS as REAL_KEYS, LOG_EVERY, elastic_run, real_run  # noqa: E402
-
+from goodput_real_runs import KEYS as REAL_KEYS  # noqa: E402
+from goodput_real_runs import LOG_EVERY, elastic_run, real_run
 
 
 class Parser(argparse.ArgumentParser):
@@ -66,6 +66,7 @@ def positive(kind):
         if not v > 0:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
         return v
+
     return parse
 
 
@@ -107,23 +108,48 @@ def parse_args(argv):
     g.add_argument("--group", type=positive(int), default=8, help="devices an elastic run loses per failure")
     g.add_argument("--fast-loss-prob", type=fraction, default=0.01)
     g.add_argument("--rollback", type=fraction, default=1.0)
-    g.add_argument("--table-every", type=positive(int), default=None,
-                   help="persistent checkpoint interval in steps (default: Daly's, per mode and scale)")
-    g.add_argument("--table-fast-every", type=positive(int), default=None,
-                   help="fast-tier interval in steps (default: Daly's, per scale)")
+    g.add_argument(
+        "--table-every",
+        type=positive(int),
+        default=None,
+        help="persistent checkpoint interval in steps (default: Daly's, per mode and scale)",
+    )
+    g.add_argument(
+        "--table-fast-every",
+        type=positive(int),
+        default=None,
+        help="fast-tier interval in steps (default: Daly's, per scale)",
+    )
     r = p.add_argument_group("the real run")
     r.add_argument("--no-real-run", action="store_true")
     r.add_argument("--steps", type=positive(int), default=6000)
     r.add_argument("--every", type=positive(int), default=400, help="persistent checkpoint interval, steps")
-    r.add_argument("--real-modes", nargs="+", choices=MODES, default=["persistent"],
-                   help="the modes run for real; fast needs checkpoint.fast_every, elastic train.elastic")
-    r.add_argument("--replacement-real", type=positive(float), default=None,
-                   help="elastic: seconds until lost devices return (default: half the MTTF)")
+    r.add_argument(
+        "--real-modes",
+        nargs="+",
+        choices=MODES,
+        default=["persistent"],
+        help="the modes run for real; fast needs checkpoint.fast_every, elastic train.elastic",
+    )
+    r.add_argument(
+        "--replacement-real",
+        type=positive(float),
+        default=None,
+        help="elastic: seconds until lost devices return (default: half the MTTF)",
+    )
     r.add_argument("--fast-every", type=positive(int), default=100, help="the fast tier's interval in the real run")
-    r.add_argument("--run-mttf", type=positive(float), default=None,
-                   help="mean seconds between kills (default: a third of the run's wall time without failures)")
-    r.add_argument("--kills", type=positive(int), default=4,
-                   help="at most this many kills (the trace's first ones), so that a slow machine still finishes")
+    r.add_argument(
+        "--run-mttf",
+        type=positive(float),
+        default=None,
+        help="mean seconds between kills (default: a third of the run's wall time without failures)",
+    )
+    r.add_argument(
+        "--kills",
+        type=positive(int),
+        default=4,
+        help="at most this many kills (the trace's first ones), so that a slow machine still finishes",
+    )
     r.add_argument("--seed", type=int, default=7, help="seed of the kill trace")
     r.add_argument("--log", type=pathlib.Path, default=None, help="write the launches' stamped lines and rows here")
     r.add_argument("--max-wall", type=positive(float), default=400.0, help="give up after this many seconds")
@@ -131,28 +157,47 @@ def parse_args(argv):
     if args.every % LOG_EVERY:
         p.error(f"--every must be a multiple of log.every={LOG_EVERY}, got {args.every}")
     if args.fast_every % LOG_EVERY or args.every % args.fast_every:
-        p.error(f"--fast-every must be a multiple of {LOG_EVERY} that divides --every={args.every}, "
-                f"got {args.fast_every}")
+        p.error(
+            f"--fast-every must be a multiple of {LOG_EVERY} that divides --every={args.every}, got {args.fast_every}"
+        )
     return args
 
 
 def costs(args) -> dict:
-    return {"device_mttf": args.mttf_days * 86400, "step_time": args.step, "persistent_cost": args.persistent_cost,
-                "fast_cost": args.fast_cost, "startup": args.startup, "compile_": args.compile,
-                "restore_persistent": args.restore_persistent, "restore_fast": args.restore_fast, "reshard": args.reshard,
-                "recompile": args.recompile, "rejoin": args.rejoin, "replacement_time": args.replacement_time,
-                "group": args.group, "fast_loss_prob": args.fast_loss_prob, "rollback": args.rollback}
+    return {
+        "device_mttf": args.mttf_days * 86400,
+        "step_time": args.step,
+        "persistent_cost": args.persistent_cost,
+        "fast_cost": args.fast_cost,
+        "startup": args.startup,
+        "compile_": args.compile,
+        "restore_persistent": args.restore_persistent,
+        "restore_fast": args.restore_fast,
+        "reshard": args.reshard,
+        "recompile": args.recompile,
+        "rejoin": args.rejoin,
+        "replacement_time": args.replacement_time,
+        "group": args.group,
+        "fast_loss_prob": args.fast_loss_prob,
+        "rollback": args.rollback,
+    }
 
 
 def table(args) -> None:
     c = costs(args)
     horizon = args.days * 86400
-    print(f"# Part 1: simulated goodput, device MTTF {args.mttf_days:g} days, {args.days:g} days of wall time "
-          f"per trace, mean of {args.seeds} seeds")
-    print("# cost assumptions (s, constant in N; see the docstring): " + ", ".join(
-        f"{k}={v:g}" for k, v in c.items() if k != "device_mttf"))
-    print("| devices | cluster MTTF | mode | recovery s | ckpt every (steps) | fast every | failures "
-          "| goodput | Daly closed form |")
+    print(
+        f"# Part 1: simulated goodput, device MTTF {args.mttf_days:g} days, {args.days:g} days of wall time "
+        f"per trace, mean of {args.seeds} seeds"
+    )
+    print(
+        "# cost assumptions (s, constant in N; see the docstring): "
+        + ", ".join(f"{k}={v:g}" for k, v in c.items() if k != "device_mttf")
+    )
+    print(
+        "| devices | cluster MTTF | mode | recovery s | ckpt every (steps) | fast every | failures "
+        "| goodput | Daly closed form |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     figures = {}
     for n in args.devices:
@@ -163,10 +208,15 @@ def table(args) -> None:
             runs = [simulate(s, t, horizon=horizon, seed=k) for k, t in enumerate(traces)]
             g = float(np.mean([r.goodput for r in runs]))
             recovery = s.recovery_cost if mode == "persistent" else s.fast_recovery_cost
-            closed = (f"{goodput(s.every * s.step_time, s.checkpoint_cost, m, s.recovery_cost):.3f}"
-                      if mode == "persistent" else "")
-            print(f"| {n:,} | {m / 60:.1f} min | {mode} | {recovery:g} | {s.every or '-'} | {s.fast_every or '-'} "
-                  f"| {np.mean([r.failures for r in runs]):.0f} | {g:.3f} | {closed} |")
+            closed = (
+                f"{goodput(s.every * s.step_time, s.checkpoint_cost, m, s.recovery_cost):.3f}"
+                if mode == "persistent"
+                else ""
+            )
+            print(
+                f"| {n:,} | {m / 60:.1f} min | {mode} | {recovery:g} | {s.every or '-'} | {s.fast_every or '-'} "
+                f"| {np.mean([r.failures for r in runs]):.0f} | {g:.3f} | {closed} |"
+            )
             figures[f"goodput[{mode},{n}]"] = g
     print(" ".join(f"{k}={v:.4f}" for k, v in figures.items()))
 

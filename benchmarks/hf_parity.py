@@ -25,27 +25,45 @@ from meshwork.models.hf import model_from_hf  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/hf"
 # (folder, RoPE, the golden's lengths: "" is the (2, 16) batch, else logits_<L>)
-FAMILIES = [(name, "default", {16: "", 1: "_1", 7: "_7"}) for name in (
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_moe_step2",
-    "qwen2_moe_mlp_only")]
-FAMILIES += [(f"llama_rope/{t}", t.split("_")[-1], {1: "_1", 7: "_7", 40: "_40"})
-             for t in ("llama3", "linear", "dynamic", "yarn", "qwen2_yarn", "qwen3_yarn")]
+FAMILIES = [
+    (name, "default", {16: "", 1: "_1", 7: "_7"})
+    for name in (
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "qwen2_moe_step2",
+        "qwen2_moe_mlp_only",
+    )
+]
+FAMILIES += [
+    (f"llama_rope/{t}", t.split("_")[-1], {1: "_1", 7: "_7", 40: "_40"})
+    for t in ("llama3", "linear", "dynamic", "yarn", "qwen2_yarn", "qwen3_yarn")
+]
 
 
 def main() -> None:
     versions = json.loads((FIXTURES / "versions.json").read_text()) if (FIXTURES / "versions.json").exists() else {}
-    print(f"jax {jax.__version__} ({jax.devices()[0].platform}); golden files from transformers "
-          f"{versions.get('transformers')}, torch {versions.get('torch')}")
-    print("| model | RoPE | length | max abs logit | max abs error | relative to max logit | greedy 16 equal |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        f"jax {jax.__version__} ({jax.devices()[0].platform}); golden files from transformers "
+        f"{versions.get('transformers')}, torch {versions.get('torch')}"
+    )
+    print(
+        "| model | RoPE | length | max abs logit | max abs error | relative to max logit | greedy 16 equal |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for name, rope, lengths in FAMILIES:
         golden = np.load(FIXTURES / name / "golden.npz")
         _, model = model_from_hf(FIXTURES / name)
         greedy = ""
         if "generated" in golden.files:
             n = len(golden["generated"])
-            got = Generator(model).generate([golden["prompt"][0].tolist()],
-                                            SamplingParams(temperature=0.0, max_new_tokens=n))[0]
+            got = Generator(model).generate(
+                [golden["prompt"][0].tolist()], SamplingParams(temperature=0.0, max_new_tokens=n)
+            )[0]
             greedy = f"{got == golden['generated'].tolist()} ({n})"
         for length, suffix in lengths.items():
             want = golden["logits" + suffix]

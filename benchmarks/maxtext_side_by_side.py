@@ -93,15 +93,33 @@ def run_maxtext(python: str, ndev: int, steps: int, out_dir: str) -> tuple[float
     """(median step seconds, the steps' seconds, other processes' cores, MaxText's own cores busy
     between its step SKIP and its last step: CPU seconds of all its threads over wall seconds)."""
     base_yml = subprocess.check_output(
-        [python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"],
+        [
+            python,
+            "-c",
+            "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))",
+        ],
         text=True,
     ).strip()
     # Unbuffered, so each step's line arrives as MaxText prints it and its CPU time is read then.
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev}",
-               PYTHONUNBUFFERED="1")
-    cmd = [python, "-m", "maxtext.trainers.pre_train.train", base_yml, f"run_name=side_by_side_{ndev}dev",
-           f"base_output_directory={out_dir}", f"jax_cache_dir={out_dir}/jax_cache", f"steps={steps}",
-           f"per_device_batch_size={GLOBAL_BATCH // ndev}", f"ici_fsdp_parallelism={ndev}", *SHAPE]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={ndev}",
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [
+        python,
+        "-m",
+        "maxtext.trainers.pre_train.train",
+        base_yml,
+        f"run_name=side_by_side_{ndev}dev",
+        f"base_output_directory={out_dir}",
+        f"jax_cache_dir={out_dir}/jax_cache",
+        f"steps={steps}",
+        f"per_device_batch_size={GLOBAL_BATCH // ndev}",
+        f"ici_fsdp_parallelism={ndev}",
+        *SHAPE,
+    ]
     busy0, mine0, t0 = busy_cpu_s(), children_cpu_s(), time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, marks = [], []  # marks: (wall, MaxText's CPU seconds) as steps SKIP.. complete
@@ -129,16 +147,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="MaxText steps per run (first 3 are skipped)")
     args = ap.parse_args()
     if not (os.path.isfile(args.maxtext_python) and os.access(args.maxtext_python, os.X_OK)):
-        print(f"{args.maxtext_python} not found: create the MaxText venv as in this script's docstring "
-              "(python -m venv /work/venv_mt; pip install --no-deps maxtext==0.2.5; pip install jax==0.12.0.1 ...)",
-              file=sys.stderr)
+        print(
+            f"{args.maxtext_python} not found: create the MaxText venv as in this script's docstring "
+            "(python -m venv /work/venv_mt; pip install --no-deps maxtext==0.2.5; pip install jax==0.12.0.1 ...)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     versions = subprocess.check_output(
-        [args.maxtext_python, "-c", "import sys, jax, jaxlib, importlib.metadata as m; "
-         "print(sys.version.split()[0], jax.__version__, jaxlib.__version__, m.version('maxtext'))"],
-        env=dict(os.environ, JAX_PLATFORMS="cpu"), text=True).split()
-    print(f"MaxText python {versions[0]}, jax {versions[1]}, jaxlib {versions[2]}, maxtext {versions[3]}; "
-          f"{os.cpu_count()} CPUs")
+        [
+            args.maxtext_python,
+            "-c",
+            "import sys, jax, jaxlib, importlib.metadata as m; "
+            "print(sys.version.split()[0], jax.__version__, jaxlib.__version__, m.version('maxtext'))",
+        ],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        text=True,
+    ).split()
+    print(
+        f"MaxText python {versions[0]}, jax {versions[1]}, jaxlib {versions[2]}, maxtext {versions[3]}; "
+        f"{os.cpu_count()} CPUs"
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="mt_side_") as out_dir:
         for r in range(args.rounds):
@@ -147,12 +175,16 @@ def main() -> None:
                 med, times, others, cores = run_maxtext(args.maxtext_python, ndev, args.steps, out_dir)
                 rows.append((r + 1, ndev, med, min(times), max(times), before, loadavg(), others, cores))
                 print(f"  round {r + 1}, {ndev} dev: median {med:.3f} s/step over {len(times)} steps", flush=True)
-    print("\n| round | devices | MaxText s/step (median) | min | max | loadavg before | loadavg after "
-          "| other procs' CPU (cores) | MaxText's cores busy (steps) |")
+    print(
+        "\n| round | devices | MaxText s/step (median) | min | max | loadavg before | loadavg after "
+        "| other procs' CPU (cores) | MaxText's cores busy (steps) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r, ndev, med, lo, hi, before, after, others, cores in rows:
-        print(f"| {r} | {ndev} | {med:.3f} | {lo:.3f} | {hi:.3f} | {before} | {after} | {others:.2f} "
-              f"| {cores:.2f} of {os.cpu_count()} |")
+        print(
+            f"| {r} | {ndev} | {med:.3f} | {lo:.3f} | {hi:.3f} | {before} | {after} | {others:.2f} "
+            f"| {cores:.2f} of {os.cpu_count()} |"
+        )
     print("\n| devices | median over rounds (s/step) | tokens/s |")
     print("|---|---|---|")
     for ndev in (1, 2):

@@ -23,7 +23,8 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshwork.sharding.hlo import collective_summary
 from meshwork.sharding.overlap import async_collective_schedule, compiler_options, gradients_issued_before_backward_end
@@ -39,14 +40,17 @@ def build(layout: str, L: int, D: int, tokens_per_device: int):
     w_sh = tuple(NamedSharding(mesh, s) for s in w_spec)
     x_sh = NamedSharding(mesh, P("data"))
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    params = (jax.device_put(jax.random.normal(k1, (L, D, F)) * D ** -0.5, w_sh[0]),
-              jax.device_put(jax.random.normal(k2, (L, F, D)) * F ** -0.5, w_sh[1]))
+    params = (
+        jax.device_put(jax.random.normal(k1, (L, D, F)) * D**-0.5, w_sh[0]),
+        jax.device_put(jax.random.normal(k2, (L, F, D)) * F**-0.5, w_sh[1]),
+    )
     x_TD = jax.device_put(jax.random.normal(k3, (n * tokens_per_device, D)), x_sh)
 
     def loss(params, x_TD):
         def block(h_TD, w):
             w_in_DF, w_out_FD = w
             return h_TD + jax.nn.silu(h_TD @ w_in_DF) @ w_out_FD, None
+
         h_TD, _ = jax.lax.scan(block, x_TD, params)
         return jnp.mean((h_TD - x_TD) ** 2)
 
@@ -54,8 +58,7 @@ def build(layout: str, L: int, D: int, tokens_per_device: int):
         value, grads = jax.value_and_grad(loss)(params, x_TD)
         return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), value
 
-    jitted = jax.jit(step, in_shardings=(w_sh, x_sh), out_shardings=(w_sh, NamedSharding(mesh, P())),
-                     donate_argnums=0)
+    jitted = jax.jit(step, in_shardings=(w_sh, x_sh), out_shardings=(w_sh, NamedSharding(mesh, P())), donate_argnums=0)
     return jitted.lower(params, x_TD), params, x_TD
 
 
@@ -83,8 +86,10 @@ def main() -> int:
     args = ap.parse_args()
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2:
-        print(f"overlap needs collectives, so two or more GPUs; found {len(gpus)} "
-              f"({jax.devices()[0].platform}: {len(jax.devices())} device(s)). Nothing to measure.")
+        print(
+            f"overlap needs collectives, so two or more GPUs; found {len(gpus)} "
+            f"({jax.devices()[0].platform}: {len(jax.devices())} device(s)). Nothing to measure."
+        )
         return 0
     lowered, params, x_TD = build(args.layout, args.layers, args.d, args.tokens)
     on = compiler_options(SimpleNamespace(overlap=True, combine_threshold_bytes=None, xla_options={}), "gpu")
@@ -97,14 +102,19 @@ def main() -> int:
         counts = {k: v["count"] for k, v in collective_summary(text).items() if v["count"]}
         print(f"[{arm}] {opts}")
         print(f"  collectives per step: {counts}")
-        print(f"  async pairs: {len(pairs)} of {len(schedule)} collectives in the schedule; compute ops between "
-              f"start and done: {[c.overlapped_compute for c in pairs]}")
-        print(f"  gradient collectives issued before the backward pass ends: "
-              f"{gradients_issued_before_backward_end(text)}")
+        print(
+            f"  async pairs: {len(pairs)} of {len(schedule)} collectives in the schedule; compute ops between "
+            f"start and done: {[c.overlapped_compute for c in pairs]}"
+        )
+        print(
+            f"  gradient collectives issued before the backward pass ends: {gradients_issued_before_backward_end(text)}"
+        )
         times[arm] = measure(compiled, params, x_TD, args.steps)
         print(f"  step time (median of {args.steps}): {times[arm] * 1e3:.2f} ms")
-    print(f"{args.layout} on {len(gpus)} x {gpus[0].device_kind}: overlap on / off step time = "
-          f"{times['on'] / times['off']:.3f}")
+    print(
+        f"{args.layout} on {len(gpus)} x {gpus[0].device_kind}: overlap on / off step time = "
+        f"{times['on'] / times['off']:.3f}"
+    )
     return 0
 
 

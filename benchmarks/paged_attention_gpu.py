@@ -48,9 +48,12 @@ def main() -> None:
                 err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                 t_kernel, t_gather = _time_ms(kernel, args), _time_ms(gather, args)
                 kv_bytes = 2 * int(jnp.sum(jnp.minimum(pos[:, -1] + 1, S))) * G * K * jnp.dtype(dtype).itemsize
-                print(f"{jnp.dtype(dtype).name} L={L} window={window} B={B} S={S}: rel_err {err:.1e}  "
-                      f"kernel {t_kernel:.3f} ms  gather {t_gather:.3f} ms  ratio {t_gather / t_kernel:.2f}  "
-                      f"kernel K/V {kv_bytes / t_kernel / 1e6:.0f} GB/s", flush=True)
+                print(
+                    f"{jnp.dtype(dtype).name} L={L} window={window} B={B} S={S}: rel_err {err:.1e}  "
+                    f"kernel {t_kernel:.3f} ms  gather {t_gather:.3f} ms  ratio {t_gather / t_kernel:.2f}  "
+                    f"kernel K/V {kv_bytes / t_kernel / 1e6:.0f} GB/s",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from meshwork.config import load_config  # noqa: E402
-from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 from meshwork.train.state import param_count  # noqa: E402
+from meshwork.train.trainer import build_trainer, check_runtime  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 8
@@ -34,17 +34,35 @@ ROWS = [
     ("sp", ["mesh.data=4", "mesh.tensor=2"], "tp + residual stream over sequence", "~4/2"),
     ("cp", ["mesh.data=2", "mesh.sequence=4"], "activations over sequence", "4"),
     ("fsdp+tp", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], "params over fsdp and tensor", "~4/4"),
-    ("dp", ["mesh.stage=4", "mesh.data=2", "model.n_layers=4", "train.pipeline=1f1b", "train.microbatches=4"],
-     "layers over stage (1F1B)", "~4/4 of layers"),
-    ("dp", ["mesh.stage=4", "mesh.data=2", "model.n_layers=4", "train.pipeline=1f1b", "train.microbatches=4",
-            "model.kind=moe", "model.moe.n_experts=4", "model.moe.top_k=2"],
-     "MoE layers over stage (1F1B)", "~4/4 of layers"),
+    (
+        "dp",
+        ["mesh.stage=4", "mesh.data=2", "model.n_layers=4", "train.pipeline=1f1b", "train.microbatches=4"],
+        "layers over stage (1F1B)",
+        "~4/4 of layers",
+    ),
+    (
+        "dp",
+        [
+            "mesh.stage=4",
+            "mesh.data=2",
+            "model.n_layers=4",
+            "train.pipeline=1f1b",
+            "train.microbatches=4",
+            "model.kind=moe",
+            "model.moe.n_experts=4",
+            "model.moe.top_k=2",
+        ],
+        "MoE layers over stage (1F1B)",
+        "~4/4 of layers",
+    ),
 ]
 
 
 def main() -> None:
-    print("| preset | mesh | shards | state / 4P measured | formula | all-reduce | all-gather | reduce-scatter "
-          "| all-to-all | collective-permute | temp MiB |")
+    print(
+        "| preset | mesh | shards | state / 4P measured | formula | all-reduce | all-gather | reduce-scatter "
+        "| all-to-all | collective-permute | temp MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for preset, overrides, shards, formula in ROWS:
         with tempfile.TemporaryDirectory() as tmp:
@@ -54,12 +72,16 @@ def main() -> None:
         full_param_bytes = 4 * param_count(trainer.abstract)
         state = rep["state"]["total"] / full_param_bytes
         mesh = " x ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items() if v > 1)
-        cells = [f"{c['count']} / {c['bytes'] / 2**20:.2f} MiB" if c["count"] else "-"
-                 for c in rep["collectives"].values()]
+        cells = [
+            f"{c['count']} / {c['bytes'] / 2**20:.2f} MiB" if c["count"] else "-" for c in rep["collectives"].values()
+        ]
         name = preset if "pipeline" not in " ".join(overrides) else "dp+pp (1f1b)"
         name = f"{name}, MoE" if "model.kind=moe" in overrides else name
-        print(f"| {name} | {mesh} | {shards} | {state:.3f} | {formula} | " + " | ".join(cells)
-              + f" | {rep['temp_bytes'] / 2**20:.1f} |")
+        print(
+            f"| {name} | {mesh} | {shards} | {state:.3f} | {formula} | "
+            + " | ".join(cells)
+            + f" | {rep['temp_bytes'] / 2**20:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,21 @@ from meshwork.train import cli  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # tests/conftest.py's tiny_overrides, then tests/test_planner.py's tiny_cfg and LAYOUTS.
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-        "data.seq_len=32", "train.global_batch=8", "log.progress=false", "log.tensorboard=false",
-        "log.eval_batches=2", "model.n_layers=8", "data.seq_len=64", "train.global_batch=64"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "train.global_batch=8",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "log.eval_batches=2",
+    "model.n_layers=8",
+    "data.seq_len=64",
+    "train.global_batch=64",
+]
 LAYOUTS = {
     "dp": ["rules.preset=dp", "mesh.data=8"],
     "zero1": ["rules.preset=zero1", "mesh.data=8"],
@@ -60,8 +72,10 @@ def main() -> None:
         layout = layout_from_config(cfg, 8)
         got = state_memory(cfg, layout)
         for kind in ("params", "grads", "opt_state"):
-            print(f"| {name} | state {kind} B | {got[kind]:,.0f} | {report['state'][kind]:,.0f} | "
-                  f"{_rel(got[kind], report['state'][kind])} |")
+            print(
+                f"| {name} | state {kind} B | {got[kind]:,.0f} | {report['state'][kind]:,.0f} | "
+                f"{_rel(got[kind], report['state'][kind])} |"
+            )
         predicted, measured = summarize(step_collectives(cfg, layout)), report["collectives"]
         for kind in sorted(set(predicted) | set(measured)):
             p, m = predicted.get(kind, {}).get("bytes", 0), measured.get(kind, {}).get("bytes", 0)
@@ -71,8 +85,10 @@ def main() -> None:
         print(f"| {name} | all collectives B sent | {tp:,.0f} | {tm:,.0f} | {_rel(tp, tm)} |")
         if name == "dp":
             f = compiled_step_flops(cfg, layout)
-            print(f"| dp | FLOPs (scan body once) | {f:,.0f} | {report['flops']:,.0f} | {_rel(f, report['flops'])} |",
-                  flush=True)
+            print(
+                f"| dp | FLOPs (scan body once) | {f:,.0f} | {report['flops']:,.0f} | {_rel(f, report['flops'])} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from meshwork.models.quantize import MODES, quantize_model, weight_bytes
-from meshwork.models.layers.quantized import quantize_weight
+from meshwork.config import load_config  # noqa: E402
+from meshwork.data import text as data_lib  # noqa: E402
 from meshwork.evaluation.lm_loss import validation_loss  # noqa: E402
 from meshwork.inference.runs import load_run  # noqa: E402
-from meshwork.data import text as data_lib  # noqa: E402
-from meshwork.config import load_config  # noqa: E402
+from meshwork.models.layers.quantized import quantize_weight
+from meshwork.models.quantize import MODES, quantize_model, weight_bytes
 from meshwork.train.task import make_task  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -68,8 +68,10 @@ def projection_seconds(mode: str, d: int, f: int, batch: int, group_size: int, r
 def train_quick(run_dir: str, steps: int) -> None:
     from meshwork.train.loop import train
 
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={run_dir}", f"train.steps={steps}",
-                                                       "log.progress=false", "log.tensorboard=false"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [f"run.dir={run_dir}", f"train.steps={steps}", "log.progress=false", "log.tensorboard=false"],
+    )
     train(cfg, devices=jax.devices()[:1])
 
 
@@ -80,8 +82,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--group-size", type=int, default=32, help="int4 group size")
     p.add_argument("--val-batches", type=int, default=4, help="held-out batches for the loss")
     p.add_argument("--batch", type=int, default=8, help="sequences per decode step")
-    p.add_argument("--matmul", type=int, nargs=2, default=(2048, 8192), metavar=("D", "F"),
-                   help="dims of the standalone projection timed")
+    p.add_argument(
+        "--matmul",
+        type=int,
+        nargs=2,
+        default=(2048, 8192),
+        metavar=("D", "F"),
+        help="dims of the standalone projection timed",
+    )
     p.add_argument("--repeats", type=int, default=50)
     args = p.parse_args(argv)
 
@@ -95,11 +103,15 @@ def main(argv: list[str]) -> None:
     task = make_task(cfg)
     batches = data_lib.eval_batches(str(task.val), cfg.data.seq_len, cfg.train.global_batch, args.val_batches)
     D, F = args.matmul
-    print(f"{cfg.run.name} at step {step}; jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"{os.cpu_count()} cores; int4 groups of {args.group_size}; val loss over {args.val_batches} x "
-          f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens; decode batch {args.batch}")
-    print(f"| mode | projection bytes | total bytes | projections / f32 | total / f32 | val loss | rise "
-          f"| decode fwd ms | vs f32 | {D}x{F} proj ms | vs f32 |")
+    print(
+        f"{cfg.run.name} at step {step}; jax {jax.__version__}, {jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} cores; int4 groups of {args.group_size}; val loss over {args.val_batches} x "
+        f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens; decode batch {args.batch}"
+    )
+    print(
+        f"| mode | projection bytes | total bytes | projections / f32 | total / f32 | val loss | rise "
+        f"| decode fwd ms | vs f32 | {D}x{F} proj ms | vs f32 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = {}
     for mode in MODES:
@@ -111,10 +123,13 @@ def main(argv: list[str]) -> None:
         t_mm = projection_seconds(mode, D, F, args.batch, args.group_size, args.repeats)
         if mode == "none":
             base = dict(loss=loss, total=nbytes["total"], fwd=t_fwd, mm=t_mm)
-        print(f"| {'f32' if mode == 'none' else mode} | {nbytes['projections']:,} | {nbytes['total']:,} "
-              f"| {nbytes['projections'] / nbytes['projections_f32']:.3f} | {nbytes['total'] / base['total']:.3f} "
-              f"| {loss:.4f} | {loss / base['loss'] - 1:+.2%} | {t_fwd * 1e3:.3f} | x{t_fwd / base['fwd']:.2f} "
-              f"| {t_mm * 1e3:.3f} | x{t_mm / base['mm']:.2f} |", flush=True)
+        print(
+            f"| {'f32' if mode == 'none' else mode} | {nbytes['projections']:,} | {nbytes['total']:,} "
+            f"| {nbytes['projections'] / nbytes['projections_f32']:.3f} | {nbytes['total'] / base['total']:.3f} "
+            f"| {loss:.4f} | {loss / base['loss'] - 1:+.2%} | {t_fwd * 1e3:.3f} | x{t_fwd / base['fwd']:.2f} "
+            f"| {t_mm * 1e3:.3f} | x{t_mm / base['mm']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -47,14 +47,15 @@ def parse_args(argv):
 def prompts(n: int) -> list[str]:
     source = inspect.getsource(json.decoder)
     lengths = [8 + (37 * i) % 89 for i in range(n)]  # 8..96 characters, mixed
-    return [source[(101 * i) % 4000:(101 * i) % 4000 + length] for i, length in enumerate(lengths)]
+    return [source[(101 * i) % 4000 : (101 * i) % 4000 + length] for i, length in enumerate(lengths)]
 
 
 async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
     start = time.perf_counter()
     stamps, tokens = [], 0
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     async for chunk in stream:
         ids = (chunk.choices[0].model_extra or {}).get("token_ids") if chunk.choices else None
         n = len(ids) if ids is not None else int(bool(chunk.choices and chunk.choices[0].text))
@@ -62,8 +63,13 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
             stamps.append(time.perf_counter())
             tokens += n
     tpot = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else float("nan")
-    return {"ttft": stamps[0] - start if stamps else float("nan"), "itl": list(np.diff(stamps)), "tokens": tokens,
-            "tpot": tpot, "end": time.perf_counter()}
+    return {
+        "ttft": stamps[0] - start if stamps else float("nan"),
+        "itl": list(np.diff(stamps)),
+        "tokens": tokens,
+        "tpot": tpot,
+        "end": time.perf_counter(),
+    }
 
 
 async def level(url: str, model: str, clients: int, n: int, duration: float, max_tokens: int) -> dict:
@@ -83,19 +89,44 @@ async def level(url: str, model: str, clients: int, n: int, duration: float, max
     wall = max(r["end"] for r in done) - start
     await client.close()
     ttft, itl = np.array([r["ttft"] for r in done]), np.array([g for r in done for g in r["itl"]] or [np.nan])
-    return {"clients": clients, "requests": len(done), "wall_s": wall, "requests_per_s": len(done) / wall,
-            "output_tokens_per_s": sum(r["tokens"] for r in done) / wall,
-            "ttft_p50_ms": 1e3 * np.percentile(ttft, 50), "ttft_p99_ms": 1e3 * np.percentile(ttft, 99),
-            "itl_p50_ms": 1e3 * np.percentile(itl, 50), "itl_p99_ms": 1e3 * np.percentile(itl, 99),
-            "tpot_p50_ms": 1e3 * np.nanpercentile([r["tpot"] for r in done], 50)}
+    return {
+        "clients": clients,
+        "requests": len(done),
+        "wall_s": wall,
+        "requests_per_s": len(done) / wall,
+        "output_tokens_per_s": sum(r["tokens"] for r in done) / wall,
+        "ttft_p50_ms": 1e3 * np.percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * np.percentile(ttft, 99),
+        "itl_p50_ms": 1e3 * np.percentile(itl, 50),
+        "itl_p99_ms": 1e3 * np.percentile(itl, 99),
+        "tpot_p50_ms": 1e3 * np.nanpercentile([r["tpot"] for r in done], 50),
+    }
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "inference", "serve", "--checkpoint", args.checkpoint, "--port", "0",
-                             "--slots", str(args.slots), "--max-len", str(args.max_len),
-                             "--max-tokens", str(args.max_tokens), "--max-queue", "1024",
-                             *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inference",
+            "serve",
+            "--checkpoint",
+            args.checkpoint,
+            "--port",
+            "0",
+            "--slots",
+            str(args.slots),
+            "--max-len",
+            str(args.max_len),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--max-queue",
+            "1024",
+            *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if " on " not in line:
         proc.kill()
@@ -113,19 +144,26 @@ def main(argv=None) -> int:
         model = OpenAI(base_url=url, api_key="unused").models.list().data[0].id
         t = time.perf_counter()
         asyncio.run(level(url, model, 4, 8, 600, args.max_tokens))  # warm-up: every prompt bucket compiles
-        print(f"server {url} ({model}); warm-up {time.perf_counter() - t:.1f} s; {args.max_tokens} greedy tokens "
-              "per request", flush=True)
+        print(
+            f"server {url} ({model}); warm-up {time.perf_counter() - t:.1f} s; {args.max_tokens} greedy tokens "
+            "per request",
+            flush=True,
+        )
         rows = []
         for c in levels:
             n = args.requests or max(8, 4 * c)
             rows.append(asyncio.run(level(url, model, c, n, args.duration, args.max_tokens)))
-        print("| clients | requests | requests/s | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-              "TPOT p50 (ms) |")
+        print(
+            "| clients | requests | requests/s | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+            "TPOT p50 (ms) |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
-                  f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
-                  f"{r['tpot_p50_ms']:.1f} |")
+            print(
+                f"| {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
+                f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
+                f"{r['tpot_p50_ms']:.1f} |"
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -51,15 +51,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value (on configs/lm_tiny.yaml)")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
-    for name, value in (("--steps", args.steps), ("--prompt-len", args.prompt_len), ("--dispatch", args.dispatch),
-                        ("--repeats", args.repeats), *(("--batches", b) for b in args.batches)):
+    for name, value in (
+        ("--steps", args.steps),
+        ("--prompt-len", args.prompt_len),
+        ("--dispatch", args.dispatch),
+        ("--repeats", args.repeats),
+        *(("--batches", b) for b in args.batches),
+    ):
         if value < (2 if name == "--steps" else 1):
             ap.error(f"{name} {value}: too small (--steps needs 2, the rest 1)")
     if bad := [i for i in impls if i not in ("xla", "pallas")]:
         ap.error(f"--impls: {bad[0]!r} is not a path; use xla and/or pallas")
     try:
-        configs = {impl: load_config(os.path.join(ROOT, "configs/lm_tiny.yaml"),
-                                     [*args.overrides, f"model.attention={impl}"]) for impl in impls}
+        configs = {
+            impl: load_config(os.path.join(ROOT, "configs/lm_tiny.yaml"), [*args.overrides, f"model.attention={impl}"])
+            for impl in impls
+        }
     except ConfigError as e:
         ap.error(str(e))
 
@@ -73,18 +80,28 @@ def main(argv: list[str]) -> int:
         per_token = cache_bytes_per_token(model.cfg, model.dtype)
         for B in args.batches:
             max_len = args.prompt_len + args.steps + 16
-            server = Server(model, slots=B, page_size=16, max_len=max_len, n_pages=B * -(-max_len // 16) + 1,
-                            steps_per_dispatch=args.dispatch)
+            server = Server(
+                model,
+                slots=B,
+                page_size=16,
+                max_len=max_len,
+                n_pages=B * -(-max_len // 16) + 1,
+                steps_per_dispatch=args.dispatch,
+            )
             rng = np.random.default_rng(0)
             serve_once(server, B, args.prompt_len, args.steps, "warm", rng)  # compiles
             serve_once(server, B, args.prompt_len, 1, "warm1", rng)
             runs = [decode_step_s(server, B, args, r) for r in range(args.repeats)]
             step_s, per_dispatch = min(s for s, _ in runs), runs[0][1]
-            bound = roofline(weights_read_per_step(model, total, B), per_token, B,
-                             args.prompt_len + args.steps / 2, bandwidth)
+            bound = roofline(
+                weights_read_per_step(model, total, B), per_token, B, args.prompt_len + args.steps / 2, bandwidth
+            )
             tok_s = B / step_s
-            print(f"| {impl} | {B} | {step_s * 1e3:.3f} | {tok_s:,.0f} | {per_dispatch:.2f} | "
-                  f"{bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |", flush=True)
+            print(
+                f"| {impl} | {B} | {step_s * 1e3:.3f} | {tok_s:,.0f} | {per_dispatch:.2f} | "
+                f"{bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |",
+                flush=True,
+            )
             del server
     return 0
 

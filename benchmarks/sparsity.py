@@ -32,14 +32,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from meshwork.models.quantize import weight_bytes
+from meshwork.config import load_config  # noqa: E402
+from meshwork.data import text as data_lib  # noqa: E402
 from meshwork.evaluation.lm_loss import validation_loss  # noqa: E402
 from meshwork.inference.runs import load_run  # noqa: E402
-from meshwork.models.sparsity import (compact_24, compact_bytes, compact_model, matmul_24_gather,  # noqa: E402
-                                       prune_model, sparsity)
+from meshwork.models.quantize import weight_bytes
+from meshwork.models.sparsity import compact_24, compact_bytes, compact_model, matmul_24_gather, prune_model, sparsity  # noqa: E402
 from meshwork.train.sparse_recovery import recover  # noqa: E402
-from meshwork.data import text as data_lib  # noqa: E402
-from meshwork.config import load_config  # noqa: E402
 from meshwork.train.task import make_task  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -65,10 +64,11 @@ def projection_times(d: int, f: int, tokens: int, repeats: int) -> dict[str, flo
     x, w = jax.random.normal(kx, (tokens, d)), jax.random.normal(kw, (d, f)) * 0.02
     c = compact_24(w, "TD,DF->TF")
     w_pruned = c.densify()
-    return {"dense": median_seconds(jax.jit(jnp.dot), x, w_pruned, repeats=repeats),
-            "compact": median_seconds(jax.jit(lambda x, c: c.matmul("TD,DF->TF", x, jnp.float32)), x, c,
-                                      repeats=repeats),
-            "gather": median_seconds(matmul_24_gather, x, c, repeats=repeats)}
+    return {
+        "dense": median_seconds(jax.jit(jnp.dot), x, w_pruned, repeats=repeats),
+        "compact": median_seconds(jax.jit(lambda x, c: c.matmul("TD,DF->TF", x, jnp.float32)), x, c, repeats=repeats),
+        "gather": median_seconds(matmul_24_gather, x, c, repeats=repeats),
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -82,8 +82,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--no-control", action="store_true", help="skip fine-tuning the dense model as a control")
     p.add_argument("--val-batches", type=int, default=4, help="held-out batches for the loss")
     p.add_argument("--batch", type=int, default=8, help="sequences per decode step")
-    p.add_argument("--matmul", type=int, nargs=2, default=(2048, 8192), metavar=("D", "F"),
-                   help="dims of the standalone projection timed")
+    p.add_argument(
+        "--matmul",
+        type=int,
+        nargs=2,
+        default=(2048, 8192),
+        metavar=("D", "F"),
+        help="dims of the standalone projection timed",
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=(1, 8), help="token counts T of the timed projection")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
@@ -96,17 +102,28 @@ def main(argv: list[str]) -> None:
             train_quick(tmp, args.train_steps)
             run_dir = tmp
         cfg, model, step = load_run(run_dir)
-        ft_cfg = load_config(pathlib.Path(run_dir) / "config.yaml", [
-            f"run.dir={tmp}/recover", f"train.steps={args.recover_steps}", f"optimizer.lr={args.recover_lr}",
-            f"optimizer.warmup_steps={args.recover_warmup}", "mesh.data=1", "log.progress=false",
-            "log.tensorboard=false"])
+        ft_cfg = load_config(
+            pathlib.Path(run_dir) / "config.yaml",
+            [
+                f"run.dir={tmp}/recover",
+                f"train.steps={args.recover_steps}",
+                f"optimizer.lr={args.recover_lr}",
+                f"optimizer.warmup_steps={args.recover_warmup}",
+                "mesh.data=1",
+                "log.progress=false",
+                "log.tensorboard=false",
+            ],
+        )
     task = make_task(cfg)
     batches = data_lib.eval_batches(str(task.val), cfg.data.seq_len, cfg.train.global_batch, args.val_batches)
     devices = jax.devices()[:1]
-    print(f"{cfg.run.name} at step {step}; jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"{os.cpu_count()} cores; val loss over {args.val_batches} x {cfg.train.global_batch} x "
-          f"{cfg.data.seq_len} tokens; fine-tuning {args.recover_steps} steps at lr {args.recover_lr} "
-          f"(warmup {args.recover_warmup}, cosine)", flush=True)
+    print(
+        f"{cfg.run.name} at step {step}; jax {jax.__version__}, {jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} cores; val loss over {args.val_batches} x {cfg.train.global_batch} x "
+        f"{cfg.data.seq_len} tokens; fine-tuning {args.recover_steps} steps at lr {args.recover_lr} "
+        f"(warmup {args.recover_warmup}, cosine)",
+        flush=True,
+    )
 
     rows = []
     dense = validation_loss(model, batches)
@@ -139,35 +156,48 @@ def main(argv: list[str]) -> None:
     print("|---|---|---|---|---|")
     for name, zeros, loss, storage in rows:
         print(f"| {name} | {zeros:.1%} | {storage} | {loss:.4f} | {loss - dense:+.4f} ({loss / dense - 1:+.2%}) |")
-    print(f"\n2:4's loss gap to dense: {loss_24 - dense:+.4f} before fine-tuning; after {args.recover_steps} masked "
-          f"steps {loss_r - dense:+.4f} to the dense model it started from"
-          + (f", {loss_r - loss_ctl:+.4f} to the dense model fine-tuned the same way (control)" if loss_ctl else "")
-          + f". The {args.recover_steps} masked steps took {t_rec:.1f} s (compile included); their train loss went "
-          f"{rec_losses[0]:.4f} -> {rec_losses[-1]:.4f}. Compact and dense-with-zeros 2:4 losses differ by "
-          f"{abs(loss_c - loss_24):.2e}.")
+    print(
+        f"\n2:4's loss gap to dense: {loss_24 - dense:+.4f} before fine-tuning; after {args.recover_steps} masked "
+        f"steps {loss_r - dense:+.4f} to the dense model it started from"
+        + (f", {loss_r - loss_ctl:+.4f} to the dense model fine-tuned the same way (control)" if loss_ctl else "")
+        + f". The {args.recover_steps} masked steps took {t_rec:.1f} s (compile included); their train loss went "
+        f"{rec_losses[0]:.4f} -> {rec_losses[-1]:.4f}. Compact and dense-with-zeros 2:4 losses differ by "
+        f"{abs(loss_c - loss_24):.2e}."
+    )
 
     b_dense, b_c = weight_bytes(model), weight_bytes(m_c)
     D, F = args.matmul
     cb = compact_bytes((D, F), jnp.float32)
     print("\n| bytes | dense f32 | compact 2:4 | ratio |")
     print("|---|---|---|---|")
-    print(f"| lm_tiny projections | {b_dense['projections']:,} | {b_c['projections']:,} "
-          f"| {b_c['projections'] / b_dense['projections']:.5f} |")
+    print(
+        f"| lm_tiny projections | {b_dense['projections']:,} | {b_c['projections']:,} "
+        f"| {b_c['projections'] / b_dense['projections']:.5f} |"
+    )
     print(f"| lm_tiny all weights | {b_dense['total']:,} | {b_c['total']:,} | {b_c['total'] / b_dense['total']:.4f} |")
-    print(f"| one {D}x{F} (values + indices) | {cb['dense']:,} | {cb['values']:,} + {cb['indices']:,} "
-          f"| {cb['total'] / cb['dense']:.5f} |")
+    print(
+        f"| one {D}x{F} (values + indices) | {cb['dense']:,} | {cb['values']:,} + {cb['indices']:,} "
+        f"| {cb['total'] / cb['dense']:.5f} |"
+    )
 
-    print(f"\n| {D}x{F} projection, T tokens | dense ms | compact (rebuild + dot) ms | vs dense "
-          f"| compact (gather) ms | vs dense |")
+    print(
+        f"\n| {D}x{F} projection, T tokens | dense ms | compact (rebuild + dot) ms | vs dense "
+        f"| compact (gather) ms | vs dense |"
+    )
     print("|---|---|---|---|---|---|")
     for T in args.tokens:
         t = projection_times(D, F, T, args.repeats)
-        print(f"| T={T} | {t['dense'] * 1e3:.3f} | {t['compact'] * 1e3:.3f} | x{t['compact'] / t['dense']:.2f} "
-              f"| {t['gather'] * 1e3:.3f} | x{t['gather'] / t['dense']:.2f} |", flush=True)
+        print(
+            f"| T={T} | {t['dense'] * 1e3:.3f} | {t['compact'] * 1e3:.3f} | x{t['compact'] / t['dense']:.2f} "
+            f"| {t['gather'] * 1e3:.3f} | x{t['gather'] / t['dense']:.2f} |",
+            flush=True,
+        )
     f_dense = decode_forward_seconds(model, args.batch, args.repeats)
     f_c = decode_forward_seconds(m_c, args.batch, args.repeats)
-    print(f"\nlm_tiny decode forward (batch {args.batch}, 1 token): dense {f_dense * 1e3:.3f} ms, compact 2:4 "
-          f"{f_c * 1e3:.3f} ms (x{f_c / f_dense:.2f}); whole benchmark {time.perf_counter() - t_start:.0f} s")
+    print(
+        f"\nlm_tiny decode forward (batch {args.batch}, 1 token): dense {f_dense * 1e3:.3f} ms, compact 2:4 "
+        f"{f_c * 1e3:.3f} ms (x{f_c / f_dense:.2f}); whole benchmark {time.perf_counter() - t_start:.0f} s"
+    )
 
 
 def _zeros(model: nnx.Module) -> float:

@@ -99,14 +99,33 @@ def _cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
+
 # MaxText's tiny Llama as the issue measured it side by side (bf16 compute, full remat), and
 # the larger CPU model of the MFU target (d 512 x 8 layers, seq 512).
-MATCHED = ["model.vocab_size=32000", "model.d_model=256", "model.n_layers=4", "model.n_heads=4",
-           "model.n_kv_heads=4", "model.d_ff=1024", "data.seq_len=256", "train.global_batch=8",
-           "train.compute_dtype=bfloat16", "train.remat=full"]
-D512 = ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
-        "model.d_ff=2048", "data.seq_len=512", "train.global_batch=8", "train.compute_dtype=bfloat16",
-        "train.remat=full"]
+MATCHED = [
+    "model.vocab_size=32000",
+    "model.d_model=256",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "model.d_ff=1024",
+    "data.seq_len=256",
+    "train.global_batch=8",
+    "train.compute_dtype=bfloat16",
+    "train.remat=full",
+]
+D512 = [
+    "model.vocab_size=32000",
+    "model.d_model=512",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=8",
+    "model.d_ff=2048",
+    "data.seq_len=512",
+    "train.global_batch=8",
+    "train.compute_dtype=bfloat16",
+    "train.remat=full",
+]
 ONE = ["mesh.data=1"]
 TWO_FSDP = ["mesh.data=1", "mesh.fsdp=2", "rules.preset=fsdp"]
 MATCHED_VARIANTS = {  # (devices, overrides) beyond the shape
@@ -121,7 +140,7 @@ MATCHED_VARIANTS = {  # (devices, overrides) beyond the shape
 
 
 def load() -> str:
-    return "{:.1f}".format(os.getloadavg()[0])
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 SHAPES = {"matched": ("matched (d256 x 4, seq 256)", MATCHED), "d512": ("d512 x 8, seq 512", D512)}
@@ -138,8 +157,10 @@ def matched_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
     The bf16 peak is measured before and after each row and the higher figure taken: on a shared
     host one measurement can read 40% low (214 against 371 GFLOP/s within a minute on
     2026-12-03), which would flatter the fraction."""
-    print("| shape | variant | ms/step | tokens/s | model GFLOP/s | bf16 peak GFLOP/s | of bf16 peak | temp MiB "
-          "| cores busy | load avg |")
+    print(
+        "| shape | variant | ms/step | tokens/s | model GFLOP/s | bf16 peak GFLOP/s | of bf16 peak | temp MiB "
+        "| cores busy | load avg |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for shape, shape_ov in (SHAPES[s] for s in shapes):
         for name, (n, ov) in MATCHED_VARIANTS.items():
@@ -148,13 +169,16 @@ def matched_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
             before = bf16_peak()
             t, flops = time_layout(n, [*shape_ov, *ov, *overrides], steps)
             peak16 = max(before, bf16_peak())
-            tokens = flops / train_flops_per_token(load_config(ROOT / "configs/lm_tiny.yaml",
-                                                               [*shape_ov, *overrides]).model,
-                                                   int(_value(shape_ov, "data.seq_len")))
-            print(f"| {shape} | {name} | {t * 1e3:.0f} | {tokens / t:,.0f} | {flops / t / 1e9:.1f} | "
-                  f"{peak16 / 1e9:.0f} | {flops / t / peak16:.1%} | {LAST_TEMP_BYTES[0] / 2**20:.0f} | "
-                  f"{LAST_CORES_BUSY[0]:.2f} of {os.cpu_count()} | {load()} |",
-                  flush=True)
+            tokens = flops / train_flops_per_token(
+                load_config(ROOT / "configs/lm_tiny.yaml", [*shape_ov, *overrides]).model,
+                int(_value(shape_ov, "data.seq_len")),
+            )
+            print(
+                f"| {shape} | {name} | {t * 1e3:.0f} | {tokens / t:,.0f} | {flops / t / 1e9:.1f} | "
+                f"{peak16 / 1e9:.0f} | {flops / t / peak16:.1%} | {LAST_TEMP_BYTES[0] / 2**20:.0f} | "
+                f"{LAST_CORES_BUSY[0]:.2f} of {os.cpu_count()} | {load()} |",
+                flush=True,
+            )
 
 
 def remat_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
@@ -165,8 +189,10 @@ def remat_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
     from meshwork.perf.planner_layout import layout_from_config
     from meshwork.perf.planner_remat import POLICIES
 
-    print("| shape | remat | ms/step | x none's time | temp MiB | x none's temp | planned layer activations MiB "
-          "| planned recompute / model FLOPs | load avg |")
+    print(
+        "| shape | remat | ms/step | x none's time | temp MiB | x none's temp | planned layer activations MiB "
+        "| planned recompute / model FLOPs | load avg |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for shape, shape_ov in (SHAPES[s] for s in shapes):
         base = None
@@ -178,9 +204,12 @@ def remat_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
             cfg = load_config(ROOT / "configs/lm_tiny.yaml", ov)
             layout = layout_from_config(cfg, 1)
             flops = step_flops(cfg, layout)
-            print(f"| {shape} | {policy} | {t * 1e3:.0f} | {t / base[0]:.2f} | {temp / 2**20:.0f} | "
-                  f"{temp / base[1]:.2f} | {memory(cfg, layout)['layers'] / 2**20:.0f} | "
-                  f"{flops['recompute'] / flops['model']:.1%} | {load()} |", flush=True)
+            print(
+                f"| {shape} | {policy} | {t * 1e3:.0f} | {t / base[0]:.2f} | {temp / 2**20:.0f} | "
+                f"{temp / base[1]:.2f} | {memory(cfg, layout)['layers'] / 2**20:.0f} | "
+                f"{flops['recompute'] / flops['model']:.1%} | {load()} |",
+                flush=True,
+            )
 
 
 def bf16_peak() -> float:
@@ -201,15 +230,25 @@ def profile_table(steps: int, overrides: list[str], shapes: list[str]) -> None:
             t, _, prof = time_layout(n, [*shape_ov, *ov, *overrides], steps, profile=True)
             print(f"\n### {shape}, {name}: {t * 1e3:.0f} ms/step untraced (load avg {load()})\n")
             print(prof.table())
-            print("\nlargest ops: " + "; ".join(f"{op} {s * 1e3:.1f} ms ({part}, {kind})"
-                                               for op, s, part, kind in prof.top_ops[:6]), flush=True)
+            print(
+                "\nlargest ops: "
+                + "; ".join(f"{op} {s * 1e3:.1f} ms ({part}, {kind})" for op, s, part, kind in prof.top_ops[:6]),
+                flush=True,
+            )
 
 
 # The two models of the MFU table: lm_tiny as configured, and a CPU-sized LM with long sequences.
 MFU_MODELS = {
     "lm_tiny (d128 x 4, seq 128, batch 16)": [],
-    "d512 x 8, seq 512, batch 4": ["model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",
-                                   "model.d_ff=1536", "data.seq_len=512", "train.global_batch=4"],
+    "d512 x 8, seq 512, batch 4": [
+        "model.d_model=512",
+        "model.n_layers=8",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+        "model.d_ff=1536",
+        "data.seq_len=512",
+        "train.global_batch=4",
+    ],
 }
 MFU_VARIANTS = {
     "scan, no remat": ["train.remat=none", "train.scan_layers=true"],
@@ -223,9 +262,13 @@ def mfu_table(steps: int, overrides: list[str]) -> None:
     """Achieved model FLOP/s of one-device training steps over the measured matmul peak, next to
     the planner's predicted step time for the same config on this CPU."""
     peak32, peak16 = measure_cpu_peak("float32"), measure_cpu_peak("bfloat16", accumulate="float32")
-    print(f"measured matmul peak, one device: f32 {peak32 / 1e9:.1f} GFLOP/s, "
-          f"bf16 x bf16 -> f32 {peak16 / 1e9:.1f} GFLOP/s")
-    print("| model | variant | ms/step | model TFLOP/step | achieved GFLOP/s | MFU (f32 peak) | planner ms/step | measured / planned |")
+    print(
+        f"measured matmul peak, one device: f32 {peak32 / 1e9:.1f} GFLOP/s, "
+        f"bf16 x bf16 -> f32 {peak16 / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        "| model | variant | ms/step | model TFLOP/step | achieved GFLOP/s | MFU (f32 peak) | planner ms/step | measured / planned |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for model_name, model_ov in MFU_MODELS.items():
         for variant, ov in MFU_VARIANTS.items():
@@ -233,8 +276,10 @@ def mfu_table(steps: int, overrides: list[str]) -> None:
             t, flops = time_layout(1, all_ov, steps)
             planned = planned_step_time(all_ov, peak32)
             plan = f"{planned * 1e3:.1f} | {t / planned:.2f}" if planned else "- | -"
-            print(f"| {model_name} | {variant} | {t * 1e3:.1f} | {flops / 1e12:.3f} | {flops / t / 1e9:.1f} | "
-                  f"{flops / t / peak32:.1%} | {plan} |")
+            print(
+                f"| {model_name} | {variant} | {t * 1e3:.1f} | {flops / 1e12:.3f} | {flops / t / 1e9:.1f} | "
+                f"{flops / t / peak32:.1%} | {plan} |"
+            )
 
 
 def planned_step_time(overrides: list[str], peak: float) -> float:
@@ -244,9 +289,17 @@ def planned_step_time(overrides: list[str], peak: float) -> float:
     from meshwork.perf.planner import PlanOptions, plan
     from meshwork.perf.planner_layout import layout_from_config
 
-    cpu = Accelerator(name="this cpu", peak_flops={"fp32": peak, "bf16": peak}, hbm_bytes=64e9,
-                      hbm_bandwidth=20e9, intra_node_bandwidth=20e9, intra_node_latency=1e-6,
-                      inter_node_bandwidth=20e9, inter_node_latency=1e-6, devices_per_node=1)
+    cpu = Accelerator(
+        name="this cpu",
+        peak_flops={"fp32": peak, "bf16": peak},
+        hbm_bytes=64e9,
+        hbm_bandwidth=20e9,
+        intra_node_bandwidth=20e9,
+        intra_node_latency=1e-6,
+        inter_node_bandwidth=20e9,
+        inter_node_latency=1e-6,
+        devices_per_node=1,
+    )
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", overrides)
     return plan(cfg, layout_from_config(cfg, 1), cpu, 1, PlanOptions(efficiency=1.0)).step_time
 
@@ -258,30 +311,39 @@ def main(argv: list[str]) -> None:
     p.add_argument("--matched", action="store_true", help="tokens/s at MaxText's tiny-Llama shape and d512 x 8")
     p.add_argument("--profile", action="store_true", help="the step-time breakdown at those shapes")
     p.add_argument("--remat", action="store_true", help="every remat policy at those shapes, against the planner")
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["matched", "d512"],
-                   help="the shapes of --matched, --profile and --remat (default both)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=sorted(SHAPES),
+        default=["matched", "d512"],
+        help="the shapes of --matched, --profile and --remat (default both)",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     if args.matched or args.profile or args.remat:
-        print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
-              f"{date.today()}; load avg before {load()}")
+        print(
+            f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
+            f"{date.today()}; load avg before {load()}"
+        )
         table = matched_table if args.matched else (profile_table if args.profile else remat_table)
         table(args.steps, args.overrides, args.shapes)
         return
     if args.mfu:
-        print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; "
-              f"{date.today()}")
+        print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; jax {jax.__version__}; {date.today()}")
         mfu_table(args.steps, args.overrides)
         return
     peak = measure_cpu_peak("float32", n=1024)
-    print(f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; measured f32 matmul peak "
-          f"{peak / 1e9:.1f} GFLOP/s; jax {jax.__version__}")
+    print(
+        f"machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores; measured f32 matmul peak "
+        f"{peak / 1e9:.1f} GFLOP/s; jax {jax.__version__}"
+    )
     base = None
     for name, (n, ov) in LAYOUTS.items():
         t, flops = time_layout(n, ov + args.overrides, args.steps)
         base = base or t
-        print(f"{name:>15}: {t * 1e3:7.1f} ms/step  x{base / t:4.2f} vs 1 device  "
-              f"achieved/peak {flops / t / peak:5.1%}")
+        print(
+            f"{name:>15}: {t * 1e3:7.1f} ms/step  x{base / t:4.2f} vs 1 device  achieved/peak {flops / t / peak:5.1%}"
+        )
 
 
 if __name__ == "__main__":

@@ -21,83 +21,150 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python3 -m inference", description="Generate from a trained run.")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("diffusion", help="sample images from a trained UNet run into a PNG grid",
-                       formatter_class=HelpWithDefaults,
-                       description="Sample images from a trained UNet run into a PNG grid: one row per class, "
-                                   "tiles scaled up (nearest neighbour) to at least 48 px.")
+    d = sub.add_parser(
+        "diffusion",
+        help="sample images from a trained UNet run into a PNG grid",
+        formatter_class=HelpWithDefaults,
+        description="Sample images from a trained UNet run into a PNG grid: one row per class, "
+        "tiles scaled up (nearest neighbour) to at least 48 px.",
+    )
     d.add_argument("--checkpoint", required=True, help="the run.dir of a `model.kind: unet` training run")
-    d.add_argument("--num", type=int, default=None,
-                   help="number of images (default: 4 per class, so 40 for the 10 digits, which fill 10 rows "
-                        "of 4; 16 for a model without classes)")
+    d.add_argument(
+        "--num",
+        type=int,
+        default=None,
+        help="number of images (default: 4 per class, so 40 for the 10 digits, which fill 10 rows "
+        "of 4; 16 for a model without classes)",
+    )
     d.add_argument("--steps", type=int, default=50, help="sampler steps")
     d.add_argument("--sampler", choices=("ddim", "ddpm"), default="ddim", help="the reverse process")
-    d.add_argument("--guidance", type=float, default=None,
-                   help="classifier-free guidance scale (default: none, the plain conditional model)")
+    d.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="classifier-free guidance scale (default: none, the plain conditional model)",
+    )
     d.add_argument("--labels", default="cycle", help="'cycle' (0,1,2,...) or one class id for all images")
     d.add_argument("--seed", type=int, default=0, help="seed of the sampler's noise")
     d.add_argument("--no-ema", action="store_true", help="sample with the raw weights, not their EMA")
     d.add_argument("--out", default="grid.png", help="PNG file to write")
-    d.add_argument("--patch-parallel", type=int, default=1, metavar="N",
-                   help="DistriFusion: split each image into N horizontal patches, one per device, every UNet "
-                        "layer computed on its patch (N simulated devices on a CPU)")
-    d.add_argument("--warmup", type=int, default=None,
-                   help="with --patch-parallel: synchronous steps before the layers use one-step-stale "
-                        "activations of the other patches (default: 4, or --steps if fewer)")
+    d.add_argument(
+        "--patch-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="DistriFusion: split each image into N horizontal patches, one per device, every UNet "
+        "layer computed on its patch (N simulated devices on a CPU)",
+    )
+    d.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="with --patch-parallel: synchronous steps before the layers use one-step-stale "
+        "activations of the other patches (default: 4, or --steps if fewer)",
+    )
     from meshwork.inference import lm
 
-    lm.add_arguments(sub.add_parser("lm", help="generate text from a trained LM run or a Hugging Face checkpoint",
-                                    formatter_class=HelpWithDefaults, description=lm.DESCRIPTION))
+    lm.add_arguments(
+        sub.add_parser(
+            "lm",
+            help="generate text from a trained LM run or a Hugging Face checkpoint",
+            formatter_class=HelpWithDefaults,
+            description=lm.DESCRIPTION,
+        )
+    )
     e = sub.add_parser("export-hf", help="write a trained LM run as a Hugging Face checkpoint (safetensors)")
     e.add_argument("--checkpoint", required=True, help="the run.dir of a meshwork LM training run")
     e.add_argument("--out", required=True, help="directory to write config.json and model.safetensors into")
-    e.add_argument("--merge", action="store_true",
-                   help="for a LoRA or QLoRA run: write the base with the deltas added (export-peft writes the "
-                        "adapter alone)")
-    e.add_argument("--allow-dropless", action="store_true",
-                   help="write a capacity-factor MoE run as dropless Mixtral anyway (it then computes the "
-                        "tokens the run dropped; a warning says so)")
+    e.add_argument(
+        "--merge",
+        action="store_true",
+        help="for a LoRA or QLoRA run: write the base with the deltas added (export-peft writes the adapter alone)",
+    )
+    e.add_argument(
+        "--allow-dropless",
+        action="store_true",
+        help="write a capacity-factor MoE run as dropless Mixtral anyway (it then computes the "
+        "tokens the run dropped; a warning says so)",
+    )
     f = sub.add_parser("export-peft", help="write a LoRA fine-tuning run's adapter in PEFT's format")
     f.add_argument("--checkpoint", required=True, help="the run.dir of a meshwork finetune.method=lora run")
-    f.add_argument("--out", required=True, help="directory to write adapter_config.json and "
-                                                "adapter_model.safetensors into")
-    f.add_argument("--base", default=None, help="base_model_name_or_path to record (default: the run's "
-                                                "finetune.base; export that run with export-hf for peft)")
-    add_serve_arguments(sub.add_parser(
-        "serve", help="serve an LM over HTTP with OpenAI's API (continuous batching)", formatter_class=HelpWithDefaults,
-        description="Serve a trained LM run or a Hugging Face checkpoint over HTTP: OpenAI's /v1/completions and "
-                    "/v1/chat/completions (stream: true for server-sent events), /v1/models and /health, over the "
-                    "continuous-batching server. SIGTERM lets running requests finish, then exits 0."))
+    f.add_argument(
+        "--out", required=True, help="directory to write adapter_config.json and adapter_model.safetensors into"
+    )
+    f.add_argument(
+        "--base",
+        default=None,
+        help="base_model_name_or_path to record (default: the run's "
+        "finetune.base; export that run with export-hf for peft)",
+    )
+    add_serve_arguments(
+        sub.add_parser(
+            "serve",
+            help="serve an LM over HTTP with OpenAI's API (continuous batching)",
+            formatter_class=HelpWithDefaults,
+            description="Serve a trained LM run or a Hugging Face checkpoint over HTTP: OpenAI's /v1/completions and "
+            "/v1/chat/completions (stream: true for server-sent events), /v1/models and /health, over the "
+            "continuous-batching server. SIGTERM lets running requests finish, then exits 0.",
+        )
+    )
     return p.parse_args(argv)
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--checkpoint", required=True,
-                   help="the run.dir of a meshwork LM run, or a Hugging Face checkpoint folder")
+    s.add_argument(
+        "--checkpoint", required=True, help="the run.dir of a meshwork LM run, or a Hugging Face checkpoint folder"
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port; the first line printed "
-                                                          "names it)")
+    s.add_argument(
+        "--port", type=int, default=8000, help="TCP port (0: any free port; the first line printed names it)"
+    )
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the folder's name)")
     s.add_argument("--slots", type=int, default=8, help="requests decoded together (batch rows)")
     s.add_argument("--max-len", type=int, default=512, help="longest sequence, prompt + new tokens")
     s.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
-    s.add_argument("--pages", type=int, default=None,
-                   help="pages in the KV pool (default: half of slots x max-len, plus the null page)")
-    s.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill long prompts this many tokens per step, between decode steps (default: whole "
-                        "prompts at admission)")
-    s.add_argument("--prefix-caching", action="store_true",
-                   help="share the KV pages of equal prompt prefixes between requests")
-    s.add_argument("--data", type=int, default=1,
-                   help="data-parallel replicas: each serves slots/data requests from its own share of the pages")
-    s.add_argument("--tensor", type=int, default=1, help="split attention heads and MLP columns over this many "
-                                                         "devices (data x tensor = the host's devices)")
+    s.add_argument(
+        "--pages",
+        type=int,
+        default=None,
+        help="pages in the KV pool (default: half of slots x max-len, plus the null page)",
+    )
+    s.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prefill long prompts this many tokens per step, between decode steps (default: whole "
+        "prompts at admission)",
+    )
+    s.add_argument(
+        "--prefix-caching", action="store_true", help="share the KV pages of equal prompt prefixes between requests"
+    )
+    s.add_argument(
+        "--data",
+        type=int,
+        default=1,
+        help="data-parallel replicas: each serves slots/data requests from its own share of the pages",
+    )
+    s.add_argument(
+        "--tensor",
+        type=int,
+        default=1,
+        help="split attention heads and MLP columns over this many devices (data x tensor = the host's devices)",
+    )
     s.add_argument("--max-tokens", type=int, default=256, help="most new tokens one request may ask for")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for a slot before new ones get 429")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM lets running requests finish before cancelling them")
-    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's log level (info logs every request)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM lets running requests finish before cancelling them",
+    )
+    s.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (info logs every request)",
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -125,10 +192,19 @@ def main(argv: list[str]) -> int:
             _simulate_cpu_devices(args.patch_parallel)
         from meshwork.inference.generate_images import generate_grid
 
-        out, accuracy = generate_grid(args.checkpoint, num=args.num, steps=args.steps, sampler=args.sampler,
-                                      guidance=args.guidance, labels=args.labels, seed=args.seed,
-                                      ema=not args.no_ema, out=args.out, patch_parallel=args.patch_parallel,
-                                      warmup=min(4, args.steps) if args.warmup is None else args.warmup)
+        out, accuracy = generate_grid(
+            args.checkpoint,
+            num=args.num,
+            steps=args.steps,
+            sampler=args.sampler,
+            guidance=args.guidance,
+            labels=args.labels,
+            seed=args.seed,
+            ema=not args.no_ema,
+            out=args.out,
+            patch_parallel=args.patch_parallel,
+            warmup=min(4, args.steps) if args.warmup is None else args.warmup,
+        )
     except (ConfigError, RequestError) as e:  # the command line's fault, or a prompt's or sampling setting's
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -171,14 +247,18 @@ def export_hf(checkpoint: str, out: str, *, merge: bool = False, allow_dropless:
     cfg, model, step = load_run(checkpoint)
     if cfg.finetune.method in ("lora", "qlora"):
         if not merge:
-            raise ConfigError(f"export-hf: {checkpoint} is a finetune.method={cfg.finetune.method} run; pass --merge "
-                              "to write the base with the deltas added, or use export-peft for the adapter alone")
+            raise ConfigError(
+                f"export-hf: {checkpoint} is a finetune.method={cfg.finetune.method} run; pass --merge "
+                "to write the base with the deltas added, or use export-peft for the adapter alone"
+            )
         from meshwork.models.lora import merge_lora
 
         merge_lora(model)
     elif cfg.finetune.method not in ("none", "full"):
-        raise ConfigError(f"export-hf: finetune.method={cfg.finetune.method} adds modules a Hugging Face "
-                          "Llama does not have; only lora and qlora runs merge into one")
+        raise ConfigError(
+            f"export-hf: finetune.method={cfg.finetune.method} adds modules a Hugging Face "
+            "Llama does not have; only lora and qlora runs merge into one"
+        )
     try:
         path = write(cfg.model, model, out_dir, allow_dropless=allow_dropless)
     except ValueError as e:

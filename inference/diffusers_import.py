@@ -63,8 +63,12 @@ def config_from_diffusers(d: dict[str, Any]) -> UNetConfig:
             raise ValueError(f"UNet2DModel config {key}={value!r}: {why or f'meshwork implements only {default!r}'}")
         return value
 
-    refuse("_class_name", "UNet2DModel", c.get("_class_name", "UNet2DModel") == "UNet2DModel",
-           "meshwork reads UNet2DModel checkpoints (no text conditioning)")
+    refuse(
+        "_class_name",
+        "UNet2DModel",
+        c.get("_class_name", "UNet2DModel") == "UNet2DModel",
+        "meshwork reads UNet2DModel checkpoints (no text conditioning)",
+    )
     refuse("center_input_sample", False)
     refuse("time_embedding_type", "positional")
     refuse("mid_block_type", "UNetMidBlock2D")
@@ -76,14 +80,30 @@ def config_from_diffusers(d: dict[str, Any]) -> UNetConfig:
     refuse("resnet_time_scale_shift", "default")
     refuse("class_embed_type", None)
     chans = [int(ch) for ch in c.get("block_out_channels", (224, 448, 672, 896))]
-    refuse("time_embedding_dim", None, c.get("time_embedding_dim") in (None, 4 * chans[0]),
-           f"meshwork's time embedding is 4 * block_out_channels[0] = {4 * chans[0]} wide")
-    groups = refuse("norm_num_groups", 32, c.get("norm_num_groups", 32) is not None,
-                    "set the group count explicitly (meshwork does not derive it from the channels)")
-    refuse("attn_norm_num_groups", None, c.get("attn_norm_num_groups") in (None, groups),
-           f"attention group norms use norm_num_groups={groups} in meshwork")
-    head_dim = refuse("attention_head_dim", 8, c.get("attention_head_dim", 8) is not None,
-                      "meshwork needs a fixed attention_head_dim (None means one head of every width)")
+    refuse(
+        "time_embedding_dim",
+        None,
+        c.get("time_embedding_dim") in (None, 4 * chans[0]),
+        f"meshwork's time embedding is 4 * block_out_channels[0] = {4 * chans[0]} wide",
+    )
+    groups = refuse(
+        "norm_num_groups",
+        32,
+        c.get("norm_num_groups", 32) is not None,
+        "set the group count explicitly (meshwork does not derive it from the channels)",
+    )
+    refuse(
+        "attn_norm_num_groups",
+        None,
+        c.get("attn_norm_num_groups") in (None, groups),
+        f"attention group norms use norm_num_groups={groups} in meshwork",
+    )
+    head_dim = refuse(
+        "attention_head_dim",
+        8,
+        c.get("attention_head_dim", 8) is not None,
+        "meshwork needs a fixed attention_head_dim (None means one head of every width)",
+    )
     down = list(c.get("down_block_types", ("DownBlock2D",) + ("AttnDownBlock2D",) * 3))
     up = list(c.get("up_block_types", ("AttnUpBlock2D",) * 3 + ("UpBlock2D",)))
     refuse("down_block_types", down, all(b in _DOWN for b in down), f"blocks must be among {_DOWN}")
@@ -92,13 +112,22 @@ def config_from_diffusers(d: dict[str, Any]) -> UNetConfig:
     if isinstance(size, list | tuple):
         refuse("sample_size", size, len(size) == 2 and size[0] == size[1], "meshwork's images are square")
         size = size[0]
-    return UNetConfig(sample_size=int(size), in_channels=c.get("in_channels", 3), out_channels=c.get("out_channels", 3),
-                      block_out_channels=chans, down_block_types=down, up_block_types=up,
-                      layers_per_block=c.get("layers_per_block", 2), norm_num_groups=groups,
-                      norm_eps=c.get("norm_eps", 1e-5), attention_head_dim=head_dim,
-                      mid_block_attention=bool(c.get("add_attention", True)),
-                      num_class_embeds=c.get("num_class_embeds"), flip_sin_to_cos=c.get("flip_sin_to_cos", True),
-                      freq_shift=c.get("freq_shift", 0))
+    return UNetConfig(
+        sample_size=int(size),
+        in_channels=c.get("in_channels", 3),
+        out_channels=c.get("out_channels", 3),
+        block_out_channels=chans,
+        down_block_types=down,
+        up_block_types=up,
+        layers_per_block=c.get("layers_per_block", 2),
+        norm_num_groups=groups,
+        norm_eps=c.get("norm_eps", 1e-5),
+        attention_head_dim=head_dim,
+        mid_block_attention=bool(c.get("add_attention", True)),
+        num_class_embeds=c.get("num_class_embeds"),
+        flip_sin_to_cos=c.get("flip_sin_to_cos", True),
+        freq_shift=c.get("freq_shift", 0),
+    )
 
 
 # ---------------------------------------------------------------- weights
@@ -109,8 +138,10 @@ class _Tensors(TensorReader):
 
     def conv(self, prefix: str, c_in: int, c_out: int, k: int = 3) -> dict[str, np.ndarray]:
         """nn.Conv2d (out, in, kh, kw) -> HWIO."""
-        return {"kernel": self.get(prefix + ".weight", (c_out, c_in, k, k)).transpose(2, 3, 1, 0),
-                "bias": self.get(prefix + ".bias", (c_out,))}
+        return {
+            "kernel": self.get(prefix + ".weight", (c_out, c_in, k, k)).transpose(2, 3, 1, 0),
+            "bias": self.get(prefix + ".bias", (c_out,)),
+        }
 
     def linear(self, prefix: str, d_in: int, d_out: int) -> dict[str, np.ndarray]:
         """nn.Linear (out, in) -> (in, out)."""
@@ -120,11 +151,14 @@ class _Tensors(TensorReader):
         return {"scale": self.get(prefix + ".weight", (c,)), "bias": self.get(prefix + ".bias", (c,))}
 
 
-
 def _resnet(t: _Tensors, p: str, c_in: int, c_out: int, d_time: int) -> dict[str, Any]:
-    out = {"norm1": t.norm(p + ".norm1", c_in), "conv1": t.conv(p + ".conv1", c_in, c_out),
-           "time_emb_proj": t.linear(p + ".time_emb_proj", d_time, c_out),
-           "norm2": t.norm(p + ".norm2", c_out), "conv2": t.conv(p + ".conv2", c_out, c_out)}
+    out = {
+        "norm1": t.norm(p + ".norm1", c_in),
+        "conv1": t.conv(p + ".conv1", c_in, c_out),
+        "time_emb_proj": t.linear(p + ".time_emb_proj", d_time, c_out),
+        "norm2": t.norm(p + ".norm2", c_out),
+        "conv2": t.conv(p + ".conv2", c_out, c_out),
+    }
     if c_in != c_out:
         out["conv_shortcut"] = t.conv(p + ".conv_shortcut", c_in, c_out, k=1)
     return out
@@ -148,8 +182,10 @@ def _params(t: _Tensors, cfg: UNetConfig) -> dict[str, Any]:
     d_time, hd = 4 * chans[0], cfg.attention_head_dim
     params: dict[str, Any] = {
         "conv_in": t.conv("conv_in", cfg.in_channels, chans[0]),
-        "time_embedding": {"linear_1": t.linear("time_embedding.linear_1", chans[0], d_time),
-                           "linear_2": t.linear("time_embedding.linear_2", d_time, d_time)},
+        "time_embedding": {
+            "linear_1": t.linear("time_embedding.linear_1", chans[0], d_time),
+            "linear_2": t.linear("time_embedding.linear_2", d_time, d_time),
+        },
         "conv_norm_out": t.norm("conv_norm_out", chans[0]),
         "conv_out": t.conv("conv_out", chans[0], cfg.out_channels),
     }
@@ -222,8 +258,10 @@ def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
     variants = sorted(path.glob("diffusion_pytorch_model.*.safetensors"))  # e.g. the fp16 variant alone
     if len(variants) == 1:
         return variants
-    raise ValueError(f"{path}: expected {WEIGHTS} (or exactly one variant such as .fp16), found "
-                     f"{[v.name for v in variants] or 'none'}; convert .bin weights to safetensors first")
+    raise ValueError(
+        f"{path}: expected {WEIGHTS} (or exactly one variant such as .fp16), found "
+        f"{[v.name for v in variants] or 'none'}; convert .bin weights to safetensors first"
+    )
 
 
 def load_diffusers_unet(path: str | pathlib.Path) -> tuple[UNetConfig, dict[str, Any]]:
@@ -244,18 +282,28 @@ def load_diffusers_unet(path: str | pathlib.Path) -> tuple[UNetConfig, dict[str,
         t = _Tensors(_weight_files(path), stack)
         params = _params(t, cfg)
         if left := t.unused():
-            raise ValueError(f"{len(left)} checkpoint tensors have no place in meshwork's UNet, e.g. {left[:3]}; "
-                             "the config may not describe these weights")
+            raise ValueError(
+                f"{len(left)} checkpoint tensors have no place in meshwork's UNet, e.g. {left[:3]}; "
+                "the config may not describe these weights"
+            )
     return cfg, params
 
 
-def build_unet(cfg: UNetConfig, params: dict[str, Any], *, dtype: jnp.dtype = jnp.float32,
-               param_dtype: jnp.dtype = jnp.float32, remat: str = "none", attention: str = "xla") -> nnx.Module:
+def build_unet(
+    cfg: UNetConfig,
+    params: dict[str, Any],
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    param_dtype: jnp.dtype = jnp.float32,
+    remat: str = "none",
+    attention: str = "xla",
+) -> nnx.Module:
     """The UNet of `cfg` holding `params` (cast to param_dtype); no random weights are drawn."""
     from meshwork.models.unet import UNet
 
-    model = nnx.eval_shape(lambda: UNet(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention,
-                                        rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(
+        lambda: UNet(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention, rngs=nnx.Rngs(0))
+    )
     apply_params(model, params)
     return model
 

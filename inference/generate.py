@@ -60,10 +60,10 @@ def place(model: nnx.Module, mesh: Mesh | None, rules: Rules | None) -> tuple[nn
 class Step(NamedTuple):
     """What `Generator.prefill` and `Generator.decode_step` return (a tuple: unpack it or read fields)."""
 
-    tokens: jax.Array   # int32 (B,): the token sampled for each row
-    logits: jax.Array   # (B, V): the logits it was sampled from (`sampling.log_probs` turns them into log p)
-    cache: KVCache      # the cache with this call's keys and values written (the one passed in was donated)
-    seen: jax.Array     # bool (B, V): the tokens the repetition penalty applies to, for the next step
+    tokens: jax.Array  # int32 (B,): the token sampled for each row
+    logits: jax.Array  # (B, V): the logits it was sampled from (`sampling.log_probs` turns them into log p)
+    cache: KVCache  # the cache with this call's keys and values written (the one passed in was donated)
+    seen: jax.Array  # bool (B, V): the tokens the repetition penalty applies to, for the next step
 
 
 class Generator:
@@ -76,16 +76,23 @@ class Generator:
     `limits` and `check_request` say whether a request can be served (RequestError if not).
     """
 
-    def __init__(self, model: nnx.Module, *, mesh: Mesh | None = None, rules: Rules | None = None,
-                 cache_dtype: jnp.dtype | None = None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules | None = None,
+        cache_dtype: jnp.dtype | None = None,
+    ):
         self.cfg, self.mesh, self.rules = model.cfg, mesh, rules
         self.parallel = ParallelContext(rules)  # how the layers run on `mesh`, for every trace of this generator
         self.cache_dtype = cache_dtype or model.dtype
         self.graphdef, self.state = place(model, mesh, rules)
         self.vocab_size = self.cfg.vocab_size
         mesh_shape = dict(mesh.shape) if mesh is not None else {}
-        self.batch_multiple = math.prod(mesh_shape[a] for a in split_axes("act_batch", rules, mesh_shape)) \
-            if mesh is not None else 1
+        self.batch_multiple = (
+            math.prod(mesh_shape[a] for a in split_axes("act_batch", rules, mesh_shape)) if mesh is not None else 1
+        )
         self.cache_sharding = KVCache.shardings(mesh, rules).k if mesh is not None else None
         self._forward = jax.jit(self.apply, donate_argnums=3)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=3)
@@ -93,8 +100,9 @@ class Generator:
 
     # -- the computation, as pure functions of the state ---------------------
 
-    def apply(self, state: nnx.State, tokens_BL: jax.Array, positions_BL: jax.Array,
-              cache: KVCache | PagedKVCache) -> tuple[jax.Array, KVCache | PagedKVCache]:
+    def apply(
+        self, state: nnx.State, tokens_BL: jax.Array, positions_BL: jax.Array, cache: KVCache | PagedKVCache
+    ) -> tuple[jax.Array, KVCache | PagedKVCache]:
         """(logits (B, L, V), cache) of `tokens_BL` at `positions_BL`: writes their keys and values into
         `cache` and attends over everything cached before them. Pure and traceable, for use inside a
         jitted program (the server's prefill chunk and decode loop); call that program through
@@ -136,48 +144,81 @@ class Generator:
         mesh (under a mesh, make `batch` a multiple of `batch_multiple`)."""
         return KVCache.zeros(self.cfg, batch, max_len, self.cache_dtype, self.cache_sharding)
 
-    def forward(self, tokens_BL: np.ndarray, positions_BL: np.ndarray,
-                cache: KVCache | PagedKVCache) -> tuple[jax.Array, KVCache | PagedKVCache]:
+    def forward(
+        self, tokens_BL: np.ndarray, positions_BL: np.ndarray, cache: KVCache | PagedKVCache
+    ) -> tuple[jax.Array, KVCache | PagedKVCache]:
         """(logits (B, L, V), cache): `apply`, jitted and run in this generator's context; reads and
         extends `cache` (donated), contiguous or paged."""
-        return self.run_in_context(self._forward, self.state, jnp.asarray(tokens_BL, jnp.int32),
-                                   jnp.asarray(positions_BL, jnp.int32), cache)
+        return self.run_in_context(
+            self._forward, self.state, jnp.asarray(tokens_BL, jnp.int32), jnp.asarray(positions_BL, jnp.int32), cache
+        )
 
-    def prefill(self, tokens_BL: np.ndarray | jax.Array, lengths_B: np.ndarray | jax.Array, cache: KVCache,
-                arrays: SamplingArrays) -> Step:
+    def prefill(
+        self,
+        tokens_BL: np.ndarray | jax.Array,
+        lengths_B: np.ndarray | jax.Array,
+        cache: KVCache,
+        arrays: SamplingArrays,
+    ) -> Step:
         """Prefills right-padded prompts (row b's first lengths_B[b] tokens are real) at positions
         0..L-1 into `cache` (donated) and samples each row's first new token, at position lengths_B[b].
         Compiled once per (B, L) and cache shape.
 
             out = gen.prefill(tokens_BL, lengths_B, gen.new_cache(B, 64), SamplingArrays.stack(params))
         """
-        return self.run_in_context(self._prefill, self.state, jnp.asarray(tokens_BL, jnp.int32),
-                                   jnp.asarray(lengths_B, jnp.int32), cache, arrays)
+        return self.run_in_context(
+            self._prefill,
+            self.state,
+            jnp.asarray(tokens_BL, jnp.int32),
+            jnp.asarray(lengths_B, jnp.int32),
+            cache,
+            arrays,
+        )
 
-    def decode_step(self, tokens_B: np.ndarray | jax.Array, positions_B: np.ndarray | jax.Array, cache: KVCache,
-                    arrays: SamplingArrays, seen_BV: jax.Array) -> Step:
+    def decode_step(
+        self,
+        tokens_B: np.ndarray | jax.Array,
+        positions_B: np.ndarray | jax.Array,
+        cache: KVCache,
+        arrays: SamplingArrays,
+        seen_BV: jax.Array,
+    ) -> Step:
         """Feeds row b's last token at positions_B[b] and samples the token after it (at positions_B[b] + 1),
         extending `cache` (donated). `seen_BV` is the previous step's `seen`.
 
             out = gen.decode_step(out.tokens, lengths_B, out.cache, arrays, out.seen)   # after a prefill
         """
-        return self.run_in_context(self._decode, self.state, jnp.asarray(tokens_B, jnp.int32),
-                                   jnp.asarray(positions_B, jnp.int32), cache, arrays, seen_BV)
+        return self.run_in_context(
+            self._decode,
+            self.state,
+            jnp.asarray(tokens_B, jnp.int32),
+            jnp.asarray(positions_B, jnp.int32),
+            cache,
+            arrays,
+            seen_BV,
+        )
 
     def limits(self, max_len: int | None = None) -> RequestLimits:
         """What one request may ask of this generator with a cache of `max_len` positions (None: sized to
         the request): its vocabulary, the cache length and the device's memory."""
-        return RequestLimits(self.vocab_size, max_len=max_len,
-                             cache_bytes_per_token=cache_bytes_per_token(self.cfg, self.cache_dtype),
-                             memory_bytes=device_memory_bytes())
+        return RequestLimits(
+            self.vocab_size,
+            max_len=max_len,
+            cache_bytes_per_token=cache_bytes_per_token(self.cfg, self.cache_dtype),
+            memory_bytes=device_memory_bytes(),
+        )
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None) -> None:
         """RequestError (one line, with the OpenAI param) for a request this model cannot continue
         (`validation.check_request` against `limits(max_len)`)."""
         check_request(prompt, params, self.limits(max_len))
 
-    def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-               max_len: int | None = None) -> Iterator[tuple[int, int]]:
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        max_len: int | None = None,
+    ) -> Iterator[tuple[int, int]]:
         """Yields (row, token) as tokens are sampled, until every row has stopped.
 
         A row stops at one of its stop tokens (yielded, then no more) or after
@@ -186,11 +227,16 @@ class Generator:
         `SamplingParams` for all prompts gives prompt i the seed `seed + i`, so
         equal prompts get different samples; a list sets each row's own.
         """
-        params = list(params) if isinstance(params, Sequence) else [
-            dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
+        params = (
+            list(params)
+            if isinstance(params, Sequence)
+            else [dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
+        )
         if len(params) != len(prompts) or not prompts:
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling settings; give one setting "
-                               "for all prompts or one per prompt")
+            raise RequestError(
+                f"{len(prompts)} prompts but {len(params)} sampling settings; give one setting "
+                "for all prompts or one per prompt"
+            )
         for p in params:  # the settings first: a bad max_new_tokens would otherwise size the cache
             p.check(self.vocab_size)
         budget = max(p.max_new_tokens for p in params)
@@ -208,7 +254,7 @@ class Generator:
         L = min(round_up(int(lengths.max()), bucket), max_len)
         tokens = np.zeros((B, L), np.int32)
         for i, prompt in enumerate(prompts):
-            tokens[i, :len(prompt)] = prompt
+            tokens[i, : len(prompt)] = prompt
         lengths = np.concatenate([lengths, np.ones(B - n, np.int32)])
         arrays = SamplingArrays.stack(params + [SamplingParams(temperature=0.0)] * (B - n))
 
@@ -227,8 +273,12 @@ class Generator:
             positions = lengths + np.concatenate([produced, np.zeros(B - n, np.int32)]) - 1
             token_B, _, cache, seen = self.decode_step(token_B, positions, cache, arrays, seen)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 max_len: int | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        max_len: int | None = None,
+    ) -> list[list[int]]:
         """The new tokens of each prompt (stop token included, if one was hit)."""
         out: list[list[int]] = [[] for _ in prompts]
         for row, token in self.stream(prompts, params, max_len):

@@ -41,14 +41,27 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from meshwork.config_sections import ModelConfig
-from meshwork.models.hf.rope import rope_to_hf
 from meshwork.models.hf.layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
+from meshwork.models.hf.rope import rope_to_hf
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM"}
-NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-         "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+NAMES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mixtral": "Mixtral",
+    "qwen3_moe": "Qwen3-MoE",
+    "qwen2_moe": "Qwen2-MoE",
+}
 
 
 def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
@@ -69,11 +82,14 @@ def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
 moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     """
     if cfg.kind not in ("transformer", "moe"):
-        raise ValueError(f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama, Mistral, Qwen2 or Qwen3) "
-                         "and moe (as Mixtral, Qwen2-MoE or Qwen3-MoE) models have a Hugging Face form here")
+        raise ValueError(
+            f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama, Mistral, Qwen2 or Qwen3) "
+            "and moe (as Mixtral, Qwen2-MoE or Qwen3-MoE) models have a Hugging Face form here"
+        )
     if cfg.kind == "transformer":  # Llama has no sliding window; Mistral is Llama with one
-        model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window \
-            else "llama"
+        model_type = (
+            "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
+        )
     else:  # Qwen2-MoE's mark is its gated shared expert; a plain routed MoE is Mixtral's
         model_type = "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.moe.shared_expert_gate else "mixtral"
     name = NAMES[model_type]
@@ -83,42 +99,66 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     if model_type == "mixtral" and cfg.qkv_bias:
         problems.append("qkv_bias=True (Mixtral has no attention biases)")
     if cfg.kind == "moe" and cfg.sliding_window is not None:
-        problems.append(f"sliding_window={cfg.sliding_window} (meshwork reads a window back from Mistral, "
-                        f"Qwen2 and Qwen3 checkpoints only, not from {name})")
+        problems.append(
+            f"sliding_window={cfg.sliding_window} (meshwork reads a window back from Mistral, "
+            f"Qwen2 and Qwen3 checkpoints only, not from {name})"
+        )
     if cfg.kind == "moe":
         m = cfg.moe
-        problems += [why for ok, why in [
-            (m.router == "softmax", f"moe.router={m.router!r} ({name} routes by softmax top-k)"),
-            (m.norm_topk_prob or model_type != "mixtral",
-             "moe.norm_topk_prob=False (Mixtral renormalizes the top-k weights)"),
-            (not m.n_shared_experts or model_type == "qwen2_moe",
-             f"moe.n_shared_experts={m.n_shared_experts} ({name} has no shared experts)"),
-            (m.n_shared_experts == 1 or model_type != "qwen2_moe",
-             f"moe.n_shared_experts={m.n_shared_experts} (Qwen2-MoE has one gated shared expert)"),
-            (not m.shared_expert_gate or model_type == "qwen2_moe",
-             f"moe.shared_expert_gate=True ({name} has no shared expert gate)"),
-            (not m.first_dense_layers or model_type != "mixtral",
-             f"moe.first_dense_layers={m.first_dense_layers} (every Mixtral layer is a MoE layer)"),
-            (not m.dense_layers or model_type != "mixtral",
-             f"moe.dense_layers={list(m.dense_layers or ())} (every Mixtral layer is a MoE layer)"),
-            (m.routed_scaling_factor == 1.0,
-             f"moe.routed_scaling_factor={m.routed_scaling_factor} ({name} does not scale the experts' output)"),
-        ] if not ok]
+        problems += [
+            why
+            for ok, why in [
+                (m.router == "softmax", f"moe.router={m.router!r} ({name} routes by softmax top-k)"),
+                (
+                    m.norm_topk_prob or model_type != "mixtral",
+                    "moe.norm_topk_prob=False (Mixtral renormalizes the top-k weights)",
+                ),
+                (
+                    not m.n_shared_experts or model_type == "qwen2_moe",
+                    f"moe.n_shared_experts={m.n_shared_experts} ({name} has no shared experts)",
+                ),
+                (
+                    m.n_shared_experts == 1 or model_type != "qwen2_moe",
+                    f"moe.n_shared_experts={m.n_shared_experts} (Qwen2-MoE has one gated shared expert)",
+                ),
+                (
+                    not m.shared_expert_gate or model_type == "qwen2_moe",
+                    f"moe.shared_expert_gate=True ({name} has no shared expert gate)",
+                ),
+                (
+                    not m.first_dense_layers or model_type != "mixtral",
+                    f"moe.first_dense_layers={m.first_dense_layers} (every Mixtral layer is a MoE layer)",
+                ),
+                (
+                    not m.dense_layers or model_type != "mixtral",
+                    f"moe.dense_layers={list(m.dense_layers or ())} (every Mixtral layer is a MoE layer)",
+                ),
+                (
+                    m.routed_scaling_factor == 1.0,
+                    f"moe.routed_scaling_factor={m.routed_scaling_factor} ({name} does not scale the experts' output)",
+                ),
+            ]
+            if not ok
+        ]
         if m.capacity_factor is not None and not allow_dropless:
-            problems.append(f"{_dropless(m.capacity_factor, name)}; allow_dropless=True, or --allow-dropless, "
-                            "writes it anyway)")
+            problems.append(
+                f"{_dropless(m.capacity_factor, name)}; allow_dropless=True, or --allow-dropless, writes it anyway)"
+            )
     if problems:
         raise ValueError(f"cannot export to {name}: {'; '.join(problems)}")
     return model_type
 
 
 def _dropless(capacity_factor: float, name: str = "Mixtral") -> str:
-    return (f"moe.capacity_factor={capacity_factor} ({name} is dropless: it computes the tokens this model "
-            "drops at capacity, so its outputs differ")
+    return (
+        f"moe.capacity_factor={capacity_factor} ({name} is dropless: it computes the tokens this model "
+        "drops at capacity, so its outputs differ"
+    )
 
 
-def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddings: int = 2048,
-              allow_dropless: bool = False) -> dict[str, Any]:
+def hf_config(
+    cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddings: int = 2048, allow_dropless: bool = False
+) -> dict[str, Any]:
     """The config.json dict transformers reads as the model `cfg` describes.
 
     `max_position_embeddings` is only a declared limit (meshwork's RoPE has
@@ -130,45 +170,81 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", max_position_embeddin
     """
     model_type = hf_model_type(cfg, allow_dropless=allow_dropless)
     c: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
         "intermediate_size": cfg.moe.d_expert if model_type == "mixtral" else cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": max_position_embeddings,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": max_position_embeddings,
         # Both forms (transformers 5 reads rope_parameters, earlier versions rope_theta/rope_scaling);
         # after max_position_embeddings, which dynamic scaling sets to the original context.
         **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
-        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
-        "torch_dtype": dtype, "dtype": dtype,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }
     if model_type == "llama":
         return c | {"attention_bias": False, "mlp_bias": False}
     if model_type == "mistral":
         return c | {"sliding_window": cfg.sliding_window}
-    full_attention = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
-                      "layer_types": ["full_attention"] * cfg.n_layers}
+    full_attention = {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.n_layers,
+        "layer_types": ["full_attention"] * cfg.n_layers,
+    }
     if cfg.sliding_window is not None:  # Qwen2 / Qwen3: the window in every layer (none is a full one)
-        full_attention = {"use_sliding_window": True, "sliding_window": cfg.sliding_window, "max_window_layers": 0,
-                          "layer_types": ["sliding_attention"] * cfg.n_layers}
+        full_attention = {
+            "use_sliding_window": True,
+            "sliding_window": cfg.sliding_window,
+            "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * cfg.n_layers,
+        }
     if model_type == "qwen2":
         return c | full_attention
     if model_type == "qwen3":
         return c | full_attention | {"attention_bias": False}
     m = cfg.moe
     step, mlp_only = sparse_step(m.dense_layer_indices(cfg.n_layers), cfg.n_layers)
-    qwen_moe = {"num_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.d_expert,
-                "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": step, "mlp_only_layers": mlp_only,
-                "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False}
+    qwen_moe = {
+        "num_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.d_expert,
+        "norm_topk_prob": m.norm_topk_prob,
+        "decoder_sparse_step": step,
+        "mlp_only_layers": mlp_only,
+        "router_aux_loss_coef": m.aux_loss_coef,
+        "output_router_logits": False,
+    }
     if model_type == "qwen3_moe":
         return c | full_attention | qwen_moe | {"attention_bias": False}
     if model_type == "qwen2_moe":
-        return c | full_attention | qwen_moe | {"qkv_bias": cfg.qkv_bias,
-                                                 "shared_expert_intermediate_size": m.d_shared or m.d_expert}
-    return c | {"num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-                "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False,
-                "router_jitter_noise": 0.0, "sliding_window": None}
+        return (
+            c
+            | full_attention
+            | qwen_moe
+            | {"qkv_bias": cfg.qkv_bias, "shared_expert_intermediate_size": m.d_shared or m.d_expert}
+        )
+    return c | {
+        "num_local_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "router_aux_loss_coef": m.aux_loss_coef,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
 
 
 def sparse_step(dense: tuple[int, ...], n_layers: int) -> tuple[int, list[int]]:
@@ -184,8 +260,14 @@ def sparse_step(dense: tuple[int, ...], n_layers: int) -> tuple[int, list[int]]:
     return step, [i for i in dense if (i + 1) % step == 0]
 
 
-def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any], out_dir: str | pathlib.Path, *,
-              max_position_embeddings: int = 2048, allow_dropless: bool = False) -> pathlib.Path:
+def export_hf(
+    cfg: ModelConfig,
+    model_or_params: nnx.Module | Mapping[str, Any],
+    out_dir: str | pathlib.Path,
+    *,
+    max_position_embeddings: int = 2048,
+    allow_dropless: bool = False,
+) -> pathlib.Path:
     """Writes `out_dir`/config.json and `out_dir`/model.safetensors; returns `out_dir`.
 
     `model_or_params`: the meshwork model `cfg` describes, or its parameters
@@ -204,8 +286,11 @@ def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any],
     """
     model_type = hf_model_type(cfg, allow_dropless=allow_dropless)
     if cfg.kind == "moe" and cfg.moe.capacity_factor is not None:
-        warnings.warn(f"exporting {_dropless(cfg.moe.capacity_factor)}, as this model does with capacity_factor "
-                      "null)", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"exporting {_dropless(cfg.moe.capacity_factor)}, as this model does with capacity_factor null)",
+            UserWarning,
+            stacklevel=2,
+        )
     if isinstance(model_or_params, nnx.Module):
         params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
     else:
@@ -214,26 +299,40 @@ def export_hf(cfg: ModelConfig, model_or_params: nnx.Module | Mapping[str, Any],
     check_tree(layout_shapes(layout), params)
     dtype = np.dtype(params["embed"]["table"].dtype)
     if dtype not in HF_DTYPE_NAMES:
-        raise ValueError(f"parameters of dtype {dtype} have no Hugging Face torch_dtype; cast them to one of "
-                         f"{', '.join(HF_DTYPE_NAMES.values())}")
+        raise ValueError(
+            f"parameters of dtype {dtype} have no Hugging Face torch_dtype; cast them to one of "
+            f"{', '.join(HF_DTYPE_NAMES.values())}"
+        )
 
     tensors: dict[str, np.ndarray] = {}
     for key, part in layout.items():
         for i, layer in enumerate(part) if isinstance(part, list) else [(None, part)]:
-            jax.tree.map(lambda spec, x: tensors.update(spec.write(np.asarray(x if i is None else x[i]))),
-                         layer, params[key])
+            jax.tree.map(
+                lambda spec, x: tensors.update(spec.write(np.asarray(x if i is None else x[i]))), layer, params[key]
+            )
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stale = sorted(p.name for p in out.iterdir() if p.name != "model.safetensors"
-                   and (p.suffix == ".safetensors" or p.name == "model.safetensors.index.json"))
+    stale = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name != "model.safetensors" and (p.suffix == ".safetensors" or p.name == "model.safetensors.index.json")
+    )
     if stale:
-        raise ValueError(f"{out} already holds {stale}, which a loader would read with the export; "
-                         "export into an empty directory")
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype=HF_DTYPE_NAMES[dtype],
-                                                          max_position_embeddings=max_position_embeddings,
-                                                          allow_dropless=allow_dropless),
-                                                indent=2) + "\n")
+        raise ValueError(
+            f"{out} already holds {stale}, which a loader would read with the export; export into an empty directory"
+        )
+    (out / "config.json").write_text(
+        json.dumps(
+            hf_config(
+                cfg,
+                dtype=HF_DTYPE_NAMES[dtype],
+                max_position_embeddings=max_position_embeddings,
+                allow_dropless=allow_dropless,
+            ),
+            indent=2,
+        )
+        + "\n"
+    )
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})  # transformers wants "pt"
     return out
-

@@ -135,10 +135,14 @@ class _Sampling(_Body):
         seed = int.from_bytes(os.urandom(4), "little") if self.seed is None else self.seed
         asked = self.asked_max_tokens
         return SamplingParams(
-            temperature=_default(self.temperature, 1.0), top_p=_default(self.top_p, 1.0),
-            top_k=_default(self.top_k, 0), repetition_penalty=_default(self.repetition_penalty, 1.0), seed=seed,
+            temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0),
+            top_k=_default(self.top_k, 0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            seed=seed,
             max_new_tokens=default_max_tokens if asked is None else asked,
-            stop_tokens=tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else tuple(stops)))
+            stop_tokens=tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else tuple(stops)),
+        )
 
 
 def _default(value, default):
@@ -200,10 +204,15 @@ _FIELD_HINTS = {
     "messages[]": "give an object with a string role and text content",
     "stop": "give a string or a list of up to 4 non-empty strings",
     "stop_token_ids": "give a list of token ids",
-    "stream_options": "give an object like {\"include_usage\": true}",
+    "stream_options": 'give an object like {"include_usage": true}',
 }
-_TYPE_PHRASES = {"int_type": "give an integer", "float_type": "give a number", "bool_type": "give true or false",
-                 "string_type": "give a string", "missing": "this field is required"}
+_TYPE_PHRASES = {
+    "int_type": "give an integer",
+    "float_type": "give a number",
+    "bool_type": "give true or false",
+    "string_type": "give a string",
+    "missing": "this field is required",
+}
 
 
 def parse_body(model: type[_Body], body: dict[str, Any]) -> Any:

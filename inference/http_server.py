@@ -42,7 +42,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshwork.inference.http_bodies import ChatCompletionRequest, CompletionRequest, parse_body
@@ -66,13 +67,16 @@ class Served:
     name: str
     tokenizer: Any
     stops: list[int] = field(default_factory=list)
-    chat_template: str | None = None   # a Hugging Face Jinja template, or None for FALLBACK_CHAT_TEMPLATE
+    chat_template: str | None = None  # a Hugging Face Jinja template, or None for FALLBACK_CHAT_TEMPLATE
     special_tokens: dict = field(default_factory=dict)  # bos_token, eos_token for the template
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer here (it was trained on pre-tokenized data); send the "
-                               "prompt as a list of token ids", "prompt")
+            raise RequestError(
+                "this model has no tokenizer here (it was trained on pre-tokenized data); send the "
+                "prompt as a list of token ids",
+                "prompt",
+            )
         if not special and hasattr(self.tokenizer, "tok"):  # the template already wrote BOS
             return list(self.tokenizer.tok.encode(text, add_special_tokens=False).ids)
         return [int(t) for t in self.tokenizer.encode(text)]
@@ -93,8 +97,9 @@ class Served:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         try:
-            text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                              **self.special_tokens)
+            text = env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, **self.special_tokens
+            )
         except jinja2.exceptions.TemplateError as e:
             raise RequestError(f"the checkpoint's chat template refused these messages: {e}", "messages") from None
         return text, True
@@ -141,7 +146,7 @@ class TextStream:
         self.ids.append(token)
         text = self._cut(self.served.decode(self.ids).rstrip("\ufffd"))
         if not self.stopped:
-            text = text[:len(text) - self._partial_stop(text)]
+            text = text[: len(text) - self._partial_stop(text)]
         return self._delta(text)
 
     def flush(self) -> str:
@@ -152,18 +157,25 @@ class TextStream:
         hits = [i for i in (text.find(stop) for stop in self.stop_strings) if i >= 0]
         if hits:
             self.stopped = True
-            return text[:min(hits)]
+            return text[: min(hits)]
         return text
 
     def _partial_stop(self, text: str) -> int:
         """The length of the longest end of `text` that begins a stop string."""
-        return max((n for stop in self.stop_strings for n in range(min(len(stop) - 1, len(text)), 0, -1)
-                    if text.endswith(stop[:n])), default=0)
+        return max(
+            (
+                n
+                for stop in self.stop_strings
+                for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:n])
+            ),
+            default=0,
+        )
 
     def _delta(self, text: str) -> str:
         if not text.startswith(self.sent):
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        delta, self.sent = text[len(self.sent) :], text
         return delta
 
 
@@ -173,20 +185,22 @@ class TextStream:
 class _Refused(Exception):
     """A request answered with another status than a bad field's 400 (another model, a full queue, ...)."""
 
-    def __init__(self, message: str, param: str | None, status: int, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self, message: str, param: str | None, status: int, code: str | None = None, kind: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass
 class Limits:
-    max_tokens: int = 256      # the most tokens one request may ask for
+    max_tokens: int = 256  # the most tokens one request may ask for
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
 
 
@@ -202,13 +216,13 @@ def stop_strings(body: CompletionRequest | ChatCompletionRequest, served: Served
     """OpenAI's `stop`, matched in the generated text: it needs a tokenizer."""
     stops = body.stop_strings()
     if stops and served.tokenizer is None:
-        raise RequestError("stop strings need a tokenizer, which this model has not here; give stop_token_ids",
-                           "stop")
+        raise RequestError("stop strings need a tokenizer, which this model has not here; give stop_token_ids", "stop")
     return stops
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, served: Served, limits: Limits,
-                    prompt_len: int, max_len: int) -> SamplingParams:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, served: Served, limits: Limits, prompt_len: int, max_len: int
+) -> SamplingParams:
     """The body's SamplingParams; without max_tokens, 16 for completions and, for chat, what is left of
     the cache (at most --max-tokens; at least 1, so that a prompt that fills the cache is named as such)."""
     chat = isinstance(body, ChatCompletionRequest)
@@ -247,8 +261,14 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
 
     @app.exception_handler(404)
     async def not_found(request: HTTPRequest, exc):
-        return JSONResponse(error_body(f"no route {request.method} {request.url.path}; see /v1/models, "
-                                       "/v1/completions, /v1/chat/completions, /health", code="not_found"), 404)
+        return JSONResponse(
+            error_body(
+                f"no route {request.method} {request.url.path}; see /v1/models, "
+                "/v1/completions, /v1/chat/completions, /health",
+                code="not_found",
+            ),
+            404,
+        )
 
     @app.exception_handler(405)
     async def not_allowed(request: HTTPRequest, exc):
@@ -257,13 +277,25 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
     @app.get("/health")
     async def health():
         ok = engine.alive
-        return JSONResponse({"status": "ok" if ok else "failed", "error": engine.failure, **engine.stats()},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "failed", "error": engine.failure, **engine.stats()},
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
-                                            "owned_by": "meshwork", "max_model_len": engine.server.max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served.name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "meshwork",
+                    "max_model_len": engine.server.max_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
@@ -292,13 +324,16 @@ async def _read_body(request: HTTPRequest, chat: bool, served: Served) -> Comple
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     if body.get("model") not in (None, served.name):  # 404 before any field's 400
-        raise _Refused(f"model {body.get('model')!r} is not served here; this server serves {served.name!r} "
-                       "(GET /v1/models)", "model", 404, "model_not_found")
+        raise _Refused(
+            f"model {body.get('model')!r} is not served here; this server serves {served.name!r} (GET /v1/models)",
+            "model",
+            404,
+            "model_not_found",
+        )
     return parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
 
 
-async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Served, limits: Limits,
-                 request_limits):
+async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Served, limits: Limits, request_limits):
     """One completion request: validated, submitted to the engine, then streamed or answered whole."""
     body = None
     try:
@@ -308,12 +343,14 @@ async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Serve
         stops = stop_strings(body, served)
         check_request(prompt, params, request_limits)  # a 400 now, not a stream that ends in an error
         if not engine.alive:
-            raise _Refused(f"the engine is not running ({engine.failure or 'shutting down'})", None, 503,
-                           kind="server_error")
+            raise _Refused(
+                f"the engine is not running ({engine.failure or 'shutting down'})", None, 503, kind="server_error"
+            )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        engine.submit(Request(rid, prompt, params),
-                      lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (kind, x)))
+        engine.submit(
+            Request(rid, prompt, params), lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (kind, x))
+        )
     except RequestError as e:
         return _bad(e, openai_param(e, body) if body is not None else None)
     except _Refused as e:
@@ -322,8 +359,9 @@ async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Serve
         return _bad(_Refused(str(e), None, 429, "queue_full", "rate_limit_error"))
     reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens, stops), len(prompt))
     if body.stream:
-        return StreamingResponse(_sse(request, engine, rid, events, reply, body.include_usage()),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _sse(request, engine, rid, events, reply, body.include_usage()), media_type="text/event-stream"
+        )
     return await _whole(request, engine, rid, events, reply)
 
 
@@ -390,19 +428,30 @@ class _Reply:
         text = self.stream.sent + self.stream.flush()
         choice = {"index": 0, "finish_reason": result.finish, "logprobs": None, "token_ids": result.tokens}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                "usage": self.usage(len(result.tokens))}
+        return {
+            "id": self.rid,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(len(result.tokens)),
+        }
 
     def chunk(self, text: str | None, ids: list[int], finish: str | None, first: bool = False) -> str:
         choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
         if self.chat:
-            choice["delta"] = ({"role": "assistant", "content": text or ""} if first else
-                               {} if text is None else {"content": text})
+            choice["delta"] = (
+                {"role": "assistant", "content": text or ""} if first else {} if text is None else {"content": text}
+            )
         else:
             choice["text"] = text or ""
-        body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
+        body = {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         return f"data: {json.dumps(body)}\n\n"
 
 
@@ -429,8 +478,14 @@ async def _sse(request, engine: Engine, rid: str, events: asyncio.Queue, reply: 
         tail = reply.stream.flush()
         yield reply.chunk(tail if tail or not reply.chat else None, [], x.finish)
         if usage:
-            body = {"id": reply.rid, "object": "chat.completion.chunk" if reply.chat else "text_completion",
-                    "created": reply.created, "model": reply.model, "choices": [], "usage": reply.usage(n)}
+            body = {
+                "id": reply.rid,
+                "object": "chat.completion.chunk" if reply.chat else "text_completion",
+                "created": reply.created,
+                "model": reply.model,
+                "choices": [],
+                "usage": reply.usage(n),
+            }
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     except _Gone:
@@ -438,5 +493,3 @@ async def _sse(request, engine: Engine, rid: str, events: asyncio.Queue, reply: 
     finally:  # the client left (or the server is being shut down): free the slot and pages
         if not done:
             engine.cancel(rid)
-
-

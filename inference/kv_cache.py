@@ -71,8 +71,14 @@ def _zero_pair(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding
     return make(), make()
 
 
-def cached_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array,
-                     impl: str = "xla", window: int | None = None) -> jax.Array:
+def cached_attention(
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    positions_BL: jax.Array,
+    impl: str = "xla",
+    window: int | None = None,
+) -> jax.Array:
     """Queries at `positions_BL` over cached keys 0..S-1, key j visible to a query at p iff j <= p
     (and p - window < j, with a sliding window).
 
@@ -106,12 +112,19 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = j
 @dataclasses.dataclass
 class KVCache:
     """Contiguous cache: row b holds sequence b's keys/values at positions 0..max_len-1."""
+
     k: jax.Array  # (layers, batch, max_len, kv_heads, head_dim)
     v: jax.Array
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32,
-              sharding: NamedSharding | None = None) -> KVCache:
+    def zeros(
+        cls,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype: jnp.dtype = jnp.float32,
+        sharding: NamedSharding | None = None,
+    ) -> KVCache:
         return cls(*_zero_pair((cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim), dtype, sharding))
 
     @staticmethod
@@ -143,8 +156,9 @@ class _ContiguousLayer:
         # One scatter per array; positions past max_len are dropped, not clamped onto real data.
         k = self.cache.k.at[self.i, rows_B1, positions_BL].set(k_BLGK.astype(self.cache.k.dtype), mode="drop")
         v = self.cache.v.at[self.i, rows_B1, positions_BL].set(v_BLGK.astype(self.cache.v.dtype), mode="drop")
-        o_BLHK = cached_attention(q_BLHK, k[self.i].astype(q_BLHK.dtype), v[self.i].astype(q_BLHK.dtype),
-                                  positions_BL, impl, window)
+        o_BLHK = cached_attention(
+            q_BLHK, k[self.i].astype(q_BLHK.dtype), v[self.i].astype(q_BLHK.dtype), positions_BL, impl, window
+        )
         return o_BLHK, _ContiguousLayer(KVCache(k, v), self.i)
 
 
@@ -153,13 +167,22 @@ class _ContiguousLayer:
 class PagedKVCache:
     """Paged cache: sequence b's position p lives in page page_table[b, p // page_size]
     at offset p % page_size of a pool shared by all sequences."""
-    k: jax.Array           # (layers, n_pages, page_size, kv_heads, head_dim)
+
+    k: jax.Array  # (layers, n_pages, page_size, kv_heads, head_dim)
     v: jax.Array
     page_table: jax.Array  # (batch, pages_per_seq) int32; NULL_PAGE where nothing is allocated
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, n_pages: int, page_size: int, batch: int, pages_per_seq: int,
-              dtype: jnp.dtype = jnp.float32, sharding: NamedSharding | None = None) -> PagedKVCache:
+    def zeros(
+        cls,
+        cfg: ModelConfig,
+        n_pages: int,
+        page_size: int,
+        batch: int,
+        pages_per_seq: int,
+        dtype: jnp.dtype = jnp.float32,
+        sharding: NamedSharding | None = None,
+    ) -> PagedKVCache:
         k, v = _zero_pair((cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.resolved_head_dim), dtype, sharding)
         return cls(k, v, jnp.full((batch, pages_per_seq), NULL_PAGE, jnp.int32))
 
@@ -189,8 +212,9 @@ class _PagedLayer:
         if rules is None or mesh.empty or all(n == 1 for n in mesh.shape.values()):
             o_BLHK, k, v = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, c.k, c.v, c.page_table, self.i)
         else:
-            o_BLHK, k, v = _attend_per_replica(attend, rules, dict(mesh.shape), q_BLHK, k_BLGK, v_BLGK,
-                                               positions_BL, c.k, c.v, c.page_table, self.i)
+            o_BLHK, k, v = _attend_per_replica(
+                attend, rules, dict(mesh.shape), q_BLHK, k_BLGK, v_BLGK, positions_BL, c.k, c.v, c.page_table, self.i
+            )
         return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
 
 
@@ -213,8 +237,7 @@ def _attend_pages(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP
     return o_BLHK, k, v
 
 
-def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool,
-                        table_BP, i):
+def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i):
     """`attend` on each device's share of the pool, inside `shard_map`.
 
     The pool's pages are split over the data axes: data-parallel replica r
@@ -231,8 +254,10 @@ def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, posit
     data = compiler_axes(split_axes("act_batch", rules, mesh_shape))
     heads = compiler_axes(split_axes("act_kv_heads", rules, mesh_shape))
     if heads != compiler_axes(split_axes("act_heads", rules, mesh_shape)):
-        raise ValueError("a paged cache needs query heads and kv heads split over the same mesh axes; "
-                         "map act_heads and act_kv_heads alike in the rules")
+        raise ValueError(
+            "a paged cache needs query heads and kv heads split over the same mesh axes; "
+            "map act_heads and act_kv_heads alike in the rules"
+        )
     D = math.prod(mesh_shape[a] for a in data)
     rows_split = q_BLHK.shape[0] % D == 0
     row_axes = (data or None) if rows_split else None
@@ -252,7 +277,10 @@ def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, posit
         return o, k, v
 
     # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
-    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
-                         in_specs=(act, act, act, row, pool, pool, row, PartitionSpec()),
-                         out_specs=(act, pool, pool), check_vma=False)(
-        q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i)
+    return jax.shard_map(
+        body,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(act, act, act, row, pool, pool, row, PartitionSpec()),
+        out_specs=(act, pool, pool),
+        check_vma=False,
+    )(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i)

@@ -14,7 +14,6 @@ from typing import Any
 
 from meshwork.config import ConfigError
 
-
 DESCRIPTION = """Generate text from a trained LM run or a Hugging Face checkpoint. One prompt streams its
 tokens as they are sampled; several are served together and printed in prompt order, one line
 each: `[i] PROMPT + CONTINUATION` as text, or `[i] PROMPT IDS | NEW IDS` for a model without a
@@ -28,22 +27,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--hf", help="a Hugging Face Llama/Mixtral directory (config.json + *.safetensors)")
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
     p.add_argument("--prompts-file", help="a text file, one prompt per line")
-    p.add_argument("--prompt-ids", action="append", default=[],
-                   help="a prompt as comma-separated token ids (for models without a tokenizer here; repeat "
-                        "for a batch)")
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        help="a prompt as comma-separated token ids (for models without a tokenizer here; repeat for a batch)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt, at most")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 for greedy decoding")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0: off")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: the most likely tokens covering this probability; 1.0: off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 1 discourages tokens already seen; 1.0: off")
-    p.add_argument("--stop-id", type=int, action="append", default=[],
-                   help="a token id that ends a sequence (repeatable; default: the checkpoint's eos, if any)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="random seed; prompt i of a batch uses seed + i, so equal prompts differ")
-    p.add_argument("--quantize", choices=("none", "int8", "int4", "w8a8"), default="none",
-                   help="weight-only int8/int4, or int8 weights and activations in the MLPs")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the most likely tokens covering this probability; 1.0: off",
+    )
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens already seen; 1.0: off"
+    )
+    p.add_argument(
+        "--stop-id",
+        type=int,
+        action="append",
+        default=[],
+        help="a token id that ends a sequence (repeatable; default: the checkpoint's eos, if any)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="random seed; prompt i of a batch uses seed + i, so equal prompts differ"
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8", "int4", "w8a8"),
+        default="none",
+        help="weight-only int8/int4, or int8 weights and activations in the MLPs",
+    )
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: what the prompts need)")
     p.add_argument("--slots", type=int, default=8, help="batch slots of the serving loop (several prompts)")
 
@@ -65,8 +82,10 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
             tokenizer = ByteTokenizer() if used.path is None else _HFTokenizer(used.path)
             stops = [] if used.eos_id is None else [used.eos_id]
         if cfg.finetune.method == "prefix":
-            raise ConfigError(f"--checkpoint: {checkpoint} is prefix-tuned; generation with a KV cache does not "
-                              "support prefixes yet (models/adapters.py)")
+            raise ConfigError(
+                f"--checkpoint: {checkpoint} is prefix-tuned; generation with a KV cache does not "
+                "support prefixes yet (models/adapters.py)"
+            )
         if cfg.finetune.method == "lora":
             from meshwork.models.lora import merge_lora
 
@@ -128,11 +147,15 @@ def encode_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list
         except UnicodeDecodeError:
             raise ConfigError(f"--prompts-file: {f} is not UTF-8 text; give a text file, one prompt per line") from None
     if texts and tokenizer is None:
-        raise ConfigError("this model has no tokenizer here (pre-tokenized training data, or no tokenizer.json "
-                          "with the `tokenizers` package); pass --prompt-ids 1,2,3")
+        raise ConfigError(
+            "this model has no tokenizer here (pre-tokenized training data, or no tokenizer.json "
+            "with the `tokenizers` package); pass --prompt-ids 1,2,3"
+        )
     if tokenizer is not None and tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"tokenizer mismatch: the tokenizer has {tokenizer.vocab_size} ids but the model only "
-                          f"{vocab_size}; use the tokenizer the model was trained with")
+        raise ConfigError(
+            f"tokenizer mismatch: the tokenizer has {tokenizer.vocab_size} ids but the model only "
+            f"{vocab_size}; use the tokenizer the model was trained with"
+        )
     prompts = [[int(t) for t in tokenizer.encode(text)] for text in texts]
     for ids in args.prompt_ids:
         try:
@@ -166,9 +189,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--slots: {args.slots}; the serving loop needs at least 1 slot")
     model, tokenizer, eos = load_lm(args.checkpoint, args.hf)
     prompts = encode_prompts(args, tokenizer, model.cfg.vocab_size)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
-                            stop_tokens=tuple(args.stop_id or eos), seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        max_new_tokens=args.max_new_tokens,
+        stop_tokens=tuple(args.stop_id or eos),
+        seed=args.seed,
+    )
     params.check(model.cfg.vocab_size)
     per_prompt = per_request_seeds(params, len(prompts))
     for p in per_prompt:
@@ -188,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             # Bytes of one character can arrive in several tokens: print what decodes so far.
             before = _decode(tokenizer, produced)
             produced.append(token)
-            sys.stdout.write(_decode(tokenizer, produced)[len(before):] if tokenizer else f" {token}")
+            sys.stdout.write(_decode(tokenizer, produced)[len(before) :] if tokenizer else f" {token}")
             sys.stdout.flush()
         sys.stdout.write("\n")
         return 0

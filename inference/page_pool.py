@@ -38,15 +38,18 @@ class PageAllocator:
 
     def __init__(self, n_pages: int, replicas: int = 1):
         if replicas < 1 or n_pages % replicas or n_pages // replicas < 2:
-            raise ValueError(f"{n_pages} pages cannot be split into {replicas} replicas of at least 2 pages "
-                             f"(a null page and one to hand out); use a multiple of {replicas} pages")
+            raise ValueError(
+                f"{n_pages} pages cannot be split into {replicas} replicas of at least 2 pages "
+                f"(a null page and one to hand out); use a multiple of {replicas} pages"
+            )
         self.n_pages, self.replicas = n_pages, replicas
         self.per_replica = n_pages // replicas
-        self._free = [collections.deque(range(r * self.per_replica + 1, (r + 1) * self.per_replica))
-                      for r in range(replicas)]
-        self.owners: dict[int, list[Hashable]] = {}           # held pages -> the sequences holding them
+        self._free = [
+            collections.deque(range(r * self.per_replica + 1, (r + 1) * self.per_replica)) for r in range(replicas)
+        ]
+        self.owners: dict[int, list[Hashable]] = {}  # held pages -> the sequences holding them
         self._cached: list[dict[bytes, int]] = [{} for _ in range(replicas)]  # chained token hash -> page
-        self.digest: dict[int, bytes] = {}                     # the reverse, for registered pages
+        self.digest: dict[int, bytes] = {}  # the reverse, for registered pages
         # Per replica: cached pages no one holds, least recently released first.
         self._lru: list[collections.OrderedDict[int, None]] = [collections.OrderedDict() for _ in range(replicas)]
         self.evictions = 0
@@ -140,7 +143,7 @@ def page_digests(tokens: Sequence[int], page_size: int, previous: bytes = b"") -
     so equal digests mean equal prefixes, not just equal pages. `previous`: the digest before tokens[0]."""
     digests = []
     for i in range(len(tokens) // page_size):
-        block = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64).tobytes()
+        block = np.asarray(tokens[i * page_size : (i + 1) * page_size], np.int64).tobytes()
         previous = hashlib.sha256(previous + block).digest()
         digests.append(previous)
     return digests

@@ -29,9 +29,15 @@ from safetensors.numpy import save_file
 from meshwork.models.lora import TARGETS, LoRA
 
 # finetune.targets name -> (the Llama submodule, its Linear), as transformers names them.
-PEFT_MODULES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
-                "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
-                "down": ("mlp", "down_proj")}
+PEFT_MODULES = {
+    "q": ("self_attn", "q_proj"),
+    "k": ("self_attn", "k_proj"),
+    "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate": ("mlp", "gate_proj"),
+    "up": ("mlp", "up_proj"),
+    "down": ("mlp", "down_proj"),
+}
 
 
 def peft_tensors(model: nnx.Module, targets: list[str]) -> dict[str, np.ndarray]:
@@ -53,26 +59,43 @@ def peft_tensors(model: nnx.Module, targets: list[str]) -> dict[str, np.ndarray]
 
 def peft_config(ft: Any, base_model: str) -> dict[str, Any]:
     """adapter_config.json for a `finetune:` config section of method lora."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": ft.rank, "lora_alpha": ft.alpha, "lora_dropout": ft.dropout, "bias": "none",
-            "target_modules": sorted(PEFT_MODULES[t][1] for t in ft.targets), "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "inference_mode": True, "init_lora_weights": True,
-            "modules_to_save": None}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": ft.rank,
+        "lora_alpha": ft.alpha,
+        "lora_dropout": ft.dropout,
+        "bias": "none",
+        "target_modules": sorted(PEFT_MODULES[t][1] for t in ft.targets),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
 
 
-def export_peft(cfg: Any, model: nnx.Module, out_dir: str | pathlib.Path, *, base_model: str | None = None) -> pathlib.Path:
+def export_peft(
+    cfg: Any, model: nnx.Module, out_dir: str | pathlib.Path, *, base_model: str | None = None
+) -> pathlib.Path:
     """Writes `out_dir`/adapter_config.json and `out_dir`/adapter_model.safetensors for the LoRA run
     whose config is `cfg` (the run's whole config) and whose model (with its LoRA factors) is `model`.
     ValueError names what PEFT on a Llama base cannot express."""
     ft = cfg.finetune
     if ft.method != "lora":
-        raise ValueError(f"finetune.method={ft.method!r}: only a lora run's adapter has a PEFT form here "
-                         "(a qlora adapter was trained against the 4-bit base, not the base PEFT would load)")
+        raise ValueError(
+            f"finetune.method={ft.method!r}: only a lora run's adapter has a PEFT form here "
+            "(a qlora adapter was trained against the 4-bit base, not the base PEFT would load)"
+        )
     if cfg.model.kind != "transformer":
         # Llama, Mistral, Qwen2 and Qwen3 name their projections alike (q_proj ... down_proj), so
         # one adapter layout serves every dense family `export-hf` writes.
-        raise ValueError(f"model.kind={cfg.model.kind}: the base must be a dense transformer (Llama, Mistral, "
-                         "Qwen2 or Qwen3 form), which `export-hf` writes")
+        raise ValueError(
+            f"model.kind={cfg.model.kind}: the base must be a dense transformer (Llama, Mistral, "
+            "Qwen2 or Qwen3 form), which `export-hf` writes"
+        )
     tensors = peft_tensors(model, list(ft.targets))
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

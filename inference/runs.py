@@ -33,8 +33,9 @@ def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
     graphdef, params, buffers = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)
     weights = "ema" if ema and ema_decay(cfg) else "params"
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                          {weights: params, "buffers": buffers})
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), {weights: params, "buffers": buffers}
+    )
     try:
         _check_model(cfg, ckpt.saved_config(step), run_dir, step)
         state = ckpt.restore_parts(step, target)
@@ -42,8 +43,10 @@ def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
         raise
     except (ValueError, OSError) as e:  # truncated or corrupt files: Orbax raises from deep inside
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--checkpoint: checkpoint {step} in {run_dir}/checkpoints cannot be read ({first}); "
-                          "it is damaged: restore it from a copy or retrain") from None
+        raise ConfigError(
+            f"--checkpoint: checkpoint {step} in {run_dir}/checkpoints cannot be read ({first}); "
+            "it is damaged: restore it from a copy or retrain"
+        ) from None
     finally:
         ckpt.close()
     return cfg, nnx.merge(graphdef, state[weights], state["buffers"]), step
@@ -54,5 +57,7 @@ def _check_model(cfg: Config, saved: dict, run_dir: pathlib.Path, step: int) -> 
     now = cfg.to_dict()["model"]
     key = next((k for k in now if saved.get("model", {}).get(k) != now[k]), None)
     if key is not None:
-        raise ConfigError(f"model.{key}: {run_dir}/config.yaml has model.{key}={now[key]!r} but checkpoint {step} was "
-                          f"trained with {saved.get('model', {}).get(key)!r}; put the original value back")
+        raise ConfigError(
+            f"model.{key}: {run_dir}/config.yaml has model.{key}={now[key]!r} but checkpoint {step} was "
+            f"trained with {saved.get('model', {}).get(key)!r}; put the original value back"
+        )

@@ -71,18 +71,25 @@ class SamplingParams:
     def check(self, vocab_size: int) -> None:
         """Raise RequestError (one line naming the field and the fix; `param`: OpenAI's name) on a bad setting."""
         problems = [
-            (not self.temperature >= 0, "temperature",
-             f"temperature={self.temperature}: use 0 (greedy) or a positive value"),
+            (
+                not self.temperature >= 0,
+                "temperature",
+                f"temperature={self.temperature}: use 0 (greedy) or a positive value",
+            ),
             (self.top_k < 0, "top_k", f"top_k={self.top_k}: use 0 (off) or a positive count"),
             (not 0 < self.top_p <= 1, "top_p", f"top_p={self.top_p}: use a value in (0, 1]; 1.0 turns it off"),
-            (not self.repetition_penalty > 0, "repetition_penalty",
-             f"repetition_penalty={self.repetition_penalty}: use a positive value; 1.0 turns it off"),
+            (
+                not self.repetition_penalty > 0,
+                "repetition_penalty",
+                f"repetition_penalty={self.repetition_penalty}: use a positive value; 1.0 turns it off",
+            ),
             (self.max_new_tokens < 1, "max_tokens", f"max_new_tokens={self.max_new_tokens}: use at least 1"),
             (not 0 <= self.seed < 2**32, "seed", f"seed={self.seed}: use an integer in [0, 2**32)"),
         ]
         bad_stops = [t for t in self.stop_tokens if not 0 <= t < vocab_size]
-        problems.append((bool(bad_stops), "stop_token_ids",
-                         f"stop_tokens={bad_stops}: token ids must lie in [0, {vocab_size})"))
+        problems.append(
+            (bool(bad_stops), "stop_token_ids", f"stop_tokens={bad_stops}: token ids must lie in [0, {vocab_size})")
+        )
         for bad, param, message in problems:
             if bad:
                 raise RequestError(f"sampling.{message}", param)
@@ -102,12 +109,17 @@ class SamplingArrays:
     @classmethod
     def stack(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
         """Rows in the order given: `SamplingArrays.stack([p0, p1])` -> arrays of shape (2,)."""
+
         def column(name, dtype):
             return jnp.asarray([getattr(p, name) for p in params], dtype=dtype)
-        return cls(temperature=column("temperature", jnp.float32), top_k=column("top_k", jnp.int32),
-                   top_p=column("top_p", jnp.float32),
-                   repetition_penalty=column("repetition_penalty", jnp.float32),
-                   seed=column("seed", jnp.uint32))
+
+        return cls(
+            temperature=column("temperature", jnp.float32),
+            top_k=column("top_k", jnp.int32),
+            top_p=column("top_p", jnp.float32),
+            repetition_penalty=column("repetition_penalty", jnp.float32),
+            seed=column("seed", jnp.uint32),
+        )
 
 
 TOP_K_BOUND = 64  # ranks read by lax.top_k; top-k and nuclei within them need no threshold search
@@ -137,9 +149,11 @@ def _order_key(x_BV: jax.Array) -> jax.Array:
 def _largest_threshold(holds: Callable[[jax.Array], jax.Array], B: int) -> jax.Array:
     """Per row, the largest uint32 t with holds(t) true, for a holds() that is true at 0 and
     monotone (true below some t, false above): built bit by bit from the top, 32 passes."""
+
     def bit(j, t_B):
         candidate_B = t_B | (jnp.uint32(1) << (31 - j).astype(jnp.uint32))
         return jnp.where(holds(candidate_B), candidate_B, t_B)
+
     return jax.lax.fori_loop(0, 32, bit, jnp.zeros(B, jnp.uint32))
 
 
@@ -152,12 +166,14 @@ def _threshold_keep(scaled_BV: jax.Array, k_B: jax.Array, top_p_B: jax.Array) ->
     keep_BV = key_BV >= t_k_B[:, None]
     probs_BV = jax.nn.softmax(jnp.where(keep_BV, scaled_BV, -jnp.inf), axis=-1)
     t_p_B = _largest_threshold(
-        lambda t_B: jnp.where(key_BV >= t_B[:, None], probs_BV, 0).sum(-1) >= jnp.minimum(top_p_B, 1.0), B)
+        lambda t_B: jnp.where(key_BV >= t_B[:, None], probs_BV, 0).sum(-1) >= jnp.minimum(top_p_B, 1.0), B
+    )
     return keep_BV & ((top_p_B[:, None] >= 1) | (key_BV >= t_p_B[:, None]))
 
 
-def sample(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
-           seen_BV: jax.Array | None = None) -> jax.Array:
+def sample(
+    logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array | None = None
+) -> jax.Array:
     """int32 (B,) next tokens, row b drawn with `fold_in(key(seed_b), positions_B[b])`. Jittable.
 
     positions_B[b] is the position the sampled token will occupy; seen_BV (bool) marks
@@ -174,12 +190,15 @@ def sample(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
         top_BX, order_BX = jax.lax.top_k(scaled_BV, K)  # ties: lower id first, as the stable sort
         rank_X = jnp.arange(K)
         k_B, top_p_B = arrays.top_k, arrays.top_p
-        whole_B = (k_B <= 0) | (k_B >= V)               # k keeps the whole vocabulary
-        in_prefix_B = ~whole_B & (k_B <= K)             # k keeps exactly the first k ranks
+        whole_B = (k_B <= 0) | (k_B >= V)  # k keeps the whole vocabulary
+        in_prefix_B = ~whole_B & (k_B <= K)  # k keeps exactly the first k ranks
         keep_BX = whole_B[:, None] | (rank_X < k_B[:, None])
         # Probabilities over what k keeps: normalized over the first k ranks or the whole vocabulary.
-        lse_B = jnp.where(in_prefix_B, jax.nn.logsumexp(jnp.where(keep_BX, top_BX, -jnp.inf), axis=-1),
-                          jax.nn.logsumexp(scaled_BV, axis=-1))
+        lse_B = jnp.where(
+            in_prefix_B,
+            jax.nn.logsumexp(jnp.where(keep_BX, top_BX, -jnp.inf), axis=-1),
+            jax.nn.logsumexp(scaled_BV, axis=-1),
+        )
         probs_BX = jnp.where(keep_BX, jnp.exp(top_BX - lse_B[:, None]), 0.0)
         cum_BX = jnp.cumsum(probs_BX, axis=-1)
         nucleus_BX = (top_p_B[:, None] >= 1) | (cum_BX - probs_BX < top_p_B[:, None]) | (rank_X == 0)
@@ -189,10 +208,11 @@ def sample(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
         rows_B1 = jnp.arange(B)[:, None]
         keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BX].set(keep_BX & nucleus_BX)
         keep_BV |= (whole_B & (top_p_B >= 1))[:, None]
-        keep_BV = jax.lax.cond(jnp.any(~decided_B & (temperature_B > 0)),
-                               lambda: jnp.where(decided_B[:, None], keep_BV,
-                                                 _threshold_keep(scaled_BV, k_B, top_p_B)),
-                               lambda: keep_BV)
+        keep_BV = jax.lax.cond(
+            jnp.any(~decided_B & (temperature_B > 0)),
+            lambda: jnp.where(decided_B[:, None], keep_BV, _threshold_keep(scaled_BV, k_B, top_p_B)),
+            lambda: keep_BV,
+        )
         drawn_B = _draw(keep_BV, scaled_BV, positions_B, arrays.seed)
         return jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
 
@@ -200,8 +220,9 @@ def sample(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
     return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda _: greedy_B, None)
 
 
-def log_probs(logits_BV: jax.Array, arrays: SamplingArrays | None = None,
-              seen_BV: jax.Array | None = None) -> jax.Array:
+def log_probs(
+    logits_BV: jax.Array, arrays: SamplingArrays | None = None, seen_BV: jax.Array | None = None
+) -> jax.Array:
     """float32 (B, V) log-probabilities of the next token, from the logits `sample` was given. Jittable.
 
     Without `arrays`: the model's own distribution, log_softmax(logits) (what a policy-gradient
@@ -219,8 +240,9 @@ def log_probs(logits_BV: jax.Array, arrays: SamplingArrays | None = None,
     return jax.nn.log_softmax(logits_BV / jnp.where(t_B > 0, t_B, 1.0)[:, None], axis=-1)
 
 
-def sample_reference(logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays,
-                     seen_BV: jax.Array | None = None) -> jax.Array:
+def sample_reference(
+    logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array | None = None
+) -> jax.Array:
     """`sample` by one stable descending sort of every row: the definition the fast path must equal.
 
     positions_B[b] is the position the sampled token will occupy; seen_BV (bool) marks

@@ -37,8 +37,10 @@ def load_served(checkpoint: str, name: str | None = None):
         model, tokenizer, stops = load_lm(None, str(path))
         folder = path
     else:
-        raise ConfigError(f"--checkpoint: {path} holds neither config.yaml (a meshwork run) nor config.json "
-                          "(a Hugging Face checkpoint); pass one of those folders")
+        raise ConfigError(
+            f"--checkpoint: {path} holds neither config.yaml (a meshwork run) nor config.json "
+            "(a Hugging Face checkpoint); pass one of those folders"
+        )
     template, special = chat_template_of(folder) if folder is not None and folder.is_dir() else (None, {})
     return model, Served(name or path.resolve().name, tokenizer, list(stops), template, special)
 
@@ -54,8 +56,10 @@ def _mesh_options(args) -> dict:
 
     n = jax.device_count()
     if args.data * args.tensor != n:
-        raise ConfigError(f"--data {args.data} x --tensor {args.tensor} = {args.data * args.tensor} devices, but "
-                          f"this host has {n}; give sizes whose product is {n}")
+        raise ConfigError(
+            f"--data {args.data} x --tensor {args.tensor} = {args.data * args.tensor} devices, but "
+            f"this host has {n}; give sizes whose product is {n}"
+        )
     mesh = make_mesh({"data": args.data, "tensor": args.tensor})
     return {"mesh": mesh, "rules": rules_for("tp" if args.tensor > 1 else "dp")}
 
@@ -68,10 +72,15 @@ def serve(args) -> int:
 
     import uvicorn
 
-    for flag, value, low in (("--slots", args.slots, 1), ("--max-len", args.max_len, 2),
-                             ("--page-size", args.page_size, 1), ("--max-tokens", args.max_tokens, 1),
-                             ("--max-queue", args.max_queue, 1), ("--data", args.data, 1),
-                             ("--tensor", args.tensor, 1)):
+    for flag, value, low in (
+        ("--slots", args.slots, 1),
+        ("--max-len", args.max_len, 2),
+        ("--page-size", args.page_size, 1),
+        ("--max-tokens", args.max_tokens, 1),
+        ("--max-queue", args.max_queue, 1),
+        ("--data", args.data, 1),
+        ("--tensor", args.tensor, 1),
+    ):
         if value < low:
             raise ConfigError(f"{flag} {value}: use at least {low}")
     if not 0 <= args.port <= 65535:
@@ -80,29 +89,48 @@ def serve(args) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk {args.prefill_chunk}: give a positive token count")
     if args.pages is not None and args.pages < 2 * args.data:
-        raise ConfigError(f"--pages {args.pages}: the pool needs at least 2 pages per data replica (a null page "
-                          f"and one to hand out); give at least {2 * args.data}")
+        raise ConfigError(
+            f"--pages {args.pages}: the pool needs at least 2 pages per data replica (a null page "
+            f"and one to hand out); give at least {2 * args.data}"
+        )
     if args.slots % args.data:
-        raise ConfigError(f"--slots {args.slots}: each of the --data {args.data} replicas serves its own slots; "
-                          f"give a multiple of {args.data}")
+        raise ConfigError(
+            f"--slots {args.slots}: each of the --data {args.data} replicas serves its own slots; "
+            f"give a multiple of {args.data}"
+        )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:  # before loading the model: a taken port fails at once
         sock.bind((args.host, args.port))
         sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
     except OSError as e:
-        raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); pick another "
-                          "port (0: any free one)") from None
+        raise ConfigError(
+            f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); pick another "
+            "port (0: any free one)"
+        ) from None
     model, served = load_served(args.checkpoint, args.model_name)
-    engine = Engine(Server(model, slots=args.slots, page_size=args.page_size, max_len=args.max_len,
-                           n_pages=args.pages, prefill_chunk=args.prefill_chunk,
-                           prefix_caching=args.prefix_caching, **options), max_queue=args.max_queue)
+    engine = Engine(
+        Server(
+            model,
+            slots=args.slots,
+            page_size=args.page_size,
+            max_len=args.max_len,
+            n_pages=args.pages,
+            prefill_chunk=args.prefill_chunk,
+            prefix_caching=args.prefix_caching,
+            **options,
+        ),
+        max_queue=args.max_queue,
+    )
     app = create_app(engine, served, Limits(max_tokens=args.max_tokens))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     layout = f", data {args.data} x tensor {args.tensor}" if options else ""
-    print(f"serving {served.name} on http://{host}:{port}/v1 (slots {args.slots}, max_len {args.max_len}, "
-          f"pages {engine.server.pages.usable} of {args.page_size} tokens{layout})", flush=True)
+    print(
+        f"serving {served.name} on http://{host}:{port}/v1 (slots {args.slots}, max_len {args.max_len}, "
+        f"pages {engine.server.pages.usable} of {args.page_size} tokens{layout})",
+        flush=True,
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down, which would end the
     # process with that signal's status; a graceful shutdown exits 0, so the handler it restores
     # and re-raises is this no-op.
@@ -127,7 +155,8 @@ class ThreadedServer:
 
         self.sock = socket.socket()
         self.sock.bind((host, port))
-        self.url = "http://%s:%d" % self.sock.getsockname()[:2]
+        host, port = self.sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

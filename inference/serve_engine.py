@@ -18,7 +18,6 @@ from typing import Any
 
 from meshwork.inference.serving import Request, Result, Server
 
-
 Sink = Callable[[str, Any], None]  # ("token", id) ... then ("done", Result); called on the engine thread
 
 
@@ -59,8 +58,10 @@ class Engine:
         """Queues `request`; its tokens and then its Result go to `sink`. QueueFull past max_queue."""
         with self._lock:
             if len(self._queued) >= self.max_queue:
-                raise QueueFull(f"{len(self._queued)} requests are waiting, the limit (--max-queue) is "
-                                f"{self.max_queue}; retry later")
+                raise QueueFull(
+                    f"{len(self._queued)} requests are waiting, the limit (--max-queue) is "
+                    f"{self.max_queue}; retry later"
+                )
             self._queued.add(request.id)
         self._commands.put(("submit", request, sink))
 
@@ -69,8 +70,12 @@ class Engine:
 
     def stats(self) -> dict:
         """The server's pool (`Server.stats`) and this engine's queue and request counts."""
-        return {**self.server.stats(), "queued": len(self._queued), "completed": self.completed,
-                "cancelled": self.cancelled}
+        return {
+            **self.server.stats(),
+            "queued": len(self._queued),
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+        }
 
     # -- the thread -------------------------------------------------------------
 

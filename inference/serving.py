@@ -96,7 +96,7 @@ class Request:
 class Result:
     id: Hashable
     tokens: list[int]
-    finish: str                 # "stop" (a stop token, included), "length" (max_new_tokens), "error" or "cancelled"
+    finish: str  # "stop" (a stop token, included), "length" (max_new_tokens), "error" or "cancelled"
     error: str | None = None
 
 
@@ -104,10 +104,10 @@ class Result:
 class _Live:
     request: Request
     pages: list[int]
-    length: int          # tokens whose keys/values are cached (positions 0..length-1)
+    length: int  # tokens whose keys/values are cached (positions 0..length-1)
     produced: list[int]  # sampled so far; the last one is fed at position `length` next
-    admitted: int        # admission order, for choosing whom to preempt
-    context: int         # tokens to prefill before decoding: the prompt (+ what a preempted run produced, bar one)
+    admitted: int  # admission order, for choosing whom to preempt
+    context: int  # tokens to prefill before decoding: the prompt (+ what a preempted run produced, bar one)
     digests: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages registered so far
 
     def tokens(self) -> list[int]:
@@ -129,40 +129,60 @@ class Server:
         every row is done, or when one finishes while requests wait for a slot).
     """
 
-    def __init__(self, model: nnx.Module, *, slots: int = 8, page_size: int = 16, max_len: int = 512,
-                 n_pages: int | None = None, mesh: Mesh | None = None, rules: Rules | None = None,
-                 cache_dtype: jnp.dtype | None = None, prefix_caching: bool = False,
-                 prefill_chunk: int | None = None, steps_per_dispatch: int = 8):
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        slots: int = 8,
+        page_size: int = 16,
+        max_len: int = 512,
+        n_pages: int | None = None,
+        mesh: Mesh | None = None,
+        rules: Rules | None = None,
+        cache_dtype: jnp.dtype | None = None,
+        prefix_caching: bool = False,
+        prefill_chunk: int | None = None,
+        steps_per_dispatch: int = 8,
+    ):
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk={prefill_chunk}: use a positive token count, or None for whole prompts")
         if steps_per_dispatch < 1:
             raise ConfigError(f"steps_per_dispatch={steps_per_dispatch}: use at least 1")
         self.gen = Generator(model, mesh=mesh, rules=rules, cache_dtype=cache_dtype)
         self.cfg, self.page_size, self.max_len = self.gen.cfg, page_size, max_len
-        self.prefix_caching, self.prefill_chunk, self.steps_per_dispatch = \
-            prefix_caching, prefill_chunk, steps_per_dispatch
+        self.prefix_caching, self.prefill_chunk, self.steps_per_dispatch = (
+            prefix_caching,
+            prefill_chunk,
+            steps_per_dispatch,
+        )
         self.pages_per_seq = math.ceil(max_len / page_size)
         # Under a mesh each data-parallel replica serves slots/replicas rows from its own range of pages
         # (kv_cache._attend_per_replica): the pool is split, not copied.
         self.replicas = self.gen.batch_multiple
         if slots % self.replicas:
-            raise ConfigError(f"slots={slots} cannot be split over {self.replicas} data-parallel replicas; "
-                              f"use a multiple of {self.replicas}")
+            raise ConfigError(
+                f"slots={slots} cannot be split over {self.replicas} data-parallel replicas; "
+                f"use a multiple of {self.replicas}"
+            )
         if mesh is not None and dict(mesh.shape).get("stage", 1) > 1:
-            raise ConfigError("serving does not split layers over mesh.stage; serve with stage 1 "
-                              "(data replicas and tensor-parallel heads)")
+            raise ConfigError(
+                "serving does not split layers over mesh.stage; serve with stage 1 "
+                "(data replicas and tensor-parallel heads)"
+            )
         # Default pool: half of what slots x max_len would need, plus a null page per replica.
         n_pages = n_pages or slots * self.pages_per_seq // 2 + self.replicas
         n_pages = round_up(n_pages, self.replicas)
         sharding = PagedKVCache.shardings(mesh, rules).k if mesh is not None else None
-        pool = PagedKVCache.zeros(self.cfg, n_pages, page_size, slots, self.pages_per_seq,
-                                  self.gen.cache_dtype, sharding)
+        pool = PagedKVCache.zeros(
+            self.cfg, n_pages, page_size, slots, self.pages_per_seq, self.gen.cache_dtype, sharding
+        )
         self.k, self.v = pool.k, pool.v
         self.seen = jnp.zeros((slots, self.cfg.vocab_size), bool)
         self.pages = PageAllocator(n_pages, self.replicas)
         # What one request may ask: a replica's pool less its null page is the most it can ever hold.
-        self.limits = RequestLimits(self.cfg.vocab_size, max_len=max_len, page_size=page_size,
-                                    max_pages=self.pages.per_replica - 1)
+        self.limits = RequestLimits(
+            self.cfg.vocab_size, max_len=max_len, page_size=page_size, max_pages=self.pages.per_replica - 1
+        )
         self.slots: list[_Live | None] = [None] * slots
         self.waiting: collections.deque[tuple[Request, list[int]]] = collections.deque()
         self.results: dict[Hashable, Result] = {}
@@ -189,8 +209,11 @@ class Server:
 
         Ids key the results, so reusing one is the caller's bug: ValueError, nothing queued.
         """
-        if request.id in self.results or any(r.id == request.id for r, _ in self.waiting) or \
-                any(s and s.request.id == request.id for s in self.slots):
+        if (
+            request.id in self.results
+            or any(r.id == request.id for r, _ in self.waiting)
+            or any(s and s.request.id == request.id for s in self.slots)
+        ):
             raise ValueError(f"request id {request.id!r} is already in use")
         try:
             self.check_request(request.prompt, request.params)
@@ -231,8 +254,9 @@ class Server:
         """Whether a request is waiting or running (a `step` has work to do)."""
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
-    def run(self, requests: Iterable[Request] = (),
-            on_token: Callable[[Hashable, int], None] | None = None) -> dict[Hashable, Result]:
+    def run(
+        self, requests: Iterable[Request] = (), on_token: Callable[[Hashable, int], None] | None = None
+    ) -> dict[Hashable, Result]:
         """Submits `requests` and steps until nothing is live or waiting; returns all results."""
         for r in requests:
             self.submit(r)
@@ -249,10 +273,16 @@ class Server:
     def stats(self) -> dict:
         """The pool's state, for /health and measurements: slots live, pages held, free and cached."""
         held = {p for pages in self.live_pages().values() for p in pages}
-        return {"slots": len(self.slots), "slots_live": sum(s is not None for s in self.slots),
-                "pages_total": self.pages.usable, "pages_held": len(held), "pages_free": len(self.pages.free),
-                "pages_cached": len(self.pages.lru),  # a prefix cache's pages, held by no one
-                "steps": self.steps, "preemptions": self.preemptions}
+        return {
+            "slots": len(self.slots),
+            "slots_live": sum(s is not None for s in self.slots),
+            "pages_total": self.pages.usable,
+            "pages_held": len(held),
+            "pages_free": len(self.pages.free),
+            "pages_cached": len(self.pages.lru),  # a prefix cache's pages, held by no one
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+        }
 
     # -- the jitted pieces ------------------------------------------------------------
 
@@ -285,18 +315,35 @@ class Server:
             active_B = remaining_B > 0
             at_B = jnp.where(active_B, positions_B, beyond)
             seen_BV = mark_seen(seen_BV, tokens_B)
-            logits_B1V, cache = self.gen.apply(state, tokens_B[:, None], at_B[:, None],
-                                               PagedKVCache(k, v, table_BP))
+            logits_B1V, cache = self.gen.apply(state, tokens_B[:, None], at_B[:, None], PagedKVCache(k, v, table_BP))
             new_B = sample(logits_B1V[:, 0], at_B + 1, arrays, seen_BV)
             out_NB = out_NB.at[i].set(jnp.where(active_B, new_B, -1))
             stopped_B = active_B & jnp.any(new_B[:, None] == stop_BN, axis=-1)
             remaining_B = jnp.where(stopped_B, 0, remaining_B - active_B)
             finished = jnp.any(active_B & (remaining_B == 0))
-            return (i + 1, jnp.where(active_B, new_B, tokens_B), positions_B + active_B, remaining_B,
-                    cache.k, cache.v, seen_BV, out_NB, halt_on_finish & finished)
+            return (
+                i + 1,
+                jnp.where(active_B, new_B, tokens_B),
+                positions_B + active_B,
+                remaining_B,
+                cache.k,
+                cache.v,
+                seen_BV,
+                out_NB,
+                halt_on_finish & finished,
+            )
 
-        carry = (jnp.int32(0), tokens_B, positions_B, remaining_B, k, v, seen_BV,
-                 jnp.full((N, B), -1, jnp.int32), jnp.bool_(False))
+        carry = (
+            jnp.int32(0),
+            tokens_B,
+            positions_B,
+            remaining_B,
+            k,
+            v,
+            seen_BV,
+            jnp.full((N, B), -1, jnp.int32),
+            jnp.bool_(False),
+        )
         _, _, _, _, k, v, seen_BV, out_NB, _ = jax.lax.while_loop(cond, body, carry)
         return out_NB, k, v, seen_BV
 
@@ -320,7 +367,7 @@ class Server:
             # A preempted request resumes from its prompt plus what it produced, bar the pending last token.
             context = list(request.prompt) + produced[:-1]
             # Full pages only, and never the page of the last context token: its logits are needed.
-            digests = page_digests(context[:len(context) - 1], T) if self.prefix_caching else []
+            digests = page_digests(context[: len(context) - 1], T) if self.prefix_caching else []
             slot = self._place(digests)
             replica = self._replica(slot)
             hits = self.pages.lookup(digests, replica)
@@ -330,8 +377,9 @@ class Server:
                 self.pages.release(request.id, hits)
                 break
             self.waiting.popleft()
-            self.slots[slot] = _Live(request, hits + fresh, len(hits) * T, list(produced), self._admitted,
-                                     len(context), digests[:len(hits)])
+            self.slots[slot] = _Live(
+                request, hits + fresh, len(hits) * T, list(produced), self._admitted, len(context), digests[: len(hits)]
+            )
             self._admitted += 1
             self._arrays = None
             self.cached_tokens += len(hits) * T
@@ -354,15 +402,22 @@ class Server:
         best = {}
         for i in free:
             best.setdefault(self._replica(i), i)
-        return max(best.values(), key=lambda i: (len(self.pages.lookup(digests, self._replica(i))),
-                                                 self.pages.available_in(self._replica(i)), -i))
+        return max(
+            best.values(),
+            key=lambda i: (
+                len(self.pages.lookup(digests, self._replica(i))),
+                self.pages.available_in(self._replica(i)),
+                -i,
+            ),
+        )
 
     def _prefill(self) -> list[tuple[Hashable, int]]:
         """Prefills prompts in admission order, `prefill_chunk` tokens in all per step (None: all of them)."""
         events = []
         budget = self.prefill_chunk or math.inf
-        for i in sorted((i for i, s in enumerate(self.slots) if s and s.prefilling),
-                        key=lambda i: self.slots[i].admitted):
+        for i in sorted(
+            (i for i, s in enumerate(self.slots) if s and s.prefilling), key=lambda i: self.slots[i].admitted
+        ):
             if budget <= 0:
                 break
             n = int(min(self.slots[i].context - self.slots[i].length, budget))
@@ -375,12 +430,21 @@ class Server:
         s = self.slots[i]
         C = min(round_up(n, PROMPT_BUCKET), self.pages_per_seq * self.page_size)
         tokens = np.zeros((1, C), np.int32)
-        tokens[0, :n] = s.tokens()[s.length:s.length + n]
+        tokens[0, :n] = s.tokens()[s.length : s.length + n]
         table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
-        table[0, :len(s.pages)] = s.pages
+        table[0, : len(s.pages)] = s.pages
         token, self.k, self.v = self.gen.run_in_context(
-            self._chunk, self.gen.state, jnp.asarray(tokens), jnp.int32(s.length), jnp.int32(n),
-            self.k, self.v, jnp.asarray(table), SamplingArrays.stack([s.request.params]), self.seen[i:i + 1])
+            self._chunk,
+            self.gen.state,
+            jnp.asarray(tokens),
+            jnp.int32(s.length),
+            jnp.int32(n),
+            self.k,
+            self.v,
+            jnp.asarray(table),
+            SamplingArrays.stack([s.request.params]),
+            self.seen[i : i + 1],
+        )
         s.length += n
         self.prefill_tokens += n
         self._register(s)
@@ -397,8 +461,7 @@ class Server:
 
         # One step at a time while a prompt is being prefilled in chunks, so its chunks keep coming.
         n = 1 if any(s and s.prefilling for s in self.slots) else self.steps_per_dispatch
-        steps = {i: min(n, self.slots[i].request.params.max_new_tokens - len(self.slots[i].produced))
-                 for i in ready()}
+        steps = {i: min(n, self.slots[i].request.params.max_new_tokens - len(self.slots[i].produced)) for i in ready()}
         short = {i: math.ceil((self.slots[i].length + steps[i]) / T) - len(self.slots[i].pages) for i in steps}
         wanted = collections.Counter()
         for i, m in short.items():
@@ -422,13 +485,22 @@ class Server:
         for i in live:
             s = self.slots[i]
             rows[:, i] = s.produced[-1], s.length, s.request.params.max_new_tokens - len(s.produced)
-            table[i, :len(s.pages)] = s.pages
+            table[i, : len(s.pages)] = s.pages
         if self._table is None or not np.array_equal(self._table[0], table):
             self._table = table, jnp.asarray(table)
         arrays, stops = self._sampling_arrays()
         out, self.k, self.v, self.seen = self.gen.run_in_context(
-            self._loop, self.gen.state, jnp.asarray(rows), jnp.asarray([n, bool(self.waiting)], np.int32),
-            self.k, self.v, self._table[1], self.seen, arrays, stops)
+            self._loop,
+            self.gen.state,
+            jnp.asarray(rows),
+            jnp.asarray([n, bool(self.waiting)], np.int32),
+            self.k,
+            self.v,
+            self._table[1],
+            self.seen,
+            arrays,
+            stops,
+        )
         out = np.asarray(out)
         count = int((out >= 0).any(axis=1).sum())
         self.steps += count
@@ -455,7 +527,7 @@ class Server:
             return
         T = self.page_size
         start = len(s.digests)
-        new = page_digests(s.tokens()[start * T:full * T], T, s.digests[-1] if s.digests else b"")
+        new = page_digests(s.tokens()[start * T : full * T], T, s.digests[-1] if s.digests else b"")
         for page, digest in zip(s.pages[start:full], new):
             self.pages.register(page, digest)
         s.digests += new
@@ -470,8 +542,7 @@ class Server:
                 s.pages += page
                 self.peak_pages = max(self.peak_pages, len(self.pages.owners))
                 return True
-            victims = [j for j, o in enumerate(self.slots)
-                       if o is not None and j != i and self._replica(j) == replica]
+            victims = [j for j, o in enumerate(self.slots) if o is not None and j != i and self._replica(j) == replica]
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda j: self.slots[j].admitted))
@@ -507,6 +578,6 @@ class Server:
             params = [s.request.params if s else idle for s in self.slots]
             stops = np.full((len(params), max([1] + [len(p.stop_tokens) for p in params])), -1, np.int32)
             for i, p in enumerate(params):
-                stops[i, :len(p.stop_tokens)] = p.stop_tokens
+                stops[i, : len(p.stop_tokens)] = p.stop_tokens
             self._arrays = SamplingArrays.stack(params), jnp.asarray(stops)
         return self._arrays

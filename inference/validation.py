@@ -66,29 +66,43 @@ def check_request(prompt: Sequence[int], params: SamplingParams, limits: Request
         raise RequestError("empty prompt: give at least one token", "prompt")
     bad = [int(t) for t in prompt if not 0 <= int(t) < limits.vocab_size]
     if bad:
-        raise RequestError(f"token ids {bad[:3]} are outside the model's vocabulary of {limits.vocab_size}: "
-                           "the prompt was encoded with another tokenizer", "prompt")
+        raise RequestError(
+            f"token ids {bad[:3]} are outside the model's vocabulary of {limits.vocab_size}: "
+            "the prompt was encoded with another tokenizer",
+            "prompt",
+        )
     params.check(limits.vocab_size)
     new = params.max_new_tokens
     if limits.max_new_tokens is not None and new > limits.max_new_tokens:
-        raise RequestError(f"max_new_tokens={new}: this server gives at most {limits.max_new_tokens} tokens per "
-                           "request; ask for fewer", "max_tokens")
+        raise RequestError(
+            f"max_new_tokens={new}: this server gives at most {limits.max_new_tokens} tokens per "
+            "request; ask for fewer",
+            "max_tokens",
+        )
     total = len(prompt) + new
     if limits.max_len is not None and total > limits.max_len:
         # The prompt is at fault when it alone fills the cache; otherwise fewer new tokens would fit.
-        raise RequestError(f"prompt of {len(prompt)} tokens + {new} new tokens exceeds the cache length "
-                           f"{limits.max_len}; shorten the prompt or lower max_new_tokens",
-                           "prompt" if len(prompt) >= limits.max_len else "max_tokens")
+        raise RequestError(
+            f"prompt of {len(prompt)} tokens + {new} new tokens exceeds the cache length "
+            f"{limits.max_len}; shorten the prompt or lower max_new_tokens",
+            "prompt" if len(prompt) >= limits.max_len else "max_tokens",
+        )
     if limits.page_size is not None and limits.max_pages is not None:
         worst = -(-total // limits.page_size)
         if worst > limits.max_pages:
-            raise RequestError(f"the request needs up to {worst} pages of {limits.page_size} tokens but a "
-                               f"replica's pool has {limits.max_pages}; shorten the prompt or lower "
-                               "max_new_tokens (or serve with more pages)", "max_tokens")
+            raise RequestError(
+                f"the request needs up to {worst} pages of {limits.page_size} tokens but a "
+                f"replica's pool has {limits.max_pages}; shorten the prompt or lower "
+                "max_new_tokens (or serve with more pages)",
+                "max_tokens",
+            )
     if limits.cache_bytes_per_token is not None and limits.memory_bytes is not None:
         tokens = limits.max_len or total
         need, have = limits.cache_bytes_per_token * tokens, limits.memory_bytes
         if need > have:
-            raise RequestError(f"max_new_tokens={new}: a KV cache of {tokens:,} tokens needs "
-                               f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB this device has; "
-                               "lower max_new_tokens (or max_len)", "max_tokens")
+            raise RequestError(
+                f"max_new_tokens={new}: a KV cache of {tokens:,} tokens needs "
+                f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB this device has; "
+                "lower max_new_tokens (or max_len)",
+                "max_tokens",
+            )

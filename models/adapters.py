@@ -56,8 +56,9 @@ class Adapter(nnx.Module):
 
     def __init__(self, d_model: int, rank: int, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         D, r = d_model, rank
-        self.w_down = param(normal(1 / math.sqrt(D)), rngs.params(), (D, r), param_dtype, ("embed", "lora_rank"),
-                            AdapterParam)
+        self.w_down = param(
+            normal(1 / math.sqrt(D)), rngs.params(), (D, r), param_dtype, ("embed", "lora_rank"), AdapterParam
+        )
         self.b_down = param(_zeros, rngs.params(), (r,), param_dtype, ("lora_rank",), AdapterParam)
         # Zero up-projection: the adapter starts as the identity (Houlsby's near-identity init, exactly).
         self.w_up = param(_zeros, rngs.params(), (r, D), param_dtype, ("lora_rank", "embed"), AdapterParam)
@@ -78,8 +79,18 @@ class Prefix(nnx.Module):
     reparameterization; the einsum spells the keys/values pair J, as it takes letters only).
     """
 
-    def __init__(self, prefix_len: int, n_kv_heads: int, head_dim: int, d_model: int, hidden: int, *,
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        prefix_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        d_model: int,
+        hidden: int,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         s, G, K, D = prefix_len, n_kv_heads, head_dim, d_model
         kv_names = (None, "kv_heads", "head_dim")
         if hidden == 0:
@@ -88,11 +99,18 @@ class Prefix(nnx.Module):
             self.values = param(normal(1.0), rngs.params(), (s, G, K), param_dtype, kv_names, PrefixParam)
         else:
             self.embedding = param(normal(1.0), rngs.params(), (s, D), param_dtype, (None, "embed"), PrefixParam)
-            self.w1 = param(normal(1 / math.sqrt(D)), rngs.params(), (D, hidden), param_dtype, ("embed", None),
-                            PrefixParam)
+            self.w1 = param(
+                normal(1 / math.sqrt(D)), rngs.params(), (D, hidden), param_dtype, ("embed", None), PrefixParam
+            )
             self.b1 = param(_zeros, rngs.params(), (hidden,), param_dtype, (None,), PrefixParam)
-            self.w2 = param(normal(1 / math.sqrt(hidden)), rngs.params(), (hidden, 2, G, K), param_dtype,
-                            (None, None, "kv_heads", "head_dim"), PrefixParam)
+            self.w2 = param(
+                normal(1 / math.sqrt(hidden)),
+                rngs.params(),
+                (hidden, 2, G, K),
+                param_dtype,
+                (None, None, "kv_heads", "head_dim"),
+                PrefixParam,
+            )
             self.b2 = param(_zeros, rngs.params(), (2, G, K), param_dtype, (None, "kv_heads", "head_dim"), PrefixParam)
         self.hidden, self.dtype = hidden, dtype
 
@@ -105,8 +123,9 @@ class Prefix(nnx.Module):
         kv_s2GK = matmul("sF,FJGK->sJGK", h_sF, self.w2, self.dtype) + self.b2[...].astype(self.dtype)
         return kv_s2GK[:, 0], kv_s2GK[:, 1]
 
-    def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
-               positions_BL: jax.Array | None) -> jax.Array:
+    def attend(
+        self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, positions_BL: jax.Array | None
+    ) -> jax.Array:
         """Causal attention over [prefixes; keys]: every query sees all s prefixes, then its past.
 
         The mask is explicit ((B, 1, L, S) booleans, S = s + L), so this runs XLA's attention
@@ -126,8 +145,10 @@ class Prefix(nnx.Module):
 def require_dense(model: nnx.Module, what: str) -> None:
     """Raises unless `model` is the dense Transformer, the one these methods are built for."""
     if not isinstance(model, Transformer):
-        raise ValueError(f"{what} is built for the dense Transformer (models/transformer.py), not "
-                         f"{type(model).__name__}; fine-tune this model with finetune.method=full")
+        raise ValueError(
+            f"{what} is built for the dense Transformer (models/transformer.py), not "
+            f"{type(model).__name__}; fine-tune this model with finetune.method=full"
+        )
 
 
 def param_dtype_of(model: Transformer) -> jnp.dtype:
@@ -167,5 +188,16 @@ def add_prefixes(model: Transformer, prefix_len: int, hidden: int = 0, *, rngs: 
         raise ValueError("the model already has prefixes; build the base model again to add new ones")
     cfg = model.cfg
     model.blocks.attn.prefix = stack_layers(
-        lambda r: Prefix(prefix_len, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.d_model, hidden, dtype=model.dtype,
-                         param_dtype=param_dtype_of(model), rngs=r), cfg.n_layers, rngs)
+        lambda r: Prefix(
+            prefix_len,
+            cfg.n_kv_heads,
+            cfg.resolved_head_dim,
+            cfg.d_model,
+            hidden,
+            dtype=model.dtype,
+            param_dtype=param_dtype_of(model),
+            rngs=r,
+        ),
+        cfg.n_layers,
+        rngs,
+    )

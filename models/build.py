@@ -37,8 +37,12 @@ def build_model(cfg: Config, seed: int | None = None, base_params: nnx.State | N
 
 
 def _build_base_model(cfg: Config, seed: int | None) -> nnx.Module:
-    kw = dict(dtype=DTYPES[cfg.train.compute_dtype], param_dtype=DTYPES[cfg.train.param_dtype],
-              remat=cfg.train.remat, rngs=nnx.Rngs(cfg.run.seed if seed is None else seed))
+    kw = dict(
+        dtype=DTYPES[cfg.train.compute_dtype],
+        param_dtype=DTYPES[cfg.train.param_dtype],
+        remat=cfg.train.remat,
+        rngs=nnx.Rngs(cfg.run.seed if seed is None else seed),
+    )
     if cfg.model.kind == "moe":
         from meshwork.models.moe import MoETransformer
 

@@ -55,8 +55,20 @@ from meshwork.models.layers import params
 from meshwork.models.layers.params import param
 from meshwork.models.transformer import Transformer, stack_layers
 
-__all__ = ["LoRA", "LoRAParam", "AdapterParam", "PrefixParam", "MergedLoRA", "TARGETS", "apply_finetune",
-           "trainable", "add_lora", "merge_lora", "unmerge_lora", "lora_delta"]
+__all__ = [
+    "LoRA",
+    "LoRAParam",
+    "AdapterParam",
+    "PrefixParam",
+    "MergedLoRA",
+    "TARGETS",
+    "apply_finetune",
+    "trainable",
+    "add_lora",
+    "merge_lora",
+    "unmerge_lora",
+    "lora_delta",
+]
 
 # finetune.targets name -> (submodule of a block, weight attribute, the einsum it is read with).
 TARGETS: dict[str, tuple[str, str, str]] = {
@@ -91,8 +103,12 @@ def lora_delta(a: jax.Array, b: jax.Array, spec: str, scale: float) -> jax.Array
     (3, 64, 4, 16)
     """
     _, w, _, contracted, outputs = _letters(spec)
-    return scale * jnp.einsum(f"...{contracted}{RANK},...{RANK}{outputs}->...{w}", a.astype(jnp.float32),
-                              b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return scale * jnp.einsum(
+        f"...{contracted}{RANK},...{RANK}{outputs}->...{w}",
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
 
 
 class LoRA(nnx.Module):
@@ -106,8 +122,18 @@ class LoRA(nnx.Module):
     set; models/transformer.py `apply_layers` sets it on each layer's fresh copy of the block.
     """
 
-    def __init__(self, base: nnx.Param, lora_a: LoRAParam, lora_b: LoRAParam, *, spec: str, rank: int,
-                 alpha: float, dropout: float = 0.0, site: int = 0):
+    def __init__(
+        self,
+        base: nnx.Param,
+        lora_a: LoRAParam,
+        lora_b: LoRAParam,
+        *,
+        spec: str,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        site: int = 0,
+    ):
         self.base, self.lora_a, self.lora_b = base, lora_a, lora_b
         self.spec, self.rank, self.alpha, self.dropout, self.site = spec, rank, alpha, dropout, site
         # Data, not a static attribute, so a traced key may be set on it; None adds nothing to the
@@ -119,8 +145,19 @@ class LoRA(nnx.Module):
         return self.alpha / self.rank
 
     @classmethod
-    def wrap(cls, base: nnx.Param, spec: str, *, rank: int, alpha: float, rngs: nnx.Rngs, layers: int = 0,
-             dropout: float = 0.0, site: int = 0, param_dtype: jnp.dtype | None = None) -> LoRA:
+    def wrap(
+        cls,
+        base: nnx.Param,
+        spec: str,
+        *,
+        rank: int,
+        alpha: float,
+        rngs: nnx.Rngs,
+        layers: int = 0,
+        dropout: float = 0.0,
+        site: int = 0,
+        param_dtype: jnp.dtype | None = None,
+    ) -> LoRA:
         """Wraps `base` (read as `einsum(spec, x, base)`), with `layers` > 0 when it is stacked
         on a leading `layers` axis: the factors are then stacked too, each layer with its own A.
 
@@ -152,10 +189,22 @@ class LoRA(nnx.Module):
             return jnp.zeros(shape, dtype)
 
         def factors(r: nnx.Rngs) -> tuple[LoRAParam, LoRAParam]:
-            a = param(uniform, r.params(), [dims[c] for c in contracted] + [rank], dtype,
-                      [dim_names[c] for c in contracted] + ["lora_rank"], LoRAParam)
-            b = param(zeros, r.params(), [rank] + [dims[c] for c in outputs], dtype,
-                      ["lora_rank"] + [dim_names[c] for c in outputs], LoRAParam)
+            a = param(
+                uniform,
+                r.params(),
+                [dims[c] for c in contracted] + [rank],
+                dtype,
+                [dim_names[c] for c in contracted] + ["lora_rank"],
+                LoRAParam,
+            )
+            b = param(
+                zeros,
+                r.params(),
+                [rank] + [dims[c] for c in outputs],
+                dtype,
+                ["lora_rank"] + [dim_names[c] for c in outputs],
+                LoRAParam,
+            )
             return a, b
 
         a, b = stack_layers(factors, layers, rngs) if layers else factors(rngs)
@@ -166,11 +215,13 @@ class LoRA(nnx.Module):
         x_letters, _, out, contracted, outputs = _letters(spec)
         kept = "".join(c for c in x_letters if c not in contracted)
         y = params.matmul(spec, x, self.base, dtype)
-        xa = jnp.einsum(f"{x_letters},{contracted}{RANK}->{kept}{RANK}", self._dropout(x),
-                        self.lora_a[...].astype(dtype))
+        xa = jnp.einsum(
+            f"{x_letters},{contracted}{RANK}->{kept}{RANK}", self._dropout(x), self.lora_a[...].astype(dtype)
+        )
         # Scaling the rank-r product is the cheapest place; with B = 0 the sum is exactly y.
-        return y + jnp.einsum(f"{kept}{RANK},{RANK}{outputs}->{out}", xa * jnp.asarray(self.scale, dtype),
-                              self.lora_b[...].astype(dtype))
+        return y + jnp.einsum(
+            f"{kept}{RANK},{RANK}{outputs}->{out}", xa * jnp.asarray(self.scale, dtype), self.lora_b[...].astype(dtype)
+        )
 
     def _dropout(self, x: jax.Array) -> jax.Array:
         if self.dropout == 0 or self.dropout_key is None:
@@ -179,8 +230,9 @@ class LoRA(nnx.Module):
         return jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
 
 
-def add_lora(model: Transformer, targets: Sequence[str], *, rank: int, alpha: float, rngs: nnx.Rngs,
-             dropout: float = 0.0) -> None:
+def add_lora(
+    model: Transformer, targets: Sequence[str], *, rank: int, alpha: float, rngs: nnx.Rngs, dropout: float = 0.0
+) -> None:
     """In place: wraps the `targets` projections (names of `TARGETS`) of every block in `LoRA`.
 
     >>> from meshwork.config_sections import ModelConfig
@@ -201,8 +253,21 @@ def add_lora(model: Transformer, targets: Sequence[str], *, rank: int, alpha: fl
         weight = getattr(module, name)
         if isinstance(weight, LoRA):
             raise ValueError(f"blocks/{sub}/{name} already has LoRA; build the base model again")
-        setattr(module, name, LoRA.wrap(weight, spec, rank=rank, alpha=alpha, rngs=rngs, layers=model.cfg.n_layers,
-                                        dropout=dropout, site=site, param_dtype=param_dtype_of(model)))
+        setattr(
+            module,
+            name,
+            LoRA.wrap(
+                weight,
+                spec,
+                rank=rank,
+                alpha=alpha,
+                rngs=rngs,
+                layers=model.cfg.n_layers,
+                dropout=dropout,
+                site=site,
+                param_dtype=param_dtype_of(model),
+            ),
+        )
 
 
 def apply_finetune(model: nnx.Module, ft: FinetuneConfig, rngs: nnx.Rngs) -> None:
@@ -224,8 +289,10 @@ def apply_finetune(model: nnx.Module, ft: FinetuneConfig, rngs: nnx.Rngs) -> Non
     if method in ("none", "full"):
         return
     if ft.dropout > 0 and method not in ("lora", "qlora"):
-        raise ValueError(f"finetune.dropout={ft.dropout} applies to the LoRA branch; "
-                         f"finetune.method={method} has none, so set finetune.dropout=0")
+        raise ValueError(
+            f"finetune.dropout={ft.dropout} applies to the LoRA branch; "
+            f"finetune.method={method} has none, so set finetune.dropout=0"
+        )
     require_dense(model, f"finetune.method={method}")
     if method in ("lora", "qlora"):
         if any(isinstance(node, LoRA) for _, node in nnx.iter_graph(model)):
@@ -259,8 +326,14 @@ def trainable(ft: FinetuneConfig) -> type[nnx.Variable]:
     >>> trainable(FinetuneConfig(method="qlora")).__name__
     'LoRAParam'
     """
-    kinds = {"none": nnx.Param, "full": nnx.Param, "lora": LoRAParam, "qlora": LoRAParam,
-             "adapter": AdapterParam, "prefix": PrefixParam}
+    kinds = {
+        "none": nnx.Param,
+        "full": nnx.Param,
+        "lora": LoRAParam,
+        "qlora": LoRAParam,
+        "adapter": AdapterParam,
+        "prefix": PrefixParam,
+    }
     return kinds[ft.method]
 
 
@@ -268,8 +341,8 @@ def trainable(ft: FinetuneConfig) -> type[nnx.Variable]:
 class MergedLoRA:
     """What `unmerge_lora` needs to undo `merge_lora` at one site."""
 
-    path: tuple[str, ...]      # e.g. ("blocks", "attn", "wq")
-    lora: LoRA                 # the wrapper, with its factors as they were merged
+    path: tuple[str, ...]  # e.g. ("blocks", "attn", "wq")
+    lora: LoRA  # the wrapper, with its factors as they were merged
     quantized_base: Any = None  # QLoRA: the original 4-bit W0, restored exactly
 
 
@@ -323,13 +396,18 @@ def unmerge_lora(model: nnx.Module, merged: Sequence[MergedLoRA]) -> None:
         parent = _resolve(model, site.path[:-1])
         base = getattr(parent, site.path[-1])
         if not isinstance(base, nnx.Variable):
-            raise ValueError(f"{'/'.join(site.path)} is a {type(base).__name__}, not a merged weight; "
-                             f"unmerge only what merge_lora returned for this model")
+            raise ValueError(
+                f"{'/'.join(site.path)} is a {type(base).__name__}, not a merged weight; "
+                f"unmerge only what merge_lora returned for this model"
+            )
         lora = site.lora
         if site.quantized_base is not None:
             base.set_value(site.quantized_base)
         else:
-            base.set_value(_add_delta(base.get_value(), lora.lora_a[...], lora.lora_b[...], spec=lora.spec,
-                                      scale=lora.scale, sign=-1))
+            base.set_value(
+                _add_delta(
+                    base.get_value(), lora.lora_a[...], lora.lora_b[...], spec=lora.spec, scale=lora.scale, sign=-1
+                )
+            )
         lora.base = base
         setattr(parent, site.path[-1], lora)

@@ -49,12 +49,24 @@ class MoEBlock(Block):
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mlp=False)
-        self.moe = MoE(cfg.d_model, cfg.moe, init_std=cfg.init_std, out_std=residual_out_std(cfg), dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs)
+        self.moe = MoE(
+            cfg.d_model,
+            cfg.moe,
+            init_std=cfg.init_std,
+            out_std=residual_out_std(cfg),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None,
-                 segment_ids_BL: jax.Array | None = None, *,
-                 noise_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(
+        self,
+        x_BLD: jax.Array,
+        positions_BL: jax.Array | None = None,
+        segment_ids_BL: jax.Array | None = None,
+        *,
+        noise_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
         y_BLD, stats = self.moe(self.mlp_norm(x_BLD), noise_key=noise_key)
@@ -67,8 +79,15 @@ class MoEBlock(Block):
 class MoETransformer(nnx.Module):
     """tokens (B, L) int -> logits (B, L, V) float32, with MoE feed-forward layers."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
-                 remat: str = "none", rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        remat: str = "none",
+        rngs: nnx.Rngs,
+    ):
         if remat not in ("none", *REMAT_POLICIES):
             raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
@@ -82,30 +101,40 @@ class MoETransformer(nnx.Module):
             setattr(self, run.name, stack_layers(lambda r, block=block: block(cfg, rngs=r, **kw), run.count, rngs))
         self.head = LMHead(cfg, rngs=rngs, **kw)
 
-    def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-              noise_key: jax.Array | None = None,
-              segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def apply(
+        self,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array | None = None,
+        *,
+        noise_key: jax.Array | None = None,
+        segment_ids_BL: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         h_BLD, stats = self.apply_hidden(tokens_BL, positions_BL, noise_key=noise_key, segment_ids_BL=segment_ids_BL)
         return self.head.project(h_BLD, self.embed), stats
 
-    def apply_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-                     noise_key: jax.Array | None = None,
-                     segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def apply_hidden(
+        self,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array | None = None,
+        *,
+        noise_key: jax.Array | None = None,
+        segment_ids_BL: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`apply` without the output projection: (final-normed hidden states, routing statistics),
         as `Transformer.apply_hidden`."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         # One key per MoE layer, drawn for all of them at once: each layer's noise does not depend on
         # how the layers are grouped into runs.
-        keys = jax.random.split(noise_key, self.cfg.moe.n_moe_layers(self.cfg.n_layers)) \
-            if noise_key is not None else None
+        keys = (
+            jax.random.split(noise_key, self.cfg.moe.n_moe_layers(self.cfg.n_layers)) if noise_key is not None else None
+        )
         per_run, done = [], 0
         for run in self.runs:
             graphdef, stacked = nnx.split(getattr(self, run.name))
             if not run.moe:
-                x_BLD = apply_layers(graphdef, stacked, x_BLD, positions_BL, self.remat,
-                                     segment_ids_BL=segment_ids_BL)
+                x_BLD = apply_layers(graphdef, stacked, x_BLD, positions_BL, self.remat, segment_ids_BL=segment_ids_BL)
                 continue
-            run_keys = keys[done:done + run.count] if keys is not None else None
+            run_keys = keys[done : done + run.count] if keys is not None else None
             x_BLD, stats = self._moe_layers(graphdef, stacked, x_BLD, positions_BL, segment_ids_BL, run_keys)
             per_run.append(stats)
             done += run.count
@@ -117,10 +146,17 @@ class MoETransformer(nnx.Module):
         """The output projection, (D, V), as `Transformer.head_weight`."""
         return self.head.weight_DV(self.embed)
 
-    def _moe_layers(self, graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
-                    positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,
-                    keys: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def _moe_layers(
+        self,
+        graphdef: nnx.GraphDef,
+        stacked: nnx.State,
+        x_BLD: jax.Array,
+        positions_BL: jax.Array | None,
+        segment_ids_BL: jax.Array | None,
+        keys: jax.Array | None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """One run of stacked MoE blocks (lax.scan): x, and each statistic stacked over the run's layers."""
+
         def layer(x_BLD, layer_state_and_key):
             layer_state, key = layer_state_and_key
             return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, segment_ids_BL, noise_key=key)
@@ -136,8 +172,9 @@ class MoETransformer(nnx.Module):
         """Inference with a KV cache, as `Transformer.decode`."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         for run in self.runs:  # the cache holds every layer; a run writes its layers' slices
-            x_BLD, cache = decode_layers(*nnx.split(getattr(self, run.name)), x_BLD, positions_BL, cache,
-                                         first_layer=run.start)
+            x_BLD, cache = decode_layers(
+                *nnx.split(getattr(self, run.name)), x_BLD, positions_BL, cache, first_layer=run.start
+            )
         return self.head(x_BLD, self.embed), cache
 
     def aux_coefficients(self) -> dict[str, float]:
@@ -152,8 +189,13 @@ class MoETransformer(nnx.Module):
         new, done = {}, 0
         for run in (r for r in self.runs if r.moe):  # load_per_layer's rows are the MoE layers in order
             biases = nnx.state(getattr(self, run.name), RouterBias)
-            new[run.name] = {"moe": {"router_bias": jax.vmap(updated_router_bias, in_axes=(0, 0, None))(
-                biases["moe"]["router_bias"][...], stats["load_per_layer"][done:done + run.count], rate)}}
+            new[run.name] = {
+                "moe": {
+                    "router_bias": jax.vmap(updated_router_bias, in_axes=(0, 0, None))(
+                        biases["moe"]["router_bias"][...], stats["load_per_layer"][done : done + run.count], rate
+                    )
+                }
+            }
             done += run.count
         out = jax.tree.map(lambda x: x, buffers)
         nnx.replace_by_pure_dict(out, new)

@@ -101,8 +101,9 @@ def quantize_model(model: nnx.Module, mode: str, group_size: int = 32) -> None:
     sites = list(projection_sites(model))
     for site in sites:
         if isinstance(site.param.get_value(), QuantizedWeight):
-            raise ValueError(f"{site.path} is already quantized; quantize a model with float weights "
-                             f"(load the run again)")
+            raise ValueError(
+                f"{site.path} is already quantized; quantize a model with float weights (load the run again)"
+            )
     fmts = [_format_of(mode, s.kind) for s in sites]
 
     if mode == "int4":

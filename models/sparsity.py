@@ -94,8 +94,10 @@ def _groups_last(w: jax.Array, axis: int) -> jax.Array:
     w = jnp.moveaxis(w, axis, -1)
     n = w.shape[-1]
     if n % (GROUP * INDICES_PER_BYTE // KEEP):
-        raise ValueError(f"2:4 sparsity needs the input dim (axis {axis}, {n}) to be a multiple of 8: groups of 4, "
-                         f"and the 2-bit indices of 2 groups fill a byte")
+        raise ValueError(
+            f"2:4 sparsity needs the input dim (axis {axis}, {n}) to be a multiple of 8: groups of 4, "
+            f"and the 2-bit indices of 2 groups fill a byte"
+        )
     return w.reshape(*w.shape[:-1], n // GROUP, GROUP)
 
 
@@ -135,8 +137,7 @@ def prune_weight(w: jax.Array, spec: str, method: str, fraction: float = 0.5) ->
     if method not in METHODS:
         raise ValueError(f"pruning method {method!r}; choose one of {', '.join(METHODS)}")
     lead = w.ndim - len(parse_spec(spec)[1])
-    mask = (unstructured_mask(w, fraction, lead) if method == "unstructured"
-            else mask_24(w, input_axis(spec, w.ndim)))
+    mask = unstructured_mask(w, fraction, lead) if method == "unstructured" else mask_24(w, input_axis(spec, w.ndim))
     return jnp.where(mask, w, jnp.zeros((), w.dtype)), mask
 
 
@@ -190,6 +191,7 @@ def apply_masks(params, masks: dict):
     >>> apply_masks({"w": jnp.ones(3), "b": jnp.ones(1)}, {"w": jnp.array([True, False, True])})["w"].tolist()
     [1.0, 0.0, 1.0]
     """
+
     def one(path, leaf):
         mask = masks.get(_path_str(path))
         return leaf if mask is None else jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
@@ -258,7 +260,7 @@ class Sparse24Weight:
         ax = self.axis % self.values.ndim
         rest = self.values.ndim - ax - 1  # dims after the grouped one: broadcast over, never moved
         shape = self.values.shape
-        v = self.values.reshape(*shape[:ax], shape[ax] // KEEP, KEEP, *shape[ax + 1:])  # (..., groups, 2, ...)
+        v = self.values.reshape(*shape[:ax], shape[ax] // KEEP, KEEP, *shape[ax + 1 :])  # (..., groups, 2, ...)
         shifts = (jnp.arange(INDICES_PER_BYTE, dtype=jnp.uint8) * INDEX_BITS).reshape(-1, *(1,) * rest)
         pos = jnp.right_shift(jnp.expand_dims(self.indices, ax + 1), shifts) & 0b11  # (..., bytes, 4, ...)
         pos = pos.reshape(v.shape)
@@ -266,15 +268,23 @@ class Sparse24Weight:
         # scatter); two selects added beat a reduction over a one-hot axis by 2x on CPU.
         slots = jnp.arange(GROUP, dtype=jnp.uint8).reshape(-1, *(1,) * rest)
         zero = jnp.zeros((), v.dtype)
-        w = sum(jnp.where(jax.lax.slice_in_dim(pos, k, k + 1, axis=ax + 1) == slots,
-                          jax.lax.slice_in_dim(v, k, k + 1, axis=ax + 1), zero) for k in range(KEEP))
+        w = sum(
+            jnp.where(
+                jax.lax.slice_in_dim(pos, k, k + 1, axis=ax + 1) == slots,
+                jax.lax.slice_in_dim(v, k, k + 1, axis=ax + 1),
+                zero,
+            )
+            for k in range(KEEP)
+        )
         w = w.reshape(self.shape)  # (..., groups, 4, ...) -> (..., n, ...)
         return w if dtype is None else w.astype(dtype)
 
     def matmul(self, spec: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
         if self.values.ndim != len(parse_spec(spec)[1]):
-            raise ValueError(f"a 2:4 weight of shape {self.shape} read as {spec!r}: a stacked weight must be sliced "
-                             f"per layer (lax.scan over the layers) before its matmul")
+            raise ValueError(
+                f"a 2:4 weight of shape {self.shape} read as {spec!r}: a stacked weight must be sliced "
+                f"per layer (lax.scan over the layers) before its matmul"
+            )
         return jnp.einsum(spec, x, self.densify(dtype))
 
 
@@ -315,8 +325,9 @@ def compact_model(model: nnx.Module) -> None:
     sites = list(projection_sites(model))
     for s in sites:
         if not isinstance(s.param.get_value(), jax.Array):
-            raise ValueError(f"{s.path} is stored as {type(s.param.get_value()).__name__}; compact a model "
-                             f"with float weights")
+            raise ValueError(
+                f"{s.path} is stored as {type(s.param.get_value()).__name__}; compact a model with float weights"
+            )
         _check_groups(s)
 
     @jax.jit
@@ -339,8 +350,10 @@ def matmul_24_gather(x_TD: jax.Array, w: Sparse24Weight) -> jax.Array:
     [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]
     """
     if w.values.ndim != 2 or w.axis != -2:
-        raise ValueError(f"matmul_24_gather takes a 2-D weight (D, F) grouped along D; got values of shape "
-                         f"{w.values.shape} grouped along axis {w.axis}")
+        raise ValueError(
+            f"matmul_24_gather takes a 2-D weight (D, F) grouped along D; got values of shape "
+            f"{w.values.shape} grouped along axis {w.axis}"
+        )
     pos = unpack_indices(w.indices.T).T  # (D/2, F)
     rows = pos + (jnp.arange(pos.shape[0]) // KEEP * GROUP)[:, None]  # the input each kept value reads
     x_TdF = jnp.take(x_TD, rows, axis=1)

@@ -32,8 +32,9 @@ REMAT_POLICIES = {
     "full": _cp.nothing_saveable,
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _cp.save_only_these_names(MATMUL)),
     # The weight matmuls' outputs, not attention's batched (score and value) dots.
-    "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
-                                                                    _cp.save_only_these_names(MATMUL)),
+    "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(
+        _cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(MATMUL)
+    ),
     # By the names models/layers/attention.py tags: the q/k/v projections (MaxText's
     # save_qkv_proj) and the attention output projection; everything else is recomputed.
     "save_qkv_proj": _cp.save_only_these_names(*QKV_PROJ),
@@ -42,9 +43,12 @@ REMAT_POLICIES = {
     # Activation offload: the weight matmuls' outputs go to pinned host memory in the forward
     # pass and come back for the backward pass, instead of staying on the device
     # (dots_saveable) or being recomputed (full); attention's batched dots are recomputed.
-    "offload_dots": _cp.save_and_offload_only_these_names(names_which_can_be_saved=[],
-                                                          names_which_can_be_offloaded=[MATMUL],
-                                                          offload_src="device", offload_dst="pinned_host"),
+    "offload_dots": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[MATMUL],
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 ACT_BLD = ("act_batch", "act_norm_seq", "act_embed")  # the residual stream
 
@@ -59,15 +63,25 @@ class Block(nnx.Module):
     """Pre-norm block: attention, then a SwiGLU MLP (`mlp=False` leaves the
     feed-forward to a subclass, e.g. the MoE block)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 mlp: bool = True):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs, mlp: bool = True):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim,
-                              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, init_std=cfg.init_std,
-                              out_std=residual_out_std(cfg),
-                              qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
-                              impl=cfg.attention, window=cfg.sliding_window, **kw)
+        self.attn = Attention(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.resolved_head_dim,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            init_std=cfg.init_std,
+            out_std=residual_out_std(cfg),
+            qkv_bias=cfg.qkv_bias,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
+            impl=cfg.attention,
+            window=cfg.sliding_window,
+            **kw,
+        )
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         if mlp:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)
@@ -75,8 +89,9 @@ class Block(nnx.Module):
         self.attn_adapter = nnx.data(None)
         self.mlp_adapter = nnx.data(None)
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None,
-                 segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+    ) -> jax.Array:
         h_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
         x_BLD = x_BLD + self._adapt(self.attn_adapter, h_BLD)
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
@@ -102,16 +117,25 @@ class Block(nnx.Module):
 def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
     """n copies of `make(rngs)`, each with its own init, stacked on a leading axis named
     `layers` (the metadata transform keeps the logical names aligned with the new axis)."""
+
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def build(rngs: nnx.Rngs) -> nnx.Module:
         return make(rngs)
+
     return build(rngs)
 
 
-def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
-                 positions_BL: jax.Array | None, remat: str, dropout_key: jax.Array | None = None,
-                 unroll: bool = False, segment_ids_BL: jax.Array | None = None) -> jax.Array:
+def apply_layers(
+    graphdef: nnx.GraphDef,
+    stacked: nnx.State,
+    x_BLD: jax.Array,
+    positions_BL: jax.Array | None,
+    remat: str,
+    dropout_key: jax.Array | None = None,
+    unroll: bool = False,
+    segment_ids_BL: jax.Array | None = None,
+) -> jax.Array:
     """Runs the blocks whose states are stacked on a leading axis, one after another (lax.scan).
 
     Shared by the model and by pipeline stages, which each run a slice of the stack.
@@ -121,6 +145,7 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     modules for the dropout of their branches (models/lora.py); None runs them deterministically.
     `segment_ids_BL`: the document of each token of packed rows (attention stays within one).
     """
+
     def layer(x_BLD, xs):
         layer_state, key = xs
         # Parameter offload: stacked weights that live in host memory are scanned there, and only
@@ -146,8 +171,9 @@ def apply_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array,
     return x_BLD
 
 
-def decode_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array, positions_BL: jax.Array,
-                  cache, first_layer: int = 0) -> tuple[jax.Array, object]:
+def decode_layers(
+    graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array, positions_BL: jax.Array, cache, first_layer: int = 0
+) -> tuple[jax.Array, object]:
     """`apply_layers` for inference with a KV cache (inference/kv_cache.py).
 
     The whole cache rides in the scan's carry and layer i writes only its own
@@ -172,8 +198,9 @@ class LMHead(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = param(normal(cfg.init_std), rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype,
-                                 ("embed", "vocab"))
+            self.lm_head = param(
+                normal(cfg.init_std), rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype, ("embed", "vocab")
+            )
         self.tied, self.dtype = cfg.tie_embeddings, dtype
 
     def __call__(self, x_BLD: jax.Array, embed: Embed | None = None) -> jax.Array:
@@ -195,44 +222,78 @@ class LMHead(nnx.Module):
         fused loss multiplies the normed hidden states by (src/meshwork/objectives/fused_ce.py)."""
         w = embed.table if self.tied else self.lm_head
         if not isinstance(w, nnx.Variable) or not isinstance(w.get_value(), jax.Array):
-            raise ValueError("train.loss_chunk needs a plain head weight, not a quantized or wrapped one; "
-                             "unset train.loss_chunk")
+            raise ValueError(
+                "train.loss_chunk needs a plain head weight, not a quantized or wrapped one; unset train.loss_chunk"
+            )
         return w[...].T if self.tied else w[...]
 
 
 class Transformer(nnx.Module):
     """tokens (B, L) int -> logits (B, L, V) float32."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
-                 remat: str = "none", scan_layers: bool = True, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        remat: str = "none",
+        scan_layers: bool = True,
+        rngs: nnx.Rngs,
+    ):
         if remat not in ("none", *REMAT_POLICIES):
             raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
         self.cfg, self.dtype, self.remat, self.scan_layers = cfg, dtype, remat, scan_layers
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype,
-                           param_dtype=param_dtype, rngs=rngs)
+        self.embed = Embed(
+            cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
 
-        self.blocks = stack_layers(lambda r: Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=r),
-                                   cfg.n_layers, rngs)
+        self.blocks = stack_layers(
+            lambda r: Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=r), cfg.n_layers, rngs
+        )
         self.head = LMHead(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-                 dropout_key: jax.Array | None = None, segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array | None = None,
+        *,
+        dropout_key: jax.Array | None = None,
+        segment_ids_BL: jax.Array | None = None,
+    ) -> jax.Array:
         """positions_BL: the position of each token when the sequence is laid out in another
         order than 0..L-1 (context parallelism's zigzag); None means 0..L-1.
         dropout_key: training randomness for LoRA dropout (models/lora.py); None: none.
         segment_ids_BL: each token's document when several are packed in a row; None: one."""
         return self.head(self._trunk(tokens_BL, positions_BL, dropout_key, segment_ids_BL), self.embed)
 
-    def _trunk(self, tokens_BL: jax.Array, positions_BL: jax.Array | None, dropout_key: jax.Array | None,
-               segment_ids_BL: jax.Array | None) -> jax.Array:
+    def _trunk(
+        self,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array | None,
+        dropout_key: jax.Array | None,
+        segment_ids_BL: jax.Array | None,
+    ) -> jax.Array:
         """Embedding and blocks: the residual stream before the head."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
-        return apply_layers(*nnx.split(self.blocks), x_BLD, positions_BL, self.remat, dropout_key,
-                            unroll=not self.scan_layers, segment_ids_BL=segment_ids_BL)
+        return apply_layers(
+            *nnx.split(self.blocks),
+            x_BLD,
+            positions_BL,
+            self.remat,
+            dropout_key,
+            unroll=not self.scan_layers,
+            segment_ids_BL=segment_ids_BL,
+        )
 
-    def apply(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-              noise_key: jax.Array | None = None,
-              segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def apply(
+        self,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array | None = None,
+        *,
+        noise_key: jax.Array | None = None,
+        segment_ids_BL: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The trainer's entry point, shared by all LMs: (logits, auxiliary statistics).
 
         A dense model has no auxiliary terms; `noise_key` (the step's randomness, given
@@ -240,9 +301,14 @@ class Transformer(nnx.Module):
         """
         return self(tokens_BL, positions_BL, dropout_key=noise_key, segment_ids_BL=segment_ids_BL), {}
 
-    def apply_hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None, *,
-                     noise_key: jax.Array | None = None,
-                     segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def apply_hidden(
+        self,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array | None = None,
+        *,
+        noise_key: jax.Array | None = None,
+        segment_ids_BL: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`apply` without the output projection: (final-normed hidden states, statistics), for a
         loss that multiplies them by `head_weight()` itself, chunk by chunk (train.loss_chunk)."""
         x_BLD = self._trunk(tokens_BL, positions_BL, noise_key, segment_ids_BL)

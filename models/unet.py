@@ -62,9 +62,18 @@ def _fan_in_uniform(in_axis, out_axis):
 class Conv(nnx.Module):
     """k x k convolution with bias, 'same' padding, optional stride; HWIO kernel."""
 
-    def __init__(self, c_in: int, c_out: int, k: int = 3, *, stride: int = 1,
-                 names: Sequence[str] = ("conv_kh", "conv_kw", "channels_in", "embed"),
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        c_in: int,
+        c_out: int,
+        k: int = 3,
+        *,
+        stride: int = 1,
+        names: Sequence[str] = ("conv_kh", "conv_kw", "channels_in", "embed"),
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         self.kernel = param(_fan_in_uniform(-2, -1), rngs.params(), (k, k, c_in, c_out), param_dtype, names)
         self.bias = param(nnx.initializers.zeros, rngs.params(), (c_out,), param_dtype, (names[3],))
         self.stride, self.pad, self.dtype = stride, k // 2, dtype
@@ -78,16 +87,28 @@ class Conv(nnx.Module):
             # neighbouring patches (a halo) instead of zero padding.
             x_BHWC, rows = exchange.halo(x_BHWC, p, self.stride), (0, 0)
         y_BHWC = jax.lax.conv_general_dilated(
-            x_BHWC.astype(self.dtype), self.kernel[...].astype(self.dtype), (self.stride, self.stride),
-            (rows, (p, p)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            x_BHWC.astype(self.dtype),
+            self.kernel[...].astype(self.dtype),
+            (self.stride, self.stride),
+            (rows, (p, p)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
         return y_BHWC + self.bias[...].astype(self.dtype)
 
 
 class Dense(nnx.Module):
     """x W + b with W stored (in, out)."""
 
-    def __init__(self, d_in: int, d_out: int, *, names: Sequence[str] = ("channels_in", "embed"),
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        names: Sequence[str] = ("channels_in", "embed"),
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         self.kernel = param(_fan_in_uniform(0, 1), rngs.params(), (d_in, d_out), param_dtype, names)
         self.bias = param(nnx.initializers.zeros, rngs.params(), (d_out,), param_dtype, (names[1],))
         self.dtype = dtype
@@ -100,11 +121,22 @@ class GroupNorm(nnx.Module):
     """GroupNorm (Wu & He, 2018) over NHWC: each group of C/G consecutive channels is
     normalized over (H, W, C/G) with the biased variance, then scaled and shifted per channel."""
 
-    def __init__(self, channels: int, groups: int, *, eps: float, name: str = "embed", dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        channels: int,
+        groups: int,
+        *,
+        eps: float,
+        name: str = "embed",
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         if channels % groups:
-            raise ValueError(f"GroupNorm: {channels} channels do not split into norm_num_groups={groups} groups; "
-                             "make every channel count a multiple of model.unet.norm_num_groups")
+            raise ValueError(
+                f"GroupNorm: {channels} channels do not split into norm_num_groups={groups} groups; "
+                "make every channel count a multiple of model.unet.norm_num_groups"
+            )
         self.scale = param(nnx.initializers.ones, rngs.params(), (channels,), param_dtype, (name,))
         self.bias = param(nnx.initializers.zeros, rngs.params(), (channels,), param_dtype, (name,))
         self.groups, self.eps, self.dtype = groups, eps, dtype
@@ -123,8 +155,9 @@ class GroupNorm(nnx.Module):
         return (y_BHWC * self.scale[...].astype(F32) + self.bias[...].astype(F32)).astype(self.dtype)
 
 
-def timestep_embedding(t_B: jax.Array, dim: int, *, flip_sin_to_cos: bool, freq_shift: float,
-                       max_period: float = 10000.0) -> jax.Array:
+def timestep_embedding(
+    t_B: jax.Array, dim: int, *, flip_sin_to_cos: bool, freq_shift: float, max_period: float = 10000.0
+) -> jax.Array:
     """Sinusoidal embedding (B, dim) float32 of (possibly fractional) timesteps.
 
     Frequencies f_i = max_period ** (-i / (dim/2 - freq_shift)), i < dim/2; the
@@ -157,8 +190,9 @@ class TimeEmbedding(nnx.Module):
 class ClassEmbedding(nnx.Module):
     def __init__(self, n_classes: int, d_time: int, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         # N(0, 1) rows, as nn.Embedding starts.
-        self.embedding = param(nnx.initializers.normal(1.0), rngs.params(), (n_classes, d_time), param_dtype,
-                               ("classes", "embed"))
+        self.embedding = param(
+            nnx.initializers.normal(1.0), rngs.params(), (n_classes, d_time), param_dtype, ("classes", "embed")
+        )
         self.dtype = dtype
 
     def __call__(self, labels_B: jax.Array) -> jax.Array:
@@ -171,8 +205,18 @@ class ResnetBlock(nnx.Module):
     """x + conv2(SiLU(GN(conv1(SiLU(GN(x))) + proj(SiLU(temb))))), the skip through a 1x1 conv
     when the channel count changes (diffusers' ResnetBlock2D, 'default' time conditioning)."""
 
-    def __init__(self, c_in: int, c_out: int, d_time: int, *, groups: int, eps: float, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        c_in: int,
+        c_out: int,
+        d_time: int,
+        *,
+        groups: int,
+        eps: float,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.norm1 = GroupNorm(c_in, groups, eps=eps, name="channels_in", **kw)
         self.conv1 = Conv(c_in, c_out, **kw)
@@ -196,11 +240,23 @@ class SpatialAttention(nnx.Module):
     same kernels (XLA, Pallas flash attention, cuDNN) serve the UNet and the LMs.
     """
 
-    def __init__(self, channels: int, head_dim: int, *, groups: int, eps: float, impl: str, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        channels: int,
+        head_dim: int,
+        *,
+        groups: int,
+        eps: float,
+        impl: str,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         if channels % head_dim:
-            raise ValueError(f"attention over {channels} channels cannot have heads of "
-                             f"model.unet.attention_head_dim={head_dim}; pick a divisor of {channels}")
+            raise ValueError(
+                f"attention over {channels} channels cannot have heads of "
+                f"model.unet.attention_head_dim={head_dim}; pick a divisor of {channels}"
+            )
         D, H, K = channels, channels // head_dim, head_dim
         self.group_norm = GroupNorm(D, groups, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         qkv_init, out_init = _fan_in_uniform(0, (1, 2)), _fan_in_uniform((0, 1), 2)
@@ -225,7 +281,9 @@ class SpatialAttention(nnx.Module):
             # DistriFusion: the queries are this patch's; keys and values cover the whole image.
             k_BLHK, v_BLHK = exchange.keys_values(k_BLHK, v_BLHK)
         o_BLHK = attend(q_BLHK, k_BLHK, v_BLHK, causal=False, impl=self.impl)
-        out_BLD = jnp.einsum("BLHK,HKD->BLD", o_BLHK, w(self.wo)) + w(self.bo)
+        # Contracting K, then H: the summation order jnp.einsum picks for the letters this was first
+        # written with ("BLNK,NKC->BLC"; it sorts the contracted letters), kept so results stay bit-identical.
+        out_BLD = jax.lax.dot_general(o_BLHK, w(self.wo), (((3, 2), (1, 0)), ((), ()))) + w(self.bo)
         return with_logical_constraint(x_BHWC.astype(self.dtype) + out_BLD.reshape(B, height, width, D), ACT_BHWC)
 
 
@@ -234,8 +292,13 @@ class Level(nnx.Module):
     attention, then an optional resampling conv (`downsample` stride 2 / `upsample` after 2x
     nearest-neighbour). The mid block is a Level too: resnet, [attention], resnet."""
 
-    def __init__(self, resnets: list[ResnetBlock], attentions: list[SpatialAttention],
-                 downsample: Conv | None = None, upsample: Conv | None = None):
+    def __init__(
+        self,
+        resnets: list[ResnetBlock],
+        attentions: list[SpatialAttention],
+        downsample: Conv | None = None,
+        upsample: Conv | None = None,
+    ):
         self.resnets, self.attentions = nnx.List(resnets), nnx.List(attentions)
         self.downsample, self.upsample = downsample, upsample
 
@@ -253,14 +316,24 @@ class UNet(nnx.Module):
     (2, 16, 16, 1)
     """
 
-    def __init__(self, cfg: UNetConfig, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
-                 remat: str = "none", attention: str = "xla", rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: UNetConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+        remat: str = "none",
+        attention: str = "xla",
+        rngs: nnx.Rngs,
+    ):
         if remat not in ("none", *REMAT_POLICIES):
             raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
         chans, n = list(cfg.block_out_channels), len(cfg.block_out_channels)
         if not (len(cfg.down_block_types) == len(cfg.up_block_types) == n):
-            raise ValueError(f"model.unet: {n} block_out_channels, {len(cfg.down_block_types)} down_block_types "
-                             f"and {len(cfg.up_block_types)} up_block_types; give one of each per level")
+            raise ValueError(
+                f"model.unet: {n} block_out_channels, {len(cfg.down_block_types)} down_block_types "
+                f"and {len(cfg.up_block_types)} up_block_types; give one of each per level"
+            )
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = dict(groups=cfg.norm_num_groups, eps=cfg.norm_eps)
@@ -274,8 +347,9 @@ class UNet(nnx.Module):
 
         self.conv_in = Conv(cfg.in_channels, chans[0], names=("conv_kh", "conv_kw", "image_channels", "embed"), **kw)
         self.time_embedding = TimeEmbedding(chans[0], d_time, **kw)
-        self.class_embedding = (ClassEmbedding(cfg.num_class_embeds, d_time, **kw)
-                                if cfg.num_class_embeds is not None else None)
+        self.class_embedding = (
+            ClassEmbedding(cfg.num_class_embeds, d_time, **kw) if cfg.num_class_embeds is not None else None
+        )
 
         skips = [chans[0]]  # channels of every tensor the down path hands to the up path, in order
         down, c = [], chans[0]
@@ -308,8 +382,7 @@ class UNet(nnx.Module):
         self.up_blocks = nnx.List(up)
 
         self.conv_norm_out = GroupNorm(chans[0], cfg.norm_num_groups, eps=cfg.norm_eps, **kw)
-        self.conv_out = Conv(chans[0], cfg.out_channels, names=("conv_kh", "conv_kw", "embed", "image_channels"),
-                             **kw)
+        self.conv_out = Conv(chans[0], cfg.out_channels, names=("conv_kh", "conv_kw", "embed", "image_channels"), **kw)
 
     def _run(self, block: nnx.Module, *args: jax.Array) -> jax.Array:
         # A patch-parallel forward is inference (nothing to recompute) and records the values it
@@ -329,12 +402,16 @@ class UNet(nnx.Module):
         cfg = self.cfg
         B = x_BHWC.shape[0]
         if (labels_B is None) != (self.class_embedding is None):
-            raise ValueError("UNet with num_class_embeds=None takes no labels" if labels_B is not None else
-                             f"UNet is class-conditional (num_class_embeds={cfg.num_class_embeds}): pass labels_B; "
-                             "for unconditional samples pass the null class you reserved")
+            raise ValueError(
+                "UNet with num_class_embeds=None takes no labels"
+                if labels_B is not None
+                else f"UNet is class-conditional (num_class_embeds={cfg.num_class_embeds}): pass labels_B; "
+                "for unconditional samples pass the null class you reserved"
+            )
         t_B = jnp.broadcast_to(jnp.asarray(t_B), (B,))
-        emb = timestep_embedding(t_B, cfg.block_out_channels[0], flip_sin_to_cos=cfg.flip_sin_to_cos,
-                                 freq_shift=cfg.freq_shift)
+        emb = timestep_embedding(
+            t_B, cfg.block_out_channels[0], flip_sin_to_cos=cfg.flip_sin_to_cos, freq_shift=cfg.freq_shift
+        )
         temb_BD = self.time_embedding(emb)
         if self.class_embedding is not None:
             temb_BD = temb_BD + self.class_embedding(labels_B)

@@ -17,7 +17,19 @@ from meshwork.sharding.parallel import (
 from meshwork.sharding.rules import PRESETS, logical_to_sharding, logical_to_spec, rules_for, tree_shardings
 
 __all__ = [
-    "MESH_AXES", "MeshSizeError", "make_mesh", "resolve_mesh_shape", "PRESETS", "current_rules",
-    "logical_to_sharding", "logical_to_spec", "rules_for", "tree_shardings", "use_rules",
-    "with_logical_constraint", "ParallelContext", "current_parallel", "use_parallel",
+    "MESH_AXES",
+    "MeshSizeError",
+    "make_mesh",
+    "resolve_mesh_shape",
+    "PRESETS",
+    "current_rules",
+    "logical_to_sharding",
+    "logical_to_spec",
+    "rules_for",
+    "tree_shardings",
+    "use_rules",
+    "with_logical_constraint",
+    "ParallelContext",
+    "current_parallel",
+    "use_parallel",
 ]

@@ -34,8 +34,14 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshwork.sharding.point_to_point import AxisName, put_block, send, take_block
 
-__all__ = ["ALL_REDUCE_ALGORITHMS", "all_reduce", "naive_all_reduce", "require_power_of_two", "ring_all_reduce",
-           "tree_all_reduce"]
+__all__ = [
+    "ALL_REDUCE_ALGORITHMS",
+    "all_reduce",
+    "naive_all_reduce",
+    "require_power_of_two",
+    "ring_all_reduce",
+    "tree_all_reduce",
+]
 
 ALL_REDUCE_ALGORITHMS = ("naive", "ring", "tree", "psum")
 
@@ -113,7 +119,8 @@ def require_power_of_two(n: int, what: str) -> None:
     if n & (n - 1) or n < 1:
         raise ValueError(
             f"{what}: recursive doubling needs a power-of-two number of devices, got {n}; "
-            f"use ring_all_reduce, or a mesh axis of size 1, 2, 4, 8, ...")
+            f"use ring_all_reduce, or a mesh axis of size 1, 2, 4, 8, ..."
+        )
 
 
 def tree_all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:

@@ -29,12 +29,14 @@ def _to_blocks(x: jax.Array, n: int, split_axis: int, tiled: bool) -> jax.Array:
         if x.shape[split_axis] % n:
             raise ValueError(
                 f"all_to_all: split_axis {split_axis} has size {x.shape[split_axis]}, not divisible by "
-                f"the {n} devices; pad it or choose another axis")
-        x = x.reshape(x.shape[:split_axis] + (n, x.shape[split_axis] // n) + x.shape[split_axis + 1:])
+                f"the {n} devices; pad it or choose another axis"
+            )
+        x = x.reshape(x.shape[:split_axis] + (n, x.shape[split_axis] // n) + x.shape[split_axis + 1 :])
     elif x.shape[split_axis] != n:
         raise ValueError(
             f"all_to_all(tiled=False): split_axis {split_axis} has size {x.shape[split_axis]} but there are "
-            f"{n} devices; it must equal the device count (or use tiled=True)")
+            f"{n} devices; it must equal the device count (or use tiled=True)"
+        )
     return jnp.moveaxis(x, split_axis, 0)
 
 
@@ -44,7 +46,7 @@ def _from_blocks(b: jax.Array, concat_axis: int, tiled: bool) -> jax.Array:
     if not tiled:
         return b  # the device axis becomes a new dimension at concat_axis
     s = b.shape
-    return b.reshape(s[:concat_axis] + (s[concat_axis] * s[concat_axis + 1],) + s[concat_axis + 2:])
+    return b.reshape(s[:concat_axis] + (s[concat_axis] * s[concat_axis + 1],) + s[concat_axis + 2 :])
 
 
 def _exchange_blocks(blocks: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -62,8 +64,9 @@ def _exchange_blocks(blocks: jax.Array, axis_name: AxisName) -> jax.Array:
     return out
 
 
-def direct_all_to_all(x: jax.Array, axis_name: AxisName, split_axis: int, concat_axis: int, *,
-                      tiled: bool = True) -> jax.Array:
+def direct_all_to_all(
+    x: jax.Array, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = True
+) -> jax.Array:
     """`lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)` in P-1 flat rounds.
 
     The one-level baseline for `hierarchical_all_to_all`: every device sends
@@ -85,8 +88,9 @@ def direct_all_to_all(x: jax.Array, axis_name: AxisName, split_axis: int, concat
     return _from_blocks(_exchange_blocks(_to_blocks(x, n, split_axis, tiled), axis_name), concat_axis, tiled)
 
 
-def hierarchical_all_to_all(x: jax.Array, outer_axis: str, inner_axis: str, split_axis: int,
-                            concat_axis: int, *, tiled: bool = True) -> jax.Array:
+def hierarchical_all_to_all(
+    x: jax.Array, outer_axis: str, inner_axis: str, split_axis: int, concat_axis: int, *, tiled: bool = True
+) -> jax.Array:
     """`lax.all_to_all(x, (outer_axis, inner_axis), split_axis, concat_axis, tiled=tiled)`, in two levels.
 
     Semantics matched exactly (as `lax.all_to_all` with the tuple axis name):
@@ -137,8 +141,16 @@ def _normalize_axes(ndim: int, split_axis: int, concat_axis: int) -> tuple[int, 
     return split_axis % ndim, concat_axis % ndim
 
 
-def all_to_all(x: jax.Array, mesh: Mesh, axis_names: tuple[str, str], *, split_axis: int, concat_axis: int,
-               tiled: bool = True, algorithm: str = "hierarchical") -> jax.Array:
+def all_to_all(
+    x: jax.Array,
+    mesh: Mesh,
+    axis_names: tuple[str, str],
+    *,
+    split_axis: int,
+    concat_axis: int,
+    tiled: bool = True,
+    algorithm: str = "hierarchical",
+) -> jax.Array:
     """Runs an all-to-all over two mesh axes on a global array, one dim-0 slice per device.
 
     `x`'s dimension 0 is split over `axis_names` = (outer, inner); each

@@ -93,14 +93,12 @@ def all_gather_matmul(x_BCD: jax.Array, w_DF, axis_name: str, *, collective: boo
         # last chunk has nowhere left to go.
         next_BCD = lax.ppermute(chunk_BCD, axis_name, _ring(n)) if s < n - 1 else None
         start = ((me - s) % n) * C
-        out = jax.tree.map(lambda o, w: lax.dynamic_update_slice_in_dim(o, product(chunk_BCD, w), start, 1),
-                           out, w_DF)
+        out = jax.tree.map(lambda o, w: lax.dynamic_update_slice_in_dim(o, product(chunk_BCD, w), start, 1), out, w_DF)
         chunk_BCD = next_BCD
     return out
 
 
-def matmul_reduce_scatter(h_BLF: jax.Array, w_FD: jax.Array, axis_name: str, *,
-                          collective: bool = True) -> jax.Array:
+def matmul_reduce_scatter(h_BLF: jax.Array, w_FD: jax.Array, axis_name: str, *, collective: bool = True) -> jax.Array:
     """`psum_scatter(h_BLF @ w_FD, axis_name, along the sequence)` -> (B, L/n, D).
 
     Call inside `jax.shard_map`. h_BLF holds the whole sequence and this
@@ -121,8 +119,10 @@ def matmul_reduce_scatter(h_BLF: jax.Array, w_FD: jax.Array, axis_name: str, *,
     n = lax.axis_size(axis_name)
     product = lambda h, w: jnp.einsum("BCF,FD->BCD", h, w)  # noqa: E731
     if h_BLF.shape[1] % n:
-        raise ValueError(f"matmul_reduce_scatter: sequence length {h_BLF.shape[1]} is not divisible by the "
-                         f"{n} devices of {axis_name!r}; pad the sequence to a multiple of {n}")
+        raise ValueError(
+            f"matmul_reduce_scatter: sequence length {h_BLF.shape[1]} is not divisible by the "
+            f"{n} devices of {axis_name!r}; pad the sequence to a multiple of {n}"
+        )
     if not collective or n == 1:
         return lax.psum_scatter(product(h_BLF, w_FD), axis_name, scatter_dimension=1, tiled=True)
     me = lax.axis_index(axis_name)
@@ -137,9 +137,17 @@ def matmul_reduce_scatter(h_BLF: jax.Array, w_FD: jax.Array, axis_name: str, *,
     return sum_BCD
 
 
-def tp_mlp(x_BLD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array,
-           mesh: Mesh | AbstractMesh, *, collective: bool = True, axis_name: str = "tensor",
-           batch_axes: Sequence[str] = ("data", "fsdp")) -> jax.Array:
+def tp_mlp(
+    x_BLD: jax.Array,
+    w_gate_DF: jax.Array,
+    w_up_DF: jax.Array,
+    w_down_FD: jax.Array,
+    mesh: Mesh | AbstractMesh,
+    *,
+    collective: bool = True,
+    axis_name: str = "tensor",
+    batch_axes: Sequence[str] = ("data", "fsdp"),
+) -> jax.Array:
     """SwiGLU MLP, down(silu(x W_gate) * (x W_up)), under Megatron TP + SP, on global arrays.
 
     x_BLD's sequence is split over `axis_name` (and its batch over the
@@ -161,8 +169,7 @@ def tp_mlp(x_BLD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD
 
     def body(x_BCD, w_gate_DF, w_up_DF, w_down_FD):
         gate_BLF, up_BLF = all_gather_matmul(x_BCD, (w_gate_DF, w_up_DF), axis_name, collective=collective)
-        return matmul_reduce_scatter(jax.nn.silu(gate_BLF) * up_BLF, w_down_FD, axis_name,
-                                     collective=collective)
+        return matmul_reduce_scatter(jax.nn.silu(gate_BLF) * up_BLF, w_down_FD, axis_name, collective=collective)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=(seq, column, column, row), out_specs=seq)
     return f(x_BLD, w_gate_DF, w_up_DF, w_down_FD)

@@ -26,8 +26,9 @@ __all__ = ["TRAFFIC_ALGORITHMS", "bytes_sent_formula", "compiled_traffic"]
 TRAFFIC_ALGORITHMS = ("naive", "ring", "tree", "direct_all_to_all", "hierarchical_all_to_all")
 
 
-def bytes_sent_formula(algorithm: str, n_bytes: int, n_devices: int, *, n_local: int | None = None,
-                       itemsize: int = 1) -> np.ndarray:
+def bytes_sent_formula(
+    algorithm: str, n_bytes: int, n_devices: int, *, n_local: int | None = None, itemsize: int = 1
+) -> np.ndarray:
     """Bytes each device sends, per the textbook formula, as an int array of length P.
 
     `n_bytes` (N) is the size of each device's buffer; entry i is device i
@@ -65,13 +66,16 @@ def bytes_sent_formula(algorithm: str, n_bytes: int, n_devices: int, *, n_local:
         return np.full(p, (p.bit_length() - 1) * n, dtype=np.int64)
     if algorithm in ("direct_all_to_all", "hierarchical_all_to_all"):
         if n % p:
-            raise ValueError(f"bytes_sent_formula: an all-to-all cuts {n} bytes into {p} equal blocks; "
-                             f"make N a multiple of {p}")
+            raise ValueError(
+                f"bytes_sent_formula: an all-to-all cuts {n} bytes into {p} equal blocks; make N a multiple of {p}"
+            )
         if algorithm == "direct_all_to_all":
             return np.full(p, (p - 1) * (n // p), dtype=np.int64)
         if n_local is None or n_local < 1 or p % n_local:
-            raise ValueError(f"bytes_sent_formula: hierarchical_all_to_all needs n_local, the devices per node, "
-                             f"dividing {p}; got {n_local}")
+            raise ValueError(
+                f"bytes_sent_formula: hierarchical_all_to_all needs n_local, the devices per node, "
+                f"dividing {p}; got {n_local}"
+            )
         l, m = n_local, p // n_local
         return np.full(p, (l - 1) * (n // l) + (m - 1) * (n // m), dtype=np.int64)
     raise ValueError(f"bytes_sent_formula: unknown algorithm {algorithm!r}; choose one of {TRAFFIC_ALGORITHMS}")
@@ -79,7 +83,8 @@ def bytes_sent_formula(algorithm: str, n_bytes: int, n_devices: int, *, n_local:
 
 _PERMUTE_RE = re.compile(
     r"=\s*\(?(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\][^=]*?\s"
-    r"collective-permute(?:-start)?\((?P<rest>.*)$")
+    r"collective-permute(?:-start)?\((?P<rest>.*)$"
+)
 
 
 def _hlo_itemsize(dtype: str) -> int:

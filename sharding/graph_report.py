@@ -85,25 +85,40 @@ def graph_report(compiled: Any, jaxpr: Any = None, top: int = 8) -> dict[str, An
             "flops": sum(k.flops * k.multiplier for k in kernels),
         },
         "largest_fusions": _largest_fusions(fusions, top),
-        "fusions": [{"name": k.name, "bytes": k.bytes, "unfused_bytes": k.unfused_bytes, "multiplier": k.multiplier}
-                    for k in fusions],
+        "fusions": [
+            {"name": k.name, "bytes": k.bytes, "unfused_bytes": k.unfused_bytes, "multiplier": k.multiplier}
+            for k in fusions
+        ],
         "classes": _class_table(kernels, per_step=True),
     }
     report["hlo"]["saved_bytes"] = report["hlo"]["unfused_bytes"] - report["hlo"]["kernel_bytes"]
     cost = compiled.cost_analysis() if hasattr(compiled, "cost_analysis") else None
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
     if cost:
-        report["cost_analysis"] = {"flops": float(cost.get("flops", 0.0)),
-                                   "transcendentals": float(cost.get("transcendentals", 0.0))}
+        report["cost_analysis"] = {
+            "flops": float(cost.get("flops", 0.0)),
+            "transcendentals": float(cost.get("transcendentals", 0.0)),
+        }
     if jaxpr is not None:
         report["jaxpr"] = jaxpr_op_counts(jaxpr)
     schedule = async_collective_schedule(text)
     report["collectives"] = [
-        {"computation": c.computation, "kind": c.kind, "name": c.name, "start": c.start, "done": c.done,
-         "async": c.is_async, "overlapped_compute": c.overlapped_compute, "gradient": c.gradient,
-         "backward_compute_after": c.backward_compute_after, "in_loop": c.in_loop,
-         "before_backward_end": c.before_backward_end, **_position(text, c.computation, c.start)}
-        for c in schedule]
+        {
+            "computation": c.computation,
+            "kind": c.kind,
+            "name": c.name,
+            "start": c.start,
+            "done": c.done,
+            "async": c.is_async,
+            "overlapped_compute": c.overlapped_compute,
+            "gradient": c.gradient,
+            "backward_compute_after": c.backward_compute_after,
+            "in_loop": c.in_loop,
+            "before_backward_end": c.before_backward_end,
+            **_position(text, c.computation, c.start),
+        }
+        for c in schedule
+    ]
     return report
 
 
@@ -117,10 +132,22 @@ def _largest_fusions(fusions: list[Kernel], top: int) -> list[dict[str, Any]]:
     out = []
     for members in groups.values():
         k = max(members, key=lambda k: (k.saved_bytes * k.multiplier, k.n_ops))
-        out.append({"name": k.name, "kind": k.kind, "computation": k.computation, "multiplier": k.multiplier,
-                    "n_ops": k.n_ops, "bytes": k.bytes, "unfused_bytes": k.unfused_bytes,
-                    "saved_bytes": k.saved_bytes, "flops": k.flops, "ops": k.ops, "similar": len(members) - 1,
-                    "group_saved_bytes": sum(m.saved_bytes * m.multiplier for m in members)})
+        out.append(
+            {
+                "name": k.name,
+                "kind": k.kind,
+                "computation": k.computation,
+                "multiplier": k.multiplier,
+                "n_ops": k.n_ops,
+                "bytes": k.bytes,
+                "unfused_bytes": k.unfused_bytes,
+                "saved_bytes": k.saved_bytes,
+                "flops": k.flops,
+                "ops": k.ops,
+                "similar": len(members) - 1,
+                "group_saved_bytes": sum(m.saved_bytes * m.multiplier for m in members),
+            }
+        )
     return sorted(out, key=lambda f: f["group_saved_bytes"], reverse=True)[:top]
 
 
@@ -148,52 +175,75 @@ def format_graph_report(report: dict[str, Any]) -> str:
     if "jaxpr" in report:
         j = report["jaxpr"]
         lines.append(f"jaxpr primitive ops: {j['ops']} (per step, scan bodies x trips: {j['per_step']})")
-    lines.append(f"HLO kernels:         {h['kernels']} (per step: {h['kernels_per_step']}); "
-                 f"{h['fusions']} fusions holding {h['fused_ops']} ops; "
-                 + ", ".join(f"{k} {v}" for k, v in h["by_kind"].items()))
+    lines.append(
+        f"HLO kernels:         {h['kernels']} (per step: {h['kernels_per_step']}); "
+        f"{h['fusions']} fusions holding {h['fused_ops']} ops; "
+        + ", ".join(f"{k} {v}" for k, v in h["by_kind"].items())
+    )
     if "jaxpr" in report and h["kernels"]:
         j = report["jaxpr"]
-        lines.append(f"ratio jaxpr ops / HLO kernels: {j['ops'] / h['kernels']:.2f} static, "
-                     f"{j['per_step'] / max(h['kernels_per_step'], 1):.2f} per step")
-    lines += ["", "== fusion: bytes read + written per step ==",
-              f"as kernels: {_kib(h['kernel_bytes'])}; each op alone: {_kib(h['unfused_bytes'])}; "
-              f"saved {_kib(h['saved_bytes'])} "
-              f"({h['saved_bytes'] / max(h['unfused_bytes'], 1):.0%})",
-              "largest fusions (bytes saved per step; one per set of source functions):"]
+        lines.append(
+            f"ratio jaxpr ops / HLO kernels: {j['ops'] / h['kernels']:.2f} static, "
+            f"{j['per_step'] / max(h['kernels_per_step'], 1):.2f} per step"
+        )
+    lines += [
+        "",
+        "== fusion: bytes read + written per step ==",
+        f"as kernels: {_kib(h['kernel_bytes'])}; each op alone: {_kib(h['unfused_bytes'])}; "
+        f"saved {_kib(h['saved_bytes'])} "
+        f"({h['saved_bytes'] / max(h['unfused_bytes'], 1):.0%})",
+        "largest fusions (bytes saved per step; one per set of source functions):",
+    ]
     for f in report["largest_fusions"]:
         loop = f" x{f['multiplier']}" if f["multiplier"] > 1 else ""
         loop += f"; {f['similar']} similar" if f["similar"] else ""
         merged = ", ".join(f"{k}" + (f" x{v}" if v > 1 else "") for k, v in list(f["ops"].items())[:6])
         more = f", ... ({len(f['ops']) - 6} more)" if len(f["ops"]) > 6 else ""
-        lines.append(f"  {f['name']} [{f['kind']}{loop}] {f['n_ops']} ops: reads+writes {_kib(f['bytes'])} "
-                     f"vs {_kib(f['unfused_bytes'])} alone")
+        lines.append(
+            f"  {f['name']} [{f['kind']}{loop}] {f['n_ops']} ops: reads+writes {_kib(f['bytes'])} "
+            f"vs {_kib(f['unfused_bytes'])} alone"
+        )
         lines.append(f"      merged: {merged}{more}")
-    lines += ["", "== operator classes (per step) ==",
-              f"  {'class':<14} {'ops':>6} {'kernels':>7} {'FLOPs':>11} {'unfused bytes':>14} {'FLOP/B':>7} "
-              f"{'kernel bytes':>13} {'FLOP/B':>7}"]
+    lines += [
+        "",
+        "== operator classes (per step) ==",
+        f"  {'class':<14} {'ops':>6} {'kernels':>7} {'FLOPs':>11} {'unfused bytes':>14} {'FLOP/B':>7} "
+        f"{'kernel bytes':>13} {'FLOP/B':>7}",
+    ]
     total = {"ops": 0, "kernels": 0, "flops": 0.0, "unfused_bytes": 0, "kernel_bytes": 0}
     for cls, r in report["classes"].items():
         if not r["ops"] and not r["kernels"]:
             continue
         for key in total:
             total[key] += r[key]
-        lines.append(f"  {cls:<14} {r['ops']:>6} {r['kernels']:>7} {r['flops']:>11.3e} {_kib(r['unfused_bytes']):>14} "
-                     f"{r['intensity_unfused']:>7.2f} {_kib(r['kernel_bytes']):>13} {r['intensity_kernel']:>7.2f}")
-    lines.append(f"  {'total':<14} {total['ops']:>6} {total['kernels']:>7} {total['flops']:>11.3e} "
-                 f"{_kib(total['unfused_bytes']):>14} {total['flops'] / max(total['unfused_bytes'], 1):>7.2f} "
-                 f"{_kib(total['kernel_bytes']):>13} {total['flops'] / max(total['kernel_bytes'], 1):>7.2f}")
+        lines.append(
+            f"  {cls:<14} {r['ops']:>6} {r['kernels']:>7} {r['flops']:>11.3e} {_kib(r['unfused_bytes']):>14} "
+            f"{r['intensity_unfused']:>7.2f} {_kib(r['kernel_bytes']):>13} {r['intensity_kernel']:>7.2f}"
+        )
+    lines.append(
+        f"  {'total':<14} {total['ops']:>6} {total['kernels']:>7} {total['flops']:>11.3e} "
+        f"{_kib(total['unfused_bytes']):>14} {total['flops'] / max(total['unfused_bytes'], 1):>7.2f} "
+        f"{_kib(total['kernel_bytes']):>13} {total['flops'] / max(total['kernel_bytes'], 1):>7.2f}"
+    )
     if "cost_analysis" in report:
         c = report["cost_analysis"]
-        lines.append(f"  FLOPs with a loop body once: {h['flops_once_per_body']:.4e}; cost_analysis flops + "
-                     f"transcendentals: {c['flops'] + c['transcendentals']:.4e}")
+        lines.append(
+            f"  FLOPs with a loop body once: {h['flops_once_per_body']:.4e}; cost_analysis flops + "
+            f"transcendentals: {c['flops'] + c['transcendentals']:.4e}"
+        )
     lines += ["", "== collectives in the schedule =="]
     if not report["collectives"]:
         lines.append("  none")
     for c in report["collectives"]:
         where = f"start {c['start']} done {c['done']}" if c["async"] else f"at {c['start']} (sync)"
         loop = f", in a {c['in_loop']}-trip loop body" if c["in_loop"] > 1 else ""
-        grad = ", gradient" + (" issued before the backward pass ends" if c["before_backward_end"] else "") \
-            if c["gradient"] else ""
-        lines.append(f"  {c['kind']:<18} {c['computation']}: {where}; {c['compute_before']} compute ops before, "
-                     f"{c['compute_after']} after, {c['overlapped_compute']} overlapped{grad}{loop}")
+        grad = (
+            ", gradient" + (" issued before the backward pass ends" if c["before_backward_end"] else "")
+            if c["gradient"]
+            else ""
+        )
+        lines.append(
+            f"  {c['kind']:<18} {c['computation']}: {where}; {c['compute_before']} compute ops before, "
+            f"{c['compute_after']} after, {c['overlapped_compute']} overlapped{grad}{loop}"
+        )
     return "\n".join(lines)

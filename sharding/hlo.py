@@ -42,7 +42,16 @@ import math
 import re
 from collections import defaultdict
 
-from meshwork.sharding.hlo_parse import _TRIP, Instr, branches, callees, multipliers, param_index, parse_module, shape_bytes
+from meshwork.sharding.hlo_parse import (
+    _TRIP,
+    Instr,
+    branches,
+    callees,
+    multipliers,
+    param_index,
+    parse_module,
+    shape_bytes,
+)
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction `%name = type op(...)`; async pairs count once, by their -start.
@@ -63,6 +72,7 @@ class Collective:
     op it was read from ("all-reduce + dynamic-slice" for a reduce-scatter
     that XLA:CPU left as an all-reduce followed by a slice).
     """
+
     kind: str
     group_size: int
     payload_bytes: int
@@ -130,7 +140,7 @@ class _Module:
             return self._cost[comp]
         total = 0.0
         for instr in self.comps.get(comp, {}).values():
-            kind = instr.op[:-len("-start")] if instr.op.endswith("-start") else instr.op
+            kind = instr.op[: -len("-start")] if instr.op.endswith("-start") else instr.op
             if kind in COLLECTIVES:
                 total += sum(map(shape_bytes, instr.shapes))
             if depth > 64 or instr.op in ("async-update", "async-done"):
@@ -140,8 +150,9 @@ class _Module:
                 total += max(self.collective_payload(b, depth + 1) for b in alternatives)
                 continue
             trip = _TRIP.search(instr.attrs) if instr.op == "while" else None
-            total += sum(self.collective_payload(c, depth + 1) for c in callees(instr) if c in self.comps) * \
-                (int(trip.group(1)) if trip else 1)
+            total += sum(self.collective_payload(c, depth + 1) for c in callees(instr) if c in self.comps) * (
+                int(trip.group(1)) if trip else 1
+            )
         self._cost[comp] = total
         return total
 
@@ -172,8 +183,11 @@ class _Module:
             return True
         if instr.op == "parameter":  # a fusion's or call's parameter i: the caller's operand i
             i = param_index(instr)
-            return any(i < len(call.operands) and self.from_partition(caller, call.operands[i], depth + 1)
-                       for caller, call in self.callers.get(comp, ()) if call.op != "while")
+            return any(
+                i < len(call.operands) and self.from_partition(caller, call.operands[i], depth + 1)
+                for caller, call in self.callers.get(comp, ())
+                if call.op != "while"
+            )
         if instr.op == "get-tuple-element" and instr.operands:
             src = self.comps[comp].get(instr.operands[0])
             if src is not None and src.op == "parameter":
@@ -244,7 +258,7 @@ class _Module:
             if mult == 0:
                 continue  # not reachable from ENTRY (e.g. a reducer's clone)
             for instr in instrs.values():
-                kind = instr.op[:-len("-start")] if instr.op.endswith("-start") else instr.op
+                kind = instr.op[: -len("-start")] if instr.op.endswith("-start") else instr.op
                 if kind not in COLLECTIVES:
                     continue
                 g = _group_size(instr.attrs, self.n_devices)

@@ -34,13 +34,45 @@ OP_CLASSES = ("elementwise", "matmul", "reduction", "data movement", "collective
 
 _MATMUL = {"dot", "convolution", "ragged-dot"}
 _REDUCTION = {"reduce", "reduce-window", "select-and-scatter"}
-_DATA = {"copy", "transpose", "broadcast", "reshape", "concatenate", "slice", "dynamic-slice",
-         "dynamic-update-slice", "gather", "scatter", "pad", "reverse", "iota", "sort", "copy-start",
-         "copy-done", "get-dimension-size", "set-dimension-size"}
+_DATA = {
+    "copy",
+    "transpose",
+    "broadcast",
+    "reshape",
+    "concatenate",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "gather",
+    "scatter",
+    "pad",
+    "reverse",
+    "iota",
+    "sort",
+    "copy-start",
+    "copy-done",
+    "get-dimension-size",
+    "set-dimension-size",
+}
 # Instructions that launch nothing: values renamed, grouped or passed in, and control flow (its body counts).
-_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-              "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id", "async-update",
-              "async-done", "domain"}
+_NO_KERNEL = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "conditional",
+    "call",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "async-update",
+    "async-done",
+    "domain",
+}
 # Inside a fusion: instructions that move no bytes of their own.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
 _CONTROL = re.compile(r"\b(?:body|condition)=%?([^\s,{}]+)")
@@ -57,7 +89,7 @@ def classify(op: str) -> str:
     >>> classify("dot"), classify("multiply"), classify("reduce"), classify("transpose"), classify("all-gather")
     ('matmul', 'elementwise', 'reduction', 'data movement', 'collective')
     """
-    base = op[:-len("-start")] if op.endswith("-start") else op
+    base = op[: -len("-start")] if op.endswith("-start") else op
     if base in COLLECTIVES or base == "async":
         return "collective"
     if op in _MATMUL:
@@ -81,6 +113,7 @@ class Kernel:
     `ops`: {source function: primitive: count} of what it merged;
     `op_class`: the class of its heaviest operation.
     """
+
     name: str
     op: str
     kind: str
@@ -114,14 +147,16 @@ class _Frames:
                 continue
             if section == "FunctionNames" and (m := re.match(r'^(\d+) "(.*)"$', line)):
                 functions[m.group(1)] = m.group(2)
-            elif section == "FileLocations" and (m := re.match(r"^(\d+) \{file_name_id=\d+ function_name_id=(\d+)", line)):
+            elif section == "FileLocations" and (
+                m := re.match(r"^(\d+) \{file_name_id=\d+ function_name_id=(\d+)", line)
+            ):
                 locations[m.group(1)] = m.group(2)
             elif section == "StackFrames" and (m := re.match(r"^(\d+) \{file_location_id=(\d+)", line)):
                 frames[m.group(1)] = m.group(2)
         self.name = {f: functions.get(locations.get(loc, ""), "") for f, loc in frames.items()}
 
     def label(self, instr: Instr) -> str:
-        """"Function: primitive" of an instruction, e.g. "RMSNorm.__call__: rsqrt"."""
+        """ "Function: primitive" of an instruction, e.g. "RMSNorm.__call__: rsqrt"."""
         op_name = _OP_NAME.search(instr.attrs)
         prim = op_name.group(1).rsplit("/", 1)[-1] if op_name else instr.op
         frame = _FRAME.search(instr.attrs)
@@ -176,7 +211,9 @@ def _sequential(comps: dict, entry: str) -> set[str]:
             names = _CONTROL.findall(instr.attrs) if instr.op == "while" else []
             if instr.op == "conditional":
                 for group, single in _BRANCHES.findall(instr.attrs):
-                    names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()] + ([single] if single else [])
+                    names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()] + (
+                        [single] if single else []
+                    )
             if instr.op == "call":
                 names += _CALLS.findall(instr.attrs)
             todo += names
@@ -224,15 +261,28 @@ def hlo_kernels(hlo_text: str) -> list[Kernel]:
                 parts = [(classify(instr.op), _op_flops(comps, comp, instr), own_bytes)]
                 labels, kind = Counter([frames.label(instr)]), instr.op
             by_class = defaultdict(float)
-            for cls, fl, b in parts:
+            for cls, fl, _b in parts:
                 by_class[cls] += fl
             # The heaviest class: matmul over reduction over elementwise, unless one of them has all FLOPs.
             present = {p[0] for p in parts}
-            op_class = next((c for c in ("collective", "matmul", "reduction", "elementwise", "data movement")
-                             if c in present), "other")
-            kernels.append(Kernel(
-                name=instr.name, op=instr.op, kind=kind, computation=comp, multiplier=mult.get(comp, 1),
-                op_class=op_class, flops=sum(p[1] for p in parts), bytes=own_bytes,
-                unfused_bytes=sum(p[2] for p in parts) if callee in comps else own_bytes,
-                n_ops=len(parts), ops=dict(labels.most_common()), parts=parts))
+            op_class = next(
+                (c for c in ("collective", "matmul", "reduction", "elementwise", "data movement") if c in present),
+                "other",
+            )
+            kernels.append(
+                Kernel(
+                    name=instr.name,
+                    op=instr.op,
+                    kind=kind,
+                    computation=comp,
+                    multiplier=mult.get(comp, 1),
+                    op_class=op_class,
+                    flops=sum(p[1] for p in parts),
+                    bytes=own_bytes,
+                    unfused_bytes=sum(p[2] for p in parts) if callee in comps else own_bytes,
+                    n_ops=len(parts),
+                    ops=dict(labels.most_common()),
+                    parts=parts,
+                )
+            )
     return kernels

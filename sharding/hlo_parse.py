@@ -23,10 +23,36 @@ import re
 from collections import defaultdict
 from collections.abc import Callable
 
-__all__ = ["Instr", "branches", "callees", "host_memory_bytes", "multipliers", "param_index", "parse_module", "shape_bytes"]
+__all__ = [
+    "Instr",
+    "branches",
+    "callees",
+    "host_memory_bytes",
+    "multipliers",
+    "param_index",
+    "parse_module",
+    "shape_bytes",
+]
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "s4": 0.5,
+    "u4": 0.5,
+}
 _SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
@@ -39,12 +65,13 @@ _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 @dataclasses.dataclass
 class Instr:
     """One instruction, `%name = type op(operands), attrs`."""
+
     name: str
-    type: str           # result type, e.g. "f32[8,64]{1,0}" or "(f32[8], s32[])"
+    type: str  # result type, e.g. "f32[8,64]{1,0}" or "(f32[8], s32[])"
     op: str
     operands: list[str]
-    args: str           # the raw operand text, e.g. "0" for `parameter(0)`
-    attrs: str          # everything after the operand list
+    args: str  # the raw operand text, e.g. "0" for `parameter(0)`
+    attrs: str  # everything after the operand list
 
     @property
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -59,8 +86,9 @@ def param_index(instr: Instr) -> int:
 
 def _shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
     """Array shapes in an HLO type, in order (a tuple type gives several)."""
-    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(type_str)
-            if dt in _ITEMSIZE]
+    return [
+        (dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(type_str) if dt in _ITEMSIZE
+    ]
 
 
 def shape_bytes(shape: tuple[str, tuple[int, ...]]) -> int:
@@ -81,15 +109,17 @@ def host_memory_bytes(hlo_text: str) -> tuple[int, int]:
     header = hlo_text.split("\n", 1)[0]
     start = header.index("entry_computation_layout={") + len("entry_computation_layout={")
     depth, end = 0, start
-    for end, ch in enumerate(header[start:], start):  # to the layout's closing brace
+    for end, ch in enumerate(header[start:], start):  # noqa: B007 (read after the loop) to the closing brace
         depth += {"{": 1, "}": -1}.get(ch, 0)
         if depth < 0:
             break
     args, outs = header[start:end].split(")->", 1)
 
     def total(text: str) -> int:
-        return sum(shape_bytes((dt, tuple(int(d) for d in dims.split(",") if d)))
-                   for dt, dims in _HOST_ARRAY.findall(text))
+        return sum(
+            shape_bytes((dt, tuple(int(d) for d in dims.split(",") if d))) for dt, dims in _HOST_ARRAY.findall(text)
+        )
+
     return total(args), total(outs)
 
 
@@ -108,7 +138,7 @@ def _parse_instr(line: str) -> Instr | None:
     if not m:
         return None
     name, rest = m.groups()
-    if rest.startswith("("):        # tuple type; may hold `/*index=5*/` comments
+    if rest.startswith("("):  # tuple type; may hold `/*index=5*/` comments
         end = _closing(rest, 0)
     else:
         end = rest.find(" ")
@@ -117,7 +147,7 @@ def _parse_instr(line: str) -> Instr | None:
     if not op:
         return None
     close = _closing(rest, op.end() - 1)
-    args = rest[op.end():close - 1]
+    args = rest[op.end() : close - 1]
     return Instr(name, type_str, op.group(1), _OPERAND.findall(args), args, rest[close:])
 
 
@@ -159,8 +189,9 @@ def branches(instr: Instr) -> list[str]:
     return names + [name for _, name in sorted(pred, key=lambda kv: kv[0] != "true")]
 
 
-def multipliers(comps: dict[str, dict[str, Instr]], entry: str,
-                branch_cost: Callable[[str], float] | None = None) -> dict[str, int]:
+def multipliers(
+    comps: dict[str, dict[str, Instr]], entry: str, branch_cost: Callable[[str], float] | None = None
+) -> dict[str, int]:
     """How many times each computation runs per execution of ENTRY.
 
     A while body runs trip-count times per run of its caller; every other
@@ -188,4 +219,3 @@ def multipliers(comps: dict[str, dict[str, Instr]], entry: str,
     if entry:
         walk(entry, 1)
     return dict(mult)
-

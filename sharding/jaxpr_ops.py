@@ -16,7 +16,7 @@ def _sub_jaxprs(eqn) -> list:
     out = []
     for value in eqn.params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):                       # core.Jaxpr
+            if hasattr(v, "eqns"):  # core.Jaxpr
                 out.append(v)
             elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):  # core.ClosedJaxpr
                 out.append(v.jaxpr)

@@ -46,12 +46,14 @@ def resolve_mesh_shape(sizes: Mapping[str, int], n_devices: int) -> tuple[int, .
         if n_devices % known:
             raise MeshSizeError(
                 f"mesh: {desc or 'sizes'} cannot fill {n_devices} devices ({known} does not divide {n_devices}); "
-                f"choose sizes whose product divides {n_devices}")
+                f"choose sizes whose product divides {n_devices}"
+            )
         shape[fill[0]] = n_devices // known
     elif known != n_devices:
         raise MeshSizeError(
             f"mesh: {desc or 'all sizes 1'} uses {known} devices but {n_devices} are available; "
-            f"make the sizes multiply to {n_devices} or set one axis to -1")
+            f"make the sizes multiply to {n_devices} or set one axis to -1"
+        )
     return tuple(shape)
 
 

@@ -119,8 +119,14 @@ import jax
 from meshwork.sharding.hlo import COLLECTIVES
 from meshwork.sharding.hlo_parse import callees, parse_module
 
-__all__ = ["COMPUTE_OPS", "ScheduledCollective", "async_collective_schedule", "compiler_options",
-           "format_schedule", "gradients_issued_before_backward_end"]
+__all__ = [
+    "COMPUTE_OPS",
+    "ScheduledCollective",
+    "async_collective_schedule",
+    "compiler_options",
+    "format_schedule",
+    "gradients_issued_before_backward_end",
+]
 
 # HLO ops that do the work a collective can hide behind (a loop or call: all of its body).
 COMPUTE_OPS = frozenset({"fusion", "dot", "convolution", "custom-call", "while", "conditional", "call"})
@@ -136,8 +142,11 @@ _GPU_OVERLAP = {
     "xla_gpu_enable_highest_priority_async_stream": True,
 }
 _PIPELINED = ("all_reduce", "all_gather", "reduce_scatter")
-_GPU_THRESHOLDS = ("xla_gpu_all_reduce_combine_threshold_bytes", "xla_gpu_all_gather_combine_threshold_bytes",
-                   "xla_gpu_reduce_scatter_combine_threshold_bytes")
+_GPU_THRESHOLDS = (
+    "xla_gpu_all_reduce_combine_threshold_bytes",
+    "xla_gpu_all_gather_combine_threshold_bytes",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes",
+)
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
@@ -195,6 +204,7 @@ def _gpu_pipeliner_options() -> dict[str, bool | str]:
 # ---------------------------------------------------------------------------
 # Reading the schedule.
 
+
 @dataclasses.dataclass(frozen=True)
 class ScheduledCollective:
     """One collective in a scheduled computation.
@@ -207,6 +217,7 @@ class ScheduledCollective:
     the while loop whose body holds it (1 outside loops or when unknown);
     `gradient`: an all-reduce / reduce-scatter of the backward pass.
     """
+
     computation: str
     kind: str
     name: str
@@ -235,8 +246,8 @@ def _collective_kind(op: str, comps: dict, callees: list[str]) -> tuple[str | No
     """(collective kind, is an async start) of an op; (None, False) for anything else."""
     if op in COLLECTIVES:
         return op, False
-    if op.endswith("-start") and op[:-len("-start")] in COLLECTIVES:
-        return op[:-len("-start")], True
+    if op.endswith("-start") and op[: -len("-start")] in COLLECTIVES:
+        return op[: -len("-start")], True
     if op == "async-start":  # a wrapped collective: async-start(...), calls=%wrapped_reduce_scatter
         for callee in callees:
             for inner in comps.get(callee, {}).values():
@@ -262,8 +273,7 @@ def async_collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
     """
     comps, _ = parse_module(hlo_text)
     # Computations that are not sequences of their own: what async ops wrap.
-    wrapped = {c for instrs in comps.values() for i in instrs.values()
-               if i.op.startswith("async-") for c in callees(i)}
+    wrapped = {c for instrs in comps.values() for i in instrs.values() if i.op.startswith("async-") for c in callees(i)}
     trips: dict[str, int] = {}
     for instrs in comps.values():
         for i in instrs.values():
@@ -287,13 +297,22 @@ def async_collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
             done = dones.get(instr.name, k) if is_async else k
             # Backward work still to run that does not wait for this collective's result.
             users = _dependents(seq, k)
-            found.append(ScheduledCollective(
-                computation=cname, kind=kind, name=instr.name,
-                done_name=seq[done].name if is_async and done != k else None, is_async=is_async,
-                start=k, done=done, overlapped_compute=sum(k < c < done for c in compute),
-                backward_compute_after=sum(c > k and seq[c].name not in users for c in backward),
-                gradient=kind in _REDUCTIONS and (not any_backward or _BACKWARD in _op_name(instr)),
-                in_loop=trips.get(cname, 1), body_has_backward=bool(backward)))
+            found.append(
+                ScheduledCollective(
+                    computation=cname,
+                    kind=kind,
+                    name=instr.name,
+                    done_name=seq[done].name if is_async and done != k else None,
+                    is_async=is_async,
+                    start=k,
+                    done=done,
+                    overlapped_compute=sum(k < c < done for c in compute),
+                    backward_compute_after=sum(c > k and seq[c].name not in users for c in backward),
+                    gradient=kind in _REDUCTIONS and (not any_backward or _BACKWARD in _op_name(instr)),
+                    in_loop=trips.get(cname, 1),
+                    body_has_backward=bool(backward),
+                )
+            )
     return found
 
 
@@ -301,7 +320,7 @@ def _dependents(seq: list, k: int) -> set[str]:
     """Names of the instructions after position k that read seq[k]'s result,
     directly or through others (a scheduled sequence is in dependency order)."""
     deps = {seq[k].name}
-    for i in seq[k + 1:]:
+    for i in seq[k + 1 :]:
         if any(o in deps for o in i.operands):
             deps.add(i.name)
     return deps
@@ -350,6 +369,8 @@ def format_schedule(entries: list[ScheduledCollective]) -> str:
         where = f"start {c.start} done {c.done}" if c.is_async else f"at {c.start}"
         loop = f", in a {c.in_loop}-trip loop body" if c.in_loop > 1 else ""
         grad = "gradient, " if c.gradient else ""
-        lines.append(f"{c.computation}  {c.kind:<18} {mode}  {where}  overlaps {c.overlapped_compute} compute ops  "
-                     f"{grad}{c.backward_compute_after} backward ops after{loop}")
+        lines.append(
+            f"{c.computation}  {c.kind:<18} {mode}  {where}  overlaps {c.overlapped_compute} compute ops  "
+            f"{grad}{c.backward_compute_after} backward ops after{loop}"
+        )
     return "\n".join(lines)

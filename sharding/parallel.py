@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from meshwork.sharding.rules import Rules, compiler_axes, logical_to_spec, manual_axes, split_axes
 from meshwork.sharding.ring_attention import ring_attention
+from meshwork.sharding.rules import Rules, compiler_axes, logical_to_spec, manual_axes, split_axes
 
 # (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL or None) -> o_BLHK: attention on whatever part of the
 # batch and heads it is given (the layer closes over causality, scale, window and positions).
@@ -60,10 +60,20 @@ class ParallelContext:
 
     # ------------------------------------------------------------ attention
 
-    def attention(self, local: LocalAttention, q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                  positions_BL: jax.Array | None, *, causal: bool, scale: float | None,
-                  segment_ids_BL: jax.Array | None = None, window: int | None = None,
-                  opaque: bool = False) -> jax.Array:
+    def attention(
+        self,
+        local: LocalAttention,
+        q_BLHK: jax.Array,
+        k_BSGK: jax.Array,
+        v_BSGK: jax.Array,
+        positions_BL: jax.Array | None,
+        *,
+        causal: bool,
+        scale: float | None,
+        segment_ids_BL: jax.Array | None = None,
+        window: int | None = None,
+        opaque: bool = False,
+    ) -> jax.Array:
         """`local` run on the mesh: the one interface through which a layer's attention is parallelized.
 
         - the sequence split over a mesh axis (context parallelism, the `cp` preset): ring attention
@@ -77,8 +87,10 @@ class ParallelContext:
         seq_axes = self.split("act_seq")
         if seq_axes:
             if segment_ids_BL is not None or window is not None:
-                raise ValueError("ring attention (a sequence split over the mesh) takes neither packed documents "
-                                 "nor a sliding window; train without act_seq sharding, or on unpacked data")
+                raise ValueError(
+                    "ring attention (a sequence split over the mesh) takes neither packed documents "
+                    "nor a sliding window; train without act_seq sharding, or on unpacked data"
+                )
             return self._context_parallel(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, causal=causal, scale=scale)
         if opaque:
             return self._per_device(local, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
@@ -93,9 +105,17 @@ class ParallelContext:
             B, L = q_BLHK.shape[:2]
             positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         heads = self.split("act_heads")
-        return ring_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis=seq_axes[0],
-                              batch_axes=compiler_axes(self.split("act_batch")),
-                              head_axis=heads[0] if heads else None, causal=causal, scale=scale)
+        return ring_attention(
+            q_BLHK,
+            k_BSGK,
+            v_BSGK,
+            positions_BL,
+            seq_axis=seq_axes[0],
+            batch_axes=compiler_axes(self.split("act_batch")),
+            head_axis=heads[0] if heads else None,
+            causal=causal,
+            scale=scale,
+        )
 
     def _per_device(self, local: LocalAttention, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
         """`local` on each device's shard of the batch and heads, inside `shard_map` with the specs the
@@ -111,8 +131,9 @@ class ParallelContext:
             run, args = local, (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
             in_specs = (spec, spec, spec, PartitionSpec(batch or None, None))
         # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
-        return jax.shard_map(run, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
-                             out_specs=spec, check_vma=False)(*args)
+        return jax.shard_map(
+            run, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=spec, check_vma=False
+        )(*args)
 
     # ------------------------------------------------------------ MLP
 
@@ -125,14 +146,20 @@ class ParallelContext:
         if not self.collective_matmul or self.rules is None or mesh.empty or mesh.manual_axes:
             return None
         axes = self.split("mlp")
-        if len(axes) != 1 or any(self.split(n) != axes for n in ("act_mlp", "act_norm_seq")) \
-                or self.split("act_seq") or self.split("act_embed"):
+        if (
+            len(axes) != 1
+            or any(self.split(n) != axes for n in ("act_mlp", "act_norm_seq"))
+            or self.split("act_seq")
+            or self.split("act_embed")
+        ):
             return None
         return axes[0], self.split("act_batch")
 
 
-_CURRENT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar("meshwork_parallel",
-                                                                           default=ParallelContext())
+_CURRENT: contextvars.ContextVar[ParallelContext] = contextvars.ContextVar(
+    "meshwork_parallel",
+    default=ParallelContext(),  # noqa: B039 (a frozen value)
+)
 
 
 @contextlib.contextmanager

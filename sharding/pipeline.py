@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from meshwork.sharding.pipeline_schedules import FWD, IDLE, Schedule, buffer_plan, check_schedule, schedule_table
 from meshwork.sharding.shard_map_util import vary_over
-from meshwork.sharding.pipeline_schedules import IDLE, FWD, Schedule, schedule_table, check_schedule, buffer_plan
 
 
 def _set(buf: jax.Array, i: jax.Array, value: jax.Array) -> jax.Array:
@@ -57,8 +57,9 @@ def _get(buf: jax.Array, i: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
 
 
-def _inner_specs(specs: Any, params: Any, axis_name: str, what: str, *, leading: bool,
-                 manual: tuple[str, ...] = ()) -> Any:
+def _inner_specs(
+    specs: Any, params: Any, axis_name: str, what: str, *, leading: bool, manual: tuple[str, ...] = ()
+) -> Any:
     """PartitionSpecs over the non-pipeline axes, as seen inside the shard_map (None: no constraint)."""
     if specs is None:
         return None
@@ -69,15 +70,18 @@ def _inner_specs(specs: Any, params: Any, axis_name: str, what: str, *, leading:
     inner = []
     for spec in flat:
         if leading and (len(spec) == 0 or spec[0] not in (axis_name, (axis_name,))):
-            raise ValueError(f"pipeline: {what} entry {spec} must start with {axis_name!r}, "
-                             "the axis the stages live on")
+            raise ValueError(
+                f"pipeline: {what} entry {spec} must start with {axis_name!r}, the axis the stages live on"
+            )
         rest = tuple(spec)[1:] if leading else tuple(spec)
         if any(axis_name in ((a,) if isinstance(a, str) else tuple(a or ())) for a in rest):
             raise ValueError(f"pipeline: {what} entry {spec} uses {axis_name!r} beyond the leading stage dimension")
         for a in manual:
             if any(a in ((b,) if isinstance(b, str) else tuple(b or ())) for b in rest):
-                raise ValueError(f"pipeline: {what} entry {spec} shards over {a!r}, one of data_axes; params "
-                                 f"sharded over a data axis keep it with the compiler: leave {a!r} out of data_axes")
+                raise ValueError(
+                    f"pipeline: {what} entry {spec} shards over {a!r}, one of data_axes; params "
+                    f"sharded over a data axis keep it with the compiler: leave {a!r} out of data_axes"
+                )
         inner.append(PartitionSpec(*rest))
     return jax.tree.unflatten(treedef, inner)
 
@@ -185,60 +189,92 @@ def pipeline_value_and_grad(
     P, M = mesh.shape[axis_name], x_M.shape[0]
     table = schedule_table(schedule, P, M, virtual_stages) if isinstance(schedule, str) else schedule
     if virtual_stages not in (1, table.virtual_stages):
-        raise ValueError(f"pipeline: virtual_stages={virtual_stages} but the schedule has "
-                         f"{table.virtual_stages}; pass one or the other")
+        raise ValueError(
+            f"pipeline: virtual_stages={virtual_stages} but the schedule has "
+            f"{table.virtual_stages}; pass one or the other"
+        )
     if (table.n_stages, table.n_microbatches) != (P, M):
-        raise ValueError(f"pipeline: schedule is for P={table.n_stages}, M={table.n_microbatches} but the mesh "
-                         f"has {axis_name}={P} and x_M has {M} microbatches; "
-                         f"build it with schedule_table(kind, {P}, {M})")
+        raise ValueError(
+            f"pipeline: schedule is for P={table.n_stages}, M={table.n_microbatches} but the mesh "
+            f"has {axis_name}={P} and x_M has {M} microbatches; "
+            f"build it with schedule_table(kind, {P}, {M})"
+        )
     check_schedule(table)
     v = table.virtual_stages
     lead = (P,) if v == 1 else (P, v)
     for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
-        if leaf.shape[:len(lead)] != lead:
-            layout = ("e.g. blocks reshaped to (P, L/P, ...)" if v == 1 else
-                      "chunk c*P+s at [s, c], e.g. blocks (L, ...) reshaped to (v, P, L/(v*P), ...) then swapaxes(0, 1)")
-            raise ValueError(f"pipeline: stage_params{jax.tree_util.keystr(path)} has shape {leaf.shape}; every "
-                             f"leaf needs leading axes {lead} ({axis_name}={P}, virtual_stages={v}), {layout}")
+        if leaf.shape[: len(lead)] != lead:
+            layout = (
+                "e.g. blocks reshaped to (P, L/P, ...)"
+                if v == 1
+                else "chunk c*P+s at [s, c], e.g. blocks (L, ...) reshaped to (v, P, L/(v*P), ...) then swapaxes(0, 1)"
+            )
+            raise ValueError(
+                f"pipeline: stage_params{jax.tree_util.keystr(path)} has shape {leaf.shape}; every "
+                f"leaf needs leading axes {lead} ({axis_name}={P}, virtual_stages={v}), {layout}"
+            )
     data_axes, seq_axes = tuple(data_axes), tuple(seq_axes)
     for a in (*data_axes, *seq_axes):
         if a not in mesh.shape or a == axis_name:
-            raise ValueError(f"pipeline: data_axes/seq_axes entry {a!r} is not a mesh axis other than {axis_name!r}; "
-                             f"the mesh has {tuple(mesh.shape)}")
+            raise ValueError(
+                f"pipeline: data_axes/seq_axes entry {a!r} is not a mesh axis other than {axis_name!r}; "
+                f"the mesh has {tuple(mesh.shape)}"
+            )
     n_data = math.prod(mesh.shape[a] for a in data_axes)
     n_seq = math.prod(mesh.shape[a] for a in seq_axes)
     split = (*data_axes, *seq_axes)  # manual axes besides the stages: each holds a share of the tokens
-    one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[len(lead):], a.dtype), stage_params)
+    one_stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[len(lead) :], a.dtype), stage_params)
     x_in = jax.ShapeDtypeStruct(x_M.shape[1:], x_M.dtype)
     context_in = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), context_M)
     y_out = jax.eval_shape(stage_fn, one_stage, x_in, *(() if context_M is None else (context_in,)))
     if has_aux:
-        if not (isinstance(y_out, tuple) and len(y_out) == 2 and isinstance(y_out[1], tuple) and len(y_out[1]) == 2
-                and getattr(y_out[1][0], "shape", None) == ()):
-            raise ValueError(f"pipeline: has_aux=True needs stage_fn to return (y, (stage_loss, stats)) with a "
-                             f"scalar stage_loss; it returns {y_out}")
+        if not (
+            isinstance(y_out, tuple)
+            and len(y_out) == 2
+            and isinstance(y_out[1], tuple)
+            and len(y_out[1]) == 2
+            and getattr(y_out[1][0], "shape", None) == ()
+        ):
+            raise ValueError(
+                f"pipeline: has_aux=True needs stage_fn to return (y, (stage_loss, stats)) with a "
+                f"scalar stage_loss; it returns {y_out}"
+            )
         y_out = y_out[0]
     if (getattr(y_out, "shape", None), getattr(y_out, "dtype", None)) != (x_in.shape, x_in.dtype):
-        raise ValueError(f"pipeline: stage_fn maps {x_in.dtype}{list(x_in.shape)} to {y_out}; a stage must return "
-                         "an array of its input's shape and dtype (cast its output, e.g. y.astype(x.dtype))")
+        raise ValueError(
+            f"pipeline: stage_fn maps {x_in.dtype}{list(x_in.shape)} to {y_out}; a stage must return "
+            "an array of its input's shape and dtype (cast its output, e.g. y.astype(x.dtype))"
+        )
     for path, leaf in jax.tree_util.tree_leaves_with_path(context_M):
         if leaf.shape[:2] != x_M.shape[:2]:
-            raise ValueError(f"pipeline: context_M{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf "
-                             f"needs the leading (microbatch, row) axes {x_M.shape[:2]} of x_M")
+            raise ValueError(
+                f"pipeline: context_M{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf "
+                f"needs the leading (microbatch, row) axes {x_M.shape[:2]} of x_M"
+            )
     if data_axes and (x_M.ndim < 2 or x_M.shape[1] % n_data):
-        raise ValueError(f"pipeline: x_M {x_M.shape} needs a dimension 1 divisible by {n_data}, the size of "
-                         f"data_axes={data_axes}")
+        raise ValueError(
+            f"pipeline: x_M {x_M.shape} needs a dimension 1 divisible by {n_data}, the size of data_axes={data_axes}"
+        )
     if seq_axes and (x_M.ndim < 3 or x_M.shape[2] % n_seq):
-        raise ValueError(f"pipeline: x_M {x_M.shape} needs a dimension 2 divisible by {n_seq}, the size of "
-                         f"seq_axes={seq_axes}")
-    inner_stage_specs = _inner_specs(stage_specs, stage_params, axis_name, "stage_specs", leading=True,
-                                     manual=split)
-    inner_head_specs = _inner_specs(head_specs, head_params, axis_name, "head_specs", leading=False,
-                                    manual=split)
+        raise ValueError(
+            f"pipeline: x_M {x_M.shape} needs a dimension 2 divisible by {n_seq}, the size of seq_axes={seq_axes}"
+        )
+    inner_stage_specs = _inner_specs(stage_specs, stage_params, axis_name, "stage_specs", leading=True, manual=split)
+    inner_head_specs = _inner_specs(head_specs, head_params, axis_name, "head_specs", leading=False, manual=split)
     plan = buffer_plan(table)
     # Per-step columns of the plan; each stage picks its own entry by axis_index.
-    steps = {k: jnp.asarray(v) for k, v in dict(op=table.op, mb=table.mb, chunk=table.chunk, slot=plan.slot,
-                                                gslot=plan.gslot, recv_x=plan.recv_x, recv_g=plan.recv_g).items()}
+    steps = {
+        k: jnp.asarray(v)
+        for k, v in dict(
+            op=table.op,
+            mb=table.mb,
+            chunk=table.chunk,
+            slot=plan.slot,
+            gslot=plan.gslot,
+            recv_x=plan.recv_x,
+            recv_g=plan.recv_g,
+        ).items()
+    }
     # With chunks, device P-1 feeds device 0 (and back): a ring.
     to_next = [(s, (s + 1) % P) for s in range(P if v > 1 else P - 1)]
     to_prev = [((s + 1) % P, s) for s in range(P if v > 1 else P - 1)]
@@ -270,8 +306,7 @@ def pipeline_value_and_grad(
 
         def run(p, x, m):
             """The stage on microbatch m: (y, stage_loss, stats), the last two zero without has_aux."""
-            out = stage_fn(p, x) if context_M is None else \
-                stage_fn(p, x, jax.tree.map(lambda a: _get(a, m), context_M))
+            out = stage_fn(p, x) if context_M is None else stage_fn(p, x, jax.tree.map(lambda a: _get(a, m), context_M))
             y, (stage_loss, stats) = out if has_aux else (out, (jnp.zeros((), jnp.float32), ()))
             # Varying like the cotangent it gets: its gradient then reaches every data shard's
             # copy once (a stage loss computed from whole-batch means is the same on each).
@@ -279,10 +314,16 @@ def pipeline_value_and_grad(
 
         stats_shape = jax.eval_shape(lambda: run(chunk_params(0), vary(x_M[0]), 0)[1][1])
         per_mb = (M,) if v == 1 else (v, M)
-        carry = dict(stash=zeros_x(plan.n_stash), grad_in=zeros_x(plan.n_grad), dx=zeros_x(M),
-                     d_params=pin_params(f32_zeros(params)), d_head=pin_head(f32_zeros(head_params)),
-                     loss=vary(jnp.zeros((), jnp.float32)), stage_loss=vary(jnp.zeros((), jnp.float32)),
-                     stats=jax.tree.map(lambda a: vary(jnp.zeros((*per_mb, *a.shape), a.dtype)), stats_shape))
+        carry = dict(
+            stash=zeros_x(plan.n_stash),
+            grad_in=zeros_x(plan.n_grad),
+            dx=zeros_x(M),
+            d_params=pin_params(f32_zeros(params)),
+            d_head=pin_head(f32_zeros(head_params)),
+            loss=vary(jnp.zeros((), jnp.float32)),
+            stage_loss=vary(jnp.zeros((), jnp.float32)),
+            stats=jax.tree.map(lambda a: vary(jnp.zeros((*per_mb, *a.shape), a.dtype)), stats_shape),
+        )
         no_send = vary(jnp.zeros(x_M.shape[1:], x_M.dtype))
         ones = lambda: vary(jnp.asarray(loss_ct, jnp.float32))  # noqa: E731  (d objective / d each loss)
 
@@ -291,6 +332,7 @@ def pipeline_value_and_grad(
                 if v == 1:
                     return acc + g.astype(jnp.float32)
                 return _set(acc, ch, _get(acc, ch) + g.astype(jnp.float32))
+
             return dict(c, d_params=pin_params(jax.tree.map(add, c["d_params"], d_params)))
 
         def add_head(c, loss, d_head):
@@ -307,6 +349,7 @@ def pipeline_value_and_grad(
                 if v == 1:
                     return _set(buf, m, a)
                 return _set(buf, ch, _set(_get(buf, ch), m, a))
+
             return dict(c, stage_loss=c["stage_loss"] + stage_loss, stats=jax.tree.map(put, c["stats"], stats))
 
         def set_dx(c, m, dx):
@@ -326,8 +369,9 @@ def pipeline_value_and_grad(
         # A stage's backward: the vjp of (y, stage_loss) w.r.t. the params and/or the input, fed
         # the next stage's input gradient and d objective / d stage_loss.
         def backward(c, m, ch, slot, gslot):
-            (_, _), vjp, aux = jax.vjp(lambda p, x: _split(run(p, x, m)), chunk_params(ch),
-                                       _get(c["stash"], slot), has_aux=True)
+            (_, _), vjp, aux = jax.vjp(
+                lambda p, x: _split(run(p, x, m)), chunk_params(ch), _get(c["stash"], slot), has_aux=True
+            )
             d_params, dx = vjp((_get(c["grad_in"], gslot), ones()))
             return set_dx(record(add_params(c, ch, d_params), m, ch, aux), m, dx), no_send, dx
 
@@ -354,16 +398,18 @@ def pipeline_value_and_grad(
             return (loss_fn(h, y, target(m)).astype(jnp.float32), stage_loss), (stage_loss, stats)
 
         def backward_last(c, m, ch, slot, gslot):
-            (loss, _), vjp, aux = jax.vjp(lambda p, h, x: last(p, h, x, m), chunk_params(ch), head_params,
-                                          _get(c["stash"], slot), has_aux=True)
+            (loss, _), vjp, aux = jax.vjp(
+                lambda p, h, x: last(p, h, x, m), chunk_params(ch), head_params, _get(c["stash"], slot), has_aux=True
+            )
             d_params, d_head, dx = vjp((ones(), ones()))
             c = record(add_head(add_params(c, ch, d_params), loss, d_head), m, ch, aux)
             return set_dx(c, m, dx), no_send, dx
 
         def backward_input_last(c, m, ch, slot, gslot):
             p = chunk_params(ch)
-            (loss, _), vjp, aux = jax.vjp(lambda h, x: last(p, h, x, m), head_params, _get(c["stash"], slot),
-                                          has_aux=True)
+            (loss, _), vjp, aux = jax.vjp(
+                lambda h, x: last(p, h, x, m), head_params, _get(c["stash"], slot), has_aux=True
+            )
             d_head, dx = vjp((ones(), ones()))
             return set_dx(record(add_head(c, loss, d_head), m, ch, aux), m, dx), no_send, dx
 
@@ -374,12 +420,22 @@ def pipeline_value_and_grad(
             return add_params(c, ch, d_params), no_send, no_send
 
         # Indexed by op, plus 4 on the last virtual stage (stage P-1, chunk v-1).
-        branches = [idle, forward, backward, backward_input, backward_weight,
-                    forward_last, backward_last, backward_input_last, backward_weight_last]
+        branches = [
+            idle,
+            forward,
+            backward,
+            backward_input,
+            backward_weight,
+            forward_last,
+            backward_last,
+            backward_input_last,
+            backward_weight_last,
+        ]
 
         def step(c, row):
-            op, m, ch, slot, gslot, recv_x, recv_g = (row[k][stage] for k in
-                                                      ("op", "mb", "chunk", "slot", "gslot", "recv_x", "recv_g"))
+            op, m, ch, slot, gslot, recv_x, recv_g = (
+                row[k][stage] for k in ("op", "mb", "chunk", "slot", "gslot", "recv_x", "recv_g")
+            )
             m, ch, slot, gslot = (jnp.maximum(i, 0) for i in (m, ch, slot, gslot))  # idle cells hold -1
             # Virtual stage 0's input comes from x_M; stash it where later
             # stages' inputs arrive, so forward and backward read one buffer.
@@ -404,8 +460,7 @@ def pipeline_value_and_grad(
         stage_loss = jax.lax.psum(c["stage_loss"], manual) / (M * n_shards)
         # Statistics are the whole microbatch's on every data shard already (or averaged here).
         stats = jax.tree.map(lambda a: (jax.lax.pmean(a, split) if split else a)[None], c["stats"])
-        d_head = pin_head(jax.tree.map(lambda g, p: jax.lax.psum(g, manual).astype(p.dtype),
-                                       c["d_head"], head_params))
+        d_head = pin_head(jax.tree.map(lambda g, p: jax.lax.psum(g, manual).astype(p.dtype), c["d_head"], head_params))
         d_x = jax.lax.psum(jnp.where(first, c["dx"], 0), axis_name)
         d_params = c["d_params"]
         if split:
@@ -416,9 +471,11 @@ def pipeline_value_and_grad(
 
     stage_spec = PartitionSpec(axis_name)
     entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
-    rows_spec = PartitionSpec(*[None, entry(data_axes), entry(seq_axes)][:3 if seq_axes else 2 if data_axes else 0])
+    rows_spec = PartitionSpec(*[None, entry(data_axes), entry(seq_axes)][: 3 if seq_axes else 2 if data_axes else 0])
     values, d_params, d_head, d_x = jax.shard_map(
-        per_stage, mesh=mesh, axis_names=set(manual),
+        per_stage,
+        mesh=mesh,
+        axis_names=set(manual),
         in_specs=(stage_spec, PartitionSpec(), rows_spec, rows_spec, rows_spec),
         out_specs=((PartitionSpec(), PartitionSpec(), stage_spec), stage_spec, PartitionSpec(), rows_spec),
     )(stage_params, head_params, x_M, targets_M, context_M)

@@ -83,17 +83,20 @@ class Schedule:
 
     def __str__(self) -> str:
         """One row per stage: F/B/W and the microbatch, `.c` the chunk when v > 1, `.` idle."""
+
         def cell(o, m, c):
             if o == IDLE:
                 return "."
             return _LETTER[int(o)] + str(m) + (f".{c}" if self.virtual_stages > 1 else "")
+
         cells = [[cell(*x) for x in zip(self.op[:, s], self.mb[:, s], self.chunk[:, s])] for s in range(self.n_stages)]
         width = max([3] + [len(x) + 1 for row in cells for x in row])
         return "\n".join(f"stage {s}: " + " ".join(x.rjust(width) for x in row) for s, row in enumerate(cells))
 
 
-def _stage_order(kind: str, stage: int, n_stages: int, n_microbatches: int,
-                 virtual_stages: int = 1) -> list[tuple[int, int, int]]:
+def _stage_order(
+    kind: str, stage: int, n_stages: int, n_microbatches: int, virtual_stages: int = 1
+) -> list[tuple[int, int, int]]:
     """The order in which one stage runs its operations, as (op, microbatch, chunk)."""
     P, M, v = n_stages, n_microbatches, virtual_stages
     if kind == "gpipe":
@@ -117,7 +120,7 @@ def _stage_order(kind: str, stage: int, n_stages: int, n_microbatches: int,
     order = fwd[:warm]
     for i in range(len(fwd) - warm):
         order += [fwd[warm + i], bwd[i]]
-    order += bwd[len(fwd) - warm:]
+    order += bwd[len(fwd) - warm :]
     if kind != "zb-h1":
         return order
     # ZB-H1: stage s runs the W of microbatch i right after the B of
@@ -150,13 +153,17 @@ def schedule_table(kind: str, n_stages: int, n_microbatches: int, virtual_stages
     if kind not in SCHEDULES:
         raise ValueError(f"pipeline schedule {kind!r} is unknown; choose one of {', '.join(SCHEDULES)}")
     if n_stages < 1 or n_microbatches < 1 or virtual_stages < 1:
-        raise ValueError(f"pipeline needs n_stages, n_microbatches and virtual_stages >= 1, got {n_stages}, "
-                         f"{n_microbatches} and {virtual_stages}")
+        raise ValueError(
+            f"pipeline needs n_stages, n_microbatches and virtual_stages >= 1, got {n_stages}, "
+            f"{n_microbatches} and {virtual_stages}"
+        )
     if virtual_stages > 1 and kind != "interleaved":
         raise ValueError(f"virtual_stages={virtual_stages} needs the 'interleaved' schedule, not {kind!r}")
     if kind == "interleaved" and n_microbatches % n_stages:
-        raise ValueError(f"interleaved pipeline needs n_microbatches a multiple of n_stages={n_stages} "
-                         f"(Megatron's rule), got {n_microbatches}")
+        raise ValueError(
+            f"interleaved pipeline needs n_microbatches a multiple of n_stages={n_stages} "
+            f"(Megatron's rule), got {n_microbatches}"
+        )
     P, M, v = n_stages, n_microbatches, virtual_stages
     op, mb, chunk = _run_in_order([_stage_order(kind, s, P, M, v) for s in range(P)], v)
     return Schedule(kind, P, M, op, mb, chunk, v)
@@ -242,8 +249,9 @@ def check_schedule(table: Schedule) -> None:
     P, M, v = table.n_stages, table.n_microbatches, table.virtual_stages
     shapes = {table.op.shape, table.mb.shape, table.chunk.shape}
     if len(shapes) != 1 or table.op.ndim != 2 or table.op.shape[1] != P:
-        raise ValueError(f"schedule: op {table.op.shape}, mb {table.mb.shape} and chunk {table.chunk.shape} "
-                         f"must all be (steps, {P})")
+        raise ValueError(
+            f"schedule: op {table.op.shape}, mb {table.mb.shape} and chunk {table.chunk.shape} must all be (steps, {P})"
+        )
     if not np.isin(table.op, (IDLE, FWD, BWD, BWD_INPUT, BWD_WEIGHT)).all():
         raise ValueError("schedule: op holds values other than IDLE, FWD, BWD, BWD_INPUT, BWD_WEIGHT")
     split = _is_split(table)
@@ -254,8 +262,11 @@ def check_schedule(table: Schedule) -> None:
         raise ValueError(f"schedule: a busy cell names a microbatch outside [0, {M})")
     if ((table.chunk[busy] < 0) | (table.chunk[busy] >= v)).any():
         raise ValueError(f"schedule: a busy cell names a chunk outside [0, {v})")
-    codes = ((FWD, "forward"), (BWD_INPUT, "input backward"), (BWD_WEIGHT, "weight backward")) if split else \
-        ((FWD, "forward"), (BWD, "backward"))
+    codes = (
+        ((FWD, "forward"), (BWD_INPUT, "input backward"), (BWD_WEIGHT, "weight backward"))
+        if split
+        else ((FWD, "forward"), (BWD, "backward"))
+    )
     for code, name in codes:
         for s in range(P):
             for c in range(v):
@@ -264,8 +275,9 @@ def check_schedule(table: Schedule) -> None:
                 if (count != 1).any():
                     m = int(np.argmax(count != 1))
                     where = f" (chunk {c})" if v > 1 else ""
-                    raise ValueError(f"schedule: stage {s}{where} runs the {name} of microbatch {m} "
-                                     f"{count[m]} times, not once")
+                    raise ValueError(
+                        f"schedule: stage {s}{where} runs the {name} of microbatch {m} {count[m]} times, not once"
+                    )
     t_fwd, t_bwd, t_w = _op_times(table)
     name = (lambda k: f"stage {k}") if v == 1 else (lambda k: f"virtual stage {k}")  # noqa: E731
     for k in range(P * v):
@@ -277,8 +289,9 @@ def check_schedule(table: Schedule) -> None:
             if k < P * v - 1 and t_bwd[k, m] <= t_bwd[k + 1, m]:
                 raise ValueError(f"schedule: backward of microbatch {m} on {name(k)} runs before {name(k + 1)}'s")
             if split and t_w[k, m] <= t_bwd[k, m]:
-                raise ValueError(f"schedule: weight backward of microbatch {m} on {name(k)} runs before its "
-                                 "input backward")
+                raise ValueError(
+                    f"schedule: weight backward of microbatch {m} on {name(k)} runs before its input backward"
+                )
 
 
 def _allocate(write: np.ndarray, read: np.ndarray, n_stages: int) -> tuple[np.ndarray, int]:
@@ -293,8 +306,9 @@ def _allocate(write: np.ndarray, read: np.ndarray, n_stages: int) -> tuple[np.nd
     n = 1
     for s in range(n_stages):
         free_at: list[int] = []  # per slot: the step from which it may be written again
-        for _, _, k, m in sorted((write[k, m], read[k, m], k, m) for k in range(s, write.shape[0], n_stages)
-                                 for m in range(write.shape[1])):
+        for _, _, k, m in sorted(
+            (write[k, m], read[k, m], k, m) for k in range(s, write.shape[0], n_stages) for m in range(write.shape[1])
+        ):
             i = next((i for i, f in enumerate(free_at) if f <= write[k, m]), len(free_at))
             if i == len(free_at):
                 free_at.append(0)

@@ -118,4 +118,3 @@ def take_block(x: jax.Array, i: jax.Array) -> jax.Array:
 def put_block(x: jax.Array, i: jax.Array, v: jax.Array) -> jax.Array:
     """x with x[i] along axis 0 replaced by v, for a traced index."""
     return lax.dynamic_update_index_in_dim(x, v, i, 0)
-

@@ -23,25 +23,39 @@ import jax
 
 from meshwork.sharding.hlo import COLLECTIVES, Collective, collective_counts, collective_summary, list_collectives
 
-__all__ = ["COLLECTIVES", "Collective", "collective_counts", "collective_summary", "compiled_report",
-           "format_report", "list_collectives", "state_bytes"]
+__all__ = [
+    "COLLECTIVES",
+    "Collective",
+    "collective_counts",
+    "collective_summary",
+    "compiled_report",
+    "format_report",
+    "list_collectives",
+    "state_bytes",
+]
 
 
 # ---------------------------------------------------------------------------
 # Per-device state from the real shard shapes.
 
+
 def _tree_bytes(tree: Any, shardings: Any) -> int:
     """Per-device bytes of `tree` (leaves with .shape and .dtype) laid out by
     `shardings`, a tree prefix of it (one sharding per leaf or per subtree)."""
     per_subtree = jax.tree.map(
-        lambda sharding, sub: sum(math.prod(sharding.shard_shape(tuple(x.shape))) * x.dtype.itemsize
-                                  for x in jax.tree.leaves(sub)),
-        shardings, tree, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+        lambda sharding, sub: sum(
+            math.prod(sharding.shard_shape(tuple(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(sub)
+        ),
+        shardings,
+        tree,
+        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding),
+    )
     return int(sum(jax.tree.leaves(per_subtree)))
 
 
-def state_bytes(abstract_state: dict[str, Any], shardings: dict[str, Any],
-                grad_shardings: Any = None) -> dict[str, int]:
+def state_bytes(
+    abstract_state: dict[str, Any], shardings: dict[str, Any], grad_shardings: Any = None
+) -> dict[str, int]:
     """Bytes one device holds of the train state, from each leaf's shard shape.
 
     `abstract_state` is {"params", "opt_state", ...} of arrays or
@@ -58,8 +72,7 @@ def state_bytes(abstract_state: dict[str, Any], shardings: dict[str, Any],
     {'params': 128, 'grads': 128, 'opt_state': 0, 'total': 256}
     """
     params = _tree_bytes(abstract_state["params"], shardings["params"])
-    grads = (params if grad_shardings is None
-             else _tree_bytes(abstract_state["params"], grad_shardings))
+    grads = params if grad_shardings is None else _tree_bytes(abstract_state["params"], grad_shardings)
     opt = _tree_bytes(abstract_state["opt_state"], shardings["opt_state"])
     out = {"params": params, "grads": grads, "opt_state": opt, "total": params + grads + opt}
     # Untrained weights carried in the state (a fine-tuned model's frozen base), when there are any.
@@ -72,6 +85,7 @@ def state_bytes(abstract_state: dict[str, Any], shardings: dict[str, Any],
 
 # ---------------------------------------------------------------------------
 # The report.
+
 
 def compiled_report(compiled: Any, state: dict[str, int] | None = None) -> dict[str, Any]:
     """Per-device memory (bytes), FLOPs and collectives of a compiled jit, as a
@@ -119,9 +133,11 @@ def format_report(report: dict[str, Any], cfg: Any = None, mesh: Any = None) -> 
         lines.append(f"rules: {cfg.rules.preset}")
     state = report.get("state")
     if state:
-        lines += [f"per-device params:    {_mib(state['params'])}",
-                  f"per-device grads:     {_mib(state['grads'])}",
-                  f"per-device opt state: {_mib(state['opt_state'])}"]
+        lines += [
+            f"per-device params:    {_mib(state['params'])}",
+            f"per-device grads:     {_mib(state['grads'])}",
+            f"per-device opt state: {_mib(state['opt_state'])}",
+        ]
         if "frozen" in state:
             lines.append(f"per-device frozen:    {_mib(state['frozen'])}")
     lines += [

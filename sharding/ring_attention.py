@@ -45,6 +45,7 @@ F32 = jnp.float32
 # Token layouts
 # --------------------------------------------------------------------------
 
+
 def zigzag_permutation(seq_len: int, n_shards: int) -> np.ndarray:
     """Token order that balances causal attention work over `n_shards` devices.
 
@@ -57,8 +58,10 @@ def zigzag_permutation(seq_len: int, n_shards: int) -> np.ndarray:
     array([0, 1, 6, 7, 2, 3, 4, 5])
     """
     if n_shards < 1 or seq_len % (2 * n_shards):
-        raise ValueError(f"zigzag_permutation: seq_len={seq_len} must be a multiple of 2 * n_shards "
-                         f"= {2 * n_shards}; pad the sequence or choose another sequence-axis size")
+        raise ValueError(
+            f"zigzag_permutation: seq_len={seq_len} must be a multiple of 2 * n_shards "
+            f"= {2 * n_shards}; pad the sequence or choose another sequence-axis size"
+        )
     chunks = np.arange(seq_len).reshape(2 * n_shards, -1)
     order = [c for i in range(n_shards) for c in (i, 2 * n_shards - 1 - i)]
     return chunks[order].reshape(-1)
@@ -78,13 +81,22 @@ def zigzag_inverse(seq_len: int, n_shards: int) -> np.ndarray:
 # Reference
 # --------------------------------------------------------------------------
 
+
 def _visible(q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
     """(B, Lq), (B, Lk) -> (B, 1, 1, Lq, Lk) bool, broadcastable to scores_BGRLS."""
     return (kv_pos[:, None, :] <= q_pos[:, :, None])[:, None, None]
 
 
-def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array, *,
-                        causal: bool = True, scale: float | None = None) -> jax.Array:
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> jax.Array:
     """Full softmax attention with a position mask; the oracle for `ring_attention_shard`.
 
     q: (B, Lq, H, K); k, v: (B, Lk, G, K) with H a multiple of G; q_pos: (B, Lq)
@@ -98,7 +110,7 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
     """
     B, Lq, H, K = q.shape
     G = k.shape[2]
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q_BGRLK = q.reshape(B, Lq, G, H // G, K).transpose(0, 2, 3, 1, 4)
     s = jnp.einsum("bgrlk,bsgk->bgrls", q_BGRLK, k, preferred_element_type=F32) * scale
     if causal:
@@ -114,6 +126,7 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
 # --------------------------------------------------------------------------
 # Per-device ring (runs inside shard_map)
 # --------------------------------------------------------------------------
+
 
 def _split(x: jax.Array, n: int, axis: int) -> tuple[jax.Array, ...]:
     return tuple(jnp.split(x, n, axis=axis)) if n > 1 else (x,)
@@ -148,8 +161,7 @@ def _fwd_block(state, q, q_pos, k, v, kv_pos, *, scale, causal):
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
     l = l * corr + p.sum(-1)
-    acc = acc * corr[..., None] + jnp.einsum("bgrls,bgsk->bgrlk", p.astype(v.dtype), v,
-                                             preferred_element_type=F32)
+    acc = acc * corr[..., None] + jnp.einsum("bgrls,bgsk->bgrlk", p.astype(v.dtype), v, preferred_element_type=F32)
     return m_new, l, acc
 
 
@@ -191,8 +203,9 @@ def _ring_forward(q, k, v, q_pos, kv_pos, axis_name, scale, causal, sub_blocks):
     qs, qps = _split(q, sub_blocks, 3), _split(q_pos, sub_blocks, 1)
     kv = (_split(k, sub_blocks, 2), _split(v, sub_blocks, 2), _split(kv_pos, sub_blocks, 1))
 
-    stats = tuple((jnp.full(qa.shape[:-1], -jnp.inf, F32), jnp.zeros(qa.shape[:-1], F32),
-                   jnp.zeros(qa.shape, F32)) for qa in qs)
+    stats = tuple(
+        (jnp.full(qa.shape[:-1], -jnp.inf, F32), jnp.zeros(qa.shape[:-1], F32), jnp.zeros(qa.shape, F32)) for qa in qs
+    )
     stats = vary_like(stats, q, k, v, q_pos, kv_pos)
 
     def fold(stats, kv):
@@ -200,8 +213,9 @@ def _ring_forward(q, k, v, q_pos, kv_pos, axis_name, scale, causal, sub_blocks):
         out = []
         for qa, qpa, st in zip(qs, qps, stats):
             for kb, vb, kpb in zip(ks, vs, kps):
-                update = functools.partial(_fwd_block, q=qa, q_pos=qpa, k=kb, v=vb, kv_pos=kpb,
-                                           scale=scale, causal=causal)
+                update = functools.partial(
+                    _fwd_block, q=qa, q_pos=qpa, k=kb, v=vb, kv_pos=kpb, scale=scale, causal=causal
+                )
                 st = _maybe(_skippable(causal, qpa, kpb), update, st)
             out.append(st)
         return tuple(out)
@@ -251,8 +265,19 @@ def _ring_backward(axis_name, scale, causal, sub_blocks, res, d_out):
         dq = list(dq)
         for a, (qa, qpa, doa, lsea, dela) in enumerate(zip(qs, qps, dos, lses, deltas)):
             for b, (kb, vb, kpb) in enumerate(zip(ks, vs, kps)):
-                update = functools.partial(_bwd_block, q=qa, q_pos=qpa, do=doa, lse=lsea, delta=dela, k=kb,
-                                           v=vb, kv_pos=kpb, scale=scale, causal=causal)
+                update = functools.partial(
+                    _bwd_block,
+                    q=qa,
+                    q_pos=qpa,
+                    do=doa,
+                    lse=lsea,
+                    delta=dela,
+                    k=kb,
+                    v=vb,
+                    kv_pos=kpb,
+                    scale=scale,
+                    causal=causal,
+                )
                 dq[a], dks[b], dvs[b] = _maybe(_skippable(causal, qpa, kpb), update, (dq[a], dks[b], dvs[b]))
         return tuple(dq), (tuple(dks), tuple(dvs))
 
@@ -291,9 +316,18 @@ def _ring_fwd(q, k, v, q_pos, kv_pos, axis_name, scale, causal, sub_blocks):
 _ring.defvjp(_ring_fwd, _ring_backward)
 
 
-def ring_attention_shard(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array, *,
-                         axis_name: str, scale: float | None = None, causal: bool = True,
-                         sub_blocks: int = 2) -> jax.Array:
+def ring_attention_shard(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    *,
+    axis_name: str,
+    scale: float | None = None,
+    causal: bool = True,
+    sub_blocks: int = 2,
+) -> jax.Array:
     """Ring attention on this device's blocks; call inside `jax.shard_map`.
 
     q: (B, Lq, H, K), k, v: (B, Lk, G, K) (G K/V heads, each shared by H/G
@@ -315,22 +349,29 @@ def ring_attention_shard(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Ar
     """
     B, Lq, H, K = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != K or H % k.shape[2]:
-        raise ValueError(f"ring attention: q {q.shape} must be (B, Lq, H, K) and k, v {k.shape}, {v.shape} "
-                         f"(B, Lk, G, K) with H a multiple of G")
+        raise ValueError(
+            f"ring attention: q {q.shape} must be (B, Lq, H, K) and k, v {k.shape}, {v.shape} "
+            f"(B, Lk, G, K) with H a multiple of G"
+        )
     if q_pos.shape != (B, Lq) or kv_pos.shape != (B, k.shape[1]):
-        raise ValueError(f"ring attention: positions {q_pos.shape}, {kv_pos.shape} must be (B, Lq) = {(B, Lq)} "
-                         f"and (B, Lk) = {(B, k.shape[1])}")
+        raise ValueError(
+            f"ring attention: positions {q_pos.shape}, {kv_pos.shape} must be (B, Lq) = {(B, Lq)} "
+            f"and (B, Lk) = {(B, k.shape[1])}"
+        )
     if Lq % sub_blocks or k.shape[1] % sub_blocks:
-        raise ValueError(f"ring attention: local lengths Lq={Lq}, Lk={k.shape[1]} must be multiples of "
-                         f"sub_blocks={sub_blocks}; choose sub_blocks=1 or a sequence length divisible by "
-                         f"{sub_blocks} x the sequence-axis size")
-    scale = float(K ** -0.5 if scale is None else scale)
+        raise ValueError(
+            f"ring attention: local lengths Lq={Lq}, Lk={k.shape[1]} must be multiples of "
+            f"sub_blocks={sub_blocks}; choose sub_blocks=1 or a sequence length divisible by "
+            f"{sub_blocks} x the sequence-axis size"
+        )
+    scale = float(K**-0.5 if scale is None else scale)
     return _ring(q, k, v, q_pos, kv_pos, axis_name, scale, bool(causal), int(sub_blocks))
 
 
 # --------------------------------------------------------------------------
 # Global wrapper
 # --------------------------------------------------------------------------
+
 
 def _current_mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
     if mesh is None:
@@ -340,10 +381,19 @@ def _current_mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh:
     return mesh
 
 
-def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array, *,
-                   mesh: Mesh | AbstractMesh | None = None, seq_axis: str = "sequence",
-                   batch_axes: Sequence[str] = ("data", "fsdp"), head_axis: str | None = "tensor",
-                   causal: bool = True, scale: float | None = None) -> jax.Array:
+def ring_attention(
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    positions_BL: jax.Array,
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    seq_axis: str = "sequence",
+    batch_axes: Sequence[str] = ("data", "fsdp"),
+    head_axis: str | None = "tensor",
+    causal: bool = True,
+    scale: float | None = None,
+) -> jax.Array:
     """Self-attention on global arrays, the sequence split over mesh axis `seq_axis`.
 
     Runs `ring_attention_shard` under `jax.shard_map`, manual over the named
@@ -363,17 +413,25 @@ def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, posi
     used = (*batch_axes, seq_axis, *((head_axis,) if head_axis else ()))
     missing = [a for a in used if a not in mesh.axis_names]
     if missing:
-        raise ValueError(f"ring_attention: mesh axes {missing} are not in the mesh {tuple(mesh.axis_names)}; "
-                         f"pass existing names as seq_axis/batch_axes/head_axis")
+        raise ValueError(
+            f"ring_attention: mesh axes {missing} are not in the mesh {tuple(mesh.axis_names)}; "
+            f"pass existing names as seq_axis/batch_axes/head_axis"
+        )
     size = dict(mesh.shape)
     B, L, H, _ = q_BLHK.shape
     G = k_BSGK.shape[2]
     n_batch, n_seq, n_head = math.prod(size[a] for a in batch_axes), size[seq_axis], size.get(head_axis, 1)
-    for what, dim, parts, axes in (("batch", B, n_batch, batch_axes), ("sequence", L, n_seq, seq_axis),
-                                   ("query heads", H, n_head, head_axis), ("kv heads", G, n_head, head_axis)):
+    for what, dim, parts, axes in (
+        ("batch", B, n_batch, batch_axes),
+        ("sequence", L, n_seq, seq_axis),
+        ("query heads", H, n_head, head_axis),
+        ("kv heads", G, n_head, head_axis),
+    ):
         if dim % parts:
-            raise ValueError(f"ring_attention: {what} size {dim} is not divisible by mesh axes {axes} "
-                             f"(size {parts}); change the shape or the mesh")
+            raise ValueError(
+                f"ring_attention: {what} size {dim} is not divisible by mesh axes {axes} "
+                f"(size {parts}); change the shape or the mesh"
+            )
     sub_blocks = 2 if (L // n_seq) % 2 == 0 else 1
 
     b = batch_axes if len(batch_axes) > 1 else (batch_axes[0] if batch_axes else None)
@@ -381,9 +439,11 @@ def ring_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, posi
     spec_pos = PartitionSpec(b, seq_axis)
 
     def body(q, k, v, pos):
-        return ring_attention_shard(q, k, v, pos, pos, axis_name=seq_axis, scale=scale, causal=causal,
-                                    sub_blocks=sub_blocks)
+        return ring_attention_shard(
+            q, k, v, pos, pos, axis_name=seq_axis, scale=scale, causal=causal, sub_blocks=sub_blocks
+        )
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(spec_x, spec_x, spec_x, spec_pos), out_specs=spec_x,
-                      axis_names=frozenset(used))
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec_x, spec_x, spec_x, spec_pos), out_specs=spec_x, axis_names=frozenset(used)
+    )
     return f(q_BLHK, k_BSGK, v_BSGK, positions_BL)

@@ -68,35 +68,37 @@ _BASE: dict[str, MeshAxes] = {
     "head_dim": None,
     "mlp": None,
     "layers": None,
-    "expert": None,         # the stacked-experts dimension of MoE weights
-    "router": None,         # the experts dimension of the router's weight and bias
-    "lora_rank": None,      # fine-tuning's low-rank dimension: LoRA rank, adapter bottleneck (models/lora.py)
+    "expert": None,  # the stacked-experts dimension of MoE weights
+    "router": None,  # the experts dimension of the router's weight and bias
+    "lora_rank": None,  # fine-tuning's low-rank dimension: LoRA rank, adapter bottleneck (models/lora.py)
     # UNet weights: the output-channel dimension of a conv or dense layer is `embed`
     # (what fsdp splits); these name the other dimensions.
-    "conv_kh": None,        # convolution kernel height
-    "conv_kw": None,        # convolution kernel width
-    "channels_in": None,    # input channels/features of a UNet conv or dense layer (and norms over them)
-    "image_channels": None, # the image's own channels (in/out of the first/last conv)
-    "classes": None,        # rows of the class-embedding table
+    "conv_kh": None,  # convolution kernel height
+    "conv_kw": None,  # convolution kernel width
+    "channels_in": None,  # input channels/features of a UNet conv or dense layer (and norms over them)
+    "image_channels": None,  # the image's own channels (in/out of the first/last conv)
+    "classes": None,  # rows of the class-embedding table
     # activations
     "act_batch": ("data", "fsdp"),
-    "act_seq": None,        # sequence inside attention and the MLP
-    "act_norm_seq": None,   # sequence of the residual stream and norms (Megatron-SP splits only this)
+    "act_seq": None,  # sequence inside attention and the MLP
+    "act_norm_seq": None,  # sequence of the residual stream and norms (Megatron-SP splits only this)
     "act_embed": None,
     "act_heads": None,
     "act_kv_heads": None,
     "act_head_dim": None,
     "act_mlp": None,
     "act_vocab": None,
-    "act_expert": None,     # the experts dimension of dispatched tokens
-    "act_height": None,     # image rows (NHWC activations)
-    "act_width": None,      # image columns
-    "act_channels": None,   # image channels
+    "act_expert": None,  # the experts dimension of dispatched tokens
+    "act_height": None,  # image rows (NHWC activations)
+    "act_width": None,  # image columns
+    "act_channels": None,  # image channels
 }
 
 _DATA_PARALLEL = ("data", "fsdp")
-_TENSOR_PARALLEL = {name: "tensor" for name in (
-    "heads", "kv_heads", "mlp", "vocab", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")}
+_TENSOR_PARALLEL = {
+    name: "tensor"
+    for name in ("heads", "kv_heads", "mlp", "vocab", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+}
 
 # preset -> role ("all" or one of ROLES) -> changes to the base table.
 PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
@@ -114,8 +116,9 @@ PRESETS: dict[str, dict[str, dict[str, MeshAxes]]] = {
 }
 
 
-def rules_for(preset: str, overrides: Mapping[str, MeshAxes | Sequence[str]] | None = None,
-              role: str = "params") -> Rules:
+def rules_for(
+    preset: str, overrides: Mapping[str, MeshAxes | Sequence[str]] | None = None, role: str = "params"
+) -> Rules:
     """The rules of `preset` (names joined by `+`, applied left to right) for `role`,
     with `overrides` applied last, as a tuple of (logical name, mesh axes) pairs.
 
@@ -129,8 +132,9 @@ def rules_for(preset: str, overrides: Mapping[str, MeshAxes | Sequence[str]] | N
     table = dict(_BASE)
     for name in preset.split("+"):
         if name not in PRESETS:
-            raise KeyError(f"rules.preset: unknown preset {name!r} in {preset!r}; "
-                           f"choose from {', '.join(PRESETS)}, joined by +")
+            raise KeyError(
+                f"rules.preset: unknown preset {name!r} in {preset!r}; choose from {', '.join(PRESETS)}, joined by +"
+            )
         table.update(PRESETS[name].get("all", {}))
         table.update(PRESETS[name].get(role, {}))
     for name, axes in (overrides or {}).items():

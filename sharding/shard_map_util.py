@@ -32,12 +32,15 @@ def vary_like(tree, *refs):
     def cast(x):
         missing = tuple(sorted(axes - _varying_axes(x)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
+
     return jax.tree.map(cast, tree)
 
 
 def vary_over(tree, axes):
     """`tree`'s arrays made varying over the manual `axes` (those they vary over already stay)."""
+
     def cast(x):
         missing = tuple(a for a in axes if a not in _varying_axes(x))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
+
     return jax.tree.map(cast, tree)

@@ -24,8 +24,10 @@ def cache_root() -> pathlib.Path:
 
 def versions() -> str:
     """py3.11.7-jax0.10.2-jaxlib0.10.2: what a compiled program and a trained run depend on besides the code."""
-    return (f"py{platform.python_version()}-jax{importlib.metadata.version('jax')}"
-            f"-jaxlib{importlib.metadata.version('jaxlib')}")
+    return (
+        f"py{platform.python_version()}-jax{importlib.metadata.version('jax')}"
+        f"-jaxlib{importlib.metadata.version('jaxlib')}"
+    )
 
 
 def compilation_cache_dir() -> pathlib.Path:
@@ -47,8 +49,9 @@ def use_persistent_compilation_cache() -> None:
 def prune(path: pathlib.Path, max_bytes: int = MAX_BYTES) -> int:
     """Deletes the oldest entries of a cache folder until it holds at most `max_bytes`; returns how
     many it deleted. Called by the session's first process, before any test compiles."""
-    entries = sorted(((st.st_mtime, st.st_size, p) for p in path.iterdir() if p.is_file() and (st := p.stat())),
-                     key=lambda e: e[0])
+    entries = sorted(
+        ((st.st_mtime, st.st_size, p) for p in path.iterdir() if p.is_file() and (st := p.stat())), key=lambda e: e[0]
+    )
     total, deleted = sum(size for _, size, _ in entries), 0
     for _, size, entry in entries:
         if total <= max_bytes:

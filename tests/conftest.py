@@ -13,8 +13,11 @@ import os
 # (RESULTS.md, 2026-12-04). The fusion pass plans for the emitters it has, so a test that counts the
 # compiled program's fusions or reads the shapes of its ops compiles with XLA's own (`XLA_EMITTERS`).
 OLDER_EMITTERS = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
-FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                      *(["--xla_cpu_use_fusion_emitters=false"] if OLDER_EMITTERS else [])]
+FAST_COMPILE_FLAGS = [
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    *(["--xla_cpu_use_fusion_emitters=false"] if OLDER_EMITTERS else []),
+]
 _flags = os.environ.get("XLA_FLAGS", "").split()
 for _flag in ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS]:
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):  # a flag set by the caller wins
@@ -39,7 +42,6 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
-
 import suite_timing  # noqa: E402
 
 pytest_plugins = ["suite_timing"]
@@ -72,8 +74,12 @@ def optimized_override() -> str:
 # `slow` (more layouts and signals, longer learning runs, the bigger notebooks) run with
 # `--tier slow`, and everything with `--tier all`. CI runs both tiers.
 def pytest_addoption(parser):
-    parser.addoption("--tier", choices=("quick", "slow", "all"), default="quick",
-                     help="quick (default): the tests not marked slow; slow: only those; all: every test")
+    parser.addoption(
+        "--tier",
+        choices=("quick", "slow", "all"),
+        default="quick",
+        help="quick (default): the tests not marked slow; slow: only those; all: every test",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -87,9 +93,19 @@ def pytest_collection_modifyitems(config, items):
 
 def tiny_overrides(run_dir) -> list[str]:
     """A model small enough that a compile plus a few dozen steps take seconds."""
-    return [f"run.dir={run_dir}", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-            "model.n_kv_heads=2", "model.d_ff=128", "data.seq_len=32", "train.global_batch=8",
-            "log.progress=false", "log.tensorboard=false", "log.eval_batches=2"]
+    return [
+        f"run.dir={run_dir}",
+        "model.d_model=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.d_ff=128",
+        "data.seq_len=32",
+        "train.global_batch=8",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "log.eval_batches=2",
+    ]
 
 
 # lm_tiny trained for 100 steps under three layouts: trained once per session,
@@ -129,21 +145,31 @@ class _LazyRuns(dict):
         from meshwork.train.loop import train
 
         layout = LM_TINY_LAYOUTS[name]
-        cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-            f"run.dir={run_dir}", f"train.steps={LM_TINY_STEPS}", "log.eval_every=100", "log.progress=false",
-            optimized_override(), *layout["overrides"]])
+        cfg = load_config(
+            ROOT / "configs/lm_tiny.yaml",
+            [
+                f"run.dir={run_dir}",
+                f"train.steps={LM_TINY_STEPS}",
+                "log.eval_every=100",
+                "log.progress=false",
+                optimized_override(),
+                *layout["overrides"],
+            ],
+        )
         return train(cfg, devices=jax.devices()[: layout["devices"]])
 
     def _shared(self, name):
         """The run trained once per machine and code version (`cache_dirs.shared_run`), not once per
         tier or pytest-xdist worker: its summary (all but the final state) is kept beside it."""
+
         def make(run_dir):
             summary = self._train(name, run_dir)
             return {k: summary[k] for k in ("val_loss", "last_step", "resumed_from")}
 
         layout = LM_TINY_LAYOUTS[name]
-        run_dir, summary = cache_dirs.shared_run(ROOT, f"lm_tiny_{name}",
-                                                 repr((LM_TINY_STEPS, layout, optimized_override())), make)
+        run_dir, summary = cache_dirs.shared_run(
+            ROOT, f"lm_tiny_{name}", repr((LM_TINY_STEPS, layout, optimized_override())), make
+        )
         summary["run_dir"] = run_dir
         summary["val_loss"] = {int(k): v for k, v in summary["val_loss"].items()}  # JSON keys are strings
         return summary
@@ -153,7 +179,6 @@ class _LazyRuns(dict):
 def lm_tiny_runs(tmp_path_factory):
     """name -> train() summary (with "run_dir", "state", "val_loss") of lm_tiny after LM_TINY_STEPS steps."""
     return _LazyRuns(tmp_path_factory)
-
 
 
 # The reliability tests' shared fixtures (tests/reliability/harness.py starts the runs): one
@@ -186,9 +211,17 @@ def unet_digits_run() -> tuple[pathlib.Path, dict]:
     sample grid and the evaluation at the end: trained once per machine and code version
     (`cache_dirs.shared_run`) for the slow tier's learning, CLI-sampling and DistriFusion-quality tests."""
     steps = UNET_DIGITS_STEPS
-    overrides = [f"train.steps={steps}", f"checkpoint.every={steps}", "log.progress=false", "log.tensorboard=false",
-                 "log.every=10", f"log.eval_every={steps}", f"log.sample_every={steps}", "mesh.data=1",
-                 optimized_override()]
+    overrides = [
+        f"train.steps={steps}",
+        f"checkpoint.every={steps}",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "log.every=10",
+        f"log.eval_every={steps}",
+        f"log.sample_every={steps}",
+        "mesh.data=1",
+        optimized_override(),
+    ]
 
     def make(run_dir):
         import jax
@@ -196,8 +229,10 @@ def unet_digits_run() -> tuple[pathlib.Path, dict]:
         from meshwork.config import load_config
         from meshwork.train.loop import train
 
-        summary = train(load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={run_dir}", *overrides]),
-                        devices=jax.devices()[:1])
+        summary = train(
+            load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={run_dir}", *overrides]),
+            devices=jax.devices()[:1],
+        )
         return {"val_loss": summary["val_loss"]}
 
     run_dir, summary = cache_dirs.shared_run(ROOT, "unet_digits", repr(overrides), make)

@@ -60,9 +60,14 @@ class _Meter:
 
     def snapshot(self) -> dict:
         me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return {"t": time.perf_counter(), "cpu": me.ru_utime + me.ru_stime,
-                "child_cpu": children.ru_utime + children.ru_stime, "compile": self.compile_s,
-                "subprocesses": self.subprocesses, "shared": self.shared_fixture_s}
+        return {
+            "t": time.perf_counter(),
+            "cpu": me.ru_utime + me.ru_stime,
+            "child_cpu": children.ru_utime + children.ru_stime,
+            "compile": self.compile_s,
+            "subprocesses": self.subprocesses,
+            "shared": self.shared_fixture_s,
+        }
 
 
 _METER = _Meter()
@@ -91,19 +96,25 @@ def _counting_popen_init(self, *args, **kwargs):
 
 
 def _delta(before: dict, after: dict) -> dict:
-    return {"wall_s": after["t"] - before["t"], "cpu_s": after["cpu"] - before["cpu"],
-            "compile_s": after["compile"] - before["compile"],
-            "child_cpu_s": after["child_cpu"] - before["child_cpu"],
-            "subprocesses": after["subprocesses"] - before["subprocesses"],
-            "shared_fixture_s": after["shared"] - before["shared"]}
+    return {
+        "wall_s": after["t"] - before["t"],
+        "cpu_s": after["cpu"] - before["cpu"],
+        "compile_s": after["compile"] - before["compile"],
+        "child_cpu_s": after["child_cpu"] - before["child_cpu"],
+        "subprocesses": after["subprocesses"] - before["subprocesses"],
+        "shared_fixture_s": after["shared"] - before["shared"],
+    }
 
 
 DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--record-durations", action="store_true",
-                     help="write each file's seconds of this run into tests/durations.json (the order files start in)")
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write each file's seconds of this run into tests/durations.json (the order files start in)",
+    )
 
 
 def _file_seconds(tier: str) -> dict[str, float]:
@@ -141,8 +152,11 @@ def _record_durations(records: list[dict], tier: str) -> None:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "over_budget(reason, seconds=N): a quick-tier test allowed past the "
-                                       f"{BUDGET_S:.0f} s budget, why, and its own (tests/suite_timing.py)")
+    config.addinivalue_line(
+        "markers",
+        "over_budget(reason, seconds=N): a quick-tier test allowed past the "
+        f"{BUDGET_S:.0f} s budget, why, and its own (tests/suite_timing.py)",
+    )
     subprocess.Popen.__init__ = _counting_popen_init
 
 
@@ -181,9 +195,11 @@ def pytest_runtest_makereport(item, call):
     own = _own_seconds(_delta(start, _METER.snapshot()))
     if own > budget:
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} took {own:.1f} s of its own (setup + call, shared session fixtures "
-                           f"left out), over its {budget:.0f} s budget: make it cheaper, move it to the slow "
-                           f"tier, or mark it @pytest.mark.over_budget(\"why\", seconds=...)")
+        report.longrepr = (
+            f"{item.nodeid} took {own:.1f} s of its own (setup + call, shared session fixtures "
+            f"left out), over its {budget:.0f} s budget: make it cheaper, move it to the slow "
+            f'tier, or mark it @pytest.mark.over_budget("why", seconds=...)'
+        )
 
 
 def pytest_runtest_logreport(report):
@@ -207,14 +223,18 @@ def _table(records: list[dict], session_wall_s: float) -> list[str]:
     compile_total = sum(r["compile_s"] for r in records)
     child_total = sum(r["child_cpu_s"] for r in records)
     cpu_total = sum(r["cpu_s"] for r in records) + child_total or 1.0
-    lines = [f"meshwork test times: {len(records)} tests, {total:.0f} s of test time in a {session_wall_s:.0f} s "
-             f"session; compile {compile_total:.0f} s ({100 * compile_total / total:.0f}% of test time), "
-             f"subprocess CPU {child_total:.0f} s ({100 * child_total / cpu_total:.0f}% of CPU), "
-             f"{sum(r['subprocesses'] for r in records)} subprocesses",
-             f"slowest {SLOWEST}:  wall s | share | shared fixture s | compile s | subprocesses (CPU s) | test"]
+    lines = [
+        f"meshwork test times: {len(records)} tests, {total:.0f} s of test time in a {session_wall_s:.0f} s "
+        f"session; compile {compile_total:.0f} s ({100 * compile_total / total:.0f}% of test time), "
+        f"subprocess CPU {child_total:.0f} s ({100 * child_total / cpu_total:.0f}% of CPU), "
+        f"{sum(r['subprocesses'] for r in records)} subprocesses",
+        f"slowest {SLOWEST}:  wall s | share | shared fixture s | compile s | subprocesses (CPU s) | test",
+    ]
     for r in sorted(records, key=lambda r: -r["wall_s"])[:SLOWEST]:
-        lines.append(f"  {r['wall_s']:7.1f} | {100 * r['wall_s'] / total:4.1f}% | {r['shared_fixture_s']:6.1f} | "
-                     f"{r['compile_s']:6.1f} | {r['subprocesses']:2d} ({r['child_cpu_s']:5.1f}) | {r['test']}")
+        lines.append(
+            f"  {r['wall_s']:7.1f} | {100 * r['wall_s'] / total:4.1f}% | {r['shared_fixture_s']:6.1f} | "
+            f"{r['compile_s']:6.1f} | {r['subprocesses']:2d} ({r['child_cpu_s']:5.1f}) | {r['test']}"
+        )
     return lines
 
 

@@ -15,8 +15,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Folder of each import package: src/meshwork, and the root folders its links (src/meshwork/models, ...) name.
-FOLDERS = {"meshwork.sharding": "sharding", "meshwork.models": "models", "meshwork.train": "train",
-           "meshwork.inference": "inference", "meshwork": "src/meshwork"}
+FOLDERS = {
+    "meshwork.sharding": "sharding",
+    "meshwork.models": "models",
+    "meshwork.train": "train",
+    "meshwork.inference": "inference",
+    "meshwork": "src/meshwork",
+}
 # What each layer may import of ours (itself included).
 ALLOWED = {
     "sharding": {"sharding"},
@@ -83,11 +88,15 @@ def violations() -> list[str]:
     bad = []
     for src, dst, line in import_edges():
         if not dst.startswith("meshwork"):
-            bad.append(f"{mods[src].relative_to(ROOT)}:{line}: {src} imports {dst}, a top-level name outside "
-                       "the meshwork namespace (write meshwork.{dst})")
+            bad.append(
+                f"{mods[src].relative_to(ROOT)}:{line}: {src} imports {dst}, a top-level name outside "
+                "the meshwork namespace (write meshwork.{dst})"
+            )
         elif layer_of(dst) not in ALLOWED[layer_of(src)]:
-            bad.append(f"{mods[src].relative_to(ROOT)}:{line}: {src} ({layer_of(src)}) imports {dst} "
-                       f"({layer_of(dst)}); {layer_of(src)} may import only {sorted(ALLOWED[layer_of(src)])}")
+            bad.append(
+                f"{mods[src].relative_to(ROOT)}:{line}: {src} ({layer_of(src)}) imports {dst} "
+                f"({layer_of(dst)}); {layer_of(src)} may import only {sorted(ALLOWED[layer_of(src)])}"
+            )
     return bad
 
 
@@ -99,8 +108,14 @@ def test_imports_flow_one_way():
 def test_every_module_is_seen():
     """The graph covers the whole package: a module the walk missed could hide an edge."""
     names = set(modules())
-    for expected in ("meshwork.sharding.rules", "meshwork.run.checkpoint", "meshwork.models.transformer",
-                     "meshwork.train.loop", "meshwork.models.hf", "meshwork.kernels.flash_attention"):
+    for expected in (
+        "meshwork.sharding.rules",
+        "meshwork.run.checkpoint",
+        "meshwork.models.transformer",
+        "meshwork.train.loop",
+        "meshwork.models.hf",
+        "meshwork.kernels.flash_attention",
+    ):
         assert expected in names
     assert len(names) > 80
 
@@ -109,8 +124,11 @@ def test_checker_catches_a_violation(tmp_path):
     """The checker itself fails on an edge against the flow (so the test above can fail)."""
     src = "from meshwork.train.loop import Trainer\nimport meshwork.inference.lm\nfrom . import rules\n"
     tree = ast.parse(src)
-    found = [t for node in ast.walk(tree) for t in
-             _imported(node, "meshwork.sharding.mesh", False, {"meshwork.sharding.rules"})]
+    found = [
+        t
+        for node in ast.walk(tree)
+        for t in _imported(node, "meshwork.sharding.mesh", False, {"meshwork.sharding.rules"})
+    ]
     assert found == ["meshwork.train.loop", "meshwork.inference.lm", "meshwork.sharding.rules"]
     assert [layer_of(m) for m in found] == ["train", "inference", "sharding"]
     assert not {"train", "inference"} & ALLOWED["sharding"]

@@ -49,16 +49,24 @@ def cache(tmp_path, monkeypatch):
 # tuning.py
 # --------------------------------------------------------------------------
 
+
 def test_key_buckets_lengths_and_keeps_what_changes_the_best_tile():
     key = shape_key(L=4000, S=4096, K=128, dtype=jnp.bfloat16, causal=True)
     assert key == "L4096-S4096-K128-bfloat16-causal"
     assert shape_key(L=3, S=100, K=64, dtype="float32", causal=False) == "L128-S128-K64-float32-full"
-    assert shape_key(L=4097, S=4096, K=128, dtype=jnp.dtype("bfloat16"), causal=True) \
-        == "L8192-S4096-K128-bfloat16-causal"
-    assert {shape_key(L=1, S=1, K=8, dtype=d, causal=True) for d in (np.float32, np.dtype("float32"), jnp.float32,
-                                                                      "float32")} == {"L128-S128-K8-float32-causal"}
-    variants = {shape_key(L=4096, S=4096, K=K, dtype=d, causal=c)
-                for K in (64, 128) for d in ("bfloat16", "float32") for c in (False, True)}
+    assert (
+        shape_key(L=4097, S=4096, K=128, dtype=jnp.dtype("bfloat16"), causal=True) == "L8192-S4096-K128-bfloat16-causal"
+    )
+    assert {
+        shape_key(L=1, S=1, K=8, dtype=d, causal=True)
+        for d in (np.float32, np.dtype("float32"), jnp.float32, "float32")
+    } == {"L128-S128-K8-float32-causal"}
+    variants = {
+        shape_key(L=4096, S=4096, K=K, dtype=d, causal=c)
+        for K in (64, 128)
+        for d in ("bfloat16", "float32")
+        for c in (False, True)
+    }
     assert len(variants) == 8
     with pytest.raises(ValueError, match="positive"):
         shape_key(L=0, S=1, K=64, dtype="float32", causal=True)
@@ -88,7 +96,7 @@ def test_empty_config_means_the_defaults_won(cache):
 def test_nearest_bucket_fallback(cache):
     key = shape_key(L=4096, S=4096, K=128, dtype="bfloat16", causal=True)
     record(DEV, key, {"block_q": 128})
-    near = shape_key(L=8192, S=8192, K=128, dtype="bfloat16", causal=True)   # log2 distance 1 + 1
+    near = shape_key(L=8192, S=8192, K=128, dtype="bfloat16", causal=True)  # log2 distance 1 + 1
     far = shape_key(L=16384, S=16384, K=128, dtype="bfloat16", causal=True)  # 2 + 2
     other = shape_key(L=4096, S=4096, K=64, dtype="bfloat16", causal=True)
     assert lookup(DEV, near) is None, "exact by default"
@@ -96,8 +104,9 @@ def test_nearest_bucket_fallback(cache):
     assert lookup(DEV, far, nearest=True) is None
     assert lookup(DEV, other, nearest=True) is None, "head dim, dtype and causality never fall back"
     record(DEV, shape_key(L=16384, S=16384, K=128, dtype="bfloat16", causal=True), {"block_q": 64})
-    assert lookup(DEV, shape_key(L=8192, S=8192, K=128, dtype="bfloat16", causal=True), nearest=True) \
-        == {"block_q": 64}, "equal distance: the longer bucket wins"
+    assert lookup(DEV, shape_key(L=8192, S=8192, K=128, dtype="bfloat16", causal=True), nearest=True) == {
+        "block_q": 64
+    }, "equal distance: the longer bucket wins"
 
 
 def test_missing_or_disabled_cache_gives_the_kernel_defaults(tmp_path, monkeypatch):
@@ -131,7 +140,11 @@ def test_tuned_blocks_keys_on_device_and_shape_not_batch_or_heads(cache):
     for B, H in ((1, 2), (8, 16)):
         q = spec(B, 200, H, 32, jnp.float32)
         assert tuned_blocks(q, spec(B, 256, 1, 32, jnp.float32), True, "cpu") == {
-            "block_q": 64, "block_kv": 32, "num_warps": 8, "num_stages": 3}
+            "block_q": 64,
+            "block_kv": 32,
+            "num_warps": 8,
+            "num_stages": 3,
+        }
     assert tuned_blocks(spec(1, 256, 2, 32, jnp.float32), spec(1, 256, 2, 32, jnp.float32), False, "cpu") == {}
     # No GPU on this host: a kernel lowered for one (as test_flash_attention does) finds no entry.
     assert tuned_blocks(spec(1, 256, 2, 32, jnp.float32), spec(1, 256, 2, 32, jnp.float32), True, "gpu") == {}
@@ -139,12 +152,18 @@ def test_tuned_blocks_keys_on_device_and_shape_not_batch_or_heads(cache):
 
 def test_tuned_blocks_feed_flash_attention(cache):
     q = jax.random.normal(jax.random.key(0), (1, 96, 2, 32))
-    record(jax.devices("cpu")[0].device_kind, shape_key(L=96, S=96, K=32, dtype=q.dtype, causal=True),
-           {"block_q": 32, "block_kv": 64, "num_warps": 8, "num_stages": 3})
+    record(
+        jax.devices("cpu")[0].device_kind,
+        shape_key(L=96, S=96, K=32, dtype=q.dtype, causal=True),
+        {"block_q": 32, "block_kv": 64, "num_warps": 8, "num_stages": 3},
+    )
     kwargs = tuned_blocks(q, q, True)
     assert kwargs == {"block_q": 32, "block_kv": 64, "num_warps": 8, "num_stages": 3}  # warps/stages: ignored on CPU
-    np.testing.assert_allclose(fa.flash_attention(q, q, q, causal=True, **kwargs),
-                               fa.flash_attention_reference(q, q, q, causal=True), atol=1e-5)
+    np.testing.assert_allclose(
+        fa.flash_attention(q, q, q, causal=True, **kwargs),
+        fa.flash_attention_reference(q, q, q, causal=True),
+        atol=1e-5,
+    )
 
 
 def test_importing_the_cache_does_not_import_jax():
@@ -160,11 +179,23 @@ def test_doctests():
 # The autotuner's static measure and search statistics
 # --------------------------------------------------------------------------
 
+
 def _kernels(shape, cand, backend, backward=True):
     B, L, S, H, G, K = (shape[k] for k in "BLSHGK")
-    attn = lambda q, k, v: fa.flash_attention(q, k, v, causal=shape["causal"], block_q=cand.block_q,  # noqa: E731
-                                              block_kv=cand.block_kv, num_warps=cand.num_warps,
-                                              num_stages=cand.num_stages, backend=backend)
+
+    def attn(q, k, v):
+        return fa.flash_attention(
+            q,
+            k,
+            v,
+            causal=shape["causal"],
+            block_q=cand.block_q,
+            block_kv=cand.block_kv,
+            num_warps=cand.num_warps,
+            num_stages=cand.num_stages,
+            backend=backend,
+        )
+
     specs = (spec(B, L, H, K), spec(B, S, G, K), spec(B, S, G, K), spec(B, L, H, K))
     traced = jax.jit(step(attn, backward)).trace(*specs)
     return traced, kc.kernels_of(traced, shape, cand, backend)
@@ -196,8 +227,12 @@ def test_gpu_candidate_reaches_the_lowered_triton_calls():
     assert pb.compiler_params("gpu", 3, 64).num_warps == 4, "the defaults are unchanged"
     cost, facts = cm.gpu_cost(kernels, "NVIDIA H100", "bfloat16")
     assert 0 < cost < math.inf and facts["smem_kib"] > 0
-    _, big = _kernels(dict(shape, L=4096, S=4096, K=256), search.Candidate(block_q=256, block_kv=256, num_stages=4),
-                      "gpu", backward=False)
+    _, big = _kernels(
+        dict(shape, L=4096, S=4096, K=256),
+        search.Candidate(block_q=256, block_kv=256, num_stages=4),
+        "gpu",
+        backward=False,
+    )
     cost, facts = cm.gpu_cost(big, "NVIDIA H100", "bfloat16")
     assert cost == math.inf and "shared memory" in facts["infeasible"]
 
@@ -214,23 +249,23 @@ def test_search_statistics():
 # Both scripts end to end (--quick, CPU)
 # --------------------------------------------------------------------------
 
+
 def _run_script(args, tmp_path, limit_s=120):
     env = dict(os.environ, JAX_PLATFORMS="cpu", MESHWORK_TUNING_CACHE=str(tmp_path / "env-cache.json"))
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=limit_s)
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout, time.perf_counter() - t0
 
 
 @pytest.mark.slow
 def test_attention_benchmark_quick(tmp_path):
-    stdout, seconds = _run_script(["benchmarks/attention.py", "--quick", "--json", str(tmp_path / "a.json")],
-                                  tmp_path)
+    stdout, seconds = _run_script(["benchmarks/attention.py", "--quick", "--json", str(tmp_path / "a.json")], tmp_path)
     assert "cudnn: skipped" in stdout and "pallas/xla" in stdout and "temp per sequence" in stdout
     cells = json.loads((tmp_path / "a.json").read_text())["cells"]
     assert {(c["impl"], c["passes"], c["causal"]) for c in cells} == {
-        (i, p, c) for i in ("pallas", "xla") for p in ("fwd", "fwd+bwd") for c in (False, True)}
+        (i, p, c) for i in ("pallas", "xla") for p in ("fwd", "fwd+bwd") for c in (False, True)
+    }
     assert all(c["seconds"] > 0 and c["temp"] is not None for c in cells)
     print(f"attention.py --quick: {seconds:.0f} s")
 
@@ -238,8 +273,10 @@ def test_attention_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_autotune_quick(tmp_path):
     cache_file = tmp_path / "tuned.json"
-    stdout, seconds = _run_script(["benchmarks/autotune_attention.py", "--quick", "--cache", str(cache_file),
-                                   "--json", str(tmp_path / "t.json")], tmp_path)
+    stdout, seconds = _run_script(
+        ["benchmarks/autotune_attention.py", "--quick", "--cache", str(cache_file), "--json", str(tmp_path / "t.json")],
+        tmp_path,
+    )
     assert "trials to reach best: static order" in stdout and "backend gpu (static only)" in stdout
     entries = json.loads(cache_file.read_text())["entries"]
     assert list(entries) == [jax.devices("cpu")[0].device_kind]

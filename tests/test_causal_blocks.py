@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+
 from meshwork.models.layers import attention
 from meshwork.models.layers.causal_blocks import QUERY_BLOCK, causal_blocks
 
@@ -15,8 +16,11 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 def _qkv(B, L, G, R, K, seed=0, dtype=F32):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(kq, (B, L, G, R, K)).astype(dtype), jax.random.normal(kk, (B, L, G, K)).astype(dtype),
-            jax.random.normal(kv, (B, L, G, K)).astype(dtype))
+    return (
+        jax.random.normal(kq, (B, L, G, R, K)).astype(dtype),
+        jax.random.normal(kk, (B, L, G, K)).astype(dtype),
+        jax.random.normal(kv, (B, L, G, K)).astype(dtype),
+    )
 
 
 formula = functools.partial(attention._softmax_weighted_values, scale=0.25)
@@ -29,7 +33,7 @@ def _plain(q, k, v):
 
 def _loss(attn):
     r = jax.random.normal(jax.random.key(9), (2, 40, 2, 3, 16))  # a fixed cotangent
-    return lambda q, k, v: jnp.sum(attn(q, k, v).astype(F32) * r[:, :q.shape[1]])
+    return lambda q, k, v: jnp.sum(attn(q, k, v).astype(F32) * r[:, : q.shape[1]])
 
 
 @pytest.mark.parametrize("block", [8, 16, 40])  # 40: one block, the plain formula
@@ -56,7 +60,9 @@ def test_masked_keys_are_not_computed(n_blocks):
     q, k, v = _qkv(1, 64 * n_blocks, 1, 2, 32)
     blocked = functools.partial(causal_blocks, formula, block=64)
     fwd = _flops(blocked, q, k, v) / _flops(_plain, q, k, v)
-    bwd = _flops(jax.grad(_loss_any(blocked), (0, 1, 2)), q, k, v) / _flops(jax.grad(_loss_any(_plain), (0, 1, 2)), q, k, v)
+    bwd = _flops(jax.grad(_loss_any(blocked), (0, 1, 2)), q, k, v) / _flops(
+        jax.grad(_loss_any(_plain), (0, 1, 2)), q, k, v
+    )
     expected = (n_blocks + 1) / (2 * n_blocks)
     print(f"{n_blocks} blocks: forward {fwd:.3f}, backward {bwd:.3f} of the plain FLOPs; expected {expected:.3f}")
     assert expected - 0.05 < fwd < expected + 0.05 and expected - 0.05 < bwd < expected + 0.05
@@ -81,5 +87,6 @@ def test_bf16_xla_attention_runs_blocks_and_tracks_f32():
     print("relative error vs f32: blocked", err(got), "unblocked", err(unblocked))
     assert err(got) <= 1.2 * err(unblocked) + 1e-4
     ratio = _flops(lambda *a: attention.attend(*a), *bf) / _flops(
-        lambda *a: attention._mixed_precision_attention(*a, mask, causal=True, scale=None), *bf)
+        lambda *a: attention._mixed_precision_attention(*a, mask, causal=True, scale=None), *bf
+    )
     assert ratio < 0.85, ratio

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,17 +26,17 @@ from meshwork.run.metrics import read_metrics
 from meshwork.train.loop import train
 from meshwork.train.run_dir.resume import newest_tier
 
-from conftest import ROOT, tiny_overrides
-
 
 def _state(n_devices=8):
     """A small state sharded like fsdp (rows over devices), a replicated scalar and a replicated vector."""
     mesh = jax.make_mesh((n_devices,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n_devices])
     rows, whole = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
     key = jax.random.key(0)
-    return {"w": jax.device_put(jax.random.normal(key, (16, 8)), rows),
-            "m": {"v": jax.device_put(jnp.arange(8.0), whole)},
-            "step": jax.device_put(jnp.int32(7), whole)}
+    return {
+        "w": jax.device_put(jax.random.normal(key, (16, 8)), rows),
+        "m": {"v": jax.device_put(jnp.arange(8.0), whole)},
+        "step": jax.device_put(jnp.int32(7), whole),
+    }
 
 
 def _on(n_devices, state):
@@ -116,9 +117,19 @@ def test_tier_and_auto_settings_that_cannot_work_are_refused():
 
 def test_auto_interval_is_dalys_interval_of_the_measured_cost(tmp_path):
     mttf_hours = 0.0002  # 0.72 s: tiny steps, so the interval comes out at a few steps
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-        *tiny_overrides(tmp_path), "train.steps=16", "log.every=1", "log.eval_every=16", "mesh.data=1",
-        "checkpoint.every=auto", f"run.mttf_hours={mttf_hours}", "checkpoint.keep=20"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [
+            *tiny_overrides(tmp_path),
+            "train.steps=16",
+            "log.every=1",
+            "log.eval_every=16",
+            "mesh.data=1",
+            "checkpoint.every=auto",
+            f"run.mttf_hours={mttf_hours}",
+            "checkpoint.keep=20",
+        ],
+    )
     done = train(cfg, devices=jax.devices()[:1])
     stalls = done["checkpoint_stalls"]["persistent"]
     rows = [r for r in read_metrics(tmp_path) if "checkpoint_every" in r]
@@ -175,8 +186,10 @@ def test_disk_fast_tier_survives_kill_9_and_both_tiers_restore_bit_exact(tmp_pat
         assert_same_final_state(tmp_path / name, reference)
         last = read_metrics(tmp_path / name)[-1]
         recovery[name] = last["time_restore_s"]
-    print(f"\nkilled after fast step {fast_step}: restore {recovery['killed']:.3f} s from the fast tier, "
-          f"{recovery['persistent']:.3f} s from the persistent tier (step 10)")
+    print(
+        f"\nkilled after fast step {fast_step}: restore {recovery['killed']:.3f} s from the fast tier, "
+        f"{recovery['persistent']:.3f} s from the persistent tier (step 10)"
+    )
 
 
 def test_each_checkpoint_is_crc_checked_once_and_again_only_when_its_files_change(tmp_path, monkeypatch):

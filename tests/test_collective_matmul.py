@@ -14,16 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 from jax.sharding import PartitionSpec as P
 
 import meshwork.sharding.collective_matmul as cm
 from meshwork.sharding.hlo import collective_summary
 from meshwork.sharding.mesh import make_mesh
 
-from conftest import ROOT, tiny_overrides
-
 B, L, D, F = 4, 16, 32, 64  # L and F split into 8 along `tensor`
-TOL = 1e-5                  # max |error| relative to max |reference|
+TOL = 1e-5  # max |error| relative to max |reference|
 MESHES = {"2x4": dict(data=2, tensor=4), "4x2": dict(data=4, tensor=2), "1x8": dict(tensor=8)}
 SEQ, REP = P(("data", "fsdp"), "tensor", None), P(("data", "fsdp"), None, "tensor")
 COLUMN, ROW = P(None, "tensor"), P("tensor", None)
@@ -37,17 +36,29 @@ def _random(shape, seed, scale=1.0):
 #           decomposed (all-gathers, reduce-scatters) in the forward pass, unsharded reference)
 LAYERS = {
     "all_gather_matmul": (
-        (_random((B, L, D), 0), _random((D, F), 1, D ** -0.5)), (SEQ, COLUMN), REP,
-        lambda c: lambda x, w: cm.all_gather_matmul(x, w, "tensor", collective=c), (1, 0),
-        lambda x, w: x @ w),
+        (_random((B, L, D), 0), _random((D, F), 1, D**-0.5)),
+        (SEQ, COLUMN),
+        REP,
+        lambda c: lambda x, w: cm.all_gather_matmul(x, w, "tensor", collective=c),
+        (1, 0),
+        lambda x, w: x @ w,
+    ),
     "matmul_reduce_scatter": (
-        (_random((B, L, F), 2), _random((F, D), 3, F ** -0.5)), (REP, ROW), SEQ,
-        lambda c: lambda h, w: cm.matmul_reduce_scatter(h, w, "tensor", collective=c), (0, 1),
-        lambda h, w: h @ w),
+        (_random((B, L, F), 2), _random((F, D), 3, F**-0.5)),
+        (REP, ROW),
+        SEQ,
+        lambda c: lambda h, w: cm.matmul_reduce_scatter(h, w, "tensor", collective=c),
+        (0, 1),
+        lambda h, w: h @ w,
+    ),
     "mlp": (
-        (_random((B, L, D), 4), _random((D, F), 5, D ** -0.5), _random((D, F), 6, D ** -0.5),
-         _random((F, D), 7, F ** -0.5)), None, None, None, (1, 1),
-        lambda x, wg, wu, wd: (jax.nn.silu(x @ wg) * (x @ wu)) @ wd),
+        (_random((B, L, D), 4), _random((D, F), 5, D**-0.5), _random((D, F), 6, D**-0.5), _random((F, D), 7, F**-0.5)),
+        None,
+        None,
+        None,
+        (1, 1),
+        lambda x, wg, wu, wd: (jax.nn.silu(x @ wg) * (x @ wu)) @ wd,
+    ),
 }
 
 
@@ -163,10 +174,20 @@ def _train(tmp_path, collective: bool, steps: int = 2):
 
     # Nonzero lr at step 0 (a warmup from 0 makes step 1 a no-op); 4 K/V heads split over
     # tensor=4; one layer, since the compile is most of this test's time.
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-        *tiny_overrides(tmp_path), "optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10",
-        "mesh.data=2", "mesh.tensor=4", "rules.preset=sp", "model.n_kv_heads=4", "model.n_layers=1",
-        f"comm.collective_matmul={str(collective).lower()}"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [
+            *tiny_overrides(tmp_path),
+            "optimizer.init_lr_ratio=0.1",
+            "optimizer.warmup_steps=10",
+            "mesh.data=2",
+            "mesh.tensor=4",
+            "rules.preset=sp",
+            "model.n_kv_heads=4",
+            "model.n_layers=1",
+            f"comm.collective_matmul={str(collective).lower()}",
+        ],
+    )
     files = check_runtime(cfg, jax.devices())
     trainer = build_trainer(cfg, files, jax.devices()).compile()
     batches = train_iterator(str(files.train), cfg.data.seq_len, cfg.train.global_batch, seed=0)
@@ -189,8 +210,9 @@ def test_train_step_with_collective_matmul_equals_the_plain_one(tmp_path):
     assert plain["collective-permute"]["count"] == 0
     moved = lambda s, kinds: sum(s[k]["bytes"] for k in kinds)  # noqa: E731
     # No more traffic than GSPMD's own sequence-parallel MLP (which in fact sends a little more).
-    assert moved(got, ("all-gather", "reduce-scatter", "collective-permute")) <= \
-        moved(plain, ("all-gather", "reduce-scatter"))
+    assert moved(got, ("all-gather", "reduce-scatter", "collective-permute")) <= moved(
+        plain, ("all-gather", "reduce-scatter")
+    )
 
 
 def test_docstring_examples():

@@ -49,17 +49,18 @@ def _run(body, mesh, axes, x):
 def _all_reduce_case(algorithm: str, n_devices: int, per_device: tuple[int, ...]):
     mesh = _mesh((n_devices,), ("ring",))
     x = _random((n_devices,) + per_device)
-    body = {"naive": ar.naive_all_reduce, "ring": ar.ring_all_reduce, "tree": ar.tree_all_reduce,
-            "psum": lax.psum}[algorithm]
+    body = {"naive": ar.naive_all_reduce, "ring": ar.ring_all_reduce, "tree": ar.tree_all_reduce, "psum": lax.psum}[
+        algorithm
+    ]
     return (x, mesh) + _run(lambda b: body(b, "ring"), mesh, "ring", x)
 
 
 ALL_REDUCE_CASES = [
     ("naive", 8, (1, 16)),
-    ("ring", 8, (1, 16)),      # 16 elements: 8 chunks of 2
-    ("ring", 8, (1, 3, 5)),    # 15 elements: padded to 16
+    ("ring", 8, (1, 16)),  # 16 elements: 8 chunks of 2
+    ("ring", 8, (1, 3, 5)),  # 15 elements: padded to 16
     ("tree", 8, (1, 16)),
-    ("naive", 6, (1, 7)),      # a non-power-of-two ring
+    ("naive", 6, (1, 7)),  # a non-power-of-two ring
     ("ring", 6, (1, 7)),
 ]
 ROUNDS = {"naive": lambda p: 2 * (p - 1), "ring": lambda p: 2 * (p - 1), "tree": lambda p: int(math.log2(p))}
@@ -122,12 +123,12 @@ def test_all_reduce_wrapper_over_two_axes_of_the_project_mesh():
 # All-to-all
 # ---------------------------------------------------------------------------
 
-PER_DEVICE = (8, 8, 2)   # every axis that might be split has size P = 8
+PER_DEVICE = (8, 8, 2)  # every axis that might be split has size P = 8
 A2A_CASES = [  # (split_axis, concat_axis, tiled)
     (0, 0, True),
     (1, 2, True),
-    (-2, -1, True),     # negative axes, as lax allows
-    (1, 2, False),      # the split axis (size P) vanishes; a new axis of size P appears at 2
+    (-2, -1, True),  # negative axes, as lax allows
+    (1, 2, False),  # the split axis (size P) vanishes; a new axis of size P appears at 2
     (0, 1, False),
 ]
 
@@ -160,9 +161,8 @@ def test_hierarchical_all_to_all_equals_lax(mesh_shape, split_axis, concat_axis,
 def test_all_to_all_semantics_spelled_out():
     # Device j ends with block j of every device, ordered by source j = node * L + local.
     x, _, y, _, _ = _a2a_case("hierarchical", (2, 4), 1, 2, True)
-    x_PABC = x.reshape(8, 8, 8, 2)                  # per device: (8, 8, 2); split axis 1 into 8 blocks of 1
-    expect = np.stack([np.concatenate([x_PABC[src][:, dst:dst + 1] for src in range(8)], axis=2)
-                       for dst in range(8)])
+    x_PABC = x.reshape(8, 8, 8, 2)  # per device: (8, 8, 2); split axis 1 into 8 blocks of 1
+    expect = np.stack([np.concatenate([x_PABC[src][:, dst : dst + 1] for src in range(8)], axis=2) for dst in range(8)])
     np.testing.assert_array_equal(y.reshape(expect.shape), expect)
 
 
@@ -179,7 +179,9 @@ def test_all_to_all_bytes_counted_compiled_and_formula_agree(mesh_shape):
         assert len(log.transfers) == n_permutes == rounds, algorithm
     # Hierarchical sends more in all, but the same bytes across nodes as direct.
     n = 8 * 128
-    assert traffic.bytes_sent_formula("hierarchical_all_to_all", n, 8, n_local=l)[0] == (l - 1) * n // l + (m - 1) * n // m
+    assert (
+        traffic.bytes_sent_formula("hierarchical_all_to_all", n, 8, n_local=l)[0] == (l - 1) * n // l + (m - 1) * n // m
+    )
     assert traffic.bytes_sent_formula("direct_all_to_all", n, 8)[0] == 7 * n // 8
 
 
@@ -211,8 +213,15 @@ def test_a_conditional_counts_as_its_heaviest_branch():
         two = lambda x: lax.psum(jnp.sin(lax.psum(x, "data")), "data")  # noqa: E731
         return lax.switch(i, [one, two, lambda x: x * 2], x)
 
-    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("data")),
-                              out_specs=PartitionSpec("data"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec("data")),
+            out_specs=PartitionSpec("data"),
+            check_vma=False,
+        )
+    )
     hlo = f.lower(jnp.int32(0), jnp.ones(8 * 64)).compile().as_text()
     summary = collective_summary(hlo)["all-reduce"]
     assert summary["count"] == 2, summary  # branch `two`; all branches summed would say 3

@@ -4,14 +4,13 @@ what each costs in validation loss against exact data parallelism after the same
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import ConfigError, load_config
 from meshwork.sharding.hlo import collective_summary
 from meshwork.train.comm import compressed, matrix_view
 from meshwork.train.loop import train
 from meshwork.train.trainer import build_trainer, check_runtime
-
-from conftest import ROOT, tiny_overrides
 
 STEPS = 40
 DP = ["mesh.data=8", "rules.preset=dp", "checkpoint.every=1000", f"log.eval_every={STEPS}"]
@@ -29,8 +28,9 @@ OPTIONS = {
 
 
 def _cfg(run_dir, name):
-    return load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(run_dir), f"train.steps={STEPS}", *DP,
-                                                       *OPTIONS[name]])
+    return load_config(
+        ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(run_dir), f"train.steps={STEPS}", *DP, *OPTIONS[name]]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,11 @@ def test_bytes_on_the_wire_fall_by_the_expected_factor(trainers):
     # PowerSGD rank r: r (rows + cols) per compressed matrix, the other leaves exactly.
     shapes = [x.shape for x in jax.tree.leaves(trainers["dp"].abstract["params"])]
     for name, r in (("powersgd", 1), ("powersgd_r4", 4)):
-        expect = sum(4 * (b * r * (rows + cols) if compressed(s, r) else int(np.prod(s)))
-                     for s in shapes for b, rows, cols in [matrix_view(s) or (1, 1, int(np.prod(s)))])
+        expect = sum(
+            4 * (b * r * (rows + cols) if compressed(s, r) else int(np.prod(s)))
+            for s in shapes
+            for b, rows, cols in [matrix_view(s) or (1, 1, int(np.prod(s)))]
+        )
         psgd = _wire(trainers[name])
         assert psgd["all-reduce"]["bytes"] == pytest.approx(ring * expect, rel=0.02), name
     assert _wire(trainers["powersgd"])["all-reduce"]["bytes"] < ring * grads / 30  # 1/35.5 on this model
@@ -88,13 +91,19 @@ def test_bytes_on_the_wire_fall_by_the_expected_factor(trainers):
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     """Validation loss after STEPS steps under each option (lm_tiny, 8 devices)."""
-    return {name: train(_cfg(tmp_path_factory.mktemp(f"run_{name}"), name))["val_loss"][STEPS]
-            for name in MARGINS}
+    return {name: train(_cfg(tmp_path_factory.mktemp(f"run_{name}"), name))["val_loss"][STEPS] for name in MARGINS}
 
 
 # Relative margins over exact DP's validation loss after 40 steps (docs/communication.md; benchmarks/RESULTS.md holds the measured table).
-MARGINS = {"dp": 0.0, "bf16": 0.002, "int8": 0.01, "powersgd_r2": 0.05, "stale": 0.05, "diloco": 0.08,
-           "overlap": 1e-5}  # scheduling options change when things run, not what is computed
+MARGINS = {
+    "dp": 0.0,
+    "bf16": 0.002,
+    "int8": 0.01,
+    "powersgd_r2": 0.05,
+    "stale": 0.05,
+    "diloco": 0.08,
+    "overlap": 1e-5,
+}  # scheduling options change when things run, not what is computed
 
 
 @pytest.mark.slow
@@ -119,9 +128,10 @@ def test_error_feedback_keeps_the_sum_of_sent_gradients_on_track(compression, tm
 
 
 def test_bad_combinations_are_refused(tmp_path):
-    for extra, culprit in ((["comm.compression=int8", "rules.preset=fsdp", "mesh.fsdp=8", "mesh.data=1"],
-                            "comm.compression"),
-                           (["comm.compression=int8", "comm.local_steps=2"], "comm.local_steps")):
+    for extra, culprit in (
+        (["comm.compression=int8", "rules.preset=fsdp", "mesh.fsdp=8", "mesh.data=1"], "comm.compression"),
+        (["comm.compression=int8", "comm.local_steps=2"], "comm.local_steps"),
+    ):
         cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *DP, *extra])
         with pytest.raises(ConfigError, match=culprit):
             check_runtime(cfg)

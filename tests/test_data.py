@@ -1,13 +1,12 @@
 """Tokenizer, the default corpus, a user's own token file, and iterator state."""
 
 import numpy as np
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import load_config
 from meshwork.data.text import ByteTokenizer, eval_batches, stdlib_corpus, stdlib_sources, train_iterator
 from meshwork.run.metrics import read_metrics
 from meshwork.train.loop import train
-
-from conftest import ROOT, tiny_overrides
 
 
 def test_byte_tokenizer_round_trips_unicode():
@@ -58,9 +57,18 @@ def test_trains_on_a_users_token_file(tmp_path):
     cut = int(len(ids) * 0.9)
     ids[:cut].tofile(tmp_path / "train.bin")
     ids[cut:].tofile(tmp_path / "val.bin")
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-        *tiny_overrides(tmp_path / "run"), "data.source=tokens", f"data.train_path={tmp_path / 'train.bin'}",
-        f"data.val_path={tmp_path / 'val.bin'}", "train.steps=30", "log.eval_every=30", "mesh.data=8"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [
+            *tiny_overrides(tmp_path / "run"),
+            "data.source=tokens",
+            f"data.train_path={tmp_path / 'train.bin'}",
+            f"data.val_path={tmp_path / 'val.bin'}",
+            "train.steps=30",
+            "log.eval_every=30",
+            "mesh.data=8",
+        ],
+    )
     out = train(cfg)
     assert out["val_loss"][30] < out["val_loss"][0] - 1.0
     assert read_metrics(tmp_path / "run")[-1]["step"] == 30

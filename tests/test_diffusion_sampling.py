@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from meshwork.config_sections import DiffusionConfig
 from meshwork.diffusion import images
 from meshwork.diffusion import sampling as ds
-from meshwork.config_sections import DiffusionConfig
 from meshwork.diffusion.schedule import alphas_cumprod
 from meshwork.sharding.hlo import list_collectives
 from meshwork.sharding.mesh import make_mesh
@@ -40,8 +40,9 @@ def eps_global(x, t, labels=None, lam=0.5):
 
 
 def eps_global_np(x, a, lam=0.5):
-    return ((x - np.sqrt(a) * MU) * np.sqrt(1 - a) / (a * SIGMA**2 + 1 - a)
-            + lam * np.sqrt(1 - a) * (x.mean(axis=(1, 2, 3), keepdims=True) - np.sqrt(a) * MU))
+    return (x - np.sqrt(a) * MU) * np.sqrt(1 - a) / (a * SIGMA**2 + 1 - a) + lam * np.sqrt(1 - a) * (
+        x.mean(axis=(1, 2, 3), keepdims=True) - np.sqrt(a) * MU
+    )
 
 
 def step_abars(steps):
@@ -59,6 +60,7 @@ def key_and_xT(seed, shape):
 # --------------------------------------------------------------------------
 # Single-device samplers
 # --------------------------------------------------------------------------
+
 
 def test_docstring_examples():
     for module in (ds, images):
@@ -96,7 +98,7 @@ def test_ddpm_gaussian_moments():
     m, v = 0.0, 1.0
     for at, ap in zip(a, a_prev):
         D = at * SIGMA**2 + 1 - at
-        p, q = np.sqrt(at) * SIGMA**2 / D, MU - at * SIGMA**2 * MU / D       # x0_hat = p x + q
+        p, q = np.sqrt(at) * SIGMA**2 / D, MU - at * SIGMA**2 * MU / D  # x0_hat = p x + q
         beta = 1 - at / ap
         c0, c1 = np.sqrt(ap) * beta / (1 - at), np.sqrt(1 - beta) * (1 - ap) / (1 - at)
         m, v = (c0 * p + c1) * m + c0 * q, (c0 * p + c1) ** 2 * v + (1 - ap) / (1 - at) * beta
@@ -139,8 +141,11 @@ def test_v_prediction_matches_epsilon():
     shape = (2, 4, 4, 1)
     key, _ = key_and_xT(4, shape)
     for eta in (0.0, 1.0):
-        np.testing.assert_allclose(ds.ddim_sample(v_star, shape, key, cfg_v, steps=25, eta=eta),
-                                   ds.ddim_sample(eps_star, shape, key, CFG, steps=25, eta=eta), atol=1e-4)
+        np.testing.assert_allclose(
+            ds.ddim_sample(v_star, shape, key, cfg_v, steps=25, eta=eta),
+            ds.ddim_sample(eps_star, shape, key, CFG, steps=25, eta=eta),
+            atol=1e-4,
+        )
 
 
 def eps_labelled(x, t, labels):
@@ -161,15 +166,19 @@ def test_classifier_free_guidance():
     assert float(jnp.abs(cond - uncond).max()) > 0.05
     # The model is affine in the label, so scale s acts as the label null + s (y - null).
     g2 = ds.ddpm_sample(eps_labelled, shape, key, CFG, labels=y, guidance_scale=2.0, null_label=null, **kw)
-    np.testing.assert_allclose(g2, ds.ddpm_sample(eps_labelled, shape, key, CFG, labels=null + 2 * (y - null), **kw),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        g2, ds.ddpm_sample(eps_labelled, shape, key, CFG, labels=null + 2 * (y - null), **kw), atol=1e-4
+    )
     with pytest.raises(ValueError, match="null_label"):
         ds.ddim_sample(eps_labelled, shape, key, CFG, labels=y, guidance_scale=2.0)
 
 
 def test_params_are_arguments_not_constants():
     shape = (2, 4, 4, 1)
-    scaled = lambda w, x, t, y: w * eps_star(x, t)
+
+    def scaled(w, x, t, y):
+        return w * eps_star(x, t)
+
     key, _ = key_and_xT(6, shape)
     a = ds.ddim_sample(jax.tree_util.Partial(scaled, jnp.float32(1.0)), shape, key, CFG, steps=10)
     np.testing.assert_allclose(a, ds.ddim_sample(eps_star, shape, key, CFG, steps=10), atol=1e-6)
@@ -181,6 +190,7 @@ def test_params_are_arguments_not_constants():
 # --------------------------------------------------------------------------
 # Patch-parallel
 # --------------------------------------------------------------------------
+
 
 def ddim_trajectory_np(x_T, steps):
     """x_k for k = 0..S of single-device DDIM (eta = 0) with eps_global, in float64."""
@@ -209,7 +219,7 @@ def staleness_estimate(xs, steps, warmup, n):
         worst = 0.0
         for i in range(n):
             others = d.copy()
-            others[:, i * h:(i + 1) * h] = 0
+            others[:, i * h : (i + 1) * h] = 0
             worst = max(worst, np.abs(others.mean(axis=(1, 2, 3))).max())
         c = np.sqrt(1 - a_prev[k]) - np.sqrt(a_prev[k] / a[k]) * np.sqrt(1 - a[k])
         total += abs(c) * 0.5 * np.sqrt(1 - a[k]) * worst
@@ -260,8 +270,9 @@ def test_patch_parallel_global_model_error_bound_and_warmup():
 def test_patch_parallel_bytes_per_step_match_hlo():
     mesh = make_mesh({"sequence": 4, "data": 2})
     shape, steps = (4, 16, 8, 2), 12
-    hlo = ds.patch_parallel_hlo(eps_global, shape, jax.random.key(0), CFG, mesh=mesh, batch_axes=("data",),
-                                steps=steps, warmup=3)
+    hlo = ds.patch_parallel_hlo(
+        eps_global, shape, jax.random.key(0), CFG, mesh=mesh, batch_axes=("data",), steps=steps, warmup=3
+    )
     comm = ds.patch_parallel_comm_bytes(shape, 4, batch_shards=2)
     assert comm == {"patch_bytes": 2 * 4 * 8 * 2 * 4, "sent_per_step": 3 * 512, "gathered_bytes": 4 * 512}
     colls = list_collectives(hlo)
@@ -283,6 +294,7 @@ def test_patch_parallel_rejects_bad_arguments():
 # --------------------------------------------------------------------------
 # Grids
 # --------------------------------------------------------------------------
+
 
 def test_image_grid_and_png(tmp_path):
     gray = np.stack([np.full((4, 5, 1), v) for v in (-1.0, 0.0, 1.0)])

@@ -9,19 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT
 from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
 from meshwork.train.trainer import build_trainer, check_runtime
 
-from conftest import ROOT
-
 # train.steps is part of every compiled program (the schedule's length): one value for every test here
 # lets the 8-device comparison and the 60-step run share one compiled step through the session's cache.
 STEPS = 60
-SMALL = ["train.global_batch=16", "log.progress=false", "log.tensorboard=false", "log.eval_batches=2",
-         "optimizer.init_lr_ratio=0.1", f"train.steps={STEPS}"]
+SMALL = [
+    "train.global_batch=16",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "log.eval_batches=2",
+    "optimizer.init_lr_ratio=0.1",
+    f"train.steps={STEPS}",
+]
 
 
 def three_steps(tmp_path, overrides, n_devices):
@@ -40,11 +45,21 @@ def single(tmp_path_factory):
     return three_steps(tmp_path_factory.mktemp("unet1"), ["mesh.data=1"], 1)
 
 
-@pytest.mark.parametrize("overrides", [pytest.param(["mesh.data=8"], id="dp 8", marks=pytest.mark.slow),
-                                       pytest.param(["mesh.data=2", "mesh.fsdp=4", "rules.preset=fsdp"], id="fsdp 2x4",
-                                                    marks=pytest.mark.over_budget(
-                                                        "the UNet's train step compiled for 8 devices and for one "
-                                                        "(the 1-device one in the module fixture): ~45 s cold", seconds=90))])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["mesh.data=8"], id="dp 8", marks=pytest.mark.slow),
+        pytest.param(
+            ["mesh.data=2", "mesh.fsdp=4", "rules.preset=fsdp"],
+            id="fsdp 2x4",
+            marks=pytest.mark.over_budget(
+                "the UNet's train step compiled for 8 devices and for one "
+                "(the 1-device one in the module fixture): ~45 s cold",
+                seconds=90,
+            ),
+        ),
+    ],
+)
 def test_unet_sharded_training_equals_one_device(tmp_path, single, overrides):
     metrics, params, ema = three_steps(tmp_path, overrides, 8)
     np.testing.assert_allclose(metrics["loss"], single[0]["loss"], rtol=1e-5)
@@ -67,13 +82,37 @@ def test_unet_digits_loss_falls_and_the_cli_samples(tmp_path, unet_digits_run):
     assert "samples_per_s" in rows[-1] and rows[-1]["mfu"] > 0
     check_patch_parallel_on(run)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "inference", "diffusion", "--checkpoint", str(run), "--num", "10",
-                           "--steps", "5", "--out", str(tmp_path / "grid.png")], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inference",
+            "diffusion",
+            "--checkpoint",
+            str(run),
+            "--num",
+            "10",
+            "--steps",
+            "5",
+            "--out",
+            str(tmp_path / "grid.png"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "classifier reads" in proc.stdout and (tmp_path / "grid.png").stat().st_size > 500
-    bad = subprocess.run([sys.executable, "-m", "inference", "diffusion", "--checkpoint", str(tmp_path / "nope")],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "inference", "diffusion", "--checkpoint", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -97,8 +136,14 @@ def check_patch_parallel_on(run):
     shape, key, labels = (2, 16, 16, 1), jax.random.key(1), jnp.array([3, 7])
     kw = dict(steps=20, labels=labels, clip_sample=1.0)
     single = ddim_sample(fn, shape, key, d, **kw)
-    errors = {w: float(jnp.abs(patch_parallel_sample(fn, shape, key, d, mesh=mesh, batch_axes=("data",), warmup=w,
-                                                       **kw) - single).max()) for w in (1, 10, 20)}
+    errors = {
+        w: float(
+            jnp.abs(
+                patch_parallel_sample(fn, shape, key, d, mesh=mesh, batch_axes=("data",), warmup=w, **kw) - single
+            ).max()
+        )
+        for w in (1, 10, 20)
+    }
     assert errors[20] < 1e-5  # all steps synchronous: the single-device computation
     assert errors[10] < PATCH_PARALLEL_BOUND and errors[10] <= errors[1], errors
 

@@ -36,9 +36,16 @@ def _apply(graphdef, state, x, t, y):
 @pytest.fixture(scope="module")
 def unet():
     """(the whole-image UNet, jitted; its model_fn; the 4 x 2 mesh; an input, timesteps, labels)."""
-    cfg = UNetConfig(sample_size=16, block_out_channels=[16, 32], down_block_types=["DownBlock2D", "AttnDownBlock2D"],
-                     up_block_types=["AttnUpBlock2D", "UpBlock2D"], layers_per_block=1, norm_num_groups=4,
-                     attention_head_dim=8, num_class_embeds=11)
+    cfg = UNetConfig(
+        sample_size=16,
+        block_out_channels=[16, 32],
+        down_block_types=["DownBlock2D", "AttnDownBlock2D"],
+        up_block_types=["AttnUpBlock2D", "UpBlock2D"],
+        layers_per_block=1,
+        norm_num_groups=4,
+        attention_head_dim=8,
+        num_class_embeds=11,
+    )
     model = UNet(cfg, rngs=nnx.Rngs(0))
     fn = jax.tree_util.Partial(_apply, *nnx.split(model))
     x = jax.random.normal(jax.random.key(1), SHAPE)
@@ -86,7 +93,7 @@ def test_stale_step_reads_the_previous_steps_activations(unet, steps):
         state = dict(sent)
         state[key] = jax.tree.map(edit, sent[key])
         moved = jnp.abs(stale(arrays, x_next, t, y, state)[0] - out).max(axis=(0, 2, 3))
-        return [bool(moved[i * h:(i + 1) * h].max() > 1e-6) for i in range(N)]
+        return [bool(moved[i * h : (i + 1) * h].max() > 1e-6) for i in range(N)]
 
     halo, norm, kv = (next(k for k in sent if k.endswith(kind)) for kind in ("halo", "norm", "kv"))
     # Device 1's halos (the leading axis is the device whose state it is): only its rows move.
@@ -122,8 +129,14 @@ def test_sampler_synchronous_equals_ddim_and_staleness_costs(unet):
     kw = dict(steps=4, labels=jnp.array([1, 2]), guidance_scale=2.0, null_label=10, eta=1.0, clip_sample=1.0)
     single = ddim_sample(fn, SHAPE, key, cfg, **kw)
     misses = df._program.cache_info().misses
-    errors = {w: float(jnp.abs(df.distrifusion_sample(fn, SHAPE, key, cfg, mesh=mesh, batch_axes=("data",),
-                                                       warmup=w, **kw) - single).mean()) for w in (4, 2)}
+    errors = {
+        w: float(
+            jnp.abs(
+                df.distrifusion_sample(fn, SHAPE, key, cfg, mesh=mesh, batch_axes=("data",), warmup=w, **kw) - single
+            ).mean()
+        )
+        for w in (4, 2)
+    }
     assert errors[4] < 1e-5 and errors[2] > 1e-4, errors
     assert df._program.cache_info().misses == misses + 1  # one compile: warmup is an argument
 
@@ -137,16 +150,19 @@ def test_bad_arguments_are_refused_in_one_line(unet):
         df.distrifusion_sample(lambda x, t, y: x, SHAPE, key, cfg, mesh=mesh, steps=4)
     # 8 patches of 8 rows: 1 row each, which the stride-2 downsampling cannot halve.
     with pytest.raises(ValueError, match="aligned patch boundaries") as e:
-        df.distrifusion_sample(fn, (2, 8, 16, 1), key, cfg, mesh=make_mesh({"sequence": 8}), steps=2, warmup=1,
-                               labels=jnp.array([1, 2]))
+        df.distrifusion_sample(
+            fn, (2, 8, 16, 1), key, cfg, mesh=make_mesh({"sequence": 8}), steps=2, warmup=1, labels=jnp.array([1, 2])
+        )
     assert "\n" not in str(e.value)
 
 
 def test_cli_refuses_bad_patch_parallel_options(capsys):
     from meshwork.inference.cli import main
 
-    for argv, message in ((["--patch-parallel", "0"], "error: --patch-parallel 0"),
-                          (["--warmup", "2"], "error: --warmup applies to patch-parallel sampling only")):
+    for argv, message in (
+        (["--patch-parallel", "0"], "error: --patch-parallel 0"),
+        (["--warmup", "2"], "error: --warmup applies to patch-parallel sampling only"),
+    ):
         assert main(["diffusion", "--checkpoint", "nowhere", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith(message) and len(err.strip().splitlines()) == 1, err

@@ -46,8 +46,13 @@ def test_commands_that_need_devices_say_how_many():
 def test_small_mode_appends_caps_and_keeps_the_command():
     cap = checker.cap_args
     assert cap(["-m", "train", "--config", "c.yaml", "train.steps=700", "log.sample_every=350"]) == [
-        "train.steps=4", "log.every=1", "log.eval_every=4", "log.eval_batches=1", "checkpoint.every=4",
-        "log.sample_every=null"]
+        "train.steps=4",
+        "log.every=1",
+        "log.eval_every=4",
+        "log.eval_batches=1",
+        "checkpoint.every=4",
+        "log.sample_every=null",
+    ]
     assert cap(["-m", "train", "--config", "c.yaml", "train.steps=2", "train.stop_after=1"])[0] == "train.steps=2"
     assert cap(["-m", "train", "--config", "c.yaml", "--dry-run"]) == []
     assert cap(["-m", "inference", "lm", "--checkpoint", "r"]) == ["--max-new-tokens", "4"]
@@ -57,10 +62,28 @@ def test_small_mode_appends_caps_and_keeps_the_command():
 
 def test_markers_and_console_blocks_are_read(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("\n".join([
-        "<!-- doc-check: skip (needs a cluster) -->", "```bash", "srun x", "```", "",
-        "<!-- doc-check: exit 2 -->", "", "```console", "$ false \\", "  --flag", "error: one line", "```",
-        "```python", "print(1)", "```"]) + "\n")
+    page.write_text(
+        "\n".join(
+            [
+                "<!-- doc-check: skip (needs a cluster) -->",
+                "```bash",
+                "srun x",
+                "```",
+                "",
+                "<!-- doc-check: exit 2 -->",
+                "",
+                "```console",
+                "$ false \\",
+                "  --flag",
+                "error: one line",
+                "```",
+                "```python",
+                "print(1)",
+                "```",
+            ]
+        )
+        + "\n"
+    )
     skip, console, python = checker.blocks_of(page)
     assert (skip.skip_reason, skip.line) == ("needs a cluster", 2)
     assert console.expected_exit == 2 and console.skip_reason is None

@@ -58,18 +58,35 @@ ALLOWED: list[tuple[str, str, str]] = [
 
 # Longest spellings first, so that "ms/step" wins over "ms" and "MiB" over "B".
 _UNITS = {
-    "tokens/s": "tok/s", "tok/s": "tok/s", "samples/s": "samples/s",
-    "TFLOP/s": "TFLOP/s", "GFLOP/s": "GFLOP/s", "TB/s": "TB/s", "GB/s": "GB/s",
-    "ms/step": "ms", "s/step": "s",
-    "minutes": "min", "min": "min", "ms": "ms", "s": "s",
-    "KiB": "KiB", "MiB": "MiB", "GiB": "GiB", "KB": "KB", "MB": "MB", "GB": "GB", "TB": "TB", "B": "B",
-    "%": "%", "×": "x", "x": "x",
+    "tokens/s": "tok/s",
+    "tok/s": "tok/s",
+    "samples/s": "samples/s",
+    "TFLOP/s": "TFLOP/s",
+    "GFLOP/s": "GFLOP/s",
+    "TB/s": "TB/s",
+    "GB/s": "GB/s",
+    "ms/step": "ms",
+    "s/step": "s",
+    "minutes": "min",
+    "min": "min",
+    "ms": "ms",
+    "s": "s",
+    "KiB": "KiB",
+    "MiB": "MiB",
+    "GiB": "GiB",
+    "KB": "KB",
+    "MB": "MB",
+    "GB": "GB",
+    "TB": "TB",
+    "B": "B",
+    "%": "%",
+    "×": "x",
+    "x": "x",
 }
 _UNIT_ALT = "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True))
 _NUM = r"\d[\d,]*(?:\.\d+)?"
 # "7-19%", "0.28-0.56x", "5.2 %", "1.82x", "3 min": a number (or range), then a unit that ends there.
-_SUFFIXED = re.compile(
-    rf"(?<![\w.])({_NUM})(?:\s*[-–]\s*({_NUM}))?\s?({_UNIT_ALT})(?![\w/])", re.UNICODE)
+_SUFFIXED = re.compile(rf"(?<![\w.])({_NUM})(?:\s*[-–]\s*({_NUM}))?\s?({_UNIT_ALT})(?![\w/])", re.UNICODE)
 # "x1.82" (RESULTS.md's ratio style): an x that does not follow a number or letter.
 _PREFIXED = re.compile(rf"(?<![\w.])[x×]({_NUM})(?![\w.])")
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d(?:\.\d+)?[eE][-+]?\d+)(?![\w.])")
@@ -114,7 +131,7 @@ def figures_in(line: str) -> list[tuple[str, str, str]]:
     found = []
     for m in _SUFFIXED.finditer(line):
         unit = _UNITS[m.group(3)]
-        if unit == "x" and re.match(r"\s*\d", line[m.end():]):
+        if unit == "x" and re.match(r"\s*\d", line[m.end() :]):
             continue  # "2x4", "16 x 128": a shape, not a ratio
         if m.start() >= 2 and line[m.start() - 1] == "-" and line[m.start() - 2].isalnum():
             continue  # "CRC-32s", "1e-5 x": part of a name or of another number
@@ -153,8 +170,10 @@ def figures_of(text: str) -> list[tuple[int, str, str, str]]:
             continue
         for unit, cell in zip(header, cells):
             if unit and not re.search(_UNIT_ALT_SUFFIX, cell):  # a cell with its own unit was read above
-                found += [(number, unit, _value(n), f"{n} ({unit}, from the column header)")
-                          for n in re.findall(rf"(?<![\w.=]){_NUM}", cell.replace("*", ""))]
+                found += [
+                    (number, unit, _value(n), f"{n} ({unit}, from the column header)")
+                    for n in re.findall(rf"(?<![\w.=]){_NUM}", cell.replace("*", ""))
+                ]
     return found
 
 
@@ -189,8 +208,10 @@ def problems(md: pathlib.Path, known: set[tuple[str, str]]) -> list[str]:
     for number, unit, value, written in figures_of(md.read_text(encoding="utf-8")):
         if (unit, value) in known or _allowed(unit, value, lines[number - 1]):
             continue
-        out.append(f"{md.relative_to(ROOT)}:{number}: '{written}' is not a figure of "
-                       f"benchmarks/RESULTS.md (quote it from there, or drop it)")
+        out.append(
+            f"{md.relative_to(ROOT)}:{number}: '{written}' is not a figure of "
+            f"benchmarks/RESULTS.md (quote it from there, or drop it)"
+        )
     return out
 
 
@@ -206,13 +227,22 @@ def test_every_figure_in_the_docs_is_in_results(md, known):
 
 
 def test_the_rule_finds_figures_and_ignores_the_rest():
-    line = ("48.2% MFU, 1.82x faster, x2.3, 0.28-0.56x of cuDNN, 3e-6, 502 tok/s, 3 min, "
-            "17,555 tokens/s, a 2x4 mesh, 16 x 128 tokens, 8 devices, 4 layers, 2 stages")
+    line = (
+        "48.2% MFU, 1.82x faster, x2.3, 0.28-0.56x of cuDNN, 3e-6, 502 tok/s, 3 min, "
+        "17,555 tokens/s, a 2x4 mesh, 16 x 128 tokens, 8 devices, 4 layers, 2 stages"
+    )
     assert [(u, v) for u, v, _ in figures_in(line)] == [
-        ("%", "48.2"), ("x", "1.82"), ("x", "0.28"), ("x", "0.56"), ("tok/s", "502"),
-        ("min", "3"), ("tok/s", "17555"), ("x", "2.3"), ("e", "3e-06")]
-    assert list(prose_lines("a `5%` b\n```\n7%\n```\n[9%](x_10%.md) <!-- 11% -->\n")) == [
-        (1, "a   b"), (5, "[9%] ")]
+        ("%", "48.2"),
+        ("x", "1.82"),
+        ("x", "0.28"),
+        ("x", "0.56"),
+        ("tok/s", "502"),
+        ("min", "3"),
+        ("tok/s", "17555"),
+        ("x", "2.3"),
+        ("e", "3e-06"),
+    ]
+    assert list(prose_lines("a `5%` b\n```\n7%\n```\n[9%](x_10%.md) <!-- 11% -->\n")) == [(1, "a   b"), (5, "[9%] ")]
 
 
 def test_results_table_cells_take_their_header_unit():
@@ -225,6 +255,7 @@ def test_every_allowed_entry_is_used():
     """An excuse that no line needs any more is removed, so the list cannot grow stale."""
     lines = [line for md in doc_files() for line in md.read_text(encoding="utf-8").splitlines()]
     for written, phrase, why in ALLOWED:
-        (unit, value, _), = figures_in(written)
-        assert any(phrase in line and any((u, v) == (unit, value) for _, u, v, _ in figures_of(line))
-                   for line in lines), f"ALLOWED entry {written!r} ({why}) is not used; remove it"
+        ((unit, value, _),) = figures_in(written)
+        assert any(
+            phrase in line and any((u, v) == (unit, value) for _, u, v, _ in figures_of(line)) for line in lines
+        ), f"ALLOWED entry {written!r} ({why}) is not used; remove it"

@@ -205,26 +205,39 @@ def test_the_checker_catches_rot(tmp_path, monkeypatch):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "mod.py").write_text(
         "import typing\nX = 1\nif typing.TYPE_CHECKING:\n    Y: int = 2\n"
-        "class C:\n    z = 3\n    def m(self): pass\ndef f(): pass\n")
+        "class C:\n    z = 3\n    def m(self): pass\ndef f(): pass\n"
+    )
     (tmp_path / "docs" / "other.md").write_text("# A `Title`, with: punctuation\n")
     md = tmp_path / "docs" / "page.md"
-    md.write_text("\n".join([
-        "[`f`](../pkg/mod.py) [`X`](../pkg/mod.py) [`Y`](../pkg/mod.py) [`C.m()`](../pkg/mod.py)",
-        "[`C.z`](../pkg/mod.py) [`pkg/mod.py`](../pkg/mod.py) [`mod.py`](../pkg/mod.py) [`docs/`](../docs)",
-        "[other](other.md#a-title-with-punctuation)",
-        "[web](https://example.com/x) `[code](not/a/link.md)` ![img](other.md)",
-        "```", "[fenced](no/such/file.md)", "```",
-        "[`g`](../pkg/mod.py)",            # 1: no such function
-        "[`C.q`](../pkg/mod.py)",          # 2: no such member
-        "[gone](../pkg/missing.py)",       # 3: no such file
-        "[`pkg/other.py`](../pkg/mod.py)",  # 4: label names another file
-        "[bad](other.md#nope)",            # 5: no such heading
-        "[ref]: ../nowhere.md",            # 6: reference definition to nothing
-    ]))
+    md.write_text(
+        "\n".join(
+            [
+                "[`f`](../pkg/mod.py) [`X`](../pkg/mod.py) [`Y`](../pkg/mod.py) [`C.m()`](../pkg/mod.py)",
+                "[`C.z`](../pkg/mod.py) [`pkg/mod.py`](../pkg/mod.py) [`mod.py`](../pkg/mod.py) [`docs/`](../docs)",
+                "[other](other.md#a-title-with-punctuation)",
+                "[web](https://example.com/x) `[code](not/a/link.md)` ![img](other.md)",
+                "```",
+                "[fenced](no/such/file.md)",
+                "```",
+                "[`g`](../pkg/mod.py)",  # 1: no such function
+                "[`C.q`](../pkg/mod.py)",  # 2: no such member
+                "[gone](../pkg/missing.py)",  # 3: no such file
+                "[`pkg/other.py`](../pkg/mod.py)",  # 4: label names another file
+                "[bad](other.md#nope)",  # 5: no such heading
+                "[ref]: ../nowhere.md",  # 6: reference definition to nothing
+            ]
+        )
+    )
     found = problems(md)
     assert len(found) == 6, "\n".join(found)
-    for expected in ("`g` is not defined", "has no member `q`", "no such file pkg/missing.py",
-                     "labelled `pkg/other.py`", "anchor #nope", "no such file nowhere.md"):
+    for expected in (
+        "`g` is not defined",
+        "has no member `q`",
+        "no such file pkg/missing.py",
+        "labelled `pkg/other.py`",
+        "anchor #nope",
+        "no such file nowhere.md",
+    ):
         assert any(expected in p for p in found), (expected, found)
 
 

@@ -29,18 +29,28 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # (module, name): public names from each layer (sharding, engine room, models, train, inference).
 NAMES = [
-    ("meshwork.sharding.mesh", "make_mesh"), ("meshwork.sharding.rules", "rules_for"),
-    ("meshwork.sharding.rules", "logical_to_sharding"), ("meshwork.sharding.parallel", "ParallelContext"),
-    ("meshwork.sharding.ring_attention", "ring_attention"), ("meshwork.sharding.collective_matmul", "tp_mlp"),
-    ("meshwork.config", "load_config"), ("meshwork.run.checkpoint", "Checkpointer"),
-    ("meshwork.partitioning", "variable_shardings"), ("meshwork.kernels.flash_attention", "flash_attention"),
+    ("meshwork.sharding.mesh", "make_mesh"),
+    ("meshwork.sharding.rules", "rules_for"),
+    ("meshwork.sharding.rules", "logical_to_sharding"),
+    ("meshwork.sharding.parallel", "ParallelContext"),
+    ("meshwork.sharding.ring_attention", "ring_attention"),
+    ("meshwork.sharding.collective_matmul", "tp_mlp"),
+    ("meshwork.config", "load_config"),
+    ("meshwork.run.checkpoint", "Checkpointer"),
+    ("meshwork.partitioning", "variable_shardings"),
+    ("meshwork.kernels.flash_attention", "flash_attention"),
     ("meshwork.perf.planner", "plan"),
-    ("meshwork.models.transformer", "Transformer"), ("meshwork.models.build", "build_model"),
-    ("meshwork.models.lora", "add_lora"), ("meshwork.models.unet", "UNet"),
+    ("meshwork.models.transformer", "Transformer"),
+    ("meshwork.models.build", "build_model"),
+    ("meshwork.models.lora", "add_lora"),
+    ("meshwork.models.unet", "UNet"),
     ("meshwork.models.layers.attention", "Attention"),
-    ("meshwork.train.loop", "Trainer"), ("meshwork.train.loop", "train"), ("meshwork.train.optim", "make_optimizer"),
+    ("meshwork.train.loop", "Trainer"),
+    ("meshwork.train.loop", "train"),
+    ("meshwork.train.optim", "make_optimizer"),
     ("meshwork.train.state", "init_state"),
-    ("meshwork.inference.generate", "Generator"), ("meshwork.inference.serving", "Server"),
+    ("meshwork.inference.generate", "Generator"),
+    ("meshwork.inference.serving", "Server"),
     ("meshwork.inference.kv_cache", "KVCache"),
 ]
 
@@ -61,16 +71,22 @@ def test_jedi_resolves_public_names_to_the_checkout_from_an_editable_install(tmp
     # wheel with setuptools as tests/test_packaging.py's wheel does.
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e",
-                           str(ROOT)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     user = tmp_path / "user"
     user.mkdir()
     source = probe_source()
     (user / "probe.py").write_text(source)
-    script = jedi.Script(source, path=str(user / "probe.py"),
-                         environment=jedi.create_environment(str(python), safe=False))
+    script = jedi.Script(
+        source, path=str(user / "probe.py"), environment=jedi.create_environment(str(python), safe=False)
+    )
     landed = {}
     for line, (module, name) in enumerate(NAMES, start=1):
         column = len(f"from {module} import ")
@@ -86,6 +102,7 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.py").write_text(probe_source())
     env = pathlib.Path(os.environ.get("VIRTUAL_ENV", sys.prefix))
-    (out / "pyrightconfig.json").write_text(json.dumps({"venvPath": str(env.parent), "venv": env.name,
-                                                        "include": ["probe.py"]}, indent=1))
+    (out / "pyrightconfig.json").write_text(
+        json.dumps({"venvPath": str(env.parent), "venv": env.name, "include": ["probe.py"]}, indent=1)
+    )
     print(f"wrote {out}/probe.py and pyrightconfig.json; run: npx pyright -p {out}")

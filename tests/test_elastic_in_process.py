@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import ConfigError, load_config
 from meshwork.run.fast_tier import FastTier
@@ -19,18 +20,20 @@ from meshwork.train.elastic import Elastic, layout_for, read_faults
 from meshwork.train.loop import train
 from meshwork.train.trainer import build_trainer, check_runtime
 
-from conftest import ROOT, tiny_overrides
-
 STEPS, LOSE, BACK = 30, 10, 20
 LOST = frozenset({4, 5, 6, 7})
 COMMON = [f"train.steps={STEPS}", "checkpoint.every=10", "log.every=1", f"log.eval_every={STEPS}"]
 # layout on 8 devices -> the layout the elastic controller picks on the 4 left (same global batch,
 # each device's microbatch the same size: twice the microbatches).
 LAYOUTS = {
-    "fsdp": (["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"],
-             ["mesh.data=1", "mesh.fsdp=4", "rules.preset=fsdp", "train.microbatches=2"]),
-    "dp_tp": (["mesh.data=4", "mesh.tensor=2", "rules.preset=tp"],
-              ["mesh.data=2", "mesh.tensor=2", "rules.preset=tp", "train.microbatches=2"]),
+    "fsdp": (
+        ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"],
+        ["mesh.data=1", "mesh.fsdp=4", "rules.preset=fsdp", "train.microbatches=2"],
+    ),
+    "dp_tp": (
+        ["mesh.data=4", "mesh.tensor=2", "rules.preset=tp"],
+        ["mesh.data=2", "mesh.tensor=2", "rules.preset=tp", "train.microbatches=2"],
+    ),
 }
 
 
@@ -70,8 +73,7 @@ def test_shrink_takes_survivors_and_the_fast_tier_then_grows_back_bit_exact(fsdp
 
     moved = elastic.change(LOST, trainer, state, LOSE, fast, no_rollback, _make_trainer)
     # The lost devices' buffers were deleted before the move: reading any of them would have raised.
-    assert all(s.data.is_deleted() for x in jax.tree.leaves(state) for s in x.addressable_shards
-               if s.device.id in LOST)
+    assert all(s.data.is_deleted() for x in jax.tree.leaves(state) for s in x.addressable_shards if s.device.id in LOST)
     assert moved.rolled_back_to is None and dict(moved.trainer.mesh.shape)["fsdp"] == 4
     assert moved.trainer.cfg.train.microbatches == 2
     assert {s.device.id for x in jax.tree.leaves(moved.state) for s in x.addressable_shards} == {0, 1, 2, 3}
@@ -157,20 +159,24 @@ def test_elastic_run_equals_restarts_on_the_same_device_counts(tmp_path, layout)
     # The fsdp layout needs the fast tier (half of every shard dies); dp+tp runs without one (replicas).
     tier = ["checkpoint.fast_every=5"] if layout == "fsdp" else []
     t0 = time.perf_counter()
-    elastic = train(_cfg(tmp_path / "elastic", *big, "train.elastic=true", f"train.fault_file={faults}", *tier),
-                    devices=jax.devices())
+    elastic = train(
+        _cfg(tmp_path / "elastic", *big, "train.elastic=true", f"train.fault_file={faults}", *tier),
+        devices=jax.devices(),
+    )
     elastic_wall = time.perf_counter() - t0
 
     restarts, phases = [], []
     for devices, overrides, stop in ((8, big, LOSE), (4, small, BACK), (8, big, STEPS)):
         t0 = time.perf_counter()
-        done = train(_cfg(tmp_path / "restarted", *overrides, f"train.stop_after={stop}"),
-                     devices=jax.devices()[:devices])
+        done = train(
+            _cfg(tmp_path / "restarted", *overrides, f"train.stop_after={stop}"), devices=jax.devices()[:devices]
+        )
         restarts.append(time.perf_counter() - t0)
         phases.append(done["goodput"])
     # What a restart costs in-process (no interpreter start): its compile and restore.
-    restart_lost = [b["compile_s"] + b["restore_s"] - a["compile_s"] - a["restore_s"]
-                    for a, b in zip(phases, phases[1:])]
+    restart_lost = [
+        b["compile_s"] + b["restore_s"] - a["compile_s"] - a["restore_s"] for a, b in zip(phases, phases[1:])
+    ]
 
     changes = elastic["elastic"]
     assert [(c["step"], c["elastic_devices"]) for c in changes] == [(LOSE, 4), (BACK, 8)]
@@ -181,10 +187,12 @@ def test_elastic_run_equals_restarts_on_the_same_device_counts(tmp_path, layout)
     assert [r["data_index"] for r in a] == list(range(STEPS)) == [r["data_index"] for r in b]
     np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=2e-5)
     worst = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
-    print(f"\n{layout}: max rel loss diff {worst:.2e}; elastic changes lost "
-          f"{[round(c['elastic_lost_s'], 2) for c in changes]} s vs in-process restarts "
-          f"{[round(x, 2) for x in restart_lost]} s (compile + restore); walls {elastic_wall:.1f} s "
-          f"vs {sum(restarts):.1f} s")
+    print(
+        f"\n{layout}: max rel loss diff {worst:.2e}; elastic changes lost "
+        f"{[round(c['elastic_lost_s'], 2) for c in changes]} s vs in-process restarts "
+        f"{[round(x, 2) for x in restart_lost]} s (compile + restore); walls {elastic_wall:.1f} s "
+        f"vs {sum(restarts):.1f} s"
+    )
 
 
 @pytest.mark.slow
@@ -195,8 +203,10 @@ def test_without_a_copy_of_the_lost_shards_the_run_retrains_from_the_persistent_
     faults = tmp_path / "faults"
     faults.write_text("4 5 6 7 @ 7\n")
     short = ["train.steps=10", "checkpoint.every=5", "log.eval_every=10"]
-    done = train(_cfg(tmp_path / "elastic", *big, *short, "train.elastic=true", f"train.fault_file={faults}"),
-                 devices=jax.devices())
+    done = train(
+        _cfg(tmp_path / "elastic", *big, *short, "train.elastic=true", f"train.fault_file={faults}"),
+        devices=jax.devices(),
+    )
     train(_cfg(tmp_path / "restarted", *big, *short, "train.stop_after=5"), devices=jax.devices())
     train(_cfg(tmp_path / "restarted", *small, *short), devices=jax.devices()[:4])
     assert [(c["step"], c["elastic_devices"], c["elastic_steps_redone"]) for c in done["elastic"]] == [(5, 4, 2)]

@@ -10,6 +10,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from meshwork.config import load_config
 from meshwork.inference.generate import Generator
@@ -18,8 +19,6 @@ from meshwork.inference.sampling import SamplingArrays, SamplingParams, log_prob
 from meshwork.inference.serving import Request, Server
 from meshwork.inference.validation import RequestError, RequestLimits, check_request
 from meshwork.models.build import build_model
-
-from conftest import ROOT
 
 # Page size 8, a cache of 48 positions and 4 pages (3 to hand out): a 30-token request fits the
 # cache but not the pool.
@@ -30,8 +29,10 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
 @pytest.fixture(scope="module")
 def model():
     """An untrained two-layer model: the claims here are about plumbing, not text."""
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", ["model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                                                      "model.n_kv_heads=2", "model.d_ff=128"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128"],
+    )
     return build_model(cfg, seed=3)
 
 
@@ -42,27 +43,39 @@ def gen(model):
 
 def own(node: ast.expr) -> bool:
     """`self`, `cls` or `super()`: whose private attributes a class may read."""
-    return isinstance(node, ast.Name) and node.id in ("self", "cls") or \
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    return (
+        isinstance(node, ast.Name)
+        and node.id in ("self", "cls")
+        or isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "super"
+    )
 
 
 def test_engine_users_touch_no_private_attribute_of_another_object():
     """`x._name` only where x is self: the server, its thread and the HTTP layer use public methods."""
     for name in ("serving.py", "serve_engine.py", "http_server.py", "http_bodies.py", "lm.py", "cli.py"):
         tree = ast.parse((ROOT / "inference" / name).read_text())
-        private = [f"{name}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
-                   if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                   and not own(node.value)]
+        private = [
+            f"{name}:{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and not own(node.value)
+        ]
         assert private == [], private
 
 
 def test_prefill_and_decode_steps_give_forwards_logits_and_generates_tokens(gen):
     prompts, new, max_len = [[5, 9, 200, 3], [17, 4]], 5, 32
-    params = [SamplingParams(temperature=0.0, max_new_tokens=new),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_new_tokens=new)]
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=new),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_new_tokens=new),
+    ]
     tokens = np.zeros((2, 16), np.int32)  # right-padded to stream's prompt bucket: the same compiled prefill
     for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     arrays = SamplingArrays.stack(params)
     out = gen.prefill(tokens, lengths, gen.new_cache(2, max_len), arrays)
@@ -77,9 +90,9 @@ def test_prefill_and_decode_steps_give_forwards_logits_and_generates_tokens(gen)
     # The same logits from `forward` over each whole sequence, at the positions that sampled them.
     full = np.zeros((2, 16), np.int32)
     for i, p in enumerate(prompts):
-        full[i, :len(p) + new] = p + sampled_BN[i].tolist()
+        full[i, : len(p) + new] = p + sampled_BN[i].tolist()
     every_BLV, _ = gen.forward(full, np.broadcast_to(np.arange(16), (2, 16)), gen.new_cache(2, max_len))
-    want_BNV = np.stack([np.asarray(every_BLV)[i, len(p) - 1:len(p) - 1 + new] for i, p in enumerate(prompts)])
+    want_BNV = np.stack([np.asarray(every_BLV)[i, len(p) - 1 : len(p) - 1 + new] for i, p in enumerate(prompts)])
     np.testing.assert_allclose(logits_BNV, want_BNV, atol=1e-5 * np.abs(want_BNV).max())
 
     # log_probs: the model's distribution; with the arrays, the one the sampler scaled (temperature 0.8).
@@ -99,8 +112,7 @@ BAD = [  # prompt, params, OpenAI param, words of the message
     pytest.param([5], SamplingParams(top_p=1.5), "top_p", "top_p=1.5", id="top-p"),
     pytest.param([5], SamplingParams(temperature=-1.0), "temperature", "temperature=-1.0", id="temperature"),
     pytest.param([5], SamplingParams(top_k=-2), "top_k", "top_k=-2", id="top-k"),
-    pytest.param([5], SamplingParams(repetition_penalty=0.0), "repetition_penalty", "repetition_penalty",
-                 id="penalty"),
+    pytest.param([5], SamplingParams(repetition_penalty=0.0), "repetition_penalty", "repetition_penalty", id="penalty"),
     pytest.param([5], SamplingParams(max_new_tokens=0), "max_tokens", "max_new_tokens=0", id="no-new-tokens"),
     pytest.param([5], SamplingParams(stop_tokens=(999,)), "stop_token_ids", "stop_tokens=[999]", id="stop-ids"),
     pytest.param([5], SamplingParams(seed=-1), "seed", "seed=-1", id="seed"),
@@ -134,24 +146,31 @@ def test_limits_of_the_http_server_and_of_memory():
     check_request([5], SamplingParams(max_new_tokens=1000), limits)
 
 
-@pytest.mark.parametrize("model_type, body, param, words", [
-    (CompletionRequest, {}, "prompt", "prompt: give a string or a list of token ids"),
-    (CompletionRequest, {"prompt": [1, True]}, "prompt", "give a string or a list of token ids"),
-    (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "a batch of 2 prompts"),
-    (CompletionRequest, {"prompt": "a", "max_tokens": 4.5}, "max_tokens", "max_tokens=4.5: give an integer"),
-    (CompletionRequest, {"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens=0: use at least 1"),
-    (CompletionRequest, {"prompt": "a", "temperature": "hot"}, "temperature", "give a number"),
-    (CompletionRequest, {"prompt": "a", "stream": "yes"}, "stream", "give true or false"),
-    (CompletionRequest, {"prompt": "a", "n": 2}, "n", "one choice per request"),
-    (CompletionRequest, {"prompt": "a", "stop": list("abcde")}, "stop", "up to 4 non-empty strings"),
-    (CompletionRequest, {"prompt": "a", "stop_token_ids": [1, "2"]}, "stop_token_ids", "give an integer"),
-    (CompletionRequest, {"prompt": "a", "logprobs": 3}, "logprobs", "not returned yet"),
-    (CompletionRequest, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "use repetition_penalty"),
-    (ChatCompletionRequest, {"messages": []}, "messages", "give a non-empty list of {role, content} objects"),
-    (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages", "messages[0]: give an object"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},
-     "max_completion_tokens", "use at least 1"),
-])
+@pytest.mark.parametrize(
+    "model_type, body, param, words",
+    [
+        (CompletionRequest, {}, "prompt", "prompt: give a string or a list of token ids"),
+        (CompletionRequest, {"prompt": [1, True]}, "prompt", "give a string or a list of token ids"),
+        (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "a batch of 2 prompts"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": 4.5}, "max_tokens", "max_tokens=4.5: give an integer"),
+        (CompletionRequest, {"prompt": "a", "max_tokens": 0}, "max_tokens", "max_tokens=0: use at least 1"),
+        (CompletionRequest, {"prompt": "a", "temperature": "hot"}, "temperature", "give a number"),
+        (CompletionRequest, {"prompt": "a", "stream": "yes"}, "stream", "give true or false"),
+        (CompletionRequest, {"prompt": "a", "n": 2}, "n", "one choice per request"),
+        (CompletionRequest, {"prompt": "a", "stop": list("abcde")}, "stop", "up to 4 non-empty strings"),
+        (CompletionRequest, {"prompt": "a", "stop_token_ids": [1, "2"]}, "stop_token_ids", "give an integer"),
+        (CompletionRequest, {"prompt": "a", "logprobs": 3}, "logprobs", "not returned yet"),
+        (CompletionRequest, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "use repetition_penalty"),
+        (ChatCompletionRequest, {"messages": []}, "messages", "give a non-empty list of {role, content} objects"),
+        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages", "messages[0]: give an object"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},
+            "max_completion_tokens",
+            "use at least 1",
+        ),
+    ],
+)
 def test_pydantic_bodies_refuse_a_bad_field_by_name(model_type, body, param, words):
     with pytest.raises(RequestError) as refused:
         parse_body(model_type, body)
@@ -159,18 +178,58 @@ def test_pydantic_bodies_refuse_a_bad_field_by_name(model_type, body, param, wor
 
 
 def test_pydantic_bodies_read_what_the_server_accepts():
-    body = parse_body(CompletionRequest, {"prompt": [[1, 2]], "max_tokens": 3, "stop": "x", "seed": 7, "top_k": 5,
-                                          "ignore_eos": True, "stop_token_ids": [9], "user": "ignored", "n": 1})
+    body = parse_body(
+        CompletionRequest,
+        {
+            "prompt": [[1, 2]],
+            "max_tokens": 3,
+            "stop": "x",
+            "seed": 7,
+            "top_k": 5,
+            "ignore_eos": True,
+            "stop_token_ids": [9],
+            "user": "ignored",
+            "n": 1,
+        },
+    )
     assert body.prompt == [1, 2] and body.stop_strings() == ("x",)
     assert body.sampling(stops=[2], default_max_tokens=16) == SamplingParams(
-        temperature=1.0, top_k=5, max_new_tokens=3, stop_tokens=(9,), seed=7)
-    nulls = parse_body(CompletionRequest, {"prompt": "a", "temperature": None, "top_p": None, "stop": None,
-                                           "max_tokens": None, "seed": 1, "ignore_eos": None})  # null: the default
-    assert nulls.sampling(stops=[2], default_max_tokens=16) == SamplingParams(max_new_tokens=16, stop_tokens=(2,),
-                                                                              seed=1)
-    chat = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "-"}}, {"type": "text", "text": "b"}]}],
-        "max_tokens": 3, "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
+        temperature=1.0, top_k=5, max_new_tokens=3, stop_tokens=(9,), seed=7
+    )
+    nulls = parse_body(
+        CompletionRequest,
+        {
+            "prompt": "a",
+            "temperature": None,
+            "top_p": None,
+            "stop": None,
+            "max_tokens": None,
+            "seed": 1,
+            "ignore_eos": None,
+        },
+    )  # null: the default
+    assert nulls.sampling(stops=[2], default_max_tokens=16) == SamplingParams(
+        max_new_tokens=16, stop_tokens=(2,), seed=1
+    )
+    chat = parse_body(
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "image_url", "image_url": {"url": "-"}},
+                        {"type": "text", "text": "b"},
+                    ],
+                }
+            ],
+            "max_tokens": 3,
+            "max_completion_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert chat.messages[0].text() == "ab" and chat.max_tokens_field == "max_completion_tokens"
     assert chat.sampling(stops=[2], default_max_tokens=16).max_new_tokens == 5 and chat.include_usage()
 

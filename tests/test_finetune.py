@@ -7,6 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, optimized_override
 from flax import nnx
 
 from meshwork.config import load_config
@@ -15,19 +16,27 @@ from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main as train_main
 from meshwork.train.finetune import describe
 from meshwork.train.loop import train
-from meshwork.train.trainer import build_trainer, check_runtime
 from meshwork.train.optim import make_optimizer
 from meshwork.train.state import abstract_state
-
-from conftest import ROOT, optimized_override
+from meshwork.train.trainer import build_trainer, check_runtime
 
 STEPS = 60
 
 
 def lora_config(base_dir, run_dir, *overrides):
-    return load_config(ROOT / "configs/lora_tiny.yaml", [
-        f"run.dir={run_dir}", f"finetune.base={base_dir}", f"train.steps={STEPS}", "log.eval_every=30",
-        "log.progress=false", "log.tensorboard=false", "mesh.data=1", *overrides])
+    return load_config(
+        ROOT / "configs/lora_tiny.yaml",
+        [
+            f"run.dir={run_dir}",
+            f"finetune.base={base_dir}",
+            f"train.steps={STEPS}",
+            "log.eval_every=30",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "mesh.data=1",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +50,10 @@ def tuned(base, tmp_path_factory):
     out = {}
     for method in ("lora", "qlora"):
         run_dir = tmp_path_factory.mktemp(method)
-        out[method] = train(lora_config(base["run_dir"], run_dir, f"finetune.method={method}", optimized_override()),
-                            devices=jax.devices()[:1])
+        out[method] = train(
+            lora_config(base["run_dir"], run_dir, f"finetune.method={method}", optimized_override()),
+            devices=jax.devices()[:1],
+        )
     return out
 
 
@@ -64,8 +75,14 @@ def test_only_the_lora_matrices_are_trained(base, tuned):
     state = tuned["lora"]["state"]
     params = jax.tree.leaves(state["params"])
     cfg = load_config(ROOT / "configs/lora_tiny.yaml")
-    L, D, H, G, K, r = (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.n_kv_heads,
-                        cfg.model.resolved_head_dim, cfg.finetune.rank)
+    L, D, H, G, K, r = (
+        cfg.model.n_layers,
+        cfg.model.d_model,
+        cfg.model.n_heads,
+        cfg.model.n_kv_heads,
+        cfg.model.resolved_head_dim,
+        cfg.finetune.rank,
+    )
     # A and B for W_q (D -> H*K) and W_v (D -> G*K) in every layer.
     assert sum(p.size for p in params) == L * r * ((D + H * K) + (D + G * K))
     # Adam's moments exist for those alone.
@@ -102,8 +119,14 @@ def test_qlora_tracks_lora(tuned):
 @pytest.mark.over_budget("three LoRA runs on 8 devices over the trained base: ~15 s", seconds=45)
 def test_sharded_finetuning_resumes_exactly(base, tmp_path):
     # 4 steps, stopped and resumed after 2: a resume that is exact after 2 steps is exact after any.
-    fsdp = ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp", "train.steps=4", "log.eval_every=4",
-            "checkpoint.every=2"]
+    fsdp = [
+        "mesh.data=1",
+        "mesh.fsdp=8",
+        "rules.preset=fsdp",
+        "train.steps=4",
+        "log.eval_every=4",
+        "checkpoint.every=2",
+    ]
     straight = train(lora_config(base["run_dir"], tmp_path / "straight", *fsdp))
     train(lora_config(base["run_dir"], tmp_path / "resumed", *fsdp, "train.stop_after=2"))
     resumed = train(lora_config(base["run_dir"], tmp_path / "resumed", *fsdp))
@@ -116,11 +139,25 @@ def test_sharded_finetuning_resumes_exactly(base, tmp_path):
 
 
 def test_startup_prints_the_accounting(base, tmp_path, capsys):
-    assert train_main(["--config", str(ROOT / "configs/lora_tiny.yaml"), "--dry-run", "--json",
-                       f"finetune.base={base['run_dir']}", f"run.dir={tmp_path}", "mesh.data=-1"]) == 0
+    assert (
+        train_main(
+            [
+                "--config",
+                str(ROOT / "configs/lora_tiny.yaml"),
+                "--dry-run",
+                "--json",
+                f"finetune.base={base['run_dir']}",
+                f"run.dir={tmp_path}",
+                "mesh.data=-1",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     state = report["state"]
-    assert state["frozen"] > 10 * state["params"] and 0 <= state["opt_state"] - 2 * state["params"] < 64  # + step counts
+    assert (
+        state["frozen"] > 10 * state["params"] and 0 <= state["opt_state"] - 2 * state["params"] < 64
+    )  # + step counts
     # The human-readable start-up line: LoRA r=8 on W_q (128 -> 4x32) and W_v (128 -> 2x32), 4 layers.
     cfg = lora_config(base["run_dir"], tmp_path)
     text = describe(cfg, abstract_state(cfg, make_optimizer(cfg.optimizer, cfg.train.steps)[0])[1])
@@ -129,14 +166,22 @@ def test_startup_prints_the_accounting(base, tmp_path, capsys):
     assert f"gradients {trainable * 4 / 2**20:.2f} MiB, optimizer state {2 * trainable * 4 / 2**20:.2f} MiB" in text
 
 
-@pytest.mark.parametrize("override, message", [
-    ("finetune.base=/nonexistent/run", "has no config.yaml"),
-    ("model.d_model=64", "model.d_model: the base run"),
-    ("finetune.base=null", "finetune.base"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("finetune.base=/nonexistent/run", "has no config.yaml"),
+        ("model.d_model=64", "model.d_model: the base run"),
+        ("finetune.base=null", "finetune.base"),
+    ],
+)
 def test_bad_finetune_configs_exit_2(base, tmp_path, capsys, override, message):
-    argv = ["--config", str(ROOT / "configs/lora_tiny.yaml"), f"finetune.base={base['run_dir']}",
-            f"run.dir={tmp_path / 'new'}", override]
+    argv = [
+        "--config",
+        str(ROOT / "configs/lora_tiny.yaml"),
+        f"finetune.base={base['run_dir']}",
+        f"run.dir={tmp_path / 'new'}",
+        override,
+    ]
     assert train_main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
@@ -155,8 +200,22 @@ def test_a_lora_run_generates_merged(tuned, capsys):
     run_dir = str(tuned["lora"]["run_dir"])
     prompt = [int(b) for b in b"The return statement"]
     unmerged = Generator(load_run(run_dir)[1]).generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=12))
-    assert inference_main(["lm", "--checkpoint", run_dir, "--prompt", "The return statement",
-                           "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert (
+        inference_main(
+            [
+                "lm",
+                "--checkpoint",
+                run_dir,
+                "--prompt",
+                "The return statement",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "12",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == "The return statement" + bytes(unmerged[0]).decode(errors="replace") + "\n"
 
 
@@ -165,8 +224,8 @@ def test_a_lora_run_exports_merged_and_as_a_peft_adapter(tuned, tmp_path, capsys
     """export-hf --merge writes the base with the deltas added (the LoRA model's logits); without
     --merge a LoRA run is refused; export-peft writes the adapter."""
     from meshwork.inference.cli import main as inference_main
-    from meshwork.models.hf import load_hf_model
     from meshwork.inference.runs import load_run
+    from meshwork.models.hf import load_hf_model
 
     run_dir = str(tuned["lora"]["run_dir"])
     assert inference_main(["export-hf", "--checkpoint", run_dir, "--out", str(tmp_path / "plain")]) == 2
@@ -177,6 +236,4 @@ def test_a_lora_run_exports_merged_and_as_a_peft_adapter(tuned, tmp_path, capsys
     got = np.asarray(load_hf_model(tmp_path / "merged")[1](tokens))
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert inference_main(["export-peft", "--checkpoint", run_dir, "--out", str(tmp_path / "peft")]) == 0
-    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json",
-                                                                      "adapter_model.safetensors"]
-
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]

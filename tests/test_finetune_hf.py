@@ -11,6 +11,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, optimized_override
 from flax import nnx
 
 from meshwork.config import load_config
@@ -19,10 +20,8 @@ from meshwork.models.hf import load_hf_checkpoint, model_from_hf
 from meshwork.train.cli import main as train_main
 from meshwork.train.finetune import with_base_model
 from meshwork.train.loop import train
-from meshwork.train.trainer import build_trainer, check_runtime
 from meshwork.train.task import make_task
-
-from conftest import ROOT, optimized_override
+from meshwork.train.trainer import build_trainer, check_runtime
 
 STEPS = 40
 
@@ -52,18 +51,37 @@ def jsonl_corpus(folder: pathlib.Path) -> pathlib.Path:
 
 
 def lora_overrides(base: pathlib.Path, corpus: pathlib.Path, run_dir: pathlib.Path, steps: int) -> list[str]:
-    return [f"run.dir={run_dir}", f"finetune.base={base}", "finetune.method=lora", "finetune.targets=[q,k,v,o]",
-            "finetune.rank=8", "data.source=text", f"data.text_files=[{corpus}/*.jsonl]", "data.text_field=text",
-            "data.tokenizer=null",
-            "data.seq_len=64", "data.val_fraction=0.1", "train.global_batch=8", f"train.steps={steps}",
-            "optimizer.lr=1e-2", "optimizer.warmup_steps=5", "optimizer.weight_decay=0.0",
-            "log.eval_every=20", "log.eval_batches=2", "log.progress=false", "log.tensorboard=false",
-            "checkpoint.every=20", "mesh.data=1", optimized_override()]
+    return [
+        f"run.dir={run_dir}",
+        f"finetune.base={base}",
+        "finetune.method=lora",
+        "finetune.targets=[q,k,v,o]",
+        "finetune.rank=8",
+        "data.source=text",
+        f"data.text_files=[{corpus}/*.jsonl]",
+        "data.text_field=text",
+        "data.tokenizer=null",
+        "data.seq_len=64",
+        "data.val_fraction=0.1",
+        "train.global_batch=8",
+        f"train.steps={steps}",
+        "optimizer.lr=1e-2",
+        "optimizer.warmup_steps=5",
+        "optimizer.weight_decay=0.0",
+        "log.eval_every=20",
+        "log.eval_batches=2",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "checkpoint.every=20",
+        "mesh.data=1",
+        optimized_override(),
+    ]
 
 
 def lora_config(tmp: pathlib.Path, run_dir: pathlib.Path, steps: int = STEPS, *extra: str):
-    cfg = load_config(ROOT / "configs/lora_hf_text.yaml",
-                      [*lora_overrides(tmp / "base", tmp / "corpus", run_dir, steps), *extra])
+    cfg = load_config(
+        ROOT / "configs/lora_hf_text.yaml", [*lora_overrides(tmp / "base", tmp / "corpus", run_dir, steps), *extra]
+    )
     return with_base_model(cfg)
 
 
@@ -115,8 +133,12 @@ def test_a_resumed_run_equals_an_uninterrupted_one(setup, straight):
 
 def test_a_model_key_that_disagrees_with_the_checkpoint_is_one_line(setup, capsys):
     run_dir = setup / "refused"
-    argv = ["--config", str(ROOT / "configs/lora_hf_text.yaml"),
-            *lora_overrides(setup / "base", setup / "corpus", run_dir, 2), "model.n_layers=5"]
+    argv = [
+        "--config",
+        str(ROOT / "configs/lora_hf_text.yaml"),
+        *lora_overrides(setup / "base", setup / "corpus", run_dir, 2),
+        "model.n_layers=5",
+    ]
     assert train_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1

@@ -41,15 +41,21 @@ def packed(lengths):
 
 def qkv(B, L, S, H, G, K, dtype, seed=0):
     kq, kk, kv, kg = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(kq, (B, L, H, K), dtype), jax.random.normal(kk, (B, S, G, K), dtype),
-            jax.random.normal(kv, (B, S, G, K), dtype), jax.random.normal(kg, (B, L, H, K), dtype))
+    return (
+        jax.random.normal(kq, (B, L, H, K), dtype),
+        jax.random.normal(kk, (B, S, G, K), dtype),
+        jax.random.normal(kv, (B, S, G, K), dtype),
+        jax.random.normal(kg, (B, L, H, K), dtype),
+    )
 
 
 def forward_and_grads(fn, q, k, v, do, **kw):
     """(o, dq, dk, dv) for the cotangent do."""
+
     def run(q, k, v, do):
         o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
         return (o, *vjp(do))
+
     return jax.jit(run)(q, k, v, do)
 
 
@@ -61,31 +67,80 @@ def forward_and_grads(fn, q, k, v, do, **kw):
 # spans several blocks; L or S not a multiple of the block exercises the padding.
 CASES = {
     "causal-mha-f32": (2, 64, 64, 2, 2, 32, jnp.float32, dict(block_q=32, block_kv=32)),
-    "noncausal-gqa2-ragged-f32": (1, 96, 80, 4, 2, 32, jnp.float32,
-                                  dict(causal=False, block_q=64, block_kv=32)),
+    "noncausal-gqa2-ragged-f32": (1, 96, 80, 4, 2, 32, jnp.float32, dict(causal=False, block_q=64, block_kv=32)),
     "causal-gqa8-f32": (1, 128, 128, 8, 1, 64, jnp.float32, dict(block_q=32, block_kv=64)),
-    "segments-gqa2-f32": (2, 96, 96, 4, 2, 32, jnp.float32,
-                          dict(block_q=32, block_kv=32, segment_ids_q=np.stack([packed([40, 30, 26]), packed([96])]),
-                               segment_ids_kv=np.stack([packed([40, 30, 26]), packed([96])]))),
+    "segments-gqa2-f32": (
+        2,
+        96,
+        96,
+        4,
+        2,
+        32,
+        jnp.float32,
+        dict(
+            block_q=32,
+            block_kv=32,
+            segment_ids_q=np.stack([packed([40, 30, 26]), packed([96])]),
+            segment_ids_kv=np.stack([packed([40, 30, 26]), packed([96])]),
+        ),
+    ),
     # Query segment 7 has no keys: those rows see nothing and must output 0.
-    "segments-cross-empty-rows-f32": (1, 64, 48, 2, 1, 32, jnp.float32,
-                                      dict(causal=False, block_q=32, block_kv=32,
-                                           segment_ids_q=np.array([[0] * 30 + [1] * 20 + [7] * 14]),
-                                           segment_ids_kv=np.array([[0] * 20 + [1] * 28]))),
+    "segments-cross-empty-rows-f32": (
+        1,
+        64,
+        48,
+        2,
+        1,
+        32,
+        jnp.float32,
+        dict(
+            causal=False,
+            block_q=32,
+            block_kv=32,
+            segment_ids_q=np.array([[0] * 30 + [1] * 20 + [7] * 14]),
+            segment_ids_kv=np.array([[0] * 20 + [1] * 28]),
+        ),
+    ),
     "window-ragged-f32": (1, 120, 120, 2, 1, 32, jnp.float32, dict(window=40, block_q=32, block_kv=32)),
     "causal-gqa2-ragged-bf16": (1, 100, 100, 8, 4, 64, jnp.bfloat16, dict(block_q=32, block_kv=32)),
-    "segments-window-noncausal-bf16": (2, 96, 96, 4, 2, 64, jnp.bfloat16,
-                                       dict(causal=False, block_q=32, block_kv=32,
-                                            segment_ids_q=np.stack([packed([50, 46]), packed([96])]),
-                                            segment_ids_kv=np.stack([packed([50, 46]), packed([96])]))),
+    "segments-window-noncausal-bf16": (
+        2,
+        96,
+        96,
+        4,
+        2,
+        64,
+        jnp.bfloat16,
+        dict(
+            causal=False,
+            block_q=32,
+            block_kv=32,
+            segment_ids_q=np.stack([packed([50, 46]), packed([96])]),
+            segment_ids_kv=np.stack([packed([50, 46]), packed([96])]),
+        ),
+    ),
     # The GPU configuration (power-of-two blocks >= 16, head dim 24 padded to
     # 32, model layout) under the generic interpreter.
     "gpu-config-window-gqa4-f32": (1, 80, 80, 4, 1, 24, jnp.float32, dict(window=33, backend="gpu", interpret=True)),
     # The TPU configuration ((B, H, L, K) layout, 128-lane key blocks) under TPU interpret mode.
-    "tpu-config-segments-window-f32": (1, 256, 256, 4, 2, 32, jnp.float32,
-                                       dict(window=70, block_q=64, block_kv=128, backend="tpu",
-                                            interpret=TPU_INTERPRET, segment_ids_q=packed([100, 156])[None],
-                                            segment_ids_kv=packed([100, 156])[None])),
+    "tpu-config-segments-window-f32": (
+        1,
+        256,
+        256,
+        4,
+        2,
+        32,
+        jnp.float32,
+        dict(
+            window=70,
+            block_q=64,
+            block_kv=128,
+            backend="tpu",
+            interpret=TPU_INTERPRET,
+            segment_ids_q=packed([100, 156])[None],
+            segment_ids_kv=packed([100, 156])[None],
+        ),
+    ),
 }
 
 
@@ -93,8 +148,10 @@ CASES = {
 def results(name):
     B, L, S, H, G, K, dtype, kw = CASES[name]
     q, k, v, do = qkv(B, L, S, H, G, K, dtype)
-    return (forward_and_grads(flash_attention, q, k, v, do, **kw),
-            forward_and_grads(flash_attention_reference, q, k, v, do, **kw))
+    return (
+        forward_and_grads(flash_attention, q, k, v, do, **kw),
+        forward_and_grads(flash_attention_reference, q, k, v, do, **kw),
+    )
 
 
 @pytest.mark.parametrize("i, what", [(0, "o"), (1, "dq"), (2, "dk"), (3, "dv")])
@@ -116,14 +173,33 @@ def test_rows_without_keys_output_zero():
 # Block skipping: loop bounds, not just masks
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal, window, L, S, bq, bk", [
-    (True, None, 128, 128, 32, 16), (True, None, 96, 160, 32, 64), (True, 40, 160, 160, 32, 16),
-    (True, 1, 64, 64, 16, 32), (False, None, 80, 48, 32, 16)])
+
+@pytest.mark.parametrize(
+    "causal, window, L, S, bq, bk",
+    [
+        (True, None, 128, 128, 32, 16),
+        (True, None, 96, 160, 32, 64),
+        (True, 40, 160, 160, 32, 16),
+        (True, 1, 64, 64, 16, 32),
+        (False, None, 80, 48, 32, 16),
+    ],
+)
 def test_block_ranges_are_exactly_the_visible_blocks(causal, window, L, S, bq, bk):
     """The kernels' loops visit exactly the blocks holding a visible (query, key) pair."""
-    cfg = fk.FlashConfig(causal=causal, window=window, scale=1.0, q_len=L, kv_len=S,
-                         blocks=fk.BlockSizes(bq, bk, bq, bk), rep=1, head_dim=8, backend="cpu", interpret=True,
-                         heads_major=False, segmented=False)
+    cfg = fk.FlashConfig(
+        causal=causal,
+        window=window,
+        scale=1.0,
+        q_len=L,
+        kv_len=S,
+        blocks=fk.BlockSizes(bq, bk, bq, bk),
+        rep=1,
+        head_dim=8,
+        backend="cpu",
+        interpret=True,
+        heads_major=False,
+        segmented=False,
+    )
     i, j = np.arange(pb.round_up(L, bq))[:, None], np.arange(pb.round_up(S, bk))[None, :]
     visible = (i < L) & (j < S) & ((j <= i) if causal else True) & ((j > i - window) if window else True)
     blocks = visible.reshape(i.size // bq, bq, j.size // bk, bk).any(axis=(1, 3))  # [q block, kv block]
@@ -155,19 +231,39 @@ def test_masked_blocks_are_never_read():
 # Every output element is written
 # --------------------------------------------------------------------------
 
+
 def test_poisoned_outputs_catch_an_unwritten_tile():
     """The check itself: a kernel whose grid misses the last tile leaves NaN behind."""
-    cfg = fk.FlashConfig(causal=True, window=None, scale=1.0, q_len=64, kv_len=64,
-                         blocks=fk.BlockSizes(16, 16, 16, 16), rep=1, head_dim=8, backend="cpu", interpret=True,
-                         heads_major=False, segmented=False, poison=True)
+    cfg = fk.FlashConfig(
+        causal=True,
+        window=None,
+        scale=1.0,
+        q_len=64,
+        kv_len=64,
+        blocks=fk.BlockSizes(16, 16, 16, 16),
+        rep=1,
+        head_dim=8,
+        backend="cpu",
+        interpret=True,
+        heads_major=False,
+        segmented=False,
+        poison=True,
+    )
 
     def copy(x_ref, o_ref):
         o_ref[...] = x_ref[...]
 
     x = jnp.ones((64, 8))
-    (out,) = pb.launch(copy, cfg, grid=(3,), in_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
-                       out_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
-                       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], args=(x,), name="misses_a_tile")
+    (out,) = pb.launch(
+        copy,
+        cfg,
+        grid=(3,),
+        in_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+        args=(x,),
+        name="misses_a_tile",
+    )
     assert np.isnan(np.asarray(out)[48:]).all() and not np.isnan(np.asarray(out)[:48]).any()
 
 
@@ -180,16 +276,35 @@ def test_every_output_element_is_written(backend):
     B, L, S, H, G, K = 2, 96, 80, 4, 2, 24
     q, k, v, do = qkv(B, L, S, H, G, K, jnp.float32)
     seg_q, seg_kv = np.stack([packed([50, 46])] * B), np.stack([packed([40, 40])] * B)
-    cfg = fa.plan(q.shape, k.shape, causal=True, scale=None, window=None, segmented=True, block_q=64,
-                  block_kv=32, backend=backend, interpret=True)
+    cfg = fa.plan(
+        q.shape,
+        k.shape,
+        causal=True,
+        scale=None,
+        window=None,
+        segmented=True,
+        block_q=64,
+        block_kv=32,
+        backend=backend,
+        interpret=True,
+    )
     cfg = dataclasses.replace(cfg, poison=True)
     qp, kp, vp, sq, skv = fa.pad_inputs(q, k, v, seg_q, seg_kv, cfg)
     dop = fa.pad_inputs(do, k, v, seg_q, seg_kv, cfg)[0]
     o, lse = fk.flash_forward(qp, kp, vp, sq, skv, cfg)
     outputs = [o, lse, *fk.flash_backward(qp, kp, vp, sq, skv, o, lse, dop, cfg)]
 
-    dcfg = da._Config(scale=K ** -0.5, chunk=32, kv=16, rows=16 if backend == "gpu" else H // G,
-                      head_dim=cfg.head_dim, backend=backend, interpret=True, heads_major=False, poison=True)
+    dcfg = da._Config(
+        scale=K**-0.5,
+        chunk=32,
+        kv=16,
+        rows=16 if backend == "gpu" else H // G,
+        head_dim=cfg.head_dim,
+        backend=backend,
+        interpret=True,
+        heads_major=False,
+        poison=True,
+    )
     outputs += da._decode_chunks(q[:, 0], k, v, jnp.array([7, 80]), dcfg)
     for name, x in zip(["o", "lse", "dq", "dk", "dv", "decode o", "decode lse"], outputs):
         assert not np.isnan(np.asarray(x)).any(), f"{name}: an output tile was never written"
@@ -199,9 +314,16 @@ def test_every_output_element_is_written(backend):
 # Decode
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(chunk=32, block_kv=16), dict(backend="gpu", interpret=True, chunk=32),
-                                dict(backend="tpu", interpret=TPU_INTERPRET, chunk=128, block_kv=128)],
-                         ids=["cpu", "gpu-config", "tpu-config"])
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(chunk=32, block_kv=16),
+        dict(backend="gpu", interpret=True, chunk=32),
+        dict(backend="tpu", interpret=TPU_INTERPRET, chunk=128, block_kv=128),
+    ],
+    ids=["cpu", "gpu-config", "tpu-config"],
+)
 def test_decode_matches_reference_and_full_attention(kw):
     B, S, H, G, K = 4, 120, 8, 2, 32  # S is not a multiple of the chunk
     q, k, v, _ = qkv(B, 1, S, H, G, K, jnp.float32)
@@ -212,7 +334,7 @@ def test_decode_matches_reference_and_full_attention(kw):
     assert np.all(np.asarray(o)[0] == 0), "a sequence with no keys gets zeros"
     for b in range(1, B):
         n = int(lengths[b])
-        full = flash_attention_reference(q[b:b + 1, None], k[b:b + 1, :n], v[b:b + 1, :n], causal=False)
+        full = flash_attention_reference(q[b : b + 1, None], k[b : b + 1, :n], v[b : b + 1, :n], causal=False)
         assert rel_err(o[b], full[0, 0]) <= 1e-5, b
 
 
@@ -228,16 +350,30 @@ def test_decode_matches_reference_and_full_attention(kw):
 LOWER_SHAPES = (1, 200, 4, 2, 64)  # B, L=S (not a multiple of any block), H, G, K
 
 
-@pytest.mark.parametrize("platform, backend, marker", [("cuda", "gpu", "__gpu$xla.gpu.triton"),
-                                                       ("tpu", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize(
+    "platform, backend, marker", [("cuda", "gpu", "__gpu$xla.gpu.triton"), ("tpu", "tpu", "tpu_custom_call")]
+)
 @pytest.mark.parametrize("what", ["forward", "forward+backward", "decode"])
 def test_lowers_without_the_device(platform, backend, marker, what):
     B, L, H, G, K = LOWER_SHAPES
-    q, k, v = jnp.ones((B, L, H, K), jnp.bfloat16), jnp.ones((B, L, G, K), jnp.bfloat16), jnp.ones((B, L, G, K),
-                                                                                                    jnp.bfloat16)
+    q, k, v = (
+        jnp.ones((B, L, H, K), jnp.bfloat16),
+        jnp.ones((B, L, G, K), jnp.bfloat16),
+        jnp.ones((B, L, G, K), jnp.bfloat16),
+    )
     seg = jnp.zeros((B, L), jnp.int32)
-    attn = lambda q, k, v: flash_attention(q, k, v, backend=backend, window=64,  # noqa: E731
-                                           segment_ids_q=seg, segment_ids_kv=seg)
+
+    def attn(q, k, v):
+        return flash_attention(
+            q,
+            k,
+            v,
+            backend=backend,
+            window=64,
+            segment_ids_q=seg,
+            segment_ids_kv=seg,
+        )
+
     fn, n_kernels = {
         "forward": (attn, 1),
         "forward+backward": (jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)), 3),
@@ -258,8 +394,9 @@ def test_triton_launch_parameters_reach_the_lowered_calls():
         with pb.lowering_target("cuda"):
             text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
         calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
-        return [(int(re.search(r"num_warps = (\d+)", c)[1]), int(re.search(r"num_stages = (\d+)", c)[1]))
-                for c in calls]
+        return [
+            (int(re.search(r"num_warps = (\d+)", c)[1]), int(re.search(r"num_stages = (\d+)", c)[1])) for c in calls
+        ]
 
     assert launches(num_warps=2, num_stages=3) == [(2, 3)] * 3
     assert launches() == [(4, 2)] * 3  # head_dim 64: 4 warps, 2 stages
@@ -274,6 +411,7 @@ def test_triton_launch_parameters_reach_the_lowered_calls():
 # full (blocks are dynamic-sliced out and written back), ~15 (S, H, K) arrays
 # here, where the hardware kernel's only temporaries are o, lse and delta.
 # Still no buffer grows faster than S: the score tile is (block_q, block_kv).
+
 
 def _temp_bytes(fn, S, H=2, K=64):
     x = jax.ShapeDtypeStruct((1, S, H, K), jnp.float32)

@@ -7,20 +7,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshwork.config import load_config
 from meshwork.data.text import train_iterator
+from meshwork.models.build import build_model, split_model
 from meshwork.objectives.fused_ce import fused_cross_entropy
 from meshwork.objectives.next_token import next_token_loss, token_cross_entropy
-from meshwork.models.build import build_model, split_model
 from meshwork.partitioning import variable_shardings
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for
 from meshwork.train.trainer import build_trainer, check_runtime
-
-from conftest import ROOT, tiny_overrides
 
 V = 256  # lm_tiny's byte vocabulary
 
@@ -78,11 +77,13 @@ def loss_and_grads(graphdef, params, buffers, batch, loss_chunk):
     return jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, buffers, b)[0]))(params, batch)
 
 
-@pytest.mark.parametrize("config, tied", [("lm_tiny", False), ("lm_tiny", True), ("moe_tiny", False)],
-                         ids=["untied", "tied", "moe"])
+@pytest.mark.parametrize(
+    "config, tied", [("lm_tiny", False), ("lm_tiny", True), ("moe_tiny", False)], ids=["untied", "tied", "moe"]
+)
 def test_model_loss_with_chunks_equals_plain(tmp_path, batch, config, tied):
-    cfg = load_config(ROOT / f"configs/{config}.yaml",
-                      [*tiny_overrides(tmp_path), f"model.tie_embeddings={str(tied).lower()}"])
+    cfg = load_config(
+        ROOT / f"configs/{config}.yaml", [*tiny_overrides(tmp_path), f"model.tie_embeddings={str(tied).lower()}"]
+    )
     model = build_model(cfg)
     graphdef, params, buffers = split_model(model)
     want, g_want = loss_and_grads(graphdef, params, buffers, batch, None)
@@ -102,8 +103,9 @@ def test_bfloat16_compute_tracks_plain(tmp_path, batch):
     assert errs[0] < 1e-3 and errs[1] < 3e-2, errs
 
 
-@pytest.mark.parametrize("sizes, preset", [(dict(fsdp=8), "fsdp"), (dict(data=4, tensor=2), "tp")],
-                         ids=["fsdp8", "data4xtensor2-tp"])
+@pytest.mark.parametrize(
+    "sizes, preset", [(dict(fsdp=8), "fsdp"), (dict(data=4, tensor=2), "tp")], ids=["fsdp8", "data4xtensor2-tp"]
+)
 def test_sharded_chunked_loss_equals_one_device(tmp_path, batch, sizes, preset):
     cfg = cfg_with(tmp_path, "model.tie_embeddings=false")
     graphdef, params, buffers = split_model(build_model(cfg))
@@ -130,8 +132,9 @@ def test_compiled_loss_holds_no_full_logits(tmp_path, batch):
     # (at lm_tiny's 256 bytes the backward pass through the blocks sets the peak).
     B, L = batch["inputs"].shape
     V = 4096
-    graphdef, params, buffers = split_model(build_model(cfg_with(tmp_path, f"model.vocab_size={V}",
-                                                                 "model.n_layers=1")))
+    graphdef, params, buffers = split_model(
+        build_model(cfg_with(tmp_path, f"model.vocab_size={V}", "model.n_layers=1"))
+    )
     compiled = {}
     for chunk in (None, 16):
         loss_fn = next_token_loss(graphdef, chunk)
@@ -139,8 +142,7 @@ def test_compiled_loss_holds_no_full_logits(tmp_path, batch):
         compiled[chunk] = fn.lower(params, batch).compile()
     plain, fused = (compiled[c].as_text() for c in (None, 16))
     temp = {c: compiled[c].memory_analysis().temp_size_in_bytes for c in compiled}
-    print(f"temp bytes plain {temp[None]}, chunked {temp[16]}; plain's logits arrays "
-          f"{logits_shapes(plain, B, L, V)}")
+    print(f"temp bytes plain {temp[None]}, chunked {temp[16]}; plain's logits arrays {logits_shapes(plain, B, L, V)}")
     assert logits_shapes(plain, B, L, V)
     assert not logits_shapes(fused, B, L, V)
     assert f"f32[16,{V}]" in fused  # one chunk's logits is what remains
@@ -166,8 +168,7 @@ def train_steps(tmp_path, overrides):
 def test_training_with_loss_chunk_equals_plain(tmp_path):
     losses, params, hlo = train_steps(tmp_path / "plain", ["mesh.data=1"])
     losses_c, params_c, hlo_c = train_steps(tmp_path / "chunked", ["mesh.data=1", "train.loss_chunk=48"])
-    print(f"losses plain {losses}, chunked {losses_c}; params max relative difference "
-          f"{tree_max_rel(params_c, params)}")
+    print(f"losses plain {losses}, chunked {losses_c}; params max relative difference {tree_max_rel(params_c, params)}")
     np.testing.assert_allclose(losses_c, losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params_c), jax.tree.leaves(params)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
@@ -179,8 +180,14 @@ def test_loss_chunk_refuses_pipelines(tmp_path):
     from meshwork.config import ConfigError
 
     with pytest.raises(ConfigError, match="train.loss_chunk"):
-        cfg_with(tmp_path, "train.loss_chunk=64", "mesh.stage=2", "mesh.data=4", "train.pipeline=gpipe",
-                 "train.microbatches=2")
+        cfg_with(
+            tmp_path,
+            "train.loss_chunk=64",
+            "mesh.stage=2",
+            "mesh.data=4",
+            "train.pipeline=gpipe",
+            "train.microbatches=2",
+        )
 
 
 def test_fsdp_gathers_the_head_once_and_reduces_its_gradient_once(tmp_path, batch):
@@ -197,11 +204,14 @@ def test_fsdp_gathers_the_head_once_and_reduces_its_gradient_once(tmp_path, batc
         fn = jax.jit(jax.grad(lambda p, b: loss_fn(p, buffers, b)[0]))
         hlo = fn.lower(placed, sharded).compile().as_text()
     # Only the entry computation runs once per step: a collective in the chunk loop's body runs per chunk.
-    entry = hlo[hlo.index("\nENTRY"):]
+    entry = hlo[hlo.index("\nENTRY") :]
     full = rf"\w+\[{D},{V}\]"
-    count = {what: (len(re.findall(pattern, hlo)), len(re.findall(pattern, entry))) for what, pattern in {
-        "all-gather": rf"= {full}\S* all-gather\(",
-        "reduction": rf"= (?:\([^)]*)?{full}[^=]*? (?:all-reduce|reduce-scatter)\(",
-    }.items()}
+    count = {
+        what: (len(re.findall(pattern, hlo)), len(re.findall(pattern, entry)))
+        for what, pattern in {
+            "all-gather": rf"= {full}\S* all-gather\(",
+            "reduction": rf"= (?:\([^)]*)?{full}[^=]*? (?:all-reduce|reduce-scatter)\(",
+        }.items()
+    }
     print(f"(D, V) collectives (in the program, in its entry): {count}")
     assert count == {"all-gather": (1, 1), "reduction": (1, 1)}, count

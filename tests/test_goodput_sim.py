@@ -25,9 +25,23 @@ from meshwork.perf.reliability import cluster_mttf, daly_interval, goodput
 NO_FAILURES = np.array([])
 
 # The benchmark's large-scale defaults, at 10,000 devices of 100-day MTTF.
-COSTS = {"device_mttf": 100 * 86400, "step_time": 10.0, "persistent_cost": 60.0, "fast_cost": 2.0, "startup": 60.0,
-             "compile_": 30.0, "restore_persistent": 60.0, "restore_fast": 5.0, "reshard": 10.0, "recompile": 30.0, "rejoin": 10.0,
-             "replacement_time": 600.0, "group": 8, "fast_loss_prob": 0.01, "rollback": 1.0}
+COSTS = {
+    "device_mttf": 100 * 86400,
+    "step_time": 10.0,
+    "persistent_cost": 60.0,
+    "fast_cost": 2.0,
+    "startup": 60.0,
+    "compile_": 30.0,
+    "restore_persistent": 60.0,
+    "restore_fast": 5.0,
+    "reshard": 10.0,
+    "recompile": 30.0,
+    "rejoin": 10.0,
+    "replacement_time": 600.0,
+    "group": 8,
+    "fast_loss_prob": 0.01,
+    "rollback": 1.0,
+}
 
 
 def test_docstrings():
@@ -78,8 +92,10 @@ def test_a_failure_loses_the_work_since_the_checkpoint_and_pays_the_restart():
 def test_fast_tier_and_elastic_beat_restart_when_their_recovery_is_cheaper():
     n = 10_000
     trace = failure_trace(cluster_mttf(COSTS["device_mttf"], n), 3 * 86400, seed=7)
-    g = {mode: simulate(scenario(mode, n_devices=n, **COSTS), trace, horizon=3 * 86400).goodput
-         for mode in goodput_sim.MODES}
+    g = {
+        mode: simulate(scenario(mode, n_devices=n, **COSTS), trace, horizon=3 * 86400).goodput
+        for mode in goodput_sim.MODES
+    }
     assert g["persistent"] < g["fast"] < g["elastic"]
     # Elastic whose recovery costs as much as a restart, with a slow replacement, is no better than "fast".
     slow = {**COSTS, "reshard": 95.0, "recompile": 0.0, "replacement_time": 1e5, "group": 800}
@@ -88,9 +104,20 @@ def test_fast_tier_and_elastic_beat_restart_when_their_recovery_is_cheaper():
 
 
 def test_elastic_runs_degraded_until_the_replacement_joins():
-    s = Scenario("elastic", step_time=1.0, checkpoint_cost=0.0, every=None, recovery_cost=50.0, fast_every=5,
-                 fast_cost=0.0, fast_recovery_cost=2.0, rollback=0.0, degraded_fraction=0.5,
-                 replacement_time=10.0, rejoin_cost=3.0)
+    s = Scenario(
+        "elastic",
+        step_time=1.0,
+        checkpoint_cost=0.0,
+        every=None,
+        recovery_cost=50.0,
+        fast_every=5,
+        fast_cost=0.0,
+        fast_recovery_cost=2.0,
+        rollback=0.0,
+        degraded_fraction=0.5,
+        replacement_time=10.0,
+        rejoin_cost=3.0,
+    )
     r = simulate(s, np.array([12.5]), total_steps=40)
     # 12.5 steps, 2 s reshard (no rollback), 10 s at half speed from 12.5 s to 22.5 s: the
     # replacement joins (2 s of it spent reshard), 3 s rejoin, then the rest at full speed.
@@ -102,9 +129,18 @@ def test_elastic_runs_degraded_until_the_replacement_joins():
 def test_elastic_with_replicated_state_needs_no_copy_and_loses_no_work():
     # Rollback 0 (data parallel: the survivors hold every shard): a failure before the first fast copy
     # costs the reshard only; with rollback 1 there is nothing to roll back to but a fresh start.
-    kw = {"step_time": 1.0, "checkpoint_cost": 0.0, "every": None, "recovery_cost": 50.0, "fast_every": 10,
-          "fast_cost": 0.0, "fast_recovery_cost": 2.0, "replacement_time": 5.0, "rejoin_cost": 1.0,
-          "initial_cost": 4.0}
+    kw = {
+        "step_time": 1.0,
+        "checkpoint_cost": 0.0,
+        "every": None,
+        "recovery_cost": 50.0,
+        "fast_every": 10,
+        "fast_cost": 0.0,
+        "fast_recovery_cost": 2.0,
+        "replacement_time": 5.0,
+        "rejoin_cost": 1.0,
+        "initial_cost": 4.0,
+    }
     r = simulate(Scenario("elastic", rollback=0.0, **kw), np.array([7.0]), total_steps=20)
     assert r.breakdown["lost"] == 0 and r.breakdown["recovery"] == 4 + 2 and r.wall == 4 + 20 + 2 + 1
     r1 = simulate(Scenario("elastic", rollback=1.0, **kw), np.array([7.0]), total_steps=20)
@@ -130,12 +166,15 @@ def test_intervals_follow_daly():
     assert f.every * 10 == pytest.approx(daly_interval(60, 86400), rel=0.15)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"step_time": 0.0}, "step_time must be positive"),
-    ({"every": 0}, "every must be a positive number"),
-    ({"mode": "fast"}, "needs fast_every"),
-    ({"checkpoint_cost": -1.0}, "checkpoint_cost must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"step_time": 0.0}, "step_time must be positive"),
+        ({"every": 0}, "every must be a positive number"),
+        ({"mode": "fast"}, "needs fast_every"),
+        ({"checkpoint_cost": -1.0}, "checkpoint_cost must be >= 0"),
+    ],
+)
 def test_bad_scenarios_name_the_value(bad, message):
     args = {"mode": "persistent", "step_time": 1.0, "checkpoint_cost": 1.0, "every": 10, "recovery_cost": 1.0} | bad
     with pytest.raises(ConfigError, match=message):
@@ -144,18 +183,38 @@ def test_bad_scenarios_name_the_value(bad, message):
         simulate(Scenario.persistent(step_time=1, checkpoint_cost=1, every=1, recovery_cost=1), NO_FAILURES)
 
 
-@pytest.mark.parametrize("args", [["--devices", "0"], ["--devices", "ten"], ["--mttf-days", "-1"], ["--seed"],
-                                  ["--every", "45"], ["--fast-every", "30"], ["--rollback", "2"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--devices", "0"],
+        ["--devices", "ten"],
+        ["--mttf-days", "-1"],
+        ["--seed"],
+        ["--every", "45"],
+        ["--fast-every", "30"],
+        ["--rollback", "2"],
+    ],
+)
 def test_benchmark_cli_refuses_bad_input_in_one_line(args):
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/goodput_sim.py"), *args, "--no-real-run"],
-                       capture_output=True, text=True, timeout=60, check=False)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/goodput_sim.py"), *args, "--no-real-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
 def test_benchmark_table_without_the_real_run():
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/goodput_sim.py"), "--no-real-run", "--days", "2"],
-                       capture_output=True, text=True, timeout=120, check=False)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/goodput_sim.py"), "--no-real-run", "--days", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert p.returncode == 0, p.stderr
     assert "100,000" in p.stdout and "assumption" in p.stdout
     assert not math.isnan(float(p.stdout.split("goodput[persistent,10000]=")[1].split()[0]))

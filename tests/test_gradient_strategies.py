@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from meshwork.config import load_config
 from meshwork.sharding.mesh import make_mesh
@@ -25,8 +26,6 @@ from meshwork.train.gradients import (
     replica_gradient,
 )
 
-from conftest import ROOT
-
 B, D_IN, D_OUT = 16, 4, 3
 
 
@@ -40,8 +39,10 @@ def objective(params, buffers, batch, noise_key):
 def toy():
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(D_IN, D_OUT)), jnp.float32)}
-    batch = {"x": jnp.asarray(rng.normal(size=(B, D_IN)), jnp.float32),
-             "y": jnp.asarray(rng.normal(size=(B, D_OUT)), jnp.float32)}
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(B, D_IN)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(B, D_OUT)), jnp.float32),
+    }
     return params, batch, jax.random.key(7)
 
 
@@ -122,7 +123,7 @@ def test_reduced_compressed_mean_is_close_to_plain(tmp_path, compression):
     want_metrics, want = reference(params, batch, key)
     # Each replica's gradient on its B/n rows, encoded once on the way in; their mean encoded once more.
     rows = B // n  # replica i holds rows [i*rows, (i+1)*rows): the batch is split over `data`
-    shards = [{k: v[i * rows:(i + 1) * rows] for k, v in batch.items()} for i in range(n)]
+    shards = [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(n)]
     per_replica = np.stack([reference(params, shard, key)[1]["w"] for shard in shards])
     eps, exact = ENCODING_ERROR[compression], np.abs(np.asarray(want["w"]))
     if compression == "bf16":  # relative to each value: the replicas' errors averaged, then the mean's
@@ -137,8 +138,9 @@ def test_reduced_compressed_mean_is_close_to_plain(tmp_path, compression):
     # hold exactly what the compression took away from the mean.
     assert jax.tree.structure(new_comm) == jax.tree.structure(comm) and set(comm) == {"error"}
     assert new_comm["error"]["w"].shape == (n, D_IN, D_OUT) and new_comm["error"]["w"].dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(new_comm["error"]["w"]).mean(axis=0),
-                               per_replica.mean(axis=0) - np.asarray(grads["w"]), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(new_comm["error"]["w"]).mean(axis=0), per_replica.mean(axis=0) - np.asarray(grads["w"]), atol=1e-6
+    )
 
 
 def test_gradient_strategy_picks_one_per_config(tmp_path):

@@ -5,7 +5,6 @@ operator-class FLOPs against cost_analysis, the eager-vs-graph benchmark and
 from __future__ import annotations
 
 import pytest
-
 from conftest import ROOT, XLA_EMITTERS, tiny_overrides, xla_options_override
 
 
@@ -18,8 +17,10 @@ def report(tmp_path_factory):
 
     # XLA's own fusion emitters (the session turns them off for compile speed): the counts are what
     # a user's compile gives.
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path_factory.mktemp("graph")),
-                                                      xla_options_override(XLA_EMITTERS)])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [*tiny_overrides(tmp_path_factory.mktemp("graph")), xla_options_override(XLA_EMITTERS)],
+    )
     trainer = build_trainer(cfg, check_runtime(cfg)).compile()  # 8 devices, dp
     return graph_report(trainer.step_fn, step_jaxpr(trainer))
 
@@ -81,8 +82,9 @@ def test_eager_vs_graph_benchmark_runs(capsys):
 def test_cli_dry_run_graph(tmp_path, capsys):
     from meshwork.train.cli import main
 
-    assert main(["--config", str(ROOT / "configs/lm_tiny.yaml"), "--dry-run", "--graph",
-                 *tiny_overrides(tmp_path)]) == 0
+    assert (
+        main(["--config", str(ROOT / "configs/lm_tiny.yaml"), "--dry-run", "--graph", *tiny_overrides(tmp_path)]) == 0
+    )
     out = capsys.readouterr().out
     for section in ("== ops vs kernels", "== fusion: bytes", "== operator classes", "== collectives in the schedule"):
         assert section in out

@@ -7,20 +7,19 @@ import json
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from meshwork.inference.cli import main
 from meshwork.inference.generate import Generator
-from meshwork.models.hf import model_from_hf
 from meshwork.inference.sampling import SamplingParams
-
-from conftest import ROOT
+from meshwork.models.hf import model_from_hf
 
 LLAMA = ROOT / "tests/fixtures/hf/llama"
 
 
 def golden():
     g = json.loads((LLAMA / "generate_golden.json").read_text())
-    return g["input_ids"], [out[len(inp):] for inp, out in zip(g["input_ids"], g["output_ids"])], g["max_new_tokens"]
+    return g["input_ids"], [out[len(inp) :] for inp, out in zip(g["input_ids"], g["output_ids"])], g["max_new_tokens"]
 
 
 def test_greedy_generation_matches_transformers():
@@ -41,8 +40,17 @@ def test_cli_generates_from_an_hf_directory(capsys):
 # Quick tier: Llama (its prefill and decode are compiled by the tests above already), a MoE, and
 # the Qwen2-MoE whose KV cache is written by four runs of layers (dense, MoE, dense, MoE).
 QUICK = ["llama", "qwen3_moe", "qwen2_moe_step2"]
-FAMILIES = ["llama", "mixtral", "qwen2_moe", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe_step2",
-            "qwen2_moe_mlp_only"]
+FAMILIES = [
+    "llama",
+    "mixtral",
+    "qwen2_moe",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "qwen2_moe_step2",
+    "qwen2_moe_mlp_only",
+]
 
 
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])

@@ -13,14 +13,13 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ROOT
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from meshwork.models.hf import build_hf_model, load_hf_checkpoint, model_from_hf
 from meshwork.models.hf.config import config_from_hf
-
-from conftest import ROOT
 
 FIXTURES = ROOT / "tests/fixtures/hf"
 MODELS = ["llama", "mixtral", "qwen2_moe", "qwen2", "qwen3", "mistral", "qwen3_moe"]
@@ -49,15 +48,22 @@ def loaded():
         if name not in cache:
             cache[name] = model_from_hf(FIXTURES / name)[1]
         return cache[name]
+
     return get
 
 
 # Every family at 16 tokens in the quick tier; the 1- and 7-token lengths (the same code path at
 # another length) for llama there, for the other families in the slow tier.
-@pytest.mark.parametrize("name, length", [
-    pytest.param(name, length, id=f"{name}-{length}",
-                 marks=[] if length == 16 or name == "llama" else [pytest.mark.slow])
-    for name in MODELS + PATTERNS for length in (16, 1, 7)])
+@pytest.mark.parametrize(
+    "name, length",
+    [
+        pytest.param(
+            name, length, id=f"{name}-{length}", marks=[] if length == 16 or name == "llama" else [pytest.mark.slow]
+        )
+        for name in MODELS + PATTERNS
+        for length in (16, 1, 7)
+    ],
+)
 def test_logits_match_transformers(loaded, name, length):
     # Measured on CPU, float32 (2026-12-02, benchmarks/RESULTS.md): max |error| / max |logit| at most
     # 1.2e-6 over the families and lengths, for logits up to 4.3 in magnitude; the bound is 1e-5.
@@ -134,9 +140,19 @@ def test_qwen3_moe_reads_num_experts_too():
 
 def test_config_mapping_reads_the_older_config_form():
     """transformers 4 wrote rope_theta/rope_scaling at the top level and often omitted head_dim and kv heads."""
-    old = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
-           "rope_theta": 500000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    old = {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
     cfg = config_from_hf(old)
     assert (cfg.n_kv_heads, cfg.resolved_head_dim, cfg.rope_theta, cfg.norm_eps) == (32, 128, 5e5, 1e-6)
     # Qwen2-MoE: dense layers off the sparse-step grid are representable when they lead.
@@ -144,24 +160,47 @@ def test_config_mapping_reads_the_older_config_form():
     assert config_from_hf(qwen).moe.first_dense_layers == 1
 
 
-@pytest.mark.parametrize("name, change, match", [
-    ("llama", {"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
-    ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "short_factor": [1.0],
-                                   "long_factor": [1.0]}}, "rope_type 'longrope' is not implemented"),
-    ("llama", {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1]}}, "mrope_section"),
-    ("llama", {"attention_bias": True}, "attention_bias"),
-    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),
-    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
-    ("qwen2_moe", {"decoder_sparse_step": -2}, "qwen2_moe config decoder_sparse_step=-2: expected a positive integer"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
-     "qwen2 config layer_types=\\['sliding_attention', 'full_attention'\\]: layers \\[0\\] have sliding_window=32"),
-    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-    ("qwen3", {"attention_bias": True}, "attention_bias=True"),
-    ("qwen3", {"head_dim": None}, "no 'head_dim'"),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "layer_types": None, "max_window_layers": 1},
-     "qwen3 config max_window_layers=1: layers \\[1\\] have sliding_window=32 and the others full attention"),
-])
+@pytest.mark.parametrize(
+    "name, change, match",
+    [
+        ("llama", {"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 5e5,
+                    "short_factor": [1.0],
+                    "long_factor": [1.0],
+                }
+            },
+            "rope_type 'longrope' is not implemented",
+        ),
+        ("llama", {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1]}}, "mrope_section"),
+        ("llama", {"attention_bias": True}, "attention_bias"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),
+        ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+        (
+            "qwen2_moe",
+            {"decoder_sparse_step": -2},
+            "qwen2_moe config decoder_sparse_step=-2: expected a positive integer",
+        ),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
+            "qwen2 config layer_types=\\['sliding_attention', 'full_attention'\\]: layers \\[0\\] have sliding_window=32",
+        ),
+        ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        ("qwen3", {"attention_bias": True}, "attention_bias=True"),
+        ("qwen3", {"head_dim": None}, "no 'head_dim'"),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 32, "layer_types": None, "max_window_layers": 1},
+            "qwen3 config max_window_layers=1: layers \\[1\\] have sliding_window=32 and the others full attention",
+        ),
+    ],
+)
 def test_unsupported_configs_raise(name, change, match):
     with pytest.raises(ValueError, match=match) as info:
         config_from_hf(hf_config(name) | change)
@@ -199,13 +238,16 @@ def test_sharded_bfloat16_checkpoint(tmp_path):
     assert max_logit_error(build_hf_model(cfg, params), "llama") < 0.1
 
 
-@pytest.mark.parametrize("name, change, dense", [
-    ("qwen2_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2}, (0, 2)),   # off the step grid
-    ("qwen2_moe", {"mlp_only_layers": [1]}, (1,)),                               # listed, after a MoE layer
-    ("qwen2_moe", {"mlp_only_layers": [0, 7], "decoder_sparse_step": 3}, (0, 1)),  # leading; 7 past the end
-    ("qwen3_moe", {"mlp_only_layers": [2]}, (2,)),
-    ("qwen3_moe", {"mlp_only_layers": [0, 2]}, (0, 2)),
-])
+@pytest.mark.parametrize(
+    "name, change, dense",
+    [
+        ("qwen2_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2}, (0, 2)),  # off the step grid
+        ("qwen2_moe", {"mlp_only_layers": [1]}, (1,)),  # listed, after a MoE layer
+        ("qwen2_moe", {"mlp_only_layers": [0, 7], "decoder_sparse_step": 3}, (0, 1)),  # leading; 7 past the end
+        ("qwen3_moe", {"mlp_only_layers": [2]}, (2,)),
+        ("qwen3_moe", {"mlp_only_layers": [0, 2]}, (0, 2)),
+    ],
+)
 def test_dense_layers_anywhere_follow_transformers(name, change, dense):
     """Layer i is a MoE layer iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
     (transformers' Qwen2MoeDecoderLayer); leading dense layers keep first_dense_layers."""
@@ -219,13 +261,18 @@ def test_pattern_fixtures_map_to_runs():
     step2, mlp_only = (config_from_hf(hf_config(n)) for n in PATTERNS)
     assert step2.moe.dense_layers == (0, 2) and step2.qkv_bias and not step2.moe.norm_topk_prob
     assert [r.name for r in step2.moe.layer_runs(step2.n_layers)] == [
-        "dense_blocks_0", "moe_blocks_1", "dense_blocks_2", "moe_blocks_3"]
+        "dense_blocks_0",
+        "moe_blocks_1",
+        "dense_blocks_2",
+        "moe_blocks_3",
+    ]
     assert mlp_only.moe.dense_layers == (1,) and not mlp_only.qkv_bias and mlp_only.moe.norm_topk_prob
     assert (mlp_only.moe.n_shared_experts, mlp_only.moe.d_shared, mlp_only.moe.shared_expert_gate) == (1, 24, True)
 
 
-@pytest.mark.parametrize("name, step, mlp_only", [("qwen2_moe_step2", 2, []), ("qwen2_moe_mlp_only", 1, [1]),
-                                                  ("qwen2_moe", 1, [0])])
+@pytest.mark.parametrize(
+    "name, step, mlp_only", [("qwen2_moe_step2", 2, []), ("qwen2_moe_mlp_only", 1, [1]), ("qwen2_moe", 1, [0])]
+)
 def test_export_round_trip_keeps_the_dense_layers(loaded, tmp_path, name, step, mlp_only):
     """load -> export -> load: the same parameters and the hub file's tensors bit for bit, with a
     decoder_sparse_step and mlp_only_layers that make the same layers dense (what transformers
@@ -236,9 +283,14 @@ def test_export_round_trip_keeps_the_dense_layers(loaded, tmp_path, name, step, 
     export_hf(model.cfg, model, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert (written["model_type"], written["decoder_sparse_step"], written["mlp_only_layers"]) == (
-        "qwen2_moe", step, mlp_only)
-    with safe_open(FIXTURES / name / "model.safetensors", framework="numpy") as a, \
-            safe_open(tmp_path / "model.safetensors", framework="numpy") as b:
+        "qwen2_moe",
+        step,
+        mlp_only,
+    )
+    with (
+        safe_open(FIXTURES / name / "model.safetensors", framework="numpy") as a,
+        safe_open(tmp_path / "model.safetensors", framework="numpy") as b,
+    ):
         assert sorted(a.keys()) == sorted(b.keys())
         for k in a.keys():
             np.testing.assert_array_equal(a.get_tensor(k), b.get_tensor(k), err_msg=k)

@@ -4,12 +4,11 @@ lengths 1, 7 and 2.5x the original context, and its greedy tokens through the KV
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from meshwork.inference.generate import Generator
-from meshwork.models.hf import model_from_hf
 from meshwork.inference.sampling import SamplingParams
-
-from conftest import ROOT
+from meshwork.models.hf import model_from_hf
 
 FIXTURES = ROOT / "tests/fixtures/hf/llama_rope"
 # Llama with each scaling, and Qwen2 and Qwen3 with yarn (their long-context setting).

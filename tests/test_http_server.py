@@ -20,20 +20,21 @@ import urllib.request
 
 import openai
 import pytest
+from conftest import ROOT
 
 from meshwork.inference.cli import main
 from meshwork.inference.generate import Generator
 from meshwork.inference.http_server import Limits, create_app
+from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_cli import ThreadedServer, load_served
 from meshwork.inference.serve_engine import Engine, QueueFull
-from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serving import Request, Server
 
-from conftest import ROOT
-
 MAX_TOKENS = {"lm_tiny": 100, "hf_llama": 48}  # the servers' --max-tokens
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def hf_folder(folder: pathlib.Path) -> pathlib.Path:
@@ -98,8 +99,10 @@ def servers(lm_tiny_runs, tmp_path_factory):
         s.http.__exit__()
 
 
-TEXT = ("import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n    return 0\n\n"
-        "class Parser:\n    def __init__(self, text):\n        self.text = text\n")
+TEXT = (
+    "import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n    return 0\n\n"
+    "class Parser:\n    def __init__(self, text):\n        self.text = text\n"
+)
 WORDS = "the cat sat on a mat and the dog ran to the old tree by a river "
 
 
@@ -130,7 +133,11 @@ def test_concurrent_requests_get_their_solo_tokens_and_bad_ones_4xx(servers, nam
     jobs = []
     for i in range(32):
         start, length = (7 * i) % 40, 1 + (11 * i) % limit
-        prompt, max_tokens, stream = corpus[start:start + length], 1 + (5 * i) % (24 if name == "lm_tiny" else 12), i % 2
+        prompt, max_tokens, stream = (
+            corpus[start : start + length],
+            1 + (5 * i) % (24 if name == "lm_tiny" else 12),
+            i % 2,
+        )
         jobs.append((prompt, max_tokens, bool(stream)))
 
     def good(prompt, max_tokens, stream):
@@ -138,8 +145,9 @@ def test_concurrent_requests_get_their_solo_tokens_and_bad_ones_4xx(servers, nam
             r = s.client.completions.create(model=model_id, prompt=prompt, max_tokens=max_tokens, temperature=0)
             return r.choices[0].model_extra["token_ids"], r.choices[0].text, r.choices[0].finish_reason
         ids, text, finish = [], "", None
-        for chunk in s.client.completions.create(model=model_id, prompt=prompt, max_tokens=max_tokens,
-                                                 temperature=0, stream=True):
+        for chunk in s.client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        ):
             ids += chunk.choices[0].model_extra["token_ids"]
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
@@ -154,8 +162,11 @@ def test_concurrent_requests_get_their_solo_tokens_and_bad_ones_4xx(servers, nam
 
     with concurrent.futures.ThreadPoolExecutor(42) as pool:
         bads = bad_requests(s, model_id)
-        futures = [pool.submit(good, *job) for job in jobs[:16]] + [pool.submit(bad, b) for b in bads] + \
-                  [pool.submit(good, *job) for job in jobs[16:]]
+        futures = (
+            [pool.submit(good, *job) for job in jobs[:16]]
+            + [pool.submit(bad, b) for b in bads]
+            + [pool.submit(good, *job) for job in jobs[16:]]
+        )
         results = [f.result() for f in futures]
     goods, errors = results[:16] + results[26:], results[16:26]
     for (prompt, max_tokens, _), (ids, text, finish) in zip(jobs, goods):
@@ -176,16 +187,26 @@ def test_chat_uses_the_checkpoints_template(servers):
 
     s = servers("hf_llama")
     messages = [{"role": "system", "content": "the dog"}, {"role": "user", "content": "a cat sat"}]
-    rendered = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(TEMPLATE).render(
-        messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    rendered = (
+        jinja2.sandbox.ImmutableSandboxedEnvironment()
+        .from_string(TEMPLATE)
+        .render(messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    )
     ids = s.served.tokenizer.tok.encode(rendered, add_special_tokens=False).ids
     alone = s.solo(ids, 10)
     whole = s.client.chat.completions.create(model=s.served.name, messages=messages, max_tokens=10, temperature=0)
     assert whole.choices[0].model_extra["token_ids"] == alone
     assert whole.choices[0].message.content == s.text(alone) and whole.usage.prompt_tokens == len(ids)
-    chunks = list(s.client.chat.completions.create(model=s.served.name, messages=messages, max_tokens=10,
-                                                   temperature=0, stream=True,
-                                                   stream_options={"include_usage": True}))
+    chunks = list(
+        s.client.chat.completions.create(
+            model=s.served.name,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == s.text(alone)
     assert chunks[-1].usage.completion_tokens == len(alone)
@@ -194,8 +215,9 @@ def test_chat_uses_the_checkpoints_template(servers):
 def test_chat_without_a_template_uses_the_plain_fallback(servers):
     s = servers("lm_tiny")
     ids = list(s.served.encode("user: def main(\nassistant:"))
-    r = s.client.chat.completions.create(model=s.served.name, messages=[{"role": "user", "content": "def main("}],
-                                         max_tokens=8, temperature=0)
+    r = s.client.chat.completions.create(
+        model=s.served.name, messages=[{"role": "user", "content": "def main("}], max_tokens=8, temperature=0
+    )
     assert r.choices[0].model_extra["token_ids"] == s.solo(ids, 8)
 
 
@@ -209,7 +231,7 @@ def test_stop_strings_end_the_text_before_them_and_free_the_slot(servers, stream
     alone = s.text(s.solo(s.served.encode(prompt), 40))
     stop = alone[12:15]
     assert len(stop) == 3
-    cut = alone[:alone.find(stop)]
+    cut = alone[: alone.find(stop)]
     kw = dict(model=s.served.name, prompt=prompt, max_tokens=40, temperature=0, stop=["never there", stop])
     if stream:
         chunks = list(s.client.completions.create(**kw, stream=True))
@@ -237,9 +259,12 @@ def test_a_client_that_disconnects_frees_its_slot_and_pages(servers):
     # Streaming: read three tokens of a 100-token request, then hang up.
     host, port = urllib.parse.urlsplit(s.url).netloc.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "import", "max_tokens": s.max_tokens,
-                                                        "temperature": 0, "stream": True}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "import", "max_tokens": s.max_tokens, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     response = conn.getresponse()
     assert response.status == 200
     data = 0
@@ -254,8 +279,12 @@ def test_a_client_that_disconnects_frees_its_slot_and_pages(servers):
     # Not streaming: the client hangs up while its request is queued or running (or, rarely, just
     # done: either way it leaves nothing behind).
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "x" * 20, "max_tokens": s.max_tokens,
-                                                        "temperature": 0}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "x" * 20, "max_tokens": s.max_tokens, "temperature": 0}),
+        {"Content-Type": "application/json"},
+    )
     time.sleep(0.02)
     conn.sock.shutdown(2)
     conn.close()
@@ -296,8 +325,11 @@ def test_bad_fields_get_400_in_openais_shape_naming_the_field(servers):
         ("/v1/completions", {"prompt": "a", "max_tokens": s.max_tokens + 1}, "max_tokens"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, "messages"),
-        ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": s.max_tokens + 1},
-         "max_completion_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": chat, "max_completion_tokens": s.max_tokens + 1},
+            "max_completion_tokens",
+        ),
     ]:
         status, reply = fetch(s.url + path, body)
         assert status == 400 and reply["error"]["param"] == param, (body, reply)
@@ -331,20 +363,39 @@ def test_bad_command_lines_exit_2_with_one_line(tmp_path, lm_tiny_runs, capsys):
 
 @pytest.mark.slow
 def test_sigterm_lets_a_running_stream_finish_and_exits_0(lm_tiny_runs):
-    proc = subprocess.Popen([sys.executable, "-m", "inference", "serve", "--checkpoint",
-                             str(lm_tiny_runs["1dev"]["run_dir"]), "--port", "0", "--max-len", "128"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inference",
+            "serve",
+            "--checkpoint",
+            str(lm_tiny_runs["1dev"]["run_dir"]),
+            "--port",
+            "0",
+            "--max-len",
+            "128",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = proc.stdout.readline().split(" on ")[1].split()[0]
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
-        stream = client.completions.create(model=client.models.list().data[0].id, prompt="def ", max_tokens=100,
-                                           temperature=0, stream=True)
+        stream = client.completions.create(
+            model=client.models.list().data[0].id, prompt="def ", max_tokens=100, temperature=0, stream=True
+        )
         first = next(iter(stream))
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
         assert rest[-1].choices[0].finish_reason == "length"
-        assert len(first.choices[0].model_extra["token_ids"]) + sum(
-            len(c.choices[0].model_extra["token_ids"]) for c in rest) == 100
+        assert (
+            len(first.choices[0].model_extra["token_ids"])
+            + sum(len(c.choices[0].model_extra["token_ids"]) for c in rest)
+            == 100
+        )
         assert proc.wait(60) == 0
     finally:
         proc.kill()

@@ -1,14 +1,13 @@
 """Image sources for the UNet: the bundled digits and a folder of the user's files."""
 
 import numpy as np
+from conftest import ROOT
 from PIL import Image
 
 from meshwork.config import load_config
-from meshwork.evaluation.digit_quality import DigitClassifier
 from meshwork.data.images import digits, image_folder, image_train_iterator
+from meshwork.evaluation.digit_quality import DigitClassifier
 from meshwork.train.task import make_task
-
-from conftest import ROOT
 
 
 def test_digits_are_real_and_scaled():
@@ -26,9 +25,16 @@ def test_image_folder_classes_from_subfolders(tmp_path):
     images, labels = image_folder(tmp_path, 16, 3)
     assert images.shape == (6, 16, 16, 3) and labels.tolist() == [0, 0, 0, 1, 1, 1]
     assert -1 <= images.min() and images.max() <= 1
-    cfg = load_config(ROOT / "configs/unet_digits.yaml", [
-        "data.source=images", f"data.image_dir={tmp_path}", "model.unet.in_channels=3", "model.unet.out_channels=3",
-        "data.val_fraction=0.3"])
+    cfg = load_config(
+        ROOT / "configs/unet_digits.yaml",
+        [
+            "data.source=images",
+            f"data.image_dir={tmp_path}",
+            "model.unet.in_channels=3",
+            "model.unet.out_channels=3",
+            "data.val_fraction=0.3",
+        ],
+    )
     task = make_task(cfg)
     batch = next(image_train_iterator(*task.train_set, 2, seed=0))
     assert batch["images"].shape == (2, 16, 16, 3) and batch["labels"].shape == (2,)
@@ -53,7 +59,7 @@ def _rows_of_classes(path, rows: int, per_row: int):
     assert grid.shape == (rows * 50 + 2, per_row * 50 + 2)
     for r in range(rows):
         for c in range(per_row):
-            tile = grid[2 + 50 * r:50 * (r + 1), 2 + 50 * c:50 * (c + 1)]
+            tile = grid[2 + 50 * r : 50 * (r + 1), 2 + 50 * c : 50 * (c + 1)]
             assert tile.shape == (48, 48) and (tile == round(255 * r / 9)).all(), (r, c)
 
 
@@ -68,14 +74,31 @@ def test_the_cli_grid_has_one_row_per_class_and_fills_the_rows(tmp_path, monkeyp
     cfg = load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={tmp_path}"])
     monkeypatch.setattr(runs, "load_run", lambda run_dir, ema=True: (cfg, None, 0))
     monkeypatch.setattr(generate_images, "sample_images", _fake_samples)
-    monkeypatch.setattr(digit_quality, "DigitClassifier",  # its fit takes seconds; the grid is the point here
-                        lambda size: types.SimpleNamespace(accuracy=lambda images, y: 1.0))
+    monkeypatch.setattr(
+        digit_quality,
+        "DigitClassifier",  # its fit takes seconds; the grid is the point here
+        lambda size: types.SimpleNamespace(accuracy=lambda images, y: 1.0),
+    )
     assert main(["diffusion", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "grid.png")]) == 0
     assert "classifier reads" in capsys.readouterr().out
     _rows_of_classes(tmp_path / "grid.png", rows=10, per_row=4)  # the default: 4 of each digit, 16 -> 48 px
     # One class for all: a square-ish grid, not one long row.
-    assert main(["diffusion", "--checkpoint", str(tmp_path), "--num", "9", "--labels", "3",
-                 "--out", str(tmp_path / "threes.png")]) == 0
+    assert (
+        main(
+            [
+                "diffusion",
+                "--checkpoint",
+                str(tmp_path),
+                "--num",
+                "9",
+                "--labels",
+                "3",
+                "--out",
+                str(tmp_path / "threes.png"),
+            ]
+        )
+        == 0
+    )
     assert np.asarray(Image.open(tmp_path / "threes.png")).shape == (3 * 50 + 2, 3 * 50 + 2)
 
 
@@ -83,9 +106,9 @@ def test_training_samples_have_one_row_per_class(tmp_path, monkeypatch):
     import contextlib
     import types
 
-    import meshwork.diffusion.images as images_module
     from flax import nnx
 
+    import meshwork.diffusion.images as images_module
     from meshwork.train.trainer import Trainer
 
     cfg = load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={tmp_path}"])

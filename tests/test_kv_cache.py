@@ -4,18 +4,17 @@ with a contiguous or a paged cache, and the decode step updates the cache in pla
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT
 from flax import nnx
 
+from meshwork.config import load_config
 from meshwork.inference.generate import Generator
 from meshwork.inference.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
 from meshwork.inference.runs import load_run
 from meshwork.inference.sampling import SamplingArrays, SamplingParams
-from meshwork.config import load_config
+from meshwork.models.build import build_model
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import rules_for
-from meshwork.models.build import build_model
-
-from conftest import ROOT
 
 PROMPT_LENGTHS = (5, 13, 2, 9)
 NEW = 6  # decode steps after the prefill
@@ -32,7 +31,7 @@ def sequences(trained):
     """Per row: prompt + NEW tokens (real text from the corpus's byte range)."""
     rng = np.random.default_rng(0)
     text = np.frombuffer(b"def add(a, b):\n    return a + b\nclass Point:\n    x: int = 0\n", np.uint8)
-    return [text[rng.integers(0, len(text) - 30):][: n + NEW].astype(np.int32) for n in PROMPT_LENGTHS]
+    return [text[rng.integers(0, len(text) - 30) :][: n + NEW].astype(np.int32) for n in PROMPT_LENGTHS]
 
 
 def cached_logits(gen: Generator, sequences, cache) -> list[np.ndarray]:
@@ -62,15 +61,16 @@ def full_logits(model, sequences) -> list[np.ndarray]:
     L = max(len(s) for s in sequences)
     tokens = np.zeros((len(sequences), L), np.int32)
     for b, s in enumerate(sequences):
-        tokens[b, :len(s)] = s
+        tokens[b, : len(s)] = s
     logits = np.asarray(model(jnp.asarray(tokens)))
-    return [logits[b, :len(s)] for b, s in enumerate(sequences)]
+    return [logits[b, : len(s)] for b, s in enumerate(sequences)]
 
 
 def paged_cache(cfg, B: int, page_size: int = 4, pages_per_seq: int = 8) -> PagedKVCache:
     """Each row gets its own pages, deliberately out of order in the pool."""
-    cache = PagedKVCache.zeros(cfg.model, n_pages=1 + B * pages_per_seq, page_size=page_size, batch=B,
-                               pages_per_seq=pages_per_seq)
+    cache = PagedKVCache.zeros(
+        cfg.model, n_pages=1 + B * pages_per_seq, page_size=page_size, batch=B, pages_per_seq=pages_per_seq
+    )
     pages = 1 + np.random.default_rng(1).permutation(B * pages_per_seq).reshape(B, pages_per_seq)
     return PagedKVCache(cache.k, cache.v, jnp.asarray(pages, jnp.int32))
 
@@ -83,8 +83,9 @@ LAYOUTS = {
 
 
 # fsdp 8 is a layout repeat of data 4 x tensor 2 (the cache sharded by batch and by heads): slow tier.
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if name == "8dev_fsdp8" else [])
-                                    for name in LAYOUTS])
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] if name == "8dev_fsdp8" else []) for name in LAYOUTS]
+)
 def test_cached_decoding_equals_full_recomputation(trained, sequences, layout):
     cfg, model = trained
     reference = full_logits(model, sequences)
@@ -128,8 +129,14 @@ def test_decode_step_writes_the_cache_in_place(trained):
     B, S = 2, 1024
     cache = gen.new_cache(B, S)
     assert cache.nbytes == B * S * cache_bytes_per_token(cfg.model, jnp.float32)
-    args = (gen.state, jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), cache,
-            SamplingArrays.stack([SamplingParams()] * B), jnp.zeros((B, cfg.model.vocab_size), bool))
+    args = (
+        gen.state,
+        jnp.zeros(B, jnp.int32),
+        jnp.zeros(B, jnp.int32),
+        cache,
+        SamplingArrays.stack([SamplingParams()] * B),
+        jnp.zeros((B, cfg.model.vocab_size), bool),
+    )
     memory = gen._decode.lower(*args).compile().memory_analysis()
     # The cache output aliases the donated input, and no temporary as large as the cache exists.
     assert memory.alias_size_in_bytes >= cache.nbytes
@@ -149,6 +156,7 @@ def test_generate_batches_prompts_of_different_lengths(trained, sequences):
     assert all(len(t) == 8 for t in together)
     # A stop token ends its row (and is included); the other rows go on.
     stop = together[1][2]
-    cut = gen.generate(prompts, [params, SamplingParams(temperature=0.0, max_new_tokens=8, stop_tokens=(stop,)),
-                                 params, params])
+    cut = gen.generate(
+        prompts, [params, SamplingParams(temperature=0.0, max_new_tokens=8, stop_tokens=(stop,)), params, params]
+    )
     assert cut[1] == together[1][: together[1].index(stop) + 1] and cut[0] == together[0]

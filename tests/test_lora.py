@@ -7,27 +7,37 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import ROOT
 from flax import nnx
 
-from conftest import ROOT
-from meshwork.models.quantize import quantize_model
-from meshwork.models.layers.quantized import Int4Weight
-from meshwork.partitioning import param_shardings
-from meshwork.perf import peft_counts
 from meshwork.config import load_config
 from meshwork.config_sections import FinetuneConfig
-from meshwork.models.lora import (TARGETS, AdapterParam, LoRA, LoRAParam, PrefixParam, apply_finetune, merge_lora, trainable,
-                         unmerge_lora)
+from meshwork.models.build import build_model
+from meshwork.models.layers.quantized import Int4Weight
+from meshwork.models.lora import (
+    TARGETS,
+    AdapterParam,
+    LoRA,
+    LoRAParam,
+    PrefixParam,
+    apply_finetune,
+    merge_lora,
+    trainable,
+    unmerge_lora,
+)
+from meshwork.models.quantize import quantize_model
+from meshwork.models.transformer import apply_layers
+from meshwork.partitioning import logical_specs, param_shardings
+from meshwork.perf import peft_counts
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for, tree_shardings
-from meshwork.models.build import build_model
-from meshwork.models.transformer import apply_layers
-from meshwork.partitioning import logical_specs
 
 # head_dim 16: QLoRA groups (along wo's head_dim too) of 16.
-CFG = load_config(ROOT / "configs/lm_tiny.yaml", ["model.n_layers=2", "model.d_model=64", "model.n_heads=4",
-                                                  "model.n_kv_heads=2", "model.d_ff=128"])
+CFG = load_config(
+    ROOT / "configs/lm_tiny.yaml",
+    ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128"],
+)
 TOKENS = jax.random.randint(jax.random.key(0), (2, 16), 0, CFG.model.vocab_size)
 ALL_TARGETS = list(TARGETS)
 
@@ -107,8 +117,10 @@ def test_merge_equals_unmerged_costs_the_base_and_unmerge_restores_w0(base_run):
     base_logits, base_flops = base_run
     model = finetuned(ft("lora", targets=ALL_TARGETS))
     set_lora_b(model)
-    w0 = {t: np.asarray(getattr(getattr(model.blocks, sub), name).base.get_value())
-          for t, (sub, name, _) in TARGETS.items()}
+    w0 = {
+        t: np.asarray(getattr(getattr(model.blocks, sub), name).base.get_value())
+        for t, (sub, name, _) in TARGETS.items()
+    }
     unmerged, unmerged_flops = run(model)
     assert np.abs(unmerged - base_logits).max() > 1e-3  # the deltas do something
 
@@ -134,8 +146,8 @@ def test_qlora_merge_dequantizes_and_unmerge_restores_the_4bit_weight():
     q = model.blocks.attn.wq.base.get_value()
     unmerged = logits(model)
     merged_sites = merge_lora(model)
-    assert isinstance(model.blocks.attn.wk.get_value(), Int4Weight)       # not a LoRA target: stays 4-bit
-    assert model.blocks.attn.wq.get_value().dtype == jnp.float32          # merged: W0 dequantized + delta
+    assert isinstance(model.blocks.attn.wk.get_value(), Int4Weight)  # not a LoRA target: stays 4-bit
+    assert model.blocks.attn.wq.get_value().dtype == jnp.float32  # merged: W0 dequantized + delta
     np.testing.assert_allclose(logits(model), unmerged, atol=1e-5)
     unmerge_lora(model, merged_sites)
     restored = model.blocks.attn.wq.base.get_value()
@@ -149,9 +161,11 @@ def full_grad_flops():
     return loss_and_grad(build_model(CFG), trainable(ft("full")))[3]
 
 
-@pytest.mark.parametrize("f", [ft("lora"), ft("qlora", targets=ALL_TARGETS), ft("adapter"), ft("prefix"),
-                               ft("prefix", prefix_hidden=16)],
-                         ids=["lora", "qlora", "adapter", "prefix", "prefix_mlp"])
+@pytest.mark.parametrize(
+    "f",
+    [ft("lora"), ft("qlora", targets=ALL_TARGETS), ft("adapter"), ft("prefix"), ft("prefix", prefix_hidden=16)],
+    ids=["lora", "qlora", "adapter", "prefix", "prefix_mlp"],
+)
 def test_only_the_trainable_variables_train(f, full_grad_flops):
     model = finetuned(f)
     kind = trainable(f)
@@ -199,8 +213,13 @@ def test_gpt3_175b_adapter_and_prefix_counts():
 
 
 def test_count_formulas_equal_the_built_models():
-    for f in (ft("lora", targets=ALL_TARGETS, rank=3), ft("qlora", targets=["k", "o", "down"], rank=2),
-              ft("adapter", rank=5), ft("prefix", prefix_len=3), ft("prefix", prefix_len=3, prefix_hidden=7)):
+    for f in (
+        ft("lora", targets=ALL_TARGETS, rank=3),
+        ft("qlora", targets=["k", "o", "down"], rank=2),
+        ft("adapter", rank=5),
+        ft("prefix", prefix_len=3),
+        ft("prefix", prefix_len=3, prefix_hidden=7),
+    ):
         model = nnx.eval_shape(lambda: finetuned(f))
         n = sum(x.size for x in jax.tree.leaves(nnx.state(model, trainable(f))))
         assert n == peft_counts.finetune_params(CFG.model, f), f
@@ -294,11 +313,12 @@ def test_sharded_over_fsdp_equals_one_device(method):
     mesh, rules = make_mesh({"fsdp": 8}), rules_for("fsdp")
     graphdef, state = nnx.split(model)
     # A 4-bit weight's scale dims may not divide by the mesh: quantize's shardings replicate those.
-    shardings = (param_shardings(state, mesh, rules) if method == "qlora"
-                 else tree_shardings(logical_specs(state), mesh, rules))
+    shardings = (
+        param_shardings(state, mesh, rules) if method == "qlora" else tree_shardings(logical_specs(state), mesh, rules)
+    )
     state = jax.device_put(state, shardings)
     if method in ("lora", "qlora"):
-        a = state["blocks"]["attn"]["wq"]["lora_a"].get_value()            # (layers, embed, lora_rank)
+        a = state["blocks"]["attn"]["wq"]["lora_a"].get_value()  # (layers, embed, lora_rank)
         assert a.sharding.shard_shape(a.shape) == (CFG.model.n_layers, CFG.model.d_model // 8, f.rank)
     with jax.set_mesh(mesh), use_rules(rules):
         out = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from meshwork.matmul import f32_product
 from meshwork.models.layers.attention import attend
 from meshwork.models.layers.mixed_matmul import MATMUL, weight_einsum
@@ -137,8 +138,9 @@ def test_f32_product_keeps_a_transposed_left_operand_in_bf16():
     einsum's version as a float32 dot, f32_product's on the bf16 operands; same values."""
     h = jax.random.normal(jax.random.key(0), (64, 24), BF16)
     g = jax.random.normal(jax.random.key(1), (64, 40), BF16)
-    assert compiled_dot_operand_types(lambda h, g: jnp.einsum("ND,NV->DV", h, g, preferred_element_type=F32),
-                                      h, g) == [("f32", "f32")]
+    assert compiled_dot_operand_types(lambda h, g: jnp.einsum("ND,NV->DV", h, g, preferred_element_type=F32), h, g) == [
+        ("f32", "f32")
+    ]
     assert compiled_dot_operand_types(lambda h, g: f32_product("ND,NV->DV", h, g), h, g) == [("bf16", "bf16")]
     want = jnp.einsum("ND,NV->DV", h.astype(F32), g.astype(F32), precision="highest")
     got = f32_product("ND,NV->DV", h, g)
@@ -152,8 +154,10 @@ def test_bf16_attention_products_are_bf16_and_track_jax(mask):
     and backward reads bf16 operands (jax.nn.dot_product_attention's has float32 ones), and its
     values and gradients are as close to the float32 result as JAX's own bf16 attention is."""
     B, L, H, G, K = 2, 32, 4, 2, 16  # grouped: two query heads per key/value head
-    q, k, v = (jax.random.normal(key, shape) for key, shape in
-               zip(jax.random.split(jax.random.key(2), 3), [(B, L, H, K), (B, L, G, K), (B, L, G, K)]))
+    q, k, v = (
+        jax.random.normal(key, shape)
+        for key, shape in zip(jax.random.split(jax.random.key(2), 3), [(B, L, H, K), (B, L, G, K), (B, L, G, K)])
+    )
     seg = jnp.repeat(jnp.array([[0, 1], [0, 0]]), L // 2, axis=1) if mask == "segments" else None
     dense_mask = jnp.tril(jnp.ones((L, L), bool))[None, None]
     if seg is not None:
@@ -183,7 +187,6 @@ def test_bf16_attention_products_are_bf16_and_track_jax(mask):
 
 def _rel_err(got, want) -> float:
     return float(jnp.linalg.norm(got.astype(F32) - want) / jnp.linalg.norm(want))
-
 
 
 @pytest.mark.parametrize("spec", FALLBACK_SHAPES)

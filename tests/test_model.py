@@ -4,17 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 from flax import nnx
 
 from meshwork.config import load_config
-from meshwork.perf.flops import train_flops_per_token
+from meshwork.models.build import build_model, split_model
 from meshwork.models.layers.attention import attend
 from meshwork.models.layers.rope import apply_rope
-from meshwork.sharding.report import compiled_report
-from meshwork.models.build import build_model, split_model
 from meshwork.objectives.next_token import next_token_loss
-
-from conftest import ROOT, tiny_overrides
+from meshwork.perf.flops import train_flops_per_token
+from meshwork.sharding.report import compiled_report
 
 
 def cfg_with(tmp_path, *extra):
@@ -43,8 +42,10 @@ def test_rope_scores_depend_only_on_relative_position():
     kq, kk = jax.random.split(jax.random.key(1))
     q = jax.random.normal(kq, (1, 1, 1, 64))
     k = jax.random.normal(kk, (1, 1, 1, 64))
-    score = lambda i, j: float(jnp.sum(apply_rope(q, jnp.array([[i]]), 1e4) *  # noqa: E731
-                                       apply_rope(k, jnp.array([[j]]), 1e4)))
+
+    def score(i, j):
+        return float(jnp.sum(apply_rope(q, jnp.array([[i]]), 1e4) * apply_rope(k, jnp.array([[j]]), 1e4)))
+
     assert score(5, 2) == pytest.approx(score(103, 100), rel=1e-4)
     assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-2)
     # Rotation keeps norms.
@@ -100,7 +101,8 @@ def test_remat_policies_change_memory_not_math(tmp_path, batch):
 def test_bfloat16_compute_tracks_float32(tmp_path, batch):
     _, _, (loss32, _) = _loss_and_grads(cfg_with(tmp_path), batch)
     _, params16, (loss16, grads16) = _loss_and_grads(
-        cfg_with(tmp_path, "train.compute_dtype=bfloat16", "train.param_dtype=bfloat16"), batch)
+        cfg_with(tmp_path, "train.compute_dtype=bfloat16", "train.param_dtype=bfloat16"), batch
+    )
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params16))
     assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads16))
     np.testing.assert_allclose(loss16, loss32, rtol=2e-2)

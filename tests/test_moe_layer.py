@@ -51,8 +51,11 @@ def inputs(seed=1, batch=B) -> jax.Array:
 
 def np_params(moe: MoE) -> dict:
     """The top-level weights (router, noise, w_gate, ...) as float64 arrays."""
-    return {path[0]: np.asarray(v[...], np.float64) for path, v in nnx.to_flat_state(nnx.state(moe, nnx.Param))
-            if len(path) == 1}
+    return {
+        path[0]: np.asarray(v[...], np.float64)
+        for path, v in nnx.to_flat_state(nnx.state(moe, nnx.Param))
+        if len(path) == 1
+    }
 
 
 def np_swiglu(x_D, w_gate_DF, w_up_DF, w_down_FD):
@@ -134,7 +137,8 @@ def _dense_reference(params, x_BLD):
     w, idx = jax.lax.top_k(probs, K)
     gate_BLE = jnp.einsum("BLKE,BLK->BLE", jax.nn.one_hot(idx, E), w / w.sum(-1, keepdims=True))
     h = jax.nn.silu(jnp.einsum("BLD,EDF->BLEF", x_BLD, params["w_gate"])) * jnp.einsum(
-        "BLD,EDF->BLEF", x_BLD, params["w_up"])
+        "BLD,EDF->BLEF", x_BLD, params["w_up"]
+    )
     return jnp.einsum("BLE,BLEF,EFD->BLD", gate_BLE, h, params["w_down"])
 
 
@@ -222,8 +226,7 @@ def test_sigmoid_router_groups_bias_and_scaling():
     assert isinstance(moe.router_bias, RouterBias) and "router_bias" not in nnx.state(moe, nnx.Param)
 
     # Bias moves the selection; where the selection is unchanged, the weights are too.
-    e_b, w_b, _ = select_experts(jnp.asarray(logits), router="sigmoid", k=3, bias_E=bias,
-                                 n_groups=4, topk_groups=2)
+    e_b, w_b, _ = select_experts(jnp.asarray(logits), router="sigmoid", k=3, bias_E=bias, n_groups=4, topk_groups=2)
     e_0, w_0, _ = select_experts(jnp.asarray(logits), router="sigmoid", k=3, n_groups=4, topk_groups=2)
     same = (jnp.sort(e_b, -1) == jnp.sort(e_0, -1)).all(-1)
     assert not bool(same.all()) and bool(same.any())
@@ -258,13 +261,14 @@ def test_aux_loss_is_one_when_balanced_and_z_loss_formula():
     probs = jax.nn.softmax(logits, -1)
     assert float(meshwork.models.layers.moe_routing.load_balancing_loss(probs, experts)) == pytest.approx(1.0, abs=1e-6)
     onehot = jnp.full((1, 4, E), 1e-9).at[..., 0].set(1.0)
-    assert float(meshwork.models.layers.moe_routing.load_balancing_loss(onehot, jnp.zeros((1, 4, 2), jnp.int32))) == \
-        pytest.approx(E, rel=1e-6)
+    assert float(
+        meshwork.models.layers.moe_routing.load_balancing_loss(onehot, jnp.zeros((1, 4, 2), jnp.int32))
+    ) == pytest.approx(E, rel=1e-6)
 
     moe = make_moe()
     logits = np.asarray(x, np.float64) @ np_params(moe)["router"]
     lse = np.log(np.exp(logits).sum(-1))
-    assert float(apply(moe, x)[1]["z_loss"]) == pytest.approx(float(np.mean(lse ** 2)), rel=1e-5)
+    assert float(apply(moe, x)[1]["z_loss"]) == pytest.approx(float(np.mean(lse**2)), rel=1e-5)
 
 
 def test_router_bias_update_moves_toward_underloaded_experts():
@@ -276,14 +280,21 @@ def test_router_bias_update_moves_toward_underloaded_experts():
 
 def test_parameter_names_shapes_and_logical_axes():
     moe = make_moe(router="noisy", n_shared_experts=1, shared_expert_gate=True)
-    got = {".".join(map(str, k)): (v.shape, v.get_metadata()["out_sharding"])
-           for k, v in nnx.to_flat_state(nnx.state(moe, nnx.Param))}
+    got = {
+        ".".join(map(str, k)): (v.shape, v.get_metadata()["out_sharding"])
+        for k, v in nnx.to_flat_state(nnx.state(moe, nnx.Param))
+    }
     assert got == {
-        "router": ((D, E), ("embed", "router")), "noise": ((D, E), ("embed", "router")),
-        "w_gate": ((E, D, F), ("expert", "embed", "mlp")), "w_up": ((E, D, F), ("expert", "embed", "mlp")),
+        "router": ((D, E), ("embed", "router")),
+        "noise": ((D, E), ("embed", "router")),
+        "w_gate": ((E, D, F), ("expert", "embed", "mlp")),
+        "w_up": ((E, D, F), ("expert", "embed", "mlp")),
         "w_down": ((E, F, D), ("expert", "mlp", "embed")),
-        "shared.w_gate": ((D, F), ("embed", "mlp")), "shared.w_up": ((D, F), ("embed", "mlp")),
-        "shared.w_down": ((F, D), ("mlp", "embed")), "shared_gate": ((D, 1), ("embed", None))}
+        "shared.w_gate": ((D, F), ("embed", "mlp")),
+        "shared.w_up": ((D, F), ("embed", "mlp")),
+        "shared.w_down": ((F, D), ("mlp", "embed")),
+        "shared_gate": ((D, 1), ("embed", None)),
+    }
     bias = make_moe(router="sigmoid").router_bias
     assert bias.shape == (E,) and bias.get_metadata()["out_sharding"] == ("router",)
 
@@ -317,6 +328,7 @@ def _loss_and_grads(graphdef, rest):
 def _place(state, mesh, rules):
     def put(v):
         return v.replace(jax.device_put(v[...], logical_to_sharding(v.get_metadata()["out_sharding"], mesh, rules)))
+
     return jax.tree.map(put, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
@@ -349,13 +361,17 @@ def test_hlo_check_sees_a_gathered_expert_weight():
     assert _gathers_expert_weights(jax.jit(lambda w: w * 2, out_shardings=replicated).lower(w).compile().as_text())
 
 
-@pytest.mark.parametrize("mesh_sizes, preset, overrides, impl, exchange", [
-    ({"expert": 4, "data": 2}, "ep", {}, "lax", "all-to-all"),
-    # the same all-to-all on a mesh of one axis: a layout repeat, in the slow tier
-    pytest.param({"expert": 8}, "ep", {}, "lax", "all-to-all", marks=pytest.mark.slow),
-    ({"data": 2, "expert": 4}, "ep", {"expert": ["data", "expert"]}, "hierarchical", "collective-permute"),
-    ({"data": 8}, "dp", {}, "lax", None),  # no expert parallelism: local dispatch, no exchange
-], ids=["expert4xdata2", "expert8", "data2xexpert4-hierarchical", "dp8"])
+@pytest.mark.parametrize(
+    "mesh_sizes, preset, overrides, impl, exchange",
+    [
+        ({"expert": 4, "data": 2}, "ep", {}, "lax", "all-to-all"),
+        # the same all-to-all on a mesh of one axis: a layout repeat, in the slow tier
+        pytest.param({"expert": 8}, "ep", {}, "lax", "all-to-all", marks=pytest.mark.slow),
+        ({"data": 2, "expert": 4}, "ep", {"expert": ["data", "expert"]}, "hierarchical", "collective-permute"),
+        ({"data": 8}, "dp", {}, "lax", None),  # no expert parallelism: local dispatch, no exchange
+    ],
+    ids=["expert4xdata2", "expert8", "data2xexpert4-hierarchical", "dp8"],
+)
 def test_sharded_layer_equals_single_device(ep_case, mesh_sizes, preset, overrides, impl, exchange):
     graphdef, params, rest, x, ((loss_ref, (y_ref, stats_ref)), (g_params_ref, g_x_ref)) = ep_case
     mesh, rules = make_mesh(mesh_sizes), rules_for(preset, overrides)

@@ -6,23 +6,39 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT, tiny_overrides
+from processes import free_port, wait_all
 
 from meshwork.run.metrics import read_metrics
 
-from processes import free_port, wait_all
-
-from conftest import ROOT, tiny_overrides
-
 STEPS = 20
-ARGS = ["train.steps=20", "log.every=1", "log.eval_every=20", "checkpoint.every=10",
-        "mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
+ARGS = [
+    "train.steps=20",
+    "log.every=1",
+    "log.eval_every=20",
+    "checkpoint.every=10",
+    "mesh.data=1",
+    "mesh.fsdp=8",
+    "rules.preset=fsdp",
+]
 
 
 def _launch(run_dir, n_local_devices, extra_args=(), process_id=None):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_local_devices}"}
-    cmd = [sys.executable, "-m", "train", "--config", str(ROOT / "configs/lm_tiny.yaml"),
-           *tiny_overrides(run_dir), *ARGS, *extra_args]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_local_devices}",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        str(ROOT / "configs/lm_tiny.yaml"),
+        *tiny_overrides(run_dir),
+        *ARGS,
+        *extra_args,
+    ]
     log = open(run_dir.parent / f"{run_dir.name}.{process_id}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log
 
@@ -31,8 +47,15 @@ def _launch(run_dir, n_local_devices, extra_args=(), process_id=None):
 def test_two_processes_match_one_process(tmp_path):
     port = free_port()
     multi = tmp_path / "multi"
-    procs = [_launch(multi, 4, ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
-                                "--process-id", str(i)], process_id=i) for i in range(2)]
+    procs = [
+        _launch(
+            multi,
+            4,
+            ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            process_id=i,
+        )
+        for i in range(2)
+    ]
     codes = wait_all(procs, 420)
     logs = "\n".join((tmp_path / f"multi.{i}.log").read_text()[-3000:] for i in range(2))
     assert codes == [0, 0], logs

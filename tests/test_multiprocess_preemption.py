@@ -14,33 +14,53 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import FAST_COMPILE_FLAGS, ROOT, tiny_overrides
+from processes import free_port, wait_all
 
 from meshwork.run.checkpoint import manifest_problem
 from meshwork.run.metrics import read_metrics
 from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
 
-from processes import free_port, wait_all
-
-from conftest import FAST_COMPILE_FLAGS, ROOT, tiny_overrides
-
 # JAX's SIGTERM listener polls once a second, so the run must have more than a second of steps left
 # when the signal comes: steps take 0.1-0.5 s here (2 cores, gloo between the processes).
 STEPS = 40
 SIGNAL_AFTER = 2  # metrics.jsonl shows this step: both processes are in the step loop
-ARGS = [f"train.steps={STEPS}", "log.every=1", f"log.eval_every={STEPS}", f"checkpoint.every={STEPS}",
-        "mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
+ARGS = [
+    f"train.steps={STEPS}",
+    "log.every=1",
+    f"log.eval_every={STEPS}",
+    f"checkpoint.every={STEPS}",
+    "mesh.data=1",
+    "mesh.fsdp=8",
+    "rules.preset=fsdp",
+]
 
 
 def _launch_pair(run_dir, tag):
     """Two processes x 4 CPU devices on 127.0.0.1, each logging to run_dir.parent/<tag>.<i>.log."""
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=4", *FAST_COMPILE_FLAGS])}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=4", *FAST_COMPILE_FLAGS]),
+    }
     procs = []
     for i in range(2):
-        cmd = [sys.executable, "-m", "train", "--config", str(ROOT / "configs/lm_tiny.yaml"),
-               *tiny_overrides(run_dir), *ARGS,
-               "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "train",
+            "--config",
+            str(ROOT / "configs/lm_tiny.yaml"),
+            *tiny_overrides(run_dir),
+            *ARGS,
+            "--coordinator-address",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+        ]
         log = open(run_dir.parent / f"{tag}.{i}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
     return procs
@@ -104,8 +124,9 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
     # SIGTERM to process 0 while the resumed run compiles: no step has asked JAX yet, and the
     # guard counts its own calls (1, 2, ...), so the sync point is this invocation's first step.
     procs = _launch_pair(run, "second")
-    _wait_until(lambda: "compiling the train step" in (tmp_path / "second.0.log").read_text(),
-                procs, tmp_path, "second")
+    _wait_until(
+        lambda: "compiling the train step" in (tmp_path / "second.0.log").read_text(), procs, tmp_path, "second"
+    )
     procs[0][0].send_signal(signal.SIGTERM)
     codes = wait_all(procs, 300)
     logs = _logs(tmp_path, "second")

@@ -13,10 +13,9 @@ import time
 
 import nbformat
 import pytest
+from conftest import ROOT
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
-
-from conftest import ROOT
 
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -34,8 +33,11 @@ def test_there_are_notebooks():
 def test_committed_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    dirty = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
-             and (cell.outputs or cell.execution_count is not None)]
+    dirty = [
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
     assert not dirty, f"{path.name}: cells {dirty} hold outputs; clear them before committing"
 
 
@@ -44,18 +46,25 @@ QUICK_NOTEBOOKS = ("01_quickstart", "06_planner")
 
 
 # A notebook starts its own kernel (jax imported again) and trains: over the 20 s budget cold.
-RUNS_A_KERNEL = pytest.mark.over_budget("a Jupyter kernel of its own that imports jax and trains: ~21 s cold",
-                                        seconds=45)
+RUNS_A_KERNEL = pytest.mark.over_budget(
+    "a Jupyter kernel of its own that imports jax and trains: ~21 s cold", seconds=45
+)
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=[RUNS_A_KERNEL] if p.stem in QUICK_NOTEBOOKS
-                                               else [pytest.mark.slow]) for p in NOTEBOOKS])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, id=p.stem, marks=[RUNS_A_KERNEL] if p.stem in QUICK_NOTEBOOKS else [pytest.mark.slow])
+        for p in NOTEBOOKS
+    ],
+)
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MESHWORK_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("MESHWORK_NOTEBOOK_RUNS", str(tmp_path))
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client = NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK_DIR)}}
+    )
     start = time.perf_counter()
     try:
         client.execute()

@@ -20,19 +20,22 @@ import re
 import jax
 import numpy as np
 import pytest
-
 from conftest import ROOT, tiny_overrides
-from meshwork.partitioning import abstract_with_shardings
+
 from meshwork.config import ConfigError, load_config
+from meshwork.partitioning import abstract_with_shardings
+from meshwork.sharding.hlo_parse import host_memory_bytes
 from meshwork.sharding.report import state_bytes
 from meshwork.train.trainer import Trainer, build_trainer, check_runtime
-from meshwork.sharding.hlo_parse import host_memory_bytes
 
 STEPS = 3
 MESHES = {1: ["mesh.data=1"], 8: ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]}
-OPTIONS = {"none": [], "optimizer": ["train.offload.optimizer=true"],
-           "params_dots": ["train.offload.params=true", "train.remat=offload_dots"],
-           "all": ["train.offload.optimizer=true", "train.offload.params=true", "train.remat=offload_dots"]}
+OPTIONS = {
+    "none": [],
+    "optimizer": ["train.offload.optimizer=true"],
+    "params_dots": ["train.offload.params=true", "train.remat=offload_dots"],
+    "all": ["train.offload.optimizer=true", "train.offload.params=true", "train.remat=offload_dots"],
+}
 # Compiles dominate the test's time (2 CPU cores: ~10 s each at XLA's default optimization), so options are grouped: optimizer
 # offload alone and parameter + activation offload together on one device, all three on eight.
 CASES = [(1, "optimizer"), (1, "params_dots"), (8, "all")]
@@ -41,8 +44,10 @@ CASES = [(1, "optimizer"), (1, "params_dots"), (8, "all")]
 def _train(n_devices: int, option: str, tmp_path_factory) -> tuple[Trainer, dict, list[float]]:
     run_dir = tmp_path_factory.mktemp(f"offload_{n_devices}_{option}")
     # No warmup: a first step at lr 0 would hide a wrong update.
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(run_dir), "optimizer.warmup_steps=0",
-                                                      *MESHES[n_devices], *OPTIONS[option]])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [*tiny_overrides(run_dir), "optimizer.warmup_steps=0", *MESHES[n_devices], *OPTIONS[option]],
+    )
     devices = jax.devices()[:n_devices]
     trainer = build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
     state, batches, losses = trainer.init_state(), trainer.task.train_iterator(), []
@@ -61,6 +66,7 @@ def runs(tmp_path_factory):
         if (n_devices, option) not in cache:
             cache[n_devices, option] = _train(n_devices, option, tmp_path_factory)
         return cache[n_devices, option]
+
     return get
 
 
@@ -103,8 +109,10 @@ def test_bytes_off_device(runs, n_devices, option):
     if offload.optimizer:
         expected += state_bytes(abstract, shardings)["opt_state"]
     if offload.params:
-        expected += state_bytes({"params": abstract["params"]["blocks"], "opt_state": {}},
-                                {"params": shardings["params"]["blocks"], "opt_state": {}})["params"]
+        expected += state_bytes(
+            {"params": abstract["params"]["blocks"], "opt_state": {}},
+            {"params": shardings["params"]["blocks"], "opt_state": {}},
+        )["params"]
     assert host_bytes(trainer.step_fn) == (expected, expected)
     assert host_bytes(ref_trainer.step_fn) == (0, 0)
     if (n_devices, option) == (1, "optimizer"):
@@ -125,13 +133,22 @@ def _placements(trainer: Trainer) -> dict[str, int]:
     jit to nothing on CPU (only TPU and GPU lower it to `annotate_device_placement`), so
     what the step streams shows up only in a GPU lowering; lowering needs no GPU.
     """
-    step = jax.jit(trainer.make_step(trainer.grad_shardings), in_shardings=(trainer.shardings, trainer.batch_sharding),
-                   out_shardings=(trainer.shardings, None), donate_argnums=0)
-    batch = {k: jax.ShapeDtypeStruct((trainer.cfg.train.global_batch, *shape), dtype, sharding=trainer.batch_sharding)
-             for k, (shape, dtype) in trainer.task.batch_shapes().items()}
+    step = jax.jit(
+        trainer.make_step(trainer.grad_shardings),
+        in_shardings=(trainer.shardings, trainer.batch_sharding),
+        out_shardings=(trainer.shardings, None),
+        donate_argnums=0,
+    )
+    batch = {
+        k: jax.ShapeDtypeStruct((trainer.cfg.train.global_batch, *shape), dtype, sharding=trainer.batch_sharding)
+        for k, (shape, dtype) in trainer.task.batch_shapes().items()
+    }
     with trainer.context():
-        text = step.trace(abstract_with_shardings(trainer.abstract, trainer.shardings), batch).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = (
+            step.trace(abstract_with_shardings(trainer.abstract, trainer.shardings), batch)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     found = re.findall(r'annotate_device_placement.*?_xla_buffer_placement = "(\w+)"', text)
     return {kind: found.count(kind) for kind in ("pinned_host", "device")}
 
@@ -154,11 +171,14 @@ def test_what_the_gpu_program_streams(runs):
     assert both["pinned_host"] > n_layer_params and both["device"] > 2 * n_layer_params  # forward and backward scans
 
 
-@pytest.mark.parametrize("override,key", [
-    (["model.kind=moe", "train.offload.params=true"], "train.offload.params"),
-    (["train.offload.optimizer=true", "comm.compression=bf16"], "train.offload"),
-    (["model.kind=unet", "train.remat=offload_dots", "data.source=digits"], "train.remat"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        (["model.kind=moe", "train.offload.params=true"], "train.offload.params"),
+        (["train.offload.optimizer=true", "comm.compression=bf16"], "train.offload"),
+        (["model.kind=unet", "train.remat=offload_dots", "data.source=digits"], "train.remat"),
+    ],
+)
 def test_bad_combinations(override, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
         load_config(ROOT / "configs/lm_tiny.yaml", override)

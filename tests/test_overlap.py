@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshwork.sharding.hlo import collective_summary
 from meshwork.sharding.overlap import (
@@ -22,8 +23,9 @@ NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 
 def comm(overlap=False, combine_threshold_bytes=None, xla_options=None):
-    return SimpleNamespace(overlap=overlap, combine_threshold_bytes=combine_threshold_bytes,
-                           xla_options=xla_options or {})
+    return SimpleNamespace(
+        overlap=overlap, combine_threshold_bytes=combine_threshold_bytes, xla_options=xla_options or {}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +36,20 @@ def mesh():
 def _mlp_step(mesh):
     """A data-parallel SGD step of a small MLP: parameters replicated, batch split."""
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    params = [{"w": jax.ShapeDtypeStruct((D, D), jnp.float32, sharding=rep),
-               "b": jax.ShapeDtypeStruct((D,), jnp.float32, sharding=rep)} for _ in range(L)]
+    params = [
+        {
+            "w": jax.ShapeDtypeStruct((D, D), jnp.float32, sharding=rep),
+            "b": jax.ShapeDtypeStruct((D,), jnp.float32, sharding=rep),
+        }
+        for _ in range(L)
+    ]
     x = jax.ShapeDtypeStruct((64, D), jnp.float32, sharding=dat)
 
     def loss(ps, x_BD):
         h = x_BD
         for p in ps:
             h = jnp.tanh(h @ p["w"] + p["b"])
-        return (h ** 2).mean()
+        return (h**2).mean()
 
     def step(ps, x_BD):
         grads = jax.grad(loss)(ps, x_BD)
@@ -60,6 +67,7 @@ def mlp_lowered(mesh):
 # ---------------------------------------------------------------------------
 # Option names.
 
+
 def test_options_are_known_to_this_jaxlib(mlp_lowered):
     """GPU names are DebugOptions fields, so compiling for CPU parses (and ignores)
     them: a renamed or removed flag fails here although no GPU is present."""
@@ -73,12 +81,18 @@ def test_options_are_known_to_this_jaxlib(mlp_lowered):
     assert sum("pipeline" in name for name in gpu) == 3
     assert gpu["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 1 << 20
     # The "overlap off" arm of a GPU comparison.
-    mlp_lowered.compile(compiler_options={"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES",
-                                          "xla_gpu_enable_latency_hiding_scheduler": False})
+    mlp_lowered.compile(
+        compiler_options={
+            "xla_gpu_disable_async_collectives": "ALLCOLLECTIVES",
+            "xla_gpu_enable_latency_hiding_scheduler": False,
+        }
+    )
 
 
-@pytest.mark.parametrize("name", ["xla_gpu_enable_async_all_reduce", "xla_gpu_enable_async_all_gather",
-                                  "xla_tpu_enable_latency_hiding_scheduler"])
+@pytest.mark.parametrize(
+    "name",
+    ["xla_gpu_enable_async_all_reduce", "xla_gpu_enable_async_all_gather", "xla_tpu_enable_latency_hiding_scheduler"],
+)
 def test_names_this_jaxlib_rejects(mlp_lowered, name):
     """The old async switches are gone; TPU flags live in libtpu, not in DebugOptions,
     which is why compiler_options passes them for TPU only."""
@@ -91,8 +105,7 @@ def test_platform_gating_and_overrides():
     cpu = compiler_options(comm(overlap=True, combine_threshold_bytes=1024), "cpu")
     assert not any(k.startswith(("xla_gpu", "xla_tpu")) for k in cpu)
     assert not any(k.startswith("xla_gpu") for k in compiler_options(comm(overlap=True), "tpu"))
-    user = compiler_options(comm(overlap=True, xla_options={"xla_gpu_enable_latency_hiding_scheduler": False}),
-                            "gpu")
+    user = compiler_options(comm(overlap=True, xla_options={"xla_gpu_enable_latency_hiding_scheduler": False}), "gpu")
     assert user["xla_gpu_enable_latency_hiding_scheduler"] is False  # comm.xla_options win
     with pytest.raises(ValueError, match="unknown platform 'metal'"):
         compiler_options(comm(), "metal")
@@ -100,6 +113,7 @@ def test_platform_gating_and_overrides():
 
 # ---------------------------------------------------------------------------
 # What XLA:CPU does.
+
 
 def test_cpu_combines_all_reduces_by_count_not_by_threshold(mesh):
     """XLA:CPU's all-reduce combiner has a fixed limit of 256 operands and no byte
@@ -112,8 +126,9 @@ def test_cpu_combines_all_reduces_by_count_not_by_threshold(mesh):
         return collective_summary(lowered.compile(compiler_options=opts).as_text())["all-reduce"]
 
     default = all_reduces({})
-    tiny = all_reduces({**compiler_options(comm(combine_threshold_bytes=1), "gpu"),
-                        "xla_gpu_collective_combine_threshold_count": 1})
+    tiny = all_reduces(
+        {**compiler_options(comm(combine_threshold_bytes=1), "gpu"), "xla_gpu_collective_combine_threshold_count": 1}
+    )
     separate = all_reduces(NO_COMBINER)
     assert default["count"] == tiny["count"] == 2  # 256 + 44 operands
     assert separate["count"] == n
@@ -121,8 +136,7 @@ def test_cpu_combines_all_reduces_by_count_not_by_threshold(mesh):
 
 
 def test_cpu_has_no_async_collectives(mlp_lowered):
-    for opts in (compiler_options(comm(overlap=True), "cpu"), compiler_options(comm(overlap=True), "gpu"),
-                 NO_COMBINER):
+    for opts in (compiler_options(comm(overlap=True), "cpu"), compiler_options(comm(overlap=True), "gpu"), NO_COMBINER):
         text = mlp_lowered.compile(compiler_options=opts).as_text()
         schedule = async_collective_schedule(text)
         assert schedule and not any(c.is_async for c in schedule)
@@ -152,6 +166,7 @@ def test_lm_train_step_reduces_layer_gradients_inside_the_backward_loop(tmp_path
     """The Trainer's scanned dp step: each layer's gradients are all-reduced in the
     backward while body (once per layer), so before the backward pass ends."""
     from conftest import ROOT, tiny_overrides
+
     from meshwork.config import load_config
     from meshwork.train.trainer import build_trainer, check_runtime
 
@@ -165,6 +180,7 @@ def test_lm_train_step_reduces_layer_gradients_inside_the_backward_loop(tmp_path
 # ---------------------------------------------------------------------------
 # GPU: lowering only (compiling for cuda needs a GPU), and the reader on a
 # scheduled GPU excerpt.
+
 
 def test_train_step_lowers_for_gpu(mesh):
     step, args = _mlp_step(mesh)
@@ -241,8 +257,13 @@ ENTRY %main.40_spmd (param: f32[32,32], param.1: f32[4,32], param.2: f32[8,32]) 
 
 def test_schedule_of_a_gpu_excerpt():
     by_name = {c.name: c for c in async_collective_schedule(GPU_HLO)}
-    assert list(by_name) == ["all-gather-start", "collective-permute-start", "loss", "all-reduce-start",
-                             "reduce-scatter-start"]
+    assert list(by_name) == [
+        "all-gather-start",
+        "collective-permute-start",
+        "loss",
+        "all-reduce-start",
+        "reduce-scatter-start",
+    ]
     ag, cp, loss, ar, rs = by_name.values()
     assert (ag.kind, ag.is_async, ag.done_name, ag.overlapped_compute) == ("all-gather", True, "all-gather-done", 0)
     assert (cp.kind, cp.overlapped_compute) == ("collective-permute", 2)  # a gemm and the tanh fusion
@@ -252,8 +273,12 @@ def test_schedule_of_a_gpu_excerpt():
     assert ar.gradient and ar.before_backward_end and ar.backward_compute_after == 3
     # The reduce-scatter wrapped in async-start: issued after the last backward gemm, so it hides
     # only behind the optimizer update.
-    assert (rs.kind, rs.is_async, rs.done_name, rs.overlapped_compute) == ("reduce-scatter", True,
-                                                                         "reduce-scatter-done", 1)
+    assert (rs.kind, rs.is_async, rs.done_name, rs.overlapped_compute) == (
+        "reduce-scatter",
+        True,
+        "reduce-scatter-done",
+        1,
+    )
     assert rs.gradient and not rs.before_backward_end
     assert gradients_issued_before_backward_end(GPU_HLO)
 

@@ -14,8 +14,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Import package -> folder: src/meshwork, and the root folders its links (src/meshwork/models, ...) name.
-FOLDERS = {"meshwork": "src/meshwork", "meshwork/sharding": "sharding", "meshwork/models": "models",
-           "meshwork/train": "train", "meshwork/inference": "inference"}
+FOLDERS = {
+    "meshwork": "src/meshwork",
+    "meshwork/sharding": "sharding",
+    "meshwork/models": "models",
+    "meshwork/train": "train",
+    "meshwork/inference": "inference",
+}
 SCRIPTS = ("meshwork-train", "meshwork-infer", "meshwork-plan", "meshwork-plot")
 
 
@@ -28,8 +33,12 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     for folder in FOLDERS.values():
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = out.glob("meshwork-*.whl")
     return zipfile.ZipFile(path)
@@ -70,8 +79,12 @@ def test_wheel_declares_the_console_scripts(wheel):
 def user_folder(tmp_path) -> pathlib.Path:
     """Research code with its own `models/`, `train.py` and `sharding.py`, each failing loudly if imported."""
     (tmp_path / "models").mkdir()
-    for path in (tmp_path / "models/__init__.py", tmp_path / "train.py", tmp_path / "sharding.py",
-                 tmp_path / "inference.py"):
+    for path in (
+        tmp_path / "models/__init__.py",
+        tmp_path / "train.py",
+        tmp_path / "sharding.py",
+        tmp_path / "inference.py",
+    ):
         path.write_text(f"raise RuntimeError('the user\\'s own {path.relative_to(tmp_path)} was imported')\n")
     return tmp_path
 
@@ -85,10 +98,12 @@ def test_cli_and_imports_work_beside_a_users_own_packages(user_folder):
     proc = _run([sys.executable, "-m", "meshwork.train", "--help"], user_folder)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--config" in proc.stdout
-    code = ("import meshwork.sharding.rules as r, meshwork.models.transformer, meshwork.train.loop, "
-            "meshwork.models.hf; import sys; "
-            "print(r.rules_for('fsdp') is not None, [m for m in ('models', 'train', 'sharding', 'inference') "
-            "if m in sys.modules])")
+    code = (
+        "import meshwork.sharding.rules as r, meshwork.models.transformer, meshwork.train.loop, "
+        "meshwork.models.hf; import sys; "
+        "print(r.rules_for('fsdp') is not None, [m for m in ('models', 'train', 'sharding', 'inference') "
+        "if m in sys.modules])"
+    )
     proc = _run([sys.executable, "-c", code], user_folder)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "[]"]  # nothing of the user's (or a stray top-level name) loaded

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from meshwork.config_sections import ModelConfig
-from meshwork.objectives.next_token import token_cross_entropy
 from meshwork.models.layers.attention import attend
 from meshwork.models.transformer import Transformer
+from meshwork.objectives.next_token import token_cross_entropy
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for
@@ -51,8 +51,9 @@ def test_segment_ids_reach_every_layer_under_jit_and_grad():
     other = tokens.at[:, :6].set((tokens[:, :6] + 7) % 64)  # a different document A, same B
     g1, g2 = (jax.jit(jax.grad(loss_of_b))(params, t) for t in (tokens, other))
     # Only A's own embedding rows may differ; every weight shared by both documents gets B's gradient alone.
-    diffs = [float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2))
-             if x.shape != (64, 32)]
+    diffs = [
+        float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)) if x.shape != (64, 32)
+    ]
     assert max(diffs) < 1e-4
 
 

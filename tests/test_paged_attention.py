@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, XLA_EMITTERS
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
@@ -26,11 +27,9 @@ from meshwork.inference import kv_cache
 from meshwork.inference.generate import Generator
 from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.kernels import paged_attention as pa
-from meshwork.kernels.pallas_backend import lowering_target
 from meshwork.kernels.paged_attention import paged_attention, paged_attention_reference
+from meshwork.kernels.pallas_backend import lowering_target
 from meshwork.models.build import build_model
-
-from conftest import ROOT, XLA_EMITTERS
 
 TPU_INTERPRET = pltpu.InterpretParams(random_seed=0, out_of_bounds_reads="raise", uninitialized_memory="nan")
 
@@ -51,9 +50,9 @@ def contiguous_attention(q_LHK, k_SGK, v_SGK, positions_L, window=None):
         lo = 0 if window is None else max(0, p - window + 1)
         for h in range(H):
             g = h // (H // G)
-            s = k[lo:p + 1, g] @ q[i, h] / np.sqrt(K)
+            s = k[lo : p + 1, g] @ q[i, h] / np.sqrt(K)
             w = np.exp(s - s.max())
-            out[i, h] = w @ v[lo:p + 1, g] / w.sum()
+            out[i, h] = w @ v[lo : p + 1, g] / w.sum()
     return out
 
 
@@ -74,8 +73,8 @@ def pool_with_shared_prefix(T, P, G, K, lengths, shared_pages, layers=2, layer=1
         need = -(-n // T)
         table[b, :need] = [free.pop() for _ in range(need)]
     table[2, :shared_pages] = table[0, :shared_pages]
-    k_seq = [k_pool[layer][table[b, :-(-n // T)]].reshape(-1, G, K)[:n] for b, n in enumerate(lengths)]
-    v_seq = [v_pool[layer][table[b, :-(-n // T)]].reshape(-1, G, K)[:n] for b, n in enumerate(lengths)]
+    k_seq = [k_pool[layer][table[b, : -(-n // T)]].reshape(-1, G, K)[:n] for b, n in enumerate(lengths)]
+    v_seq = [v_pool[layer][table[b, : -(-n // T)]].reshape(-1, G, K)[:n] for b, n in enumerate(lengths)]
     return jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(table), k_seq, v_seq
 
 
@@ -88,9 +87,18 @@ CONFIGS = {
 
 # Quick tier: each configuration once, both query kinds and both masks among them; slow: the rest.
 QUICK = {("cpu", 1, None), ("cpu", 5, 6), ("gpu-config", 5, 6), ("tpu-config", 1, 6), ("tpu-config", 5, None)}
-KERNEL_CASES = [pytest.param(c, L, w, id=f"{c}-{'decode' if L == 1 else f'chunk{L}'}-window{w}",
-                             marks=() if (c, L, w) in QUICK else pytest.mark.slow)
-                for c in CONFIGS for L in (1, 5) for w in (None, 6)]
+KERNEL_CASES = [
+    pytest.param(
+        c,
+        L,
+        w,
+        id=f"{c}-{'decode' if L == 1 else f'chunk{L}'}-window{w}",
+        marks=() if (c, L, w) in QUICK else pytest.mark.slow,
+    )
+    for c in CONFIGS
+    for L in (1, 5)
+    for w in (None, 6)
+]
 
 
 @pytest.mark.parametrize("config, L, window", KERNEL_CASES)
@@ -119,16 +127,18 @@ def test_every_output_element_is_written():
     T, B, P, H, G, K = 4, 3, 4, 4, 2, 16
     k_pool, v_pool, table, _, _ = pool_with_shared_prefix(T, P, G, K, [9, 3, 14], shared_pages=2)
     q = jnp.ones((B, 3, H, K))
-    cfg = pa._Config(scale=0.25, page_size=T, pages_per_split=1, rows=8, head_dim=K, backend="cpu",
-                     interpret=True, poison=True)
+    cfg = pa._Config(
+        scale=0.25, page_size=T, pages_per_split=1, rows=8, head_dim=K, backend="cpu", interpret=True, poison=True
+    )
     pos = jnp.asarray([[6, 7, 8], [0, 1, 2], [11, 12, 13]], jnp.int32)
     o, lse = pa._paged_splits(q, k_pool, v_pool, table, pos, jnp.asarray(1), 2, cfg)
     assert o.shape[3] == P, "one split per page: most splits of the short row see nothing"
     assert not np.isnan(np.asarray(o)).any() and not np.isnan(np.asarray(lse)).any()
 
 
-@pytest.mark.parametrize("platform, backend, marker", [("cuda", "gpu", "__gpu$xla.gpu.triton"),
-                                                       ("tpu", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize(
+    "platform, backend, marker", [("cuda", "gpu", "__gpu$xla.gpu.triton"), ("tpu", "tpu", "tpu_custom_call")]
+)
 @pytest.mark.parametrize("L", [1, 7], ids=["decode", "chunk7"])
 def test_lowers_without_the_device(platform, backend, marker, L):
     """One kernel call, and the pool reaches it whole: no gather of pages around it."""
@@ -171,7 +181,7 @@ def models():
 def sequences():
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1, 256, n + NEW).astype(np.int32) for n in PROMPTS]
-    seqs[2][:SHARED * T_MODEL] = seqs[0][:SHARED * T_MODEL]
+    seqs[2][: SHARED * T_MODEL] = seqs[0][: SHARED * T_MODEL]
     return seqs
 
 
@@ -184,8 +194,7 @@ def paged_run(model, sequences) -> list[np.ndarray]:
     """
     gen = Generator(model)
     B = len(sequences)
-    cache = PagedKVCache.zeros(model.cfg, n_pages=1 + B * P_MODEL, page_size=T_MODEL, batch=B,
-                               pages_per_seq=P_MODEL)
+    cache = PagedKVCache.zeros(model.cfg, n_pages=1 + B * P_MODEL, page_size=T_MODEL, batch=B, pages_per_seq=P_MODEL)
     table = 1 + np.random.default_rng(1).permutation(B * P_MODEL).reshape(B, P_MODEL).astype(np.int32)
     table[2, :SHARED] = table[0, :SHARED]
     k, v = cache.k, cache.v
@@ -194,12 +203,13 @@ def paged_run(model, sequences) -> list[np.ndarray]:
         for start in range(SHARED * T_MODEL if b == 2 else 0, n, CHUNK):
             # The last chunk is right-padded at the following positions (overwritten before they are read).
             tokens = np.zeros((1, CHUNK), np.int32)
-            real = seq[start:min(start + CHUNK, n)]
-            tokens[0, :len(real)] = real
-            logits, c = gen.forward(tokens, np.arange(start, start + CHUNK)[None],
-                                    PagedKVCache(k, v, jnp.asarray(table[b:b + 1])))
+            real = seq[start : min(start + CHUNK, n)]
+            tokens[0, : len(real)] = real
+            logits, c = gen.forward(
+                tokens, np.arange(start, start + CHUNK)[None], PagedKVCache(k, v, jnp.asarray(table[b : b + 1]))
+            )
             k, v = c.k, c.v
-            out[b] += list(np.asarray(logits[0, :len(real)]))
+            out[b] += list(np.asarray(logits[0, : len(real)]))
     for step in range(NEW):
         pos = np.array([n + step for n in PROMPTS], np.int32)
         tok = np.array([s[p] for s, p in zip(sequences, pos)], np.int32)
@@ -216,10 +226,10 @@ def test_paged_kernel_equals_gather_path_and_full_recomputation(models, sequence
     # One causal forward over the batch right-padded to the longest row (no cache).
     tokens = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
     for b, s in enumerate(sequences):
-        tokens[b, :len(s)] = s
+        tokens[b, : len(s)] = s
     logits = np.asarray(xla_model(jnp.asarray(tokens)))
-    full = [logits[b, :len(s)] for b, s in enumerate(sequences)]
-    full[2] = full[2][SHARED * T_MODEL:]  # row 2 computed only the positions after the shared pages
+    full = [logits[b, : len(s)] for b, s in enumerate(sequences)]
+    full[2] = full[2][SHARED * T_MODEL :]  # row 2 computed only the positions after the shared pages
     for b in range(len(sequences)):
         assert kernel[b].shape == full[b].shape
         assert rel_err(kernel[b], gather[b]) <= 1e-5, b
@@ -238,7 +248,10 @@ def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
     B, cfg = 4, models[0].cfg
     T, G, K = 16, cfg.n_kv_heads, cfg.resolved_head_dim
     cache = PagedKVCache.zeros(cfg, n_pages=1 + B * P_MODEL, page_size=T, batch=B, pages_per_seq=P_MODEL)
-    args = lambda gen: (gen.state, jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.int32), cache)
+
+    def args(gen):
+        return (gen.state, jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.int32), cache)
+
     texts = {}
     for name, model in zip(("pallas", "xla"), models):
         gen = Generator(model)

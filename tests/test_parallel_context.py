@@ -37,11 +37,14 @@ def test_a_context_is_a_hashable_value_and_nesting_restores_the_outer_one():
     assert current_parallel() == ParallelContext()
 
 
-@pytest.mark.parametrize("preset,sizes,want", [
-    ("sp", {"data": 4, "tensor": 2}, ("tensor", ("data",))),
-    ("tp", {"data": 4, "tensor": 2}, None),      # tp keeps the sequence whole: no ring to overlap
-    ("sp", {"data": 8}, None),                   # nothing splits the MLP
-])
+@pytest.mark.parametrize(
+    "preset,sizes,want",
+    [
+        ("sp", {"data": 4, "tensor": 2}, ("tensor", ("data",))),
+        ("tp", {"data": 4, "tensor": 2}, None),  # tp keeps the sequence whole: no ring to overlap
+        ("sp", {"data": 8}, None),  # nothing splits the MLP
+    ],
+)
 def test_collective_matmul_is_chosen_only_where_the_rules_are_megatron_sp(preset, sizes, want):
     with jax.set_mesh(make_mesh(sizes)):
         assert ParallelContext(rules_for(preset), collective_matmul=True).collective_matmul_axes() == want
@@ -59,8 +62,9 @@ def test_an_opaque_kernel_runs_per_device_on_its_batch_and_head_shards():
     want = _plain(q, k, v, None)
     with jax.set_mesh(make_mesh({"data": 4, "tensor": 2})):
         parallel = ParallelContext(rules_for("tp"))
-        got = jax.jit(lambda q, k, v: parallel.attention(local, q, k, v, None, causal=True, scale=None,
-                                                         opaque=True))(q, k, v)
+        got = jax.jit(lambda q, k, v: parallel.attention(local, q, k, v, None, causal=True, scale=None, opaque=True))(
+            q, k, v
+        )
     assert seen == [((B // 4, L, H // 2, K), (B // 4, L, G // 2, K))]
     np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -78,8 +82,11 @@ def test_a_split_sequence_goes_round_the_ring_and_equals_the_formula():
     positions = jnp.broadcast_to(jnp.arange(L), (B, L))
     with jax.set_mesh(make_mesh({"data": 2, "sequence": 4})):
         parallel = ParallelContext(rules_for("cp"))
-        compiled = jax.jit(lambda q, k, v: parallel.attention(local, q, k, v, positions, causal=True, scale=None)
-                           ).lower(q, k, v).compile()
+        compiled = (
+            jax.jit(lambda q, k, v: parallel.attention(local, q, k, v, positions, causal=True, scale=None))
+            .lower(q, k, v)
+            .compile()
+        )
         got = compiled(q, k, v)
     assert "collective-permute" in compiled.as_text()
     np.testing.assert_allclose(got, _plain(q, k, v, None), atol=1e-5)

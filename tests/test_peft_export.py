@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT
 from flax import nnx
 from safetensors.numpy import load_file
 
@@ -17,15 +18,15 @@ from meshwork.inference.peft_export import PEFT_MODULES, export_peft
 from meshwork.models.build import build_model
 from meshwork.models.lora import merge_lora
 
-from conftest import ROOT
-
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=96"]
 
 
 def lora_model(targets, seed=0):
     """A lora_tiny-shaped model with random base weights and random (nonzero) LoRA factors."""
-    cfg = load_config(ROOT / "configs/lora_tiny.yaml", [*SMALL, f"finetune.targets=[{', '.join(targets)}]",
-                                                         "finetune.rank=4", "finetune.alpha=12"])
+    cfg = load_config(
+        ROOT / "configs/lora_tiny.yaml",
+        [*SMALL, f"finetune.targets=[{', '.join(targets)}]", "finetune.rank=4", "finetune.alpha=12"],
+    )
     model = build_model(cfg, seed=seed)
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(seed)
@@ -35,10 +36,12 @@ def lora_model(targets, seed=0):
 
 def base_params(model):
     """The base weights as a plain model's parameter tree (each LoRA site replaced by its frozen W0)."""
+
     def strip(node):
         if isinstance(node, dict):
             return strip(node["base"]) if "base" in node else {k: strip(v) for k, v in node.items()}
         return node
+
     return strip(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
@@ -54,8 +57,9 @@ def test_base_plus_the_peft_delta_is_the_merged_model(tmp_path, targets):
     assert len(adapter) == 2 * len(targets) * cfg.model.n_layers
 
     merge_lora(model)
-    merged = load_file(export_hf(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), tmp_path / "merged")
-                       / "model.safetensors")
+    merged = load_file(
+        export_hf(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), tmp_path / "merged") / "model.safetensors"
+    )
     scale = config["lora_alpha"] / config["r"]
     changed = set()
     for name, w in base.items():
@@ -72,6 +76,7 @@ def test_base_plus_the_peft_delta_is_the_merged_model(tmp_path, targets):
 def test_only_a_lora_run_exports(tmp_path):
     cfg, model = lora_model(["q"])
     with pytest.raises(ValueError, match="finetune.method='qlora': only a lora run's adapter"):
-        export_peft(cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"method": "qlora"})}),
-                    model, tmp_path)
+        export_peft(
+            cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"method": "qlora"})}), model, tmp_path
+        )
     assert not any(tmp_path.iterdir())

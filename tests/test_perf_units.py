@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from meshwork.perf import hardware, reliability, roofline
 from meshwork.config import ConfigError
 from meshwork.config_sections import ModelConfig
+from meshwork.perf import hardware, reliability, roofline
 from meshwork.perf.hardware import HARDWARE, get_hardware
 from meshwork.perf.roofline import Op, attention, batched_matmul, bound, elementwise, layout, matmul, reduction
 
@@ -72,8 +72,12 @@ def test_unknown_names_are_config_errors():
 
 
 def test_legacy_peak_table_still_serves_the_benchmarks():
-    assert hardware.accelerator_for_device_kind("NVIDIA H100 80GB HBM3").flops(hardware.table_dtype("bfloat16")) == 989e12
-    assert hardware.accelerator_for_device_kind("NVIDIA A100-SXM4-80GB").flops(hardware.table_dtype("float32")) == 156e12
+    assert (
+        hardware.accelerator_for_device_kind("NVIDIA H100 80GB HBM3").flops(hardware.table_dtype("bfloat16")) == 989e12
+    )
+    assert (
+        hardware.accelerator_for_device_kind("NVIDIA A100-SXM4-80GB").flops(hardware.table_dtype("float32")) == 156e12
+    )
     assert hardware.accelerator_for_device_kind("NVIDIA H100 80GB HBM3").name == "h100"
     assert hardware.accelerator_for_device_kind("TPU v5 lite").name == "tpu_v5e"
     assert hardware.accelerator_for_device_kind("TPU v5").name == "tpu_v5p"
@@ -236,7 +240,8 @@ def test_goodput_values():
     assert reliability.goodput(4, 1, 14.4, 2, model="first_order") == pytest.approx(4 / 5 * (1 - (2 + 2.5) / 14.4))
     # the two models agree when everything is small against M
     assert reliability.goodput(60, 1, 1e5, 5) == pytest.approx(
-        reliability.goodput(60, 1, 1e5, 5, model="first_order"), rel=1e-3)
+        reliability.goodput(60, 1, 1e5, 5, model="first_order"), rel=1e-3
+    )
     assert reliability.goodput(283, 60, 864, 120) == pytest.approx(0.585, abs=0.001)
     with pytest.raises(ConfigError, match="model"):
         reliability.goodput(1, 1, 1, model="weibull")

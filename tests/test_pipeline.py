@@ -15,8 +15,18 @@ import meshwork.sharding.pipeline
 import meshwork.sharding.pipeline_schedules
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.pipeline import pipeline_value_and_grad
-from meshwork.sharding.pipeline_schedules import (BWD, FWD, IDLE, SCHEDULES, Schedule, check_schedule,
-                                                  cotangent_stash_size, idle_fraction, schedule_table, stash_size)
+from meshwork.sharding.pipeline_schedules import (
+    BWD,
+    FWD,
+    IDLE,
+    SCHEDULES,
+    Schedule,
+    check_schedule,
+    cotangent_stash_size,
+    idle_fraction,
+    schedule_table,
+    stash_size,
+)
 
 P, M = 4, 8
 FUSED = ("gpipe", "1f1b")  # the schedules whose backward is one BWD op
@@ -34,18 +44,22 @@ def loss_fn(head, y_BLD, t_BL):
 
 def reference_loss(stage_params, head, x_M, targets_M):
     """No pipeline: every microbatch through the P stages in turn, mean loss."""
+
     def one(x, t):
         for s in range(P):
             x = stage_fn(jax.tree.map(lambda a: a[s], stage_params), x)
         return loss_fn(head, x, t)
+
     return jnp.mean(jax.vmap(one)(x_M, targets_M))
 
 
 @pytest.fixture(scope="module")
 def problem():
     k = jax.random.split(jax.random.key(0), 5)
-    stage_params = {"w1": jax.random.normal(k[0], (P, D, H)) / np.sqrt(D),
-                    "w2": jax.random.normal(k[1], (P, H, D)) / np.sqrt(H)}
+    stage_params = {
+        "w1": jax.random.normal(k[0], (P, D, H)) / np.sqrt(D),
+        "w2": jax.random.normal(k[1], (P, H, D)) / np.sqrt(H),
+    }
     head = {"w": jax.random.normal(k[2], (D, 1)) / np.sqrt(D)}
     x_M = jax.random.normal(k[3], (M, B, L, D))
     targets_M = jax.random.normal(k[4], (M, B, L))
@@ -136,8 +150,17 @@ def test_hybrid_stage_by_fsdp_keeps_gradients_sharded(problem, reference):
     stage_params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), stage_params, stage_specs)
     head = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), head, head_specs)
     x_M, targets_M = (jax.device_put(a, NamedSharding(mesh, PartitionSpec(None, "fsdp"))) for a in (x_M, targets_M))
-    f = jax.jit(functools.partial(pipeline_value_and_grad, stage_fn, loss_fn, schedule="gpipe", mesh=mesh,
-                                  stage_specs=stage_specs, head_specs=head_specs))
+    f = jax.jit(
+        functools.partial(
+            pipeline_value_and_grad,
+            stage_fn,
+            loss_fn,
+            schedule="gpipe",
+            mesh=mesh,
+            stage_specs=stage_specs,
+            head_specs=head_specs,
+        )
+    )
     loss, (d_stage, d_head, d_x) = f(stage_params, head, x_M, targets_M)
     assert_matches(jax.device_get((loss, (d_stage, d_head, d_x))), reference)
     assert {s.data.shape for s in d_stage["w1"].addressable_shards} == {(1, D // 2, H)}
@@ -251,6 +274,7 @@ def tied_reference(layers, E, u_M, t_M):
         for i in range(V_LAYERS):
             x = layer_fn(jax.tree.map(lambda a, i=i: a[i], layers), x)
         return tied_loss_fn({"E": E}, x, t)
+
     return jnp.mean(jax.vmap(one)(u_M, t_M))
 
 
@@ -261,14 +285,27 @@ def tied_pipelined(kind, mesh, data_axes, layers, E, u_M, t_M):
     x_M, embed_vjp = jax.vjp(lambda e: u_M @ e, E)
     if v == 1:
         stages = jax.tree.map(lambda a: a.reshape(P, 2, *a.shape[1:]), layers)
-        stage_fn_ = lambda w, x: layer_fn(jax.tree.map(lambda a: a[1], w),  # noqa: E731
-                                          layer_fn(jax.tree.map(lambda a: a[0], w), x))
+
+        def stage_fn_(w, x):
+            return layer_fn(
+                jax.tree.map(lambda a: a[1], w),  # noqa: E731
+                layer_fn(jax.tree.map(lambda a: a[0], w), x),
+            )
     else:
         stages = jax.tree.map(lambda a: a.reshape(v, P, *a.shape[1:]).swapaxes(0, 1), layers)
         stage_fn_ = layer_fn
     loss, (d_stages, d_head, d_x) = pipeline_value_and_grad(
-        stage_fn_, tied_loss_fn, stages, {"E": E}, x_M, t_M, schedule=kind, virtual_stages=v, mesh=mesh,
-        data_axes=data_axes)
+        stage_fn_,
+        tied_loss_fn,
+        stages,
+        {"E": E},
+        x_M,
+        t_M,
+        schedule=kind,
+        virtual_stages=v,
+        mesh=mesh,
+        data_axes=data_axes,
+    )
     (d_E,) = embed_vjp(d_x)
     if v == 1:
         d_layers = jax.tree.map(lambda g: g.reshape(V_LAYERS, *g.shape[2:]), d_stages)
@@ -280,8 +317,10 @@ def tied_pipelined(kind, mesh, data_axes, layers, E, u_M, t_M):
 @pytest.fixture(scope="module")
 def tied_problem():
     k = jax.random.split(jax.random.key(1), 5)
-    layers = {"w1": jax.random.normal(k[0], (V_LAYERS, D8, H8)) / np.sqrt(D8),
-              "w2": jax.random.normal(k[1], (V_LAYERS, H8, D8)) / np.sqrt(H8)}
+    layers = {
+        "w1": jax.random.normal(k[0], (V_LAYERS, D8, H8)) / np.sqrt(D8),
+        "w2": jax.random.normal(k[1], (V_LAYERS, H8, D8)) / np.sqrt(H8),
+    }
     E = jax.random.normal(k[2], (K, D8)) / np.sqrt(K)
     u_M = jax.random.normal(k[3], (M, B8, L8, K))
     t_M = jax.random.normal(k[4], (M, B8, L8, K))
@@ -332,9 +371,20 @@ def _all_reduces_in_loops(hlo: str) -> int:
             comps[name] = []
         elif name is not None:
             comps[name].append(line)
-    calls = {n: set(re.findall(r"%([\w.-]+)", " ".join(re.findall(
-        r"(?:body|branch_computations|calls|to_apply|true_computation|false_computation)=(\{[^}]*\}|%[\w.-]+)",
-        "\n".join(body))))) for n, body in comps.items()}
+    calls = {
+        n: set(
+            re.findall(
+                r"%([\w.-]+)",
+                " ".join(
+                    re.findall(
+                        r"(?:body|branch_computations|calls|to_apply|true_computation|false_computation)=(\{[^}]*\}|%[\w.-]+)",
+                        "\n".join(body),
+                    )
+                ),
+            )
+        )
+        for n, body in comps.items()
+    }
     todo = {b for body in comps.values() for b in re.findall(r"body=%([\w.-]+)", "\n".join(body))}
     seen = set()
     while todo:
@@ -351,16 +401,23 @@ def test_data_axes_reduce_gradients_once():
     program all-reduces each gradient leaf (and the loss) once, after the schedule."""
     mesh = make_mesh({"stage": 2, "data": 2}, devices=jax.devices()[:4])
     k = jax.random.split(jax.random.key(2), 5)
-    stage_params = jax.device_put({"w1": jax.random.normal(k[0], (2, 16, 8)), "w2": jax.random.normal(k[1], (2, 8, 16))},
-                                  NamedSharding(mesh, PartitionSpec("stage")))
+    stage_params = jax.device_put(
+        {"w1": jax.random.normal(k[0], (2, 16, 8)), "w2": jax.random.normal(k[1], (2, 8, 16))},
+        NamedSharding(mesh, PartitionSpec("stage")),
+    )
     head = {"w": jax.random.normal(k[2], (16, 1))}
-    x_M, t_M = (jax.device_put(jax.random.normal(kk, shape), NamedSharding(mesh, PartitionSpec(None, "data")))
-                for kk, shape in ((k[3], (4, 4, 8, 16)), (k[4], (4, 4, 8))))
+    x_M, t_M = (
+        jax.device_put(jax.random.normal(kk, shape), NamedSharding(mesh, PartitionSpec(None, "data")))
+        for kk, shape in ((k[3], (4, 4, 8, 16)), (k[4], (4, 4, 8)))
+    )
     args = (stage_params, head, x_M, t_M)
     counts, outs = {}, {}
     for data_axes in ((), ("data",)):
-        f = jax.jit(functools.partial(pipeline_value_and_grad, stage_fn, loss_fn, schedule="1f1b", mesh=mesh,
-                                      data_axes=data_axes))
+        f = jax.jit(
+            functools.partial(
+                pipeline_value_and_grad, stage_fn, loss_fn, schedule="1f1b", mesh=mesh, data_axes=data_axes
+            )
+        )
         exe = f.lower(*args).compile()
         counts[data_axes] = (*_all_reduces(exe.as_text()), _all_reduces_in_loops(exe.as_text()))
         outs[data_axes] = jax.device_get(exe(*args))
@@ -375,11 +432,19 @@ def test_data_axes_refuse_params_sharded_over_them(problem):
     mesh = make_mesh({"stage": P, "data": 2})
     specs = {"w1": PartitionSpec("stage", "data"), "w2": PartitionSpec("stage")}
     with pytest.raises(ValueError, match="one of data_axes"):
-        jax.eval_shape(functools.partial(pipeline_value_and_grad, stage_fn, loss_fn, mesh=mesh, stage_specs=specs,
-                                         data_axes=("data",)), *problem)
+        jax.eval_shape(
+            functools.partial(
+                pipeline_value_and_grad, stage_fn, loss_fn, mesh=mesh, stage_specs=specs, data_axes=("data",)
+            ),
+            *problem,
+        )
 
 
 def test_interleaved_wants_chunked_params(stage_mesh, problem):
     with pytest.raises(ValueError, match=r"leading axes \(4, 2\).*swapaxes"):
-        jax.eval_shape(functools.partial(pipeline_value_and_grad, stage_fn, loss_fn, mesh=stage_mesh,
-                                         schedule="interleaved", virtual_stages=2), *problem)
+        jax.eval_shape(
+            functools.partial(
+                pipeline_value_and_grad, stage_fn, loss_fn, mesh=stage_mesh, schedule="interleaved", virtual_stages=2
+            ),
+            *problem,
+        )

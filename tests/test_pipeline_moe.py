@@ -9,19 +9,27 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import ConfigError, load_config
 from meshwork.data.text import train_iterator
-from meshwork.train.trainer import build_trainer, check_runtime
 from meshwork.train.gradients import gradient_strategy
-
-from conftest import ROOT, tiny_overrides
+from meshwork.train.trainer import build_trainer, check_runtime
 
 # 8 MoE layers: 2 a stage, or 2 chunks of 1 under interleaved.
-MOE = ["model.kind=moe", "model.n_layers=8", "model.moe.n_experts=4", "model.moe.top_k=2",
-       "model.moe.d_expert=64", "model.moe.capacity_factor=1.25", "model.moe.aux_loss_coef=0.01",
-       "model.moe.z_loss_coef=0.001", "optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=5",
-       "train.microbatches=4"]
+MOE = [
+    "model.kind=moe",
+    "model.n_layers=8",
+    "model.moe.n_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.d_expert=64",
+    "model.moe.capacity_factor=1.25",
+    "model.moe.aux_loss_coef=0.01",
+    "model.moe.z_loss_coef=0.001",
+    "optimizer.init_lr_ratio=0.1",
+    "optimizer.warmup_steps=5",
+    "train.microbatches=4",
+]
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1}
 PIPELINE = ["mesh.stage=4", "mesh.data=2"]
 STATS = ("aux_loss", "z_loss", "dropped_fraction", "load_per_layer", "load_cv")
@@ -64,9 +72,11 @@ def one_device(tmp_path_factory):
 
     def get(tied, *more):
         if (tied, *more) not in cache:
-            cache[tied, *more] = train_then_grads(tmp_path_factory.mktemp("one"), [
-                "mesh.data=1", f"model.tie_embeddings={tied}", *more], 1)
+            cache[tied, *more] = train_then_grads(
+                tmp_path_factory.mktemp("one"), ["mesh.data=1", f"model.tie_embeddings={tied}", *more], 1
+            )
         return cache[tied, *more]
+
     return get
 
 
@@ -88,8 +98,10 @@ def assert_same_training(got, want, what):
         # AVX2-only one (its float32 kernels sum in another order); a wrong stage, chunk or tie
         # is off by the order of the scale itself.
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4 * scale, err_msg=path)
-    print(f"{what}: {len(paths)} gradient leaves, worst |diff|/max|g| {worst:.2e}, "
-          f"aux_loss {float(got_metrics['aux_loss']):.6f}")
+    print(
+        f"{what}: {len(paths)} gradient leaves, worst |diff|/max|g| {worst:.2e}, "
+        f"aux_loss {float(got_metrics['aux_loss']):.6f}"
+    )
 
 
 CURVE_STEPS = 20
@@ -102,9 +114,14 @@ def one_device_curve(tmp_path_factory):
 
     def get(tied):
         if tied not in cache:
-            cache[tied] = train_then_grads(tmp_path_factory.mktemp("one"), [
-                "mesh.data=1", f"model.tie_embeddings={tied}"], 1, curve_steps=CURVE_STEPS)
+            cache[tied] = train_then_grads(
+                tmp_path_factory.mktemp("one"),
+                ["mesh.data=1", f"model.tie_embeddings={tied}"],
+                1,
+                curve_steps=CURVE_STEPS,
+            )
         return cache[tied]
+
     return get
 
 
@@ -117,27 +134,55 @@ def pipelined(tmp_path_factory):
 
     def get(kind, tied):
         if (kind, tied) not in cache:
-            cache[kind, tied] = train_then_grads(tmp_path_factory.mktemp("pp"), [
-                *PIPELINE, f"train.pipeline={kind}", f"train.virtual_stages={SCHEDULES[kind]}",
-                f"model.tie_embeddings={tied}"], 8, curve_steps=CURVE_STEPS)
+            cache[kind, tied] = train_then_grads(
+                tmp_path_factory.mktemp("pp"),
+                [
+                    *PIPELINE,
+                    f"train.pipeline={kind}",
+                    f"train.virtual_stages={SCHEDULES[kind]}",
+                    f"model.tie_embeddings={tied}",
+                ],
+                8,
+                curve_steps=CURVE_STEPS,
+            )
         return cache[kind, tied]
+
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, tied", [
-    pytest.param(kind, tied, id=f"{kind}-{'tied' if tied else 'untied'}") for kind in SCHEDULES for tied in (False, True)])
+@pytest.mark.parametrize(
+    "kind, tied",
+    [
+        pytest.param(kind, tied, id=f"{kind}-{'tied' if tied else 'untied'}")
+        for kind in SCHEDULES
+        for tied in (False, True)
+    ],
+)
 def test_every_schedule_trains_the_moe_lm_as_one_device(pipelined, one_device_curve, kind, tied):
     assert_same_training(pipelined(kind, tied)[1], one_device_curve(tied)[1], f"{kind} tied={tied}")
 
 
-@pytest.mark.over_budget("the quick tier's one MoE pipeline: a pipelined MoE step and its accumulation compiled "
-                         "for 8 devices and for one, ~40 s cold", seconds=80)
+@pytest.mark.over_budget(
+    "the quick tier's one MoE pipeline: a pipelined MoE step and its accumulation compiled "
+    "for 8 devices and for one, ~40 s cold",
+    seconds=80,
+)
 def test_a_small_interleaved_tied_moe_pipeline_trains_as_one_device(tmp_path, one_device):
     """The quick tier's case: 4 MoE layers as 2 stages x 2 chunks of one layer, data 4, tied."""
     small = ("model.n_layers=4", "train.microbatches=2")
-    got = train_then_grads(tmp_path, ["mesh.stage=2", "mesh.data=4", "train.pipeline=interleaved",
-                                      "train.virtual_stages=2", "model.tie_embeddings=true", *small], 8)
+    got = train_then_grads(
+        tmp_path,
+        [
+            "mesh.stage=2",
+            "mesh.data=4",
+            "train.pipeline=interleaved",
+            "train.virtual_stages=2",
+            "model.tie_embeddings=true",
+            *small,
+        ],
+        8,
+    )
     assert_same_training(got, one_device(True, *small), "interleaved tied, 2 stages x 2 chunks")
 
 
@@ -146,8 +191,19 @@ def test_dense_and_moe_runs_repeating_per_stage_pipeline(tmp_path, one_device):
     """Layers D D M M D D M M on 2 stages x data 2 x fsdp 2: each stage runs D D M M, gathered from
     the model's four runs."""
     pattern = ("model.moe.dense_layers=[0,1,4,5]", "train.microbatches=2")
-    got = train_then_grads(tmp_path, ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "rules.preset=fsdp",
-                                      "train.pipeline=1f1b", "model.tie_embeddings=false", *pattern], 8)
+    got = train_then_grads(
+        tmp_path,
+        [
+            "mesh.stage=2",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "rules.preset=fsdp",
+            "train.pipeline=1f1b",
+            "model.tie_embeddings=false",
+            *pattern,
+        ],
+        8,
+    )
     assert_same_training(got, one_device(False, *pattern), "1f1b D D M M x 2")
 
 
@@ -156,8 +212,10 @@ def test_dense_and_moe_runs_repeating_per_stage_pipeline(tmp_path, one_device):
 @pytest.mark.parametrize("kind", list(SCHEDULES))
 def test_moe_loss_curve_equals_one_devices(pipelined, one_device_curve, kind, tied):
     got, one = pipelined(kind, tied)[0], one_device_curve(tied)[0]
-    print(f"{kind} tied={tied}: loss {one[0]:.4f} -> {one[-1]:.4f}, max relative difference "
-          f"{np.max(np.abs(got - one) / one):.2e}")
+    print(
+        f"{kind} tied={tied}: loss {one[0]:.4f} -> {one[-1]:.4f}, max relative difference "
+        f"{np.max(np.abs(got - one) / one):.2e}"
+    )
     assert one[-1] < one[0] - 0.3
     if not tied:
         np.testing.assert_allclose(got, one, rtol=1e-5)
@@ -169,10 +227,22 @@ def test_moe_loss_curve_equals_one_devices(pipelined, one_device_curve, kind, ti
     np.testing.assert_allclose(got, one, rtol=3e-4)
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["rules.preset=ep", "model.kind=moe", "mesh.stage=2", "mesh.expert=4", "mesh.data=1", "train.pipeline=1f1b"],
-     "expert parallelism (ep) inside a pipeline stage is not supported"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            [
+                "rules.preset=ep",
+                "model.kind=moe",
+                "mesh.stage=2",
+                "mesh.expert=4",
+                "mesh.data=1",
+                "train.pipeline=1f1b",
+            ],
+            "expert parallelism (ep) inside a pipeline stage is not supported",
+        ),
+    ],
+)
 def test_what_stays_refused_says_why_in_one_line(tmp_path, overrides, says):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "model.n_layers=4", *overrides])
     with pytest.raises(ConfigError, match=re.escape(says)) as e:

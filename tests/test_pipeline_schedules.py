@@ -3,6 +3,7 @@ ZB-H1 are valid, idle exactly as their papers say, and stash what 1F1B does."""
 
 import numpy as np
 import pytest
+
 from meshwork.sharding.pipeline_schedules import (
     BWD,
     BWD_INPUT,
@@ -71,7 +72,8 @@ def _makespan(kind, n_micro, steps):
             while nxt[s] < len(orders[s]):
                 op, m, _ = orders[s][nxt[s]]
                 deps = {FWD: [("F", s - 1, m)] if s > 0 else [], BWD_WEIGHT: [("B", s, m)]}.get(
-                    op, [("F", s, m)] + ([("B", s + 1, m)] if s < P - 1 else []))
+                    op, [("F", s, m)] + ([("B", s + 1, m)] if s < P - 1 else [])
+                )
                 if any(d not in end for d in deps):
                     break
                 key = ("F" if op == FWD else "W" if op == BWD_WEIGHT else "B", s, m)
@@ -121,8 +123,12 @@ def test_zb_h1_defers_w_by_the_stage_index():
 def test_stash_sizes():
     # (kind, v) -> stash_size for M = 4, 8, 16 on 4 stages; printed in the report.
     got = {(kind, v): [stash_size(schedule_table(kind, P, m, v)) for m in (4, 8, 16)] for kind, v in KINDS}
-    assert got == {("gpipe", 1): [4, 8, 16], ("1f1b", 1): [4, 4, 4], ("interleaved", 2): [8, 10, 10],
-                   ("zb-h1", 1): [4, 4, 4]}
+    assert got == {
+        ("gpipe", 1): [4, 8, 16],
+        ("1f1b", 1): [4, 4, 4],
+        ("interleaved", 2): [8, 10, 10],
+        ("zb-h1", 1): [4, 4, 4],
+    }
 
 
 def test_str_shows_chunks_and_weight_passes():
@@ -135,8 +141,10 @@ def test_str_shows_chunks_and_weight_passes():
 def test_check_schedule_rejects_a_w_before_its_b():
     good = schedule_table("zb-h1", 2, 2)
     op = good.op.copy()
-    b, w = np.argwhere((op[:, 0] == BWD_INPUT) & (good.mb[:, 0] == 0))[0, 0], \
-        np.argwhere((op[:, 0] == BWD_WEIGHT) & (good.mb[:, 0] == 0))[0, 0]
+    b, w = (
+        np.argwhere((op[:, 0] == BWD_INPUT) & (good.mb[:, 0] == 0))[0, 0],
+        np.argwhere((op[:, 0] == BWD_WEIGHT) & (good.mb[:, 0] == 0))[0, 0],
+    )
     op[[b, w], 0] = op[[w, b], 0]
     with pytest.raises(ValueError, match="weight backward of microbatch 0 on stage 0 runs before"):
         check_schedule(type(good)("x", 2, 2, op, good.mb))

@@ -4,12 +4,11 @@ the loss of each of 20 steps equals the single-device run's (slow tier: ten 20-s
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import load_config
 from meshwork.data.text import train_iterator
 from meshwork.train.trainer import build_trainer, check_runtime
-
-from conftest import ROOT, tiny_overrides
 
 STEPS = 20
 # 8 layers: 2 a stage, or 2 chunks of 1 a stage under interleaved; nonzero lr at step 0.
@@ -32,19 +31,32 @@ def loss_curve(tmp_path, overrides, n_devices):
 
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
-    return {tied: loss_curve(tmp_path_factory.mktemp(f"one_{tied}"), ["mesh.data=1", f"model.tie_embeddings={tied}"],
-                             1) for tied in (False, True)}
+    return {
+        tied: loss_curve(tmp_path_factory.mktemp(f"one_{tied}"), ["mesh.data=1", f"model.tie_embeddings={tied}"], 1)
+        for tied in (False, True)
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("kind", list(SCHEDULES))
 def test_the_loss_curve_equals_one_devices(tmp_path, single_device, kind, tied):
-    got = loss_curve(tmp_path, ["mesh.stage=4", "mesh.data=2", f"train.pipeline={kind}",
-                                f"train.virtual_stages={SCHEDULES[kind]}", "train.microbatches=4",
-                                f"model.tie_embeddings={tied}"], 8)
+    got = loss_curve(
+        tmp_path,
+        [
+            "mesh.stage=4",
+            "mesh.data=2",
+            f"train.pipeline={kind}",
+            f"train.virtual_stages={SCHEDULES[kind]}",
+            "train.microbatches=4",
+            f"model.tie_embeddings={tied}",
+        ],
+        8,
+    )
     want = single_device[tied]
-    print(f"{kind} tied={tied}: loss {want[0]:.4f} -> {want[-1]:.4f}, "
-          f"max relative difference {np.max(np.abs(got - want) / want):.2e}")
+    print(
+        f"{kind} tied={tied}: loss {want[0]:.4f} -> {want[-1]:.4f}, "
+        f"max relative difference {np.max(np.abs(got - want) / want):.2e}"
+    )
     assert want[-1] < want[0] - 0.3  # the curve is a learning curve, not a flat line
     np.testing.assert_allclose(got, want, rtol=1e-5)

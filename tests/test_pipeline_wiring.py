@@ -10,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 from jax.sharding import PartitionSpec
 
 from meshwork.config import ConfigError, load_config
@@ -22,11 +23,16 @@ from meshwork.sharding import pipeline_schedules as pipeline
 from meshwork.train import pipeline_step as step_lib
 from meshwork.train.trainer import build_trainer, check_runtime
 
-from conftest import ROOT, tiny_overrides
-
 # lm_tiny's model (d 128, 4 layers, 4 heads of 32, 2 kv heads, d_ff 384, vocab 256) on short rows.
-LM_TINY = ["data.seq_len=32", "train.global_batch=8", "log.progress=false", "log.tensorboard=false",
-           "model.tie_embeddings=false", "train.pipeline=1f1b", "train.microbatches=2"]
+LM_TINY = [
+    "data.seq_len=32",
+    "train.global_batch=8",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "model.tie_embeddings=false",
+    "train.pipeline=1f1b",
+    "train.microbatches=2",
+]
 LAYOUTS = {
     "fsdp": ["mesh.stage=2", "mesh.data=1", "mesh.fsdp=4", "rules.preset=fsdp"],
     "zero2": ["mesh.stage=2", "mesh.data=4", "rules.preset=zero2"],
@@ -55,8 +61,9 @@ def test_pp_state_bytes_match_planner_and_accumulators_are_sharded(tmp_path, mon
     monkeypatch.setattr(step_lib, "pipeline_value_and_grad", spy)
     trainer = build_trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices()).compile()
     state = trainer.init_state()
-    on_device = {k: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(state[k]))
-                 for k in ("params", "opt_state")}
+    on_device = {
+        k: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(state[k])) for k in ("params", "opt_state")
+    }
     want = state_memory(cfg, layout_from_config(cfg, 8))
     assert on_device == {"params": want["params"], "opt_state": want["opt_state"]}
 
@@ -82,8 +89,7 @@ def reference_4_layers(tmp_path_factory):
     return one_step(tmp_path_factory.mktemp("ref4"), ["mesh.data=1", "model.n_layers=4"], 1)
 
 
-@pytest.mark.over_budget("a pipelined fsdp step and its 1-device reference compiled: ~14-17 s cold",
-                         seconds=40)
+@pytest.mark.over_budget("a pipelined fsdp step and its 1-device reference compiled: ~14-17 s cold", seconds=40)
 def test_pp_fsdp_step_equals_single_device(tmp_path, reference_4_layers):
     from test_sharded_step import assert_same_step, one_step
 
@@ -98,23 +104,49 @@ def test_newer_schedules_step_equals_single_device(tmp_path, reference_4_layers,
     from test_sharded_step import assert_same_step, one_step
 
     # interleaved: 2 stages x 2 chunks of one layer each; data axes summed once after the schedule.
-    got = one_step(tmp_path, ["model.n_layers=4", "mesh.stage=2", "mesh.data=4", f"train.pipeline={kind}",
-                              f"train.virtual_stages={v}", "train.microbatches=2"], 8)
+    got = one_step(
+        tmp_path,
+        [
+            "model.n_layers=4",
+            "mesh.stage=2",
+            "mesh.data=4",
+            f"train.pipeline={kind}",
+            f"train.virtual_stages={v}",
+            "train.microbatches=2",
+        ],
+        8,
+    )
     assert_same_step(got, reference_4_layers)
 
 
-@pytest.mark.parametrize("kind, v, layout", [
-    ("1f1b", 1, ["rules.preset=cp", "mesh.data=2", "mesh.sequence=2"]),
-    pytest.param("interleaved", 2, ["rules.preset=cp+tp", "mesh.data=1", "mesh.sequence=2", "mesh.tensor=2"],
-                 marks=pytest.mark.slow),
-])
-def test_context_parallelism_inside_a_pipeline_step_equals_single_device(tmp_path, reference_4_layers, kind, v,
-                                                                           layout):
+@pytest.mark.parametrize(
+    "kind, v, layout",
+    [
+        ("1f1b", 1, ["rules.preset=cp", "mesh.data=2", "mesh.sequence=2"]),
+        pytest.param(
+            "interleaved",
+            2,
+            ["rules.preset=cp+tp", "mesh.data=1", "mesh.sequence=2", "mesh.tensor=2"],
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_context_parallelism_inside_a_pipeline_step_equals_single_device(tmp_path, reference_4_layers, kind, v, layout):
     """Each stage holds half of every row's tokens (zigzag order) and all-gathers the keys and values."""
     from test_sharded_step import assert_same_step, one_step
 
-    got = one_step(tmp_path, ["model.n_layers=4", "mesh.stage=2", *layout, f"train.pipeline={kind}",
-                              f"train.virtual_stages={v}", "train.microbatches=2"], 8)
+    got = one_step(
+        tmp_path,
+        [
+            "model.n_layers=4",
+            "mesh.stage=2",
+            *layout,
+            f"train.pipeline={kind}",
+            f"train.virtual_stages={v}",
+            "train.microbatches=2",
+        ],
+        8,
+    )
     assert_same_step(got, reference_4_layers)
 
 
@@ -132,12 +164,15 @@ def test_stage_layout_puts_chunk_c_times_p_plus_s_on_stage_s():
     assert step_lib.stage_layout(blocks, 4)["w"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.virtual_stages=2 train.pipeline=1f1b mesh.stage=2 train.microbatches=2", "train.virtual_stages"),
-    ("train.virtual_stages=2 train.pipeline=interleaved mesh.stage=4 train.microbatches=4", "model.n_layers"),
-    ("train.virtual_stages=2 train.pipeline=interleaved mesh.stage=2 train.microbatches=1", "train.microbatches"),
-    ("train.virtual_stages=0", "train.virtual_stages"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.virtual_stages=2 train.pipeline=1f1b mesh.stage=2 train.microbatches=2", "train.virtual_stages"),
+        ("train.virtual_stages=2 train.pipeline=interleaved mesh.stage=4 train.microbatches=4", "model.n_layers"),
+        ("train.virtual_stages=2 train.pipeline=interleaved mesh.stage=2 train.microbatches=1", "train.microbatches"),
+        ("train.virtual_stages=0", "train.virtual_stages"),
+    ],
+)
 def test_interleaved_config_errors_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         load_config(ROOT / "configs/lm_tiny.yaml", override.split())
@@ -145,8 +180,10 @@ def test_interleaved_config_errors_name_their_key(override, key):
 
 
 def test_interleaved_config_is_accepted():
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", ["train.pipeline=interleaved", "train.virtual_stages=2",
-                                                      "mesh.stage=2", "train.microbatches=4"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        ["train.pipeline=interleaved", "train.virtual_stages=2", "mesh.stage=2", "train.microbatches=4"],
+    )
     assert cfg.train.virtual_stages == 2 and layout_from_config(cfg, 8).virtual_stages == 2
 
 
@@ -198,8 +235,16 @@ def test_compact_table_keeps_both_ends():
 def test_dry_run_prints_the_schedule_table(tmp_path, capsys):
     from test_config import _cli
 
-    proc = _cli(capsys, f"run.dir={tmp_path / 'run'}", "--dry-run", *tiny_overrides(tmp_path / "run")[1:],
-                "mesh.stage=2", "mesh.data=4", "train.pipeline=1f1b", "train.microbatches=2")
+    proc = _cli(
+        capsys,
+        f"run.dir={tmp_path / 'run'}",
+        "--dry-run",
+        *tiny_overrides(tmp_path / "run")[1:],
+        "mesh.stage=2",
+        "mesh.data=4",
+        "train.pipeline=1f1b",
+        "train.microbatches=2",
+    )
     assert proc.returncode == 0, proc.stderr
     table = str(pipeline.schedule_table("1f1b", 2, 2))
     assert table in proc.stdout, proc.stdout
@@ -209,8 +254,12 @@ def test_dry_run_prints_the_schedule_table(tmp_path, capsys):
 
 def test_schedule_figure_script(tmp_path):
     out = tmp_path / "schedules.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/pipeline_schedules.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/pipeline_schedules.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert 0 < out.stat().st_size < 200 * 1024
     assert "| gpipe | 4 | 8 | 22 | 27.3% | 27.3% | 8 |" in proc.stdout
@@ -223,10 +272,21 @@ def test_planner_pipeline_collectives_match_the_compiled_step(tmp_path, kind):
     table step, and under interleaving the blocks' all-to-all into chunk order and back."""
     from meshwork.perf.planner_comm import CommOptions, step_collectives, summarize
 
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-        f"run.dir={tmp_path}", "data.seq_len=32", "train.global_batch=16", "log.progress=false",
-        "log.tensorboard=false", "mesh.stage=2", "mesh.data=4", f"train.pipeline={kind}", "train.microbatches=4",
-        f"train.virtual_stages={2 if kind == 'interleaved' else 1}"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [
+            f"run.dir={tmp_path}",
+            "data.seq_len=32",
+            "train.global_batch=16",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "mesh.stage=2",
+            "mesh.data=4",
+            f"train.pipeline={kind}",
+            "train.microbatches=4",
+            f"train.virtual_stages={2 if kind == 'interleaved' else 1}",
+        ],
+    )
     trainer = build_trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices()).compile()
     got = trainer.report_dict()["collectives"]
     want = summarize(step_collectives(cfg, layout_from_config(cfg, 8), CommOptions()))

@@ -14,25 +14,38 @@ import math
 
 import jax
 import pytest
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import dump_config, load_config
 from meshwork.perf.flops import matmul_params, param_counts, train_flops_per_token
 from meshwork.perf.hardware import Accelerator, get_hardware
-from meshwork.perf.planner import (PlanOptions, compiled_step_flops, layout_from_config, plan, search, step_flops)
+from meshwork.perf.planner import PlanOptions, compiled_step_flops, layout_from_config, plan, search, step_flops
 from meshwork.perf.planner_comm import CommOptions, algorithm_time, placement, step_collectives, summarize
 from meshwork.perf.planner_layout import make_layout
-from meshwork.perf.planner_memory import (MIXED_PRECISION_ADAM, korthikanti_layer_bytes, layer_activation_bytes,
-                                          state_memory, token_shape, zero_memory)
+from meshwork.perf.planner_memory import (
+    MIXED_PRECISION_ADAM,
+    korthikanti_layer_bytes,
+    layer_activation_bytes,
+    state_memory,
+    token_shape,
+    zero_memory,
+)
 from meshwork.perf.planner_weights import model_weights
 from meshwork.train import plan as plan_cli
 
-from conftest import ROOT, tiny_overrides
-
 H100 = get_hardware("h100")
 # 8 fake CPU devices as one node: what the e2e search test plans for.
-CPU8 = Accelerator(name="cpu8", peak_flops={"fp32": 2e10, "bf16": 2e10}, hbm_bytes=2e9, hbm_bandwidth=2e10,
-                   intra_node_bandwidth=5e9, intra_node_latency=20e-6, inter_node_bandwidth=5e9,
-                   inter_node_latency=20e-6, devices_per_node=8)
+CPU8 = Accelerator(
+    name="cpu8",
+    peak_flops={"fp32": 2e10, "bf16": 2e10},
+    hbm_bytes=2e9,
+    hbm_bandwidth=2e10,
+    intra_node_bandwidth=5e9,
+    intra_node_latency=20e-6,
+    inter_node_bandwidth=5e9,
+    inter_node_latency=20e-6,
+    devices_per_node=8,
+)
 LAYOUTS = {
     "dp": ["rules.preset=dp", "mesh.data=8"],
     "zero1": ["rules.preset=zero1", "mesh.data=8"],
@@ -45,9 +58,17 @@ LAYOUTS = {
 def tiny_cfg(run_dir, name, *extra):
     """The tiny LM at 8 scanned layers (the stack dominates the embedding and head,
     as in real models) and 512 tokens per device (the optimizer's FLOPs stay small)."""
-    return load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(run_dir), "model.n_layers=8",
-                                                      "data.seq_len=64", "train.global_batch=64",
-                                                      *LAYOUTS[name], *extra])
+    return load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [
+            *tiny_overrides(run_dir),
+            "model.n_layers=8",
+            "data.seq_len=64",
+            "train.global_batch=64",
+            *LAYOUTS[name],
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -67,16 +88,23 @@ def compiled(tmp_path_factory):
                 assert cli.main(["--config", str(tmp / "config.yaml"), "--dry-run", "--json"]) == 0
             cache[name] = cfg, json.loads(out.getvalue().strip().splitlines()[-1])
         return cache[name]
+
     return get
 
 
 # --- the model's weights ---------------------------------------------------------------
 
-@pytest.mark.parametrize("config, extra", [
-    ("lm_tiny.yaml", ["model.qkv_bias=true", "model.tie_embeddings=true", "model.qk_norm=true"]),
-    ("moe_tiny.yaml", ["model.moe.n_shared_experts=1", "model.moe.shared_expert_gate=true",
-                       "model.moe.router=noisy"]),
-])
+
+@pytest.mark.parametrize(
+    "config, extra",
+    [
+        ("lm_tiny.yaml", ["model.qkv_bias=true", "model.tie_embeddings=true", "model.qk_norm=true"]),
+        (
+            "moe_tiny.yaml",
+            ["model.moe.n_shared_experts=1", "model.moe.shared_expert_gate=true", "model.moe.router=noisy"],
+        ),
+    ],
+)
 def test_weights_mirror_the_model(config, extra):
     from flax import nnx
 
@@ -85,16 +113,20 @@ def test_weights_mirror_the_model(config, extra):
 
     cfg = load_config(ROOT / "configs" / config, extra)
     _, abstract = abstract_state(cfg, make_optimizer(cfg.optimizer, 10)[0])
-    real = {".".join(map(str, path)): (tuple(v.shape), tuple(v.get_metadata()["out_sharding"]))
-            for path, v in nnx.to_flat_state(abstract["params"])}
+    real = {
+        ".".join(map(str, path)): (tuple(v.shape), tuple(v.get_metadata()["out_sharding"]))
+        for path, v in nnx.to_flat_state(abstract["params"])
+    }
     assert {w.path: (w.shape, w.names) for w in model_weights(cfg.model)} == real
 
 
 # --- against the compiled program --------------------------------------------------------
 
+
 # zero1 and zero2 compile programs no other test here needs: the slow tier checks them.
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in ("zero1", "zero2") else [])
-                                  for name in LAYOUTS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=[pytest.mark.slow] if name in ("zero1", "zero2") else []) for name in LAYOUTS]
+)
 def test_state_bytes_match_the_dry_run(compiled, name):
     cfg, report = compiled(name)
     got = state_memory(cfg, layout_from_config(cfg, 8))
@@ -102,12 +134,15 @@ def test_state_bytes_match_the_dry_run(compiled, name):
         assert got[kind] == report["state"][kind], kind  # exact, byte for byte, for all five layouts
 
 
-@pytest.mark.parametrize("name, kinds", [
-    ("dp", ["all-reduce"]),                         # the gradients
-    ("fsdp", ["all-gather", "reduce-scatter"]),     # weights twice per layer, gradients once
-    ("tp", ["all-reduce"]),                         # Megatron's per-layer all-reduces + data-parallel grads
-    ("zero2", ["all-gather", "reduce-scatter"]),
-])
+@pytest.mark.parametrize(
+    "name, kinds",
+    [
+        ("dp", ["all-reduce"]),  # the gradients
+        ("fsdp", ["all-gather", "reduce-scatter"]),  # weights twice per layer, gradients once
+        ("tp", ["all-reduce"]),  # Megatron's per-layer all-reduces + data-parallel grads
+        ("zero2", ["all-gather", "reduce-scatter"]),
+    ],
+)
 def test_collective_bytes_match_the_hlo(compiled, name, kinds):
     cfg, report = compiled(name)
     predicted = summarize(step_collectives(cfg, layout_from_config(cfg, 8)))
@@ -140,14 +175,16 @@ def test_flops_match_cost_analysis(compiled):
 
 # --- published tables -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("stage, gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.88)])
 def test_zero_paper_table_1(stage, gb):
     """Rajbhandari et al. 2020, Table 1: 7.5B parameters, N_d = 64, K = 12."""
     assert zero_memory(7.5e9, 64, stage) / 1e9 == pytest.approx(gb, abs=0.05)
 
 
-@pytest.mark.parametrize("stage, preset, kw", [(0, "dp", {}), (1, "zero1", {"zero": 1}),
-                                               (2, "zero2", {"zero": 2}), (3, "fsdp", {"zero": 3})])
+@pytest.mark.parametrize(
+    "stage, preset, kw", [(0, "dp", {}), (1, "zero1", {"zero": 1}), (2, "zero2", {"zero": 2}), (3, "fsdp", {"zero": 3})]
+)
 def test_per_weight_state_follows_zero(stage, preset, kw):
     """The per-weight shard accounting of a 7B model reproduces ZeRO's closed form."""
     cfg = load_config(ROOT / "configs/llama7b.yaml")
@@ -167,7 +204,8 @@ def test_palm_flops_6n_plus_attention():
     tokens = cfg.train.global_batch * T
     assert step_flops(cfg, make_layout(fsdp=64))["model"] == train_flops_per_token(m, T) * tokens
     assert step_flops(cfg, make_layout(fsdp=64, remat="full"))["recompute"] == pytest.approx(
-        (train_flops_per_token(m, T) - 6 * m.vocab_size * m.d_model) / 3 * tokens)
+        (train_flops_per_token(m, T) - 6 * m.vocab_size * m.d_model) / 3 * tokens
+    )
 
 
 def test_megatron_two_all_reduces_forward_two_backward():
@@ -181,8 +219,9 @@ def test_megatron_two_all_reduces_forward_two_backward():
     assert count("tp layers forward") == 2 * per_layer and count("tp layers backward") == 2 * per_layer
     b, s, h = 1024 // 8 // 4, 4096, 4096
     assert {c.payload_bytes for c in cs if c.what.startswith("tp layers")} == {b * s * h * 2}
-    assert all(c.group == 8 and placement(c.axes, layout.mesh, 8) == (8, 1)
-               for c in cs if c.what.startswith("tp"))  # tensor on one node's neighbours
+    assert all(
+        c.group == 8 and placement(c.axes, layout.mesh, 8) == (8, 1) for c in cs if c.what.startswith("tp")
+    )  # tensor on one node's neighbours
 
 
 @pytest.mark.parametrize("P, M", [(4, 4), (4, 16), (8, 8)])
@@ -232,16 +271,34 @@ def test_algorithm_costs():
     assert algorithm_time("all-reduce", tiny, 8, 8, hw, "tree") < algorithm_time("all-reduce", tiny, 8, 8, hw, "ring")
     assert algorithm_time("all-reduce", S, 8, 8, hw, "tree") > flat
     assert algorithm_time("all-reduce", tiny, 8, 8, hw, "tree") == pytest.approx(
-        2 * tiny / hw.inter_node_bandwidth + 2 * 6 * hw.inter_node_latency)
+        2 * tiny / hw.inter_node_bandwidth + 2 * 6 * hw.inter_node_latency
+    )
 
 
 # --- search --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("config", ["llama7b.yaml", "mixtral8x7b.yaml"])
 def test_search_on_64_h100s(config, tmp_path, capsys):
     out = tmp_path / "best.yaml"
-    assert plan_cli.main(["--config", str(ROOT / "configs" / config), "--hardware", "h100", "--devices", "64",
-                          "--nodes", "8", "--search", "--out", str(out)]) == 0
+    assert (
+        plan_cli.main(
+            [
+                "--config",
+                str(ROOT / "configs" / config),
+                "--hardware",
+                "h100",
+                "--devices",
+                "64",
+                "--nodes",
+                "8",
+                "--search",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "why:" in text and "best:" in text and "vs " in text, text
     print(text)
@@ -269,13 +326,16 @@ def test_searched_layout_trains_on_the_cpu_mesh(tmp_path, capsys):
     assert summary["last_step"] == 2
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["--hardware", "h900", "--devices", "64"], "unknown accelerator"),
-    (["--hardware", "h100", "--devices", "64", "--nodes", "7"], "--nodes 7"),
-    (["--hardware", "h100", "--devices", "64", "--config", "nope.yaml"], "config file not found"),
-    (["--hardware", "h100", "--devices", "6", "mesh.fsdp=4"], "mesh"),
-    (["--hardware", "h100", "--devices", "6"], "does not split"),
-])
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--hardware", "h900", "--devices", "64"], "unknown accelerator"),
+        (["--hardware", "h100", "--devices", "64", "--nodes", "7"], "--nodes 7"),
+        (["--hardware", "h100", "--devices", "64", "--config", "nope.yaml"], "config file not found"),
+        (["--hardware", "h100", "--devices", "6", "mesh.fsdp=4"], "mesh"),
+        (["--hardware", "h100", "--devices", "6"], "does not split"),
+    ],
+)
 def test_bad_input_is_one_line_and_status_2(args, phrase, capsys):
     if "--config" not in args:
         args = ["--config", str(ROOT / "configs/llama7b.yaml"), *args]
@@ -288,11 +348,27 @@ def test_cli_plans_the_configs_own_layout():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--config", str(ROOT / "configs/llama7b.yaml"),
-                          "--hardware", "h100", "--devices", "64", "--json"], capture_output=True, text=True,
-                         cwd=ROOT, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.plan",
+            "--config",
+            str(ROOT / "configs/llama7b.yaml"),
+            "--hardware",
+            "h100",
+            "--devices",
+            "64",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout
     report = json.loads(out)
     assert report["layout"]["mesh"]["fsdp"] == 64 and report["layout"]["preset"] == "fsdp"
     assert set(report["collectives"]) >= {"all-gather", "reduce-scatter"} and 0 < report["mfu"] < 1
-    assert report["memory"]["params"] == pytest.approx(4 * param_counts(load_config(
-        ROOT / "configs/llama7b.yaml").model)["total"] / 64, rel=0.001)
+    assert report["memory"]["params"] == pytest.approx(
+        4 * param_counts(load_config(ROOT / "configs/llama7b.yaml").model)["total"] / 64, rel=0.001
+    )

@@ -12,14 +12,22 @@ import pytest
 from flax import nnx
 
 import meshwork.models.quantize as qz
-from meshwork.models.layers.quantized import parse_spec, quantize_activations
-from meshwork.models.quantize import quantize_model, weight_bytes
-from meshwork.models.layers.quantized import Int4Weight, Int8Weight, W8A8Weight, pack_int4, quantize_weight, unpack_int4
-from meshwork.partitioning import param_shardings
-from meshwork.evaluation.lm_loss import validation_loss
-from meshwork.data import text as data_lib
 from meshwork.config_sections import ModelConfig, MoEConfig
+from meshwork.data import text as data_lib
+from meshwork.evaluation.lm_loss import validation_loss
 from meshwork.models.layers.mlp import SwiGLU
+from meshwork.models.layers.quantized import (
+    Int4Weight,
+    Int8Weight,
+    W8A8Weight,
+    pack_int4,
+    parse_spec,
+    quantize_activations,
+    quantize_weight,
+    unpack_int4,
+)
+from meshwork.models.quantize import quantize_model, weight_bytes
+from meshwork.partitioning import param_shardings
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for
@@ -41,8 +49,7 @@ def operands(spec, seed=0, layers=None):
     x_letters, w_letters, _ = parse_spec(spec)
     kx, kw = jax.random.split(jax.random.key(seed))
     w_shape = ((layers,) if layers else ()) + tuple(SIZES[c] for c in w_letters)
-    return (jax.random.normal(kx, [SIZES[c] for c in x_letters]),
-            jax.random.normal(kw, w_shape) * 0.05)
+    return (jax.random.normal(kx, [SIZES[c] for c in x_letters]), jax.random.normal(kw, w_shape) * 0.05)
 
 
 # ---------------------------------------------------------------- formats
@@ -86,8 +93,12 @@ def test_matmul_equals_einsum_with_dequantized_weight(spec):
             w_hat = q.dequantize()
             # Rounding to the nearest step: the error is at most half a step, per scale.
             step = jnp.repeat(q.scales, q.group_size, axis=q.axis) if fmt == "int4" else q.scales
-            results[fmt] = (q.matmul(spec, x, jnp.float32), jnp.einsum(spec, x_hat, w_hat, precision="highest"),
-                            jnp.max(jnp.abs(w_hat - w) / step), w_hat.shape)
+            results[fmt] = (
+                q.matmul(spec, x, jnp.float32),
+                jnp.einsum(spec, x_hat, w_hat, precision="highest"),
+                jnp.max(jnp.abs(w_hat - w) / step),
+                w_hat.shape,
+            )
         return results
 
     x, w = operands(spec)
@@ -127,8 +138,7 @@ def test_formats_and_scale_shapes():
 
 
 def test_w8a8_mlp_compiles_to_an_integer_dot():
-    mlp = SwiGLU(64, 96, init_std=0.05, out_std=0.05, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs=nnx.Rngs(0))
+    mlp = SwiGLU(64, 96, init_std=0.05, out_std=0.05, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     for name, spec in qz.MLP_SPECS.items():
         param = getattr(mlp, name)
         param.set_value(quantize_weight(param.get_value(), spec, "w8a8"))
@@ -146,8 +156,7 @@ def hlo_dots(hlo: str) -> list[tuple[str, str, str]]:
     dots = []
     for body in re.findall(r"\{\n(.*?)\n\}", hlo, flags=re.S):
         types = dict(re.findall(r"%(\S+) = (\w+)\[", body))
-        for result, lhs, rhs in re.findall(r"= (\w+)\[[^\]]*\]\S* (?:dot|convolution)\(%([^,\s)]+), %([^,\s)]+)",
-                                           body):
+        for result, lhs, rhs in re.findall(r"= (\w+)\[[^\]]*\]\S* (?:dot|convolution)\(%([^,\s)]+), %([^,\s)]+)", body):
             dots.append((result, types.get(lhs), types.get(rhs)))
     return dots
 
@@ -159,8 +168,15 @@ def tiny_lm(**moe):
     from meshwork.models.moe import MoETransformer
     from meshwork.models.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=96,
-                      **({"kind": "moe", "moe": MoEConfig(**moe)} if moe else {}))
+    cfg = ModelConfig(
+        vocab_size=32,
+        d_model=64,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=96,
+        **({"kind": "moe", "moe": MoEConfig(**moe)} if moe else {}),
+    )
     # Built under jit: eager init of the stacked (vmapped) layers costs seconds.
     return nnx.jit(lambda: (MoETransformer if moe else Transformer)(cfg, rngs=nnx.Rngs(0)))()
 
@@ -210,12 +226,14 @@ def trained(lm_tiny_runs):
 @pytest.fixture(scope="module")
 def quantized(trained):
     """mode -> a quantized copy of the trained model, made on first use."""
+
     class Models(dict):
         def __missing__(self, mode):
             model = nnx.clone(trained["model"])
             quantize_model(model, mode)
             self[mode] = model
             return model
+
     return Models()
 
 
@@ -244,8 +262,9 @@ def expected_projection_bytes(model, mode, group_size=32):
         _, w_letters, out = parse_spec(site.spec)
         n = math.prod(shape)
         c = math.prod(shape[-len(w_letters) + i] for i, l in enumerate(w_letters) if l not in out)
-        total += {"none": 4 * n, "int8": n + 4 * n // c, "w8a8": n + 4 * n // c,
-                  "int4": n // 2 + 4 * n // group_size}[mode]
+        total += {"none": 4 * n, "int8": n + 4 * n // c, "w8a8": n + 4 * n // c, "int4": n // 2 + 4 * n // group_size}[
+            mode
+        ]
     return total
 
 
@@ -256,8 +275,12 @@ def test_weight_bytes_are_exact(mode, trained, quantized):
     assert got["projections"] == expected_projection_bytes(trained["model"], mode)
     assert got["projections_f32"] == f32["projections"] == f32["projections_f32"]
     assert got["other"] == f32["other"] and got["total"] == got["projections"] + got["other"]
-    scales = {"none": 0, "int8": f32["projections"] // 128, "w8a8": f32["projections"] // 128,
-              "int4": f32["projections"] // 32}[mode]  # lm_tiny: every projection contracts >= 128 inputs
+    scales = {
+        "none": 0,
+        "int8": f32["projections"] // 128,
+        "w8a8": f32["projections"] // 128,
+        "int4": f32["projections"] // 32,
+    }[mode]  # lm_tiny: every projection contracts >= 128 inputs
     ratio = {"none": 1, "int8": 4, "w8a8": 4, "int4": 8}[mode]
     assert got["projections"] <= f32["projections"] // ratio + scales
 
@@ -275,8 +298,7 @@ def test_sharded_quantized_model_equals_unsharded(mode, trained, quantized):
         placed = jax.device_put(state, shardings)
         logits = jax.jit(forward)(placed, tokens)
     # Heads, MLP hidden and vocab are split over tensor=2, including packed values and scales.
-    wq, wo, w_down = (placed["blocks"]["attn"]["wq"], placed["blocks"]["attn"]["wo"],
-                      placed["blocks"]["mlp"]["w_down"])
+    wq, wo, w_down = (placed["blocks"]["attn"]["wq"], placed["blocks"]["attn"]["wo"], placed["blocks"]["mlp"]["w_down"])
     local = lambda a: a.addressable_shards[0].data.shape  # noqa: E731
     N, D, H, K = wq.get_value().shape
     F = w_down.get_value().shape[1]

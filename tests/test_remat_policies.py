@@ -8,17 +8,16 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import load_config
-from meshwork.objectives.next_token import next_token_loss
 from meshwork.models.build import build_model, split_model
 from meshwork.models.transformer import REMAT_POLICIES
+from meshwork.objectives.next_token import next_token_loss
 from meshwork.perf import planner_remat
 from meshwork.perf.planner import step_flops
 from meshwork.perf.planner_layout import make_layout
 from meshwork.perf.planner_memory import ITEMSIZE, kept_by_layers, layer_activation_bytes, token_shape
-
-from conftest import ROOT, tiny_overrides
 
 POLICIES = ("none", *REMAT_POLICIES)
 BYTES = {"f32": 4, "bf16": 2, "s32": 4, "i32": 4, "bool": 1}
@@ -103,8 +102,10 @@ def test_named_policy_in_a_moe_model(tmp_path, batch):
 def planner_cfg(tmp_path, batch, config="lm_tiny", *extra):
     """A config at the test's batch, as the planner reads it."""
     B, L = batch["inputs"].shape
-    return load_config(ROOT / f"configs/{config}.yaml", [*tiny_overrides(tmp_path), f"train.global_batch={B}",
-                                                         f"data.seq_len={L}", *extra])
+    return load_config(
+        ROOT / f"configs/{config}.yaml",
+        [*tiny_overrides(tmp_path), f"train.global_batch={B}", f"data.seq_len={L}", *extra],
+    )
 
 
 def test_the_planner_knows_every_policy():
@@ -123,6 +124,7 @@ def test_planner_kept_bytes_equal_the_saved_residuals(tmp_path, batch, results):
 
     def planned(policy):
         return cfg.model.n_layers * layer_activation_bytes(cfg.model, ts, p, policy)
+
     for policy in PARTIAL:
         measured = results[policy][2] - results["full"][2]
         print(f"{policy}: kept beyond full, planned {planned(policy) - planned('full'):.0f} B, saved {measured} B")
@@ -130,8 +132,14 @@ def test_planner_kept_bytes_equal_the_saved_residuals(tmp_path, batch, results):
 
 
 # Capacity dispatch (batched expert dots), dropless (ragged_dot) with a gated shared expert.
-MOE_VARIANTS = {"capacity": (), "dropless_gated_shared": ("model.moe.capacity_factor=null", "model.moe.n_shared_experts=1",
-                                                          "model.moe.shared_expert_gate=true")}
+MOE_VARIANTS = {
+    "capacity": (),
+    "dropless_gated_shared": (
+        "model.moe.capacity_factor=null",
+        "model.moe.n_shared_experts=1",
+        "model.moe.shared_expert_gate=true",
+    ),
+}
 
 
 @pytest.mark.parametrize("variant", MOE_VARIANTS)
@@ -146,9 +154,13 @@ def test_planner_kept_bytes_equal_the_saved_residuals_moe(tmp_path, batch, varia
     def saved(policy):
         f, params = objective(tmp_path / policy, batch, "moe_tiny", f"train.remat={policy}", *extra)
         return layer_residual_bytes(f, params)
+
     full = saved("full")
     for policy in PARTIAL:
-        planned, measured = kept_by_layers(cfg, layout, policy) - kept_by_layers(cfg, layout, "full"), saved(policy) - full
+        planned, measured = (
+            kept_by_layers(cfg, layout, policy) - kept_by_layers(cfg, layout, "full"),
+            saved(policy) - full,
+        )
         print(f"{variant} {policy}: kept beyond full, planned {planned:.0f} B, saved {measured} B")
         assert planned == measured, policy
 
@@ -162,6 +174,7 @@ def test_planner_recompute_matches_the_compiled_flops(tmp_path, batch, results):
 
     def planned(policy):
         return step_flops(cfg, make_layout(remat=policy))["recompute"] / cfg.model.n_layers
+
     layer_forward = planned("full")
     for policy in POLICIES:
         extra = results[policy][3] - results["none"][3]

@@ -11,20 +11,19 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import ROOT, tiny_overrides
 from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.models.layers.mlp import SwiGLU
+from meshwork.partitioning import logical_specs
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.report import (COLLECTIVES, compiled_report, format_report, list_collectives, state_bytes)
 from meshwork.sharding.parallel import use_rules, with_logical_constraint
+from meshwork.sharding.report import COLLECTIVES, compiled_report, format_report, list_collectives, state_bytes
 from meshwork.sharding.rules import ROLES, rules_for, tree_shardings
-from meshwork.train.trainer import build_trainer, check_runtime
 from meshwork.train.optim import make_optimizer
 from meshwork.train.state import abstract_state, param_count, state_shardings
-from meshwork.partitioning import logical_specs
-
-from conftest import ROOT, tiny_overrides
+from meshwork.train.trainer import build_trainer, check_runtime
 
 N = 8
 # 16 scanned layers compile as fast as 2 (one loop body) and make the layer
@@ -32,15 +31,22 @@ N = 8
 # layers those two are 31% of the parameters and XLA moves neither like a
 # ZeRO weight (see test_fsdp_sends_one_and_a_half_times_dp).
 LAYERS = 16
-MESHES = {"dp": dict(data=8), "zero1": dict(data=8), "zero2": dict(data=8),
-          "fsdp": dict(data=1, fsdp=8), "hsdp": dict(data=2, fsdp=4)}
+MESHES = {
+    "dp": dict(data=8),
+    "zero1": dict(data=8),
+    "zero2": dict(data=8),
+    "fsdp": dict(data=1, fsdp=8),
+    "hsdp": dict(data=2, fsdp=4),
+}
 
 
 def make_cfg(tmp_path, name):
     preset = "fsdp" if name == "hsdp" else name
     sizes = [f"mesh.{k}={v}" for k, v in MESHES[name].items()]
-    return load_config(ROOT / "configs/lm_tiny.yaml",
-                       [*tiny_overrides(tmp_path), f"model.n_layers={LAYERS}", f"rules.preset={preset}", *sizes])
+    return load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [*tiny_overrides(tmp_path), f"model.n_layers={LAYERS}", f"rules.preset={preset}", *sizes],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +59,7 @@ def trainers(tmp_path_factory):
             cfg = make_cfg(tmp_path_factory.mktemp(name), name)
             cache[name] = build_trainer(cfg, check_runtime(cfg)).compile()
         return cache[name]
+
     return get
 
 
@@ -79,22 +86,29 @@ def block_bytes(trainer):
 
 # --- Megatron: one MLP block's forward --------------------------------------------
 
+
 @functools.cache
 def mlp_forward_collectives(preset):
     mesh = make_mesh({"data": 4, "tensor": 2})
     rules = rules_for(preset)
     act = ("act_batch", "act_norm_seq", "act_embed")
     with jax.set_mesh(mesh), use_rules(rules), nnx.logical_axis_rules(rules):
-        mlp = nnx.eval_shape(lambda: SwiGLU(64, 128, init_std=0.02, out_std=0.02, dtype=jnp.float32,
-                                            param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        mlp = nnx.eval_shape(
+            lambda: SwiGLU(
+                64, 128, init_std=0.02, out_std=0.02, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
+            )
+        )
         graphdef, params = nnx.split(mlp)
 
         def forward(params, x_BLD):
             y_BLD = nnx.merge(graphdef, params)(with_logical_constraint(x_BLD, act))
             return with_logical_constraint(y_BLD, act)
 
-        compiled = jax.jit(forward, in_shardings=(nnx.get_named_sharding(params, mesh), None)).lower(
-            params, jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)).compile()
+        compiled = (
+            jax.jit(forward, in_shardings=(nnx.get_named_sharding(params, mesh), None))
+            .lower(params, jax.ShapeDtypeStruct((8, 32, 64), jnp.float32))
+            .compile()
+        )
     return list_collectives(compiled.as_text())
 
 
@@ -113,6 +127,7 @@ def test_sp_mlp_forward_is_all_gather_then_reduce_scatter():
 
 
 # --- ZeRO: what a train step sends --------------------------------------------------
+
 
 def test_dp_all_reduces_the_gradients_and_gathers_nothing(trainers):
     t = trainers("dp")
@@ -176,6 +191,7 @@ def test_fsdp_sends_one_and_a_half_times_dp(trainers):
 
 # --- ZeRO: what each device holds ---------------------------------------------------
 
+
 def layout(tmp_path, name):
     """(abstract state, state shardings, grad shardings) as the Trainer builds them, uncompiled."""
     cfg = make_cfg(tmp_path, name)
@@ -186,12 +202,15 @@ def layout(tmp_path, name):
     return abstract, state_shardings(abstract, mesh, rules), grads
 
 
-@pytest.mark.parametrize("name, formula", [
-    ("dp", lambda P: 16 * P),
-    ("zero1", lambda P: 8 * P + 8 * P / N),
-    ("zero2", lambda P: 4 * P + 12 * P / N),
-    ("fsdp", lambda P: 16 * P / N),
-])
+@pytest.mark.parametrize(
+    "name, formula",
+    [
+        ("dp", lambda P: 16 * P),
+        ("zero1", lambda P: 8 * P + 8 * P / N),
+        ("zero2", lambda P: 4 * P + 12 * P / N),
+        ("fsdp", lambda P: 16 * P / N),
+    ],
+)
 def test_state_bytes_follow_zero_formulas(tmp_path, name, formula):
     abstract, shardings, grads = layout(tmp_path, name)
     got = state_bytes(abstract, shardings, grads)
@@ -210,6 +229,7 @@ def test_state_bytes_read_the_trainers_shardings(trainers, tmp_path):
 
 # --- the report itself ---------------------------------------------------------------
 
+
 def test_report_is_json_and_prints_every_figure(trainers):
     t = trainers("fsdp")
     report = compiled_report(t.step_fn, state_bytes(t.abstract, t.shardings, grad_shardings(t)))
@@ -217,8 +237,14 @@ def test_report_is_json_and_prints_every_figure(trainers):
     assert set(report["collectives"]) == set(COLLECTIVES)
     assert report["temp_bytes"] > 0 and report["flops"] > 0
     text = format_report(report, t.cfg, t.mesh)
-    for phrase in ("per-device params", "per-device grads", "per-device opt state", "per-device temp",
-                   "FLOPs", *COLLECTIVES):
+    for phrase in (
+        "per-device params",
+        "per-device grads",
+        "per-device opt state",
+        "per-device temp",
+        "FLOPs",
+        *COLLECTIVES,
+    ):
         assert phrase in text, text
     assert "per-device params" not in format_report(compiled_report(t.step_fn))  # state is optional
 

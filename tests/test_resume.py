@@ -3,21 +3,31 @@
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 
 from meshwork.config import ConfigError, load_config
 from meshwork.run.metrics import read_metrics
 from meshwork.train.loop import train
 
-from conftest import ROOT, tiny_overrides
-
-COMMON = ["train.steps=40", "checkpoint.every=20", "log.every=1", "log.eval_every=20",
-          "mesh.data=2", "mesh.fsdp=4", "rules.preset=fsdp"]
+COMMON = [
+    "train.steps=40",
+    "checkpoint.every=20",
+    "log.every=1",
+    "log.eval_every=20",
+    "mesh.data=2",
+    "mesh.fsdp=4",
+    "rules.preset=fsdp",
+]
 
 
 @pytest.mark.over_budget("three runs (straight, stopped, resumed) of an fsdp step: ~15 s cold", seconds=40)
 def test_resume_is_bitwise_exact(tmp_path):
-    cfg = lambda d, *extra: load_config(ROOT / "configs/lm_tiny.yaml",  # noqa: E731
-                                        [*tiny_overrides(tmp_path / d), *COMMON, *extra])
+    def cfg(d, *extra):
+        return load_config(
+            ROOT / "configs/lm_tiny.yaml",
+            [*tiny_overrides(tmp_path / d), *COMMON, *extra],
+        )
+
     straight = train(cfg("straight"))
     first = train(cfg("resumed", "train.stop_after=20"))
     assert first["resumed_from"] is None and set(first["val_loss"]) == {0, 20}
@@ -43,8 +53,9 @@ def test_finished_run_is_not_trained_again(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [3]
 
     before = (tmp_path / "config.yaml").read_text()
-    other = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "train.steps=6",
-                                                        "mesh.data=8", "model.d_ff=256"])
+    other = load_config(
+        ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "train.steps=6", "mesh.data=8", "model.d_ff=256"]
+    )
     with pytest.raises(ConfigError, match=r"model\.d_ff: run.dir .* holds a run with model.d_ff=128, not 256"):
         train(other)
     assert (tmp_path / "config.yaml").read_text() == before

@@ -13,8 +13,13 @@ import pytest
 
 import meshwork.sharding.ring_attention
 from meshwork.sharding.mesh import make_mesh
-from meshwork.sharding.ring_attention import (attention_reference, ring_attention, ring_attention_shard,
-                                     zigzag_inverse, zigzag_permutation)
+from meshwork.sharding.ring_attention import (
+    attention_reference,
+    ring_attention,
+    ring_attention_shard,
+    zigzag_inverse,
+    zigzag_permutation,
+)
 
 B, L, H, G, K = 2, 64, 4, 2, 16
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -23,8 +28,11 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 @pytest.fixture(scope="module")
 def qkv():
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(kq, (B, L, H, K), jnp.float32), jax.random.normal(kk, (B, L, G, K), jnp.float32),
-            jax.random.normal(kv, (B, L, G, K), jnp.float32))
+    return (
+        jax.random.normal(kq, (B, L, H, K), jnp.float32),
+        jax.random.normal(kk, (B, L, G, K), jnp.float32),
+        jax.random.normal(kv, (B, L, G, K), jnp.float32),
+    )
 
 
 def _loss(attn):
@@ -46,15 +54,19 @@ def _ring_in_layout(mesh, order, **kw):
     def attn(q, k, v):
         out = ring_attention(q[:, order], k[:, order], v[:, order], pos, mesh=mesh, **kw)
         return out[:, inv]
+
     return attn
 
 
-@pytest.mark.parametrize("mesh_sizes, layout", [
-    ({"data": 2, "sequence": 4}, "zigzag"),
-    ({"data": 2, "sequence": 4}, "contiguous"),
-    ({"sequence": 8}, "zigzag"),
-    ({"sequence": 4, "tensor": 2}, "zigzag"),
-])
+@pytest.mark.parametrize(
+    "mesh_sizes, layout",
+    [
+        ({"data": 2, "sequence": 4}, "zigzag"),
+        ({"data": 2, "sequence": 4}, "contiguous"),
+        ({"sequence": 8}, "zigzag"),
+        ({"sequence": 4, "tensor": 2}, "zigzag"),
+    ],
+)
 def test_ring_equals_full_causal_attention(qkv, expected, mesh_sizes, layout):
     mesh = make_mesh(mesh_sizes)
     n = mesh.shape["sequence"]  # 4 or 8: each device holds L/4 or L/8 tokens
@@ -85,10 +97,14 @@ def test_non_causal_and_reference(qkv):
     q, k, v = qkv
     mesh = make_mesh({"data": 2, "sequence": 4})
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
-    np.testing.assert_allclose(jax.jit(lambda *a: ring_attention(*a, pos, mesh=mesh, causal=False))(q, k, v),
-                               jax.nn.dot_product_attention(q, k, v), **TOL)
-    np.testing.assert_allclose(attention_reference(q, k, v, pos, pos),
-                               jax.nn.dot_product_attention(q, k, v, is_causal=True), **TOL)
+    np.testing.assert_allclose(
+        jax.jit(lambda *a: ring_attention(*a, pos, mesh=mesh, causal=False))(q, k, v),
+        jax.nn.dot_product_attention(q, k, v),
+        **TOL,
+    )
+    np.testing.assert_allclose(
+        attention_reference(q, k, v, pos, pos), jax.nn.dot_product_attention(q, k, v, is_causal=True), **TOL
+    )
 
 
 def test_grad_under_scan_and_remat(qkv):
@@ -102,8 +118,10 @@ def test_grad_under_scan_and_remat(qkv):
         def loss(q):
             def layer(x, _):
                 return jnp.tanh(attn(x, k, v) + x), None
+
             y, _ = jax.lax.scan(jax.checkpoint(layer), q, None, length=2)
             return jnp.sum(y * y)
+
         return jax.jit(jax.value_and_grad(loss))
 
     got = stack(lambda q, k, v: ring_attention(q, k, v, pos, mesh=mesh))(q)
@@ -125,8 +143,12 @@ def test_shard_body_under_user_shard_map(qkv, expected):
     mesh = make_mesh({"sequence": 8})
     spec = jax.P(None, "sequence")
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
-    f = jax.shard_map(lambda q, k, v, p: ring_attention_shard(q, k, v, p, p, axis_name="sequence", sub_blocks=1),
-                      mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+    f = jax.shard_map(
+        lambda q, k, v, p: ring_attention_shard(q, k, v, p, p, axis_name="sequence", sub_blocks=1),
+        mesh=mesh,
+        in_specs=(spec,) * 4,
+        out_specs=spec,
+    )
     np.testing.assert_allclose(jax.jit(f)(*qkv, pos), expected[0], **TOL)
 
 
@@ -147,6 +169,7 @@ def test_docstring_examples():
 
 
 # --- zigzag layout -----------------------------------------------------------
+
 
 def _visible_pairs_per_device(order: np.ndarray, n: int) -> np.ndarray:
     """Causal (query, key) pairs each device computes when tokens are laid out in `order`."""
@@ -175,6 +198,7 @@ def test_zigzag_skipping_balances_computed_blocks(monkeypatch):
     import collections
 
     import meshwork.sharding.ring_attention as ra
+
     counts = collections.Counter()
     fold = ra._fwd_block
 
@@ -183,12 +207,19 @@ def test_zigzag_skipping_balances_computed_blocks(monkeypatch):
         # (jax 0.10.2), hence the all-manual, sequence-only mesh below.
         jax.debug.callback(lambda i: counts.update([int(i)]), jax.lax.axis_index("sequence"))
         return fold(state, **kw)
+
     monkeypatch.setattr(ra, "_fwd_block", counted)
 
     mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     spec = jax.P(None, "sequence")
-    f = jax.jit(jax.shard_map(lambda q, k, v, p: ring_attention_shard(q, k, v, p, p, axis_name="sequence"),
-                              mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))
+    f = jax.jit(
+        jax.shard_map(
+            lambda q, k, v, p: ring_attention_shard(q, k, v, p, p, axis_name="sequence"),
+            mesh=mesh,
+            in_specs=(spec,) * 4,
+            out_specs=spec,
+        )
+    )
     x = jnp.ones((1, L, 1, 8))
     computed = {}
     for layout, order in (("zigzag", zigzag_permutation(L, 4)), ("contiguous", np.arange(L))):

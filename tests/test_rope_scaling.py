@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from meshwork.models.hf.rope import rope_from_hf, rope_to_hf
 from meshwork.models.layers.rope import apply_rope, rope_cos_sin, rope_frequencies
-
-from conftest import ROOT
 
 GOLDEN = np.load(ROOT / "tests/fixtures/hf/rope_scaling.npz")
 META = json.loads(str(GOLDEN["configs"]))
@@ -100,64 +99,120 @@ def test_default_path_is_plain_rope():
 
 
 def test_rope_from_hf_both_forms():
-    params = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    want = (5e5, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192,
-                  "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    want = (
+        5e5,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+    )
     assert rope_from_hf({"rope_parameters": params}, "llama", 1e4) == want
     old = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")} | {"type": "llama3"}
     assert rope_from_hf({"rope_theta": 5e5, "rope_scaling": old}, "llama", 1e4) == want
     # rope_scaling wins over rope_parameters, as in transformers 5.
-    assert rope_from_hf({"rope_scaling": old | {"rope_theta": 5e5},
-                         "rope_parameters": {"rope_type": "default"}}, "llama", 1e4) == want
+    assert (
+        rope_from_hf(
+            {"rope_scaling": old | {"rope_theta": 5e5}, "rope_parameters": {"rope_type": "default"}}, "llama", 1e4
+        )
+        == want
+    )
     assert rope_from_hf({}, "mixtral", 1e6) == (1e6, None)
     assert rope_from_hf({"rope_theta": 2e4, "rope_scaling": None}, "llama", 1e4) == (2e4, None)
 
 
 def test_rope_from_hf_fills_the_original_context_as_transformers_does():
-    yarn = rope_from_hf({"max_position_embeddings": 4096, "rope_parameters":
-                         {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "truncate": False}}, "qwen2", 1e4)[1]
-    assert yarn == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-                    "beta_fast": 32.0, "truncate": False}
+    yarn = rope_from_hf(
+        {
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "truncate": False},
+        },
+        "qwen2",
+        1e4,
+    )[1]
+    assert yarn == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "truncate": False,
+    }
     # The model config keeps the flag a boolean, so an export writes `false`, not 0.
     from meshwork.config_sections import ModelConfig
 
     assert ModelConfig(rope_scaling=yarn).rope_scaling["truncate"] is False
     # DeepSeek-V3's yarn: no factor, the ratio of the two lengths.
-    deepseek = rope_from_hf({"max_position_embeddings": 163840, "rope_parameters":
-                             {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096}},
-                            "llama", 1e4)[1]
+    deepseek = rope_from_hf(
+        {
+            "max_position_embeddings": 163840,
+            "rope_parameters": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 4096},
+        },
+        "llama",
+        1e4,
+    )[1]
     assert deepseek["factor"] == 40.0
     # Dynamic NTK grows from max_position_embeddings, whatever else the dict says.
-    dynamic = rope_from_hf({"max_position_embeddings": 2048, "rope_scaling":
-                            {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 99}},
-                           "llama", 1e4)[1]
+    dynamic = rope_from_hf(
+        {
+            "max_position_embeddings": 2048,
+            "rope_scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 99},
+        },
+        "llama",
+        1e4,
+    )[1]
     assert dynamic == {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 2048}
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "'longrope'"),
-    ({"rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}}, "mrope"),
-    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-    ({"partial_rotary_factor": 0.25, "rope_theta": 1e4}, "partial_rotary_factor"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192}}, "'low_freq_factor'"),
-    ({"rope_parameters": {"rope_type": "linear"}}, "'factor'"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'max_position_embeddings'"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "'longrope'"),
+        ({"rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}}, "mrope"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+        ({"partial_rotary_factor": 0.25, "rope_theta": 1e4}, "partial_rotary_factor"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "'low_freq_factor'",
+        ),
+        ({"rope_parameters": {"rope_type": "linear"}}, "'factor'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'max_position_embeddings'"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer"),
+    ],
+)
 def test_rope_from_hf_refuses(config, match):
     with pytest.raises(ValueError, match=match):
         rope_from_hf(config, "llama", 1e4)
 
 
-@pytest.mark.parametrize("scaling, match", [
-    ({"rope_type": "longrope", "factor": 2.0}, "'longrope'"),
-    ({"factor": 2.0}, "rope_type"),
-    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 16},
-     "'high_freq_factor'"),
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fst": 8}, "'beta_fst'"),
-])
+@pytest.mark.parametrize(
+    "scaling, match",
+    [
+        ({"rope_type": "longrope", "factor": 2.0}, "'longrope'"),
+        ({"factor": 2.0}, "rope_type"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 16},
+            "'high_freq_factor'",
+        ),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fst": 8}, "'beta_fst'"),
+    ],
+)
 def test_rope_frequencies_refuses(scaling, match):
     with pytest.raises(ValueError, match=match):
         rope_frequencies(K, 1e4, scaling)

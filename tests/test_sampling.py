@@ -26,8 +26,11 @@ def renormalized(keep, logits=LOGITS_V, temperature=1.0):
 
 def draw(params, logits_BV, positions_B, seen_BV=None):
     arrays = SamplingArrays.stack(params)
-    return np.asarray(sample_jit(jnp.asarray(logits_BV), jnp.asarray(positions_B), arrays,
-                                 None if seen_BV is None else jnp.asarray(seen_BV)))
+    return np.asarray(
+        sample_jit(
+            jnp.asarray(logits_BV), jnp.asarray(positions_B), arrays, None if seen_BV is None else jnp.asarray(seen_BV)
+        )
+    )
 
 
 def test_greedy_and_top_k_1_are_argmax():
@@ -55,8 +58,7 @@ DISTRIBUTIONS = {
     # top-p of the renormalized top 3 (.63 .23 .14): 0.8 needs only 2
     "top_k_top_p": (SamplingParams(top_k=3, top_p=0.8), (), renormalized([2, 4])),
     # hand-penalized: seen 2.0 -> 1.0, seen -1.0 -> -2.0, unseen untouched
-    "penalty": (SamplingParams(repetition_penalty=2.0), (1, 2),
-                softmax(np.array([0.5, -2.0, 1.0, 0.0, 1.0]))),
+    "penalty": (SamplingParams(repetition_penalty=2.0), (1, 2), softmax(np.array([0.5, -2.0, 1.0, 0.0, 1.0]))),
 }
 
 
@@ -67,7 +69,7 @@ def test_sampled_distributions_match_and_filtered_tokens_never_appear():
     for i, name in enumerate(names):
         p, seen_ids, _ = DISTRIBUTIONS[name]
         params += [SamplingParams(**{**p.__dict__, "seed": s}) for s in range(n)]
-        seen[i * n:(i + 1) * n, list(seen_ids)] = True
+        seen[i * n : (i + 1) * n, list(seen_ids)] = True
     positions = np.tile(np.arange(n) % 97, len(names))
     tokens = draw(params, np.tile(LOGITS_V, (n * len(names), 1)), positions, seen).reshape(len(names), n)
     for name, row in zip(names, tokens):
@@ -102,13 +104,17 @@ def test_repetition_penalty_changes_greedy_choice():
 def test_row_draws_follow_seed_and_position_not_the_batch():
     rng = np.random.default_rng(1)
     V = 40
-    mixed = [SamplingParams(seed=11), SamplingParams(top_k=5, seed=12), SamplingParams(top_p=0.7, seed=13),
-             SamplingParams(temperature=0.6, top_k=8, top_p=0.9, repetition_penalty=1.3, seed=14),
-             SamplingParams(temperature=0.0, seed=15)]
+    mixed = [
+        SamplingParams(seed=11),
+        SamplingParams(top_k=5, seed=12),
+        SamplingParams(top_p=0.7, seed=13),
+        SamplingParams(temperature=0.6, top_k=8, top_p=0.9, repetition_penalty=1.3, seed=14),
+        SamplingParams(temperature=0.0, seed=15),
+    ]
     logits = rng.normal(size=(len(mixed), V)).astype(np.float32) * 2
     seen = rng.random((len(mixed), V)) < 0.3
     positions = np.array([3, 17, 17, 250, 9])
-    alone = [draw([p], logits[i:i + 1], positions[i:i + 1], seen[i:i + 1])[0] for i, p in enumerate(mixed)]
+    alone = [draw([p], logits[i : i + 1], positions[i : i + 1], seen[i : i + 1])[0] for i, p in enumerate(mixed)]
 
     # The same rows shuffled into a larger batch among unrelated rows.
     others = [SamplingParams(temperature=2.0, top_k=2, seed=s) for s in range(7)]
@@ -144,11 +150,20 @@ def test_seen_tokens_and_mark_seen():
     np.testing.assert_array_equal(mark_seen(seen, jnp.array([4, 0])), [[0, 1, 0, 1, 1], [1, 1, 1, 0, 1]])
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("temperature", -0.5, "temperature"), ("temperature", float("nan"), "temperature"), ("top_k", -1, "top_k"),
-    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
-    ("max_new_tokens", 0, "max_tokens"), ("stop_tokens", (3, 100), "stop_token_ids"), ("seed", -1, "seed"),
-])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("temperature", -0.5, "temperature"),
+        ("temperature", float("nan"), "temperature"),
+        ("top_k", -1, "top_k"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("max_new_tokens", 0, "max_tokens"),
+        ("stop_tokens", (3, 100), "stop_token_ids"),
+        ("seed", -1, "seed"),
+    ],
+)
 def test_check_names_the_bad_field(field, value, param):
     """A RequestError naming the field, its `param` OpenAI's name of it."""
     with pytest.raises(RequestError, match=field) as err:
@@ -157,5 +172,12 @@ def test_check_names_the_bad_field(field, value, param):
 
 
 def test_check_accepts_valid_settings():
-    SamplingParams(temperature=0.0, top_k=5, top_p=0.5, repetition_penalty=1.2, max_new_tokens=1,
-                   stop_tokens=(0, 99), seed=2**32 - 1).check(vocab_size=100)
+    SamplingParams(
+        temperature=0.0,
+        top_k=5,
+        top_p=0.5,
+        repetition_penalty=1.2,
+        max_new_tokens=1,
+        stop_tokens=(0, 99),
+        seed=2**32 - 1,
+    ).check(vocab_size=100)

@@ -28,8 +28,10 @@ def requests():
     text = b"import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n"
     starts_lengths = [(0, 4), (3, 21), (10, 2), (20, 37), (5, 9), (30, 14)]
     budgets = [10, 4, 14, 7, 10, 12]
-    return [Request(f"r{i}", list(text[s:s + n]), SamplingParams(temperature=0.0, max_new_tokens=m))
-            for i, ((s, n), m) in enumerate(zip(starts_lengths, budgets))]
+    return [
+        Request(f"r{i}", list(text[s : s + n]), SamplingParams(temperature=0.0, max_new_tokens=m))
+        for i, ((s, n), m) in enumerate(zip(starts_lengths, budgets))
+    ]
 
 
 def check_pages(server: Server) -> None:
@@ -54,8 +56,10 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(model, gen, req
         if server.steps > 1:
             joined_mid_run |= set(server.live_pages()) - before
     assert {rid: res.tokens for rid, res in server.results.items()} == alone
-    assert all(server.results[r.id].finish == "length" and len(server.results[r.id].tokens) == r.params.max_new_tokens
-               for r in requests)
+    assert all(
+        server.results[r.id].finish == "length" and len(server.results[r.id].tokens) == r.params.max_new_tokens
+        for r in requests
+    )
     assert joined_mid_run, "no request joined between decode steps"
     assert server.preemptions >= 1
     # Everything went back to the pool; at its peak the pool held less than slots x max_len would.
@@ -85,8 +89,12 @@ def test_bad_requests_get_an_error_and_the_rest_are_served(model, gen, requests)
     with pytest.raises(ValueError, match="already in use"):
         server.submit(Request(good[0].id, [1, 2], GREEDY))
     results = server.run([*bad.values(), good[1], good[2]])
-    for name, why in [("empty", "empty prompt"), ("too_long", "exceeds the cache"),
-                      ("foreign_ids", "another tokenizer"), ("bad_top_p", "top_p")]:
+    for name, why in [
+        ("empty", "empty prompt"),
+        ("too_long", "exceeds the cache"),
+        ("foreign_ids", "another tokenizer"),
+        ("bad_top_p", "top_p"),
+    ]:
         assert results[name].finish == "error" and why in results[name].error, results[name]
         assert "\n" not in results[name].error
     for r in good:

@@ -16,9 +16,11 @@ from meshwork.inference.runs import load_run
 from meshwork.inference.sampling import TOP_K_BOUND, SamplingArrays, SamplingParams, sample, sample_reference
 from meshwork.inference.serving import PageAllocator, Request, Server, page_digests
 
-TEXT = (b"import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n"
-        b"class Config:\n    def __init__(self, path):\n        self.path = path\n        self.items = {}\n"
-        b"    def load(self):\n        with open(self.path) as f:\n            return f.read()\n") * 3
+TEXT = (
+    b"import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n"
+    b"class Config:\n    def __init__(self, path):\n        self.path = path\n        self.items = {}\n"
+    b"    def load(self):\n        with open(self.path) as f:\n            return f.read()\n"
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +76,12 @@ def test_page_allocator_shares_counts_and_evicts_least_recently_released():
 def test_prefix_cache_16_requests_sharing_256_tokens(model, gen):
     """The issue's case: 16 requests, one 256-token prefix, 8 tokens of their own each."""
     T, prefix = 16, list(TEXT[:256])
-    requests = [Request(f"r{i}", prefix + list(TEXT[300 + 8 * i:308 + 8 * i]),
-                        SamplingParams(temperature=0.0, max_new_tokens=4)) for i in range(16)]
+    requests = [
+        Request(
+            f"r{i}", prefix + list(TEXT[300 + 8 * i : 308 + 8 * i]), SamplingParams(temperature=0.0, max_new_tokens=4)
+        )
+        for i in range(16)
+    ]
     stats, alone = {}, solo(gen, requests)
     for caching in (False, True):
         server = Server(model, slots=16, page_size=T, max_len=288, n_pages=16 * 18 + 1, prefix_caching=caching)
@@ -107,8 +113,10 @@ def test_prefix_pages_outlive_their_request_and_resume_preempted_requests(model,
     assert server.cached_tokens == 20 and server.prefill_tokens == 30 + 7  # pages 0..4 (tokens 0..19) reused
     assert {k: v.tokens for k, v in server.results.items()} == solo(gen, [first, later])
     # A pool that runs dry: preempted requests resume on what they cached before.
-    reqs = [Request(f"p{i}", list(TEXT[7 * i:7 * i + 18]), SamplingParams(temperature=0.0, max_new_tokens=14))
-            for i in range(4)]
+    reqs = [
+        Request(f"p{i}", list(TEXT[7 * i : 7 * i + 18]), SamplingParams(temperature=0.0, max_new_tokens=14))
+        for i in range(4)
+    ]
     server = Server(model, slots=3, page_size=T, max_len=64, n_pages=17, prefix_caching=True)
     for r in reqs:
         server.submit(r)
@@ -120,8 +128,10 @@ def test_prefix_pages_outlive_their_request_and_resume_preempted_requests(model,
 
 
 def test_chunked_prefill_keeps_others_decoding_and_equals_unchunked(model, gen):
-    short = [Request(f"s{i}", list(TEXT[10 * i:10 * i + 12]), SamplingParams(temperature=0.0, max_new_tokens=24))
-             for i in range(2)]
+    short = [
+        Request(f"s{i}", list(TEXT[10 * i : 10 * i + 12]), SamplingParams(temperature=0.0, max_new_tokens=24))
+        for i in range(2)
+    ]
     long = Request("long", list(TEXT[:160]), SamplingParams(temperature=0.0, max_new_tokens=6))
     results, during = {}, {}
     for chunk in (None, 32):
@@ -132,8 +142,9 @@ def test_chunked_prefill_keeps_others_decoding_and_equals_unchunked(model, gen):
         server.submit(long)
         during[chunk] = 0
         while server.waiting or any(server.slots):
-            prefilling = any(s and s.request.id == "long" and not s.produced for s in server.slots) or \
-                any(r.id == "long" for r, _ in server.waiting)
+            prefilling = any(s and s.request.id == "long" and not s.produced for s in server.slots) or any(
+                r.id == "long" for r, _ in server.waiting
+            )
             events = server.step()
             if prefilling:
                 during[chunk] += sum(rid != "long" for rid, _ in events)
@@ -147,13 +158,18 @@ def test_chunked_prefill_keeps_others_decoding_and_equals_unchunked(model, gen):
 
 
 def test_several_decode_steps_per_dispatch_stop_on_stop_tokens(model, gen):
-    base = [Request(f"r{i}", list(TEXT[13 * i:13 * i + 9 + i]), SamplingParams(temperature=0.0, max_new_tokens=20))
-            for i in range(3)]
+    base = [
+        Request(f"r{i}", list(TEXT[13 * i : 13 * i + 9 + i]), SamplingParams(temperature=0.0, max_new_tokens=20))
+        for i in range(3)
+    ]
     alone = solo(gen, base)
     stop = alone["r1"][5]  # r1 stops at its first occurrence of this token
     cut = alone["r1"].index(stop) + 1
-    requests = [base[0], Request("r1", base[1].prompt, SamplingParams(temperature=0.0, max_new_tokens=20,
-                                                                      stop_tokens=(stop,))), base[2]]
+    requests = [
+        base[0],
+        Request("r1", base[1].prompt, SamplingParams(temperature=0.0, max_new_tokens=20, stop_tokens=(stop,))),
+        base[2],
+    ]
     server = Server(model, slots=3, page_size=8, max_len=64, steps_per_dispatch=8)
     results = server.run(requests)
     assert results["r1"].tokens == alone["r1"][:cut] and results["r1"].finish == "stop"
@@ -165,8 +181,10 @@ def test_several_decode_steps_per_dispatch_stop_on_stop_tokens(model, gen):
 
 
 def test_cancel_frees_the_slot_and_pages(model, gen):
-    requests = [Request(f"r{i}", list(TEXT[5 * i:5 * i + 20]), SamplingParams(temperature=0.0, max_new_tokens=30))
-                for i in range(3)]
+    requests = [
+        Request(f"r{i}", list(TEXT[5 * i : 5 * i + 20]), SamplingParams(temperature=0.0, max_new_tokens=30))
+        for i in range(3)
+    ]
     server = Server(model, slots=2, page_size=8, max_len=64, steps_per_dispatch=4, prefix_caching=True)
     for r in requests:
         server.submit(r)
@@ -187,10 +205,16 @@ def test_sampler_without_a_sort_draws_what_the_full_sort_draws():
     need the threshold search, penalties: token for token the reference's draws (no ties here)."""
     rng = np.random.default_rng(0)
     V, B = 300, 480
-    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.5, 1.0, 3.0])),
-                             top_k=int(rng.choice([0, 1, 5, TOP_K_BOUND, TOP_K_BOUND + 1, 100, V - 1, V, 1000])),
-                             top_p=float(rng.choice([1.0, 0.9, 0.5, 0.99])),
-                             repetition_penalty=float(rng.choice([1.0, 1.3])), seed=i) for i in range(B)]
+    params = [
+        SamplingParams(
+            temperature=float(rng.choice([0.0, 0.5, 1.0, 3.0])),
+            top_k=int(rng.choice([0, 1, 5, TOP_K_BOUND, TOP_K_BOUND + 1, 100, V - 1, V, 1000])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5, 0.99])),
+            repetition_penalty=float(rng.choice([1.0, 1.3])),
+            seed=i,
+        )
+        for i in range(B)
+    ]
     scale_B1 = rng.choice([0.01, 1.0, 5.0], size=(B, 1))  # 0.01: nearly flat, nuclei of ~V tokens
     logits = jnp.asarray(rng.normal(size=(B, V)) * scale_B1, jnp.float32)
     seen, positions = jnp.asarray(rng.random((B, V)) < 0.2), jnp.asarray(rng.integers(0, 1000, B))
@@ -198,14 +222,17 @@ def test_sampler_without_a_sort_draws_what_the_full_sort_draws():
     fast = np.asarray(jax.jit(sample)(logits, positions, arrays, seen))
     np.testing.assert_array_equal(fast, np.asarray(jax.jit(sample_reference)(logits, positions, arrays, seen)))
     # The threshold search was needed: sampled rows whose k or nucleus reaches past the bound.
-    wide = [p.temperature > 0 and (TOP_K_BOUND < p.top_k < V or (p.top_k in (0, V, 1000) and p.top_p < 1)
-                                   and s < 0.1) for p, s in zip(params, scale_B1[:, 0])]
+    wide = [
+        p.temperature > 0 and (TOP_K_BOUND < p.top_k < V or (p.top_k in (0, V, 1000) and p.top_p < 1) and s < 0.1)
+        for p, s in zip(params, scale_B1[:, 0])
+    ]
     assert sum(wide) > 20
 
 
 def test_sampler_compiles_without_a_sort():
     arrays = SamplingArrays.stack([SamplingParams(top_p=0.9)] * 4)
     args = jnp.zeros((4, 1000)), jnp.zeros(4, jnp.int32), arrays
-    sorts = [len(re.findall(r"\bsort\(", jax.jit(f).lower(*args).compile().as_text()))
-             for f in (sample, sample_reference)]
+    sorts = [
+        len(re.findall(r"\bsort\(", jax.jit(f).lower(*args).compile().as_text())) for f in (sample, sample_reference)
+    ]
     assert sorts == [0, 1]

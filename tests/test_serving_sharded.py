@@ -10,18 +10,17 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from meshwork.config import ConfigError, load_config
 from meshwork.inference.http_server import Limits, Served, create_app
+from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_cli import ThreadedServer
 from meshwork.inference.serve_engine import Engine
-from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serving import Request, Server
 from meshwork.models.build import build_model
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import rules_for
-
-from conftest import ROOT
 
 DATA, TENSOR = 4, 2
 SERVER = dict(slots=8, page_size=8, max_len=128, prefix_caching=True, prefill_chunk=32)
@@ -29,9 +28,17 @@ SYSTEM = list(range(40, 80))  # a shared 40-token prefix: five full pages for th
 
 
 def small_model(impl: str):
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-        f"model.attention={impl}"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.d_ff=128",
+            f"model.attention={impl}",
+        ],
+    )
     return build_model(cfg, seed=3)
 
 
@@ -42,9 +49,15 @@ def requests():
     out = []
     for i in range(12):
         prompt = [int(t) for t in rng.integers(0, 256, int(rng.integers(3, 50)))]
-        out.append(Request(f"r{i}", SYSTEM + prompt if i % 2 else prompt,
-                           SamplingParams(temperature=0.0 if i % 3 else 0.9, top_p=0.9, seed=i,
-                                          max_new_tokens=int(rng.integers(2, 24)))))
+        out.append(
+            Request(
+                f"r{i}",
+                SYSTEM + prompt if i % 2 else prompt,
+                SamplingParams(
+                    temperature=0.0 if i % 3 else 0.9, top_p=0.9, seed=i, max_new_tokens=int(rng.integers(2, 24))
+                ),
+            )
+        )
     return out
 
 
@@ -57,8 +70,11 @@ def serve(model, requests, mesh=None, **kw):
 
 def collective_shapes(hlo: str) -> list[tuple[str, list[int]]]:
     """(op, result dims) of every collective in an optimized HLO text."""
-    ops = re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} (all-gather|all-reduce|collective-permute|all-to-all|"
-                     r"reduce-scatter)(?:-start)?\(", hlo)
+    ops = re.findall(
+        r"= \w+\[([\d,]*)\]\{[\d,]*\} (all-gather|all-reduce|collective-permute|all-to-all|"
+        r"reduce-scatter)(?:-start)?\(",
+        hlo,
+    )
     return [(op, [int(d) for d in dims.split(",") if d]) for dims, op in ops]
 
 
@@ -69,13 +85,13 @@ def runs(request, requests):
     replicas' requests cannot all grow, so some are preempted."""
     model = small_model(request.param)
     _, alone = serve(model, requests)
-    server, sharded = serve(model, requests, make_mesh({"data": DATA, "tensor": TENSOR}), slots=16,
-                            n_pages=DATA * 15)
+    server, sharded = serve(model, requests, make_mesh({"data": DATA, "tensor": TENSOR}), slots=16, n_pages=DATA * 15)
     return alone, server, sharded
 
 
-@pytest.mark.over_budget("the serving engine's programs compiled for data 4 x tensor 2 and for one device: "
-                         "~16 s cold", seconds=40)
+@pytest.mark.over_budget(
+    "the serving engine's programs compiled for data 4 x tensor 2 and for one device: ~16 s cold", seconds=40
+)
 def test_sharded_server_equals_one_device(runs):
     """data 4 x tensor 2: the same tokens for every request, with prefix caching, chunked prefill and
     preemption inside a replica; the pool's shards hold 1/8 of it each."""
@@ -94,18 +110,28 @@ def test_sharded_server_over_http_with_the_openai_client(runs, requests):
     """The sharded server behind the OpenAI API: 12 concurrent clients (greedy and sampled, streamed
     or not) each get the one-device tokens."""
     import openai  # the test extra's: a missing one is an error, not a skip
+
     alone, server, _ = runs
     engine = Engine(server, max_queue=64)  # the app's lifespan starts and stops it
     served = Served("sharded", None)  # no tokenizer: prompts go as token ids
 
     def ask(client, r, stream):
         p = r.params
-        kw = dict(model="sharded", prompt=list(r.prompt), max_tokens=p.max_new_tokens, temperature=p.temperature,
-                  top_p=p.top_p, seed=p.seed)
+        kw = dict(
+            model="sharded",
+            prompt=list(r.prompt),
+            max_tokens=p.max_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+        )
         if not stream:
             return client.completions.create(**kw).choices[0].model_extra["token_ids"]
-        return [t for chunk in client.completions.create(**kw, stream=True)
-                for t in chunk.choices[0].model_extra["token_ids"]]
+        return [
+            t
+            for chunk in client.completions.create(**kw, stream=True)
+            for t in chunk.choices[0].model_extra["token_ids"]
+        ]
 
     with ThreadedServer(create_app(engine, served, Limits(max_tokens=64))) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-")
@@ -123,10 +149,14 @@ def test_decode_loop_moves_no_pages():
     loop, seen = server._loop, {}
 
     def spy(*args):  # the decode loop's arguments, as shapes and shardings, for lowering it again
-        seen["args"] = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                        if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
-                        else jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
-                        for x in jax.tree.leaves(args)]
+        seen["args"] = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
+            else jax.ShapeDtypeStruct(x.shape, x.dtype)
+            if isinstance(x, jax.Array)
+            else x
+            for x in jax.tree.leaves(args)
+        ]
         seen["tree"] = jax.tree.structure(args)
         return loop(*args)
 
@@ -137,13 +167,15 @@ def test_decode_loop_moves_no_pages():
     L, N, T, G, K = server.k.shape
     collectives = collective_shapes(hlo)
     assert collectives, "the tensor-parallel layers must sum across tensor"
-    page_like = [(op, dims) for op, dims in collectives
-                 if dims[-3:] in ([T, G, K], [T, G // TENSOR, K]) or N in dims or N // DATA in dims]
+    page_like = [
+        (op, dims)
+        for op, dims in collectives
+        if dims[-3:] in ([T, G, K], [T, G // TENSOR, K]) or N in dims or N // DATA in dims
+    ]
     assert page_like == []
 
 
 def test_slots_must_split_over_the_replicas():
     model = small_model("xla")
     with pytest.raises(ConfigError, match="slots=6 cannot be split over 4 data-parallel replicas"):
-        Server(model, mesh=make_mesh({"data": DATA, "tensor": TENSOR}), rules=rules_for("tp"),
-               **{**SERVER, "slots": 6})
+        Server(model, mesh=make_mesh({"data": DATA, "tensor": TENSOR}), rules=rules_for("tp"), **{**SERVER, "slots": 6})

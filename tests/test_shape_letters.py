@@ -20,8 +20,12 @@ def table_letters() -> tuple[set[str], set[str]]:
     """(capitals, lower-case letters) the table allows; digits are literal sizes, always allowed."""
     text = (ROOT / "docs/architecture.md").read_text()
     section = text.split("\n## Shape letters\n", 1)[1].split("\n## ", 1)[0]
-    tokens = [t for line in section.splitlines() if line.startswith("| `")
-              for t in re.findall(r"`([^`]+)`", line.split("|")[1])]
+    tokens = [
+        t
+        for line in section.splitlines()
+        if line.startswith("| `")
+        for t in re.findall(r"`([^`]+)`", line.split("|")[1])
+    ]
     capitals = {c for t in tokens for c in t if c.isupper()}
     # A lower-case letter is a part of its capital's axis; the table may also list one of its own (r).
     lower = {c.lower() for c in capitals} | {t for t in tokens if len(t) == 1 and t.islower()}
@@ -71,6 +75,5 @@ def test_every_shape_letter_in_the_source_is_in_the_table():
     capitals, lower = table_letters()
     files = source_files()
     assert len(files) > 100
-    found = [f for path in files
-             for f in offenders(path.read_text(), str(path.relative_to(ROOT)), capitals, lower)]
+    found = [f for path in files for f in offenders(path.read_text(), str(path.relative_to(ROOT)), capitals, lower)]
     assert not found, "shape letters missing from docs/architecture.md#shape-letters:\n" + "\n".join(found)

@@ -4,13 +4,12 @@ accumulation: sharding changes where numbers live, not what they are."""
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.data.text import train_iterator
 from meshwork.train.trainer import build_trainer, check_runtime
-
-from conftest import ROOT, tiny_overrides
 
 # Nonzero lr at step 0: a warmup from 0 would make the compared step a no-op.
 STEP_OVERRIDES = ["optimizer.init_lr_ratio=0.1", "optimizer.warmup_steps=10", "model.tie_embeddings=false"]
@@ -76,8 +75,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name in HYBRIDS else [pytest.mark.slow])
-                                    for name in LAYOUTS])
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[] if name in HYBRIDS else [pytest.mark.slow]) for name in LAYOUTS]
+)
 def test_sharded_step_equals_single_device(tmp_path, reference, layout):
     preset, sizes = LAYOUTS[layout]
     got = one_step(tmp_path, [*(f"mesh.{k}={v}" for k, v in sizes.items()), f"rules.preset={preset}"], 8)
@@ -97,45 +97,95 @@ def test_gradient_accumulation_equals_full_batch(tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def references_4_layers(tmp_path_factory):
-    return Lazy(lambda tied: one_step(tmp_path_factory.mktemp("ref4"), ["mesh.data=1", "model.n_layers=4",
-                                                                        f"model.tie_embeddings={tied}"], 1))
+    return Lazy(
+        lambda tied: one_step(
+            tmp_path_factory.mktemp("ref4"), ["mesh.data=1", "model.n_layers=4", f"model.tie_embeddings={tied}"], 1
+        )
+    )
 
 
-@pytest.mark.parametrize("kind, tied", [pytest.param("gpipe", False, marks=pytest.mark.slow),
-                                        pytest.param("1f1b", False, marks=pytest.mark.slow),
-                                        pytest.param("1f1b", True, marks=pytest.mark.over_budget(
-                                            "a pipelined step and its 4-layer 1-device reference compiled: ~14 s "
-                                            "cold", seconds=40))])
+@pytest.mark.parametrize(
+    "kind, tied",
+    [
+        pytest.param("gpipe", False, marks=pytest.mark.slow),
+        pytest.param("1f1b", False, marks=pytest.mark.slow),
+        pytest.param(
+            "1f1b",
+            True,
+            marks=pytest.mark.over_budget(
+                "a pipelined step and its 4-layer 1-device reference compiled: ~14 s cold", seconds=40
+            ),
+        ),
+    ],
+)
 def test_pipeline_step_equals_single_device(tmp_path, references_4_layers, kind, tied):
     # 4 stages of one layer x 2-way data parallel, 4 microbatches; tied
     # embeddings send the table's gradient through both ends of the pipeline.
-    got = one_step(tmp_path, ["model.n_layers=4", "mesh.stage=4", "mesh.data=2", f"train.pipeline={kind}",
-                              "train.microbatches=4", f"model.tie_embeddings={tied}"], 8)
+    got = one_step(
+        tmp_path,
+        [
+            "model.n_layers=4",
+            "mesh.stage=4",
+            "mesh.data=2",
+            f"train.pipeline={kind}",
+            "train.microbatches=4",
+            f"model.tie_embeddings={tied}",
+        ],
+        8,
+    )
     wq = got[2]["params"]["blocks"]["attn"]["wq"]
     assert wq.sharding.spec[0] == "stage" and wq.addressable_shards[0].data.shape[0] == 1
     assert_same_step(got, references_4_layers[tied])
 
 
-MOE = ["model.kind=moe", "model.moe.n_experts=8", "model.moe.top_k=2", "model.moe.d_expert=64",
-       "model.moe.first_dense_layers=1", "model.moe.n_shared_experts=1"]
+MOE = [
+    "model.kind=moe",
+    "model.moe.n_experts=8",
+    "model.moe.top_k=2",
+    "model.moe.d_expert=64",
+    "model.moe.first_dense_layers=1",
+    "model.moe.n_shared_experts=1",
+]
 
 
 @pytest.fixture(scope="module")
 def moe_references(tmp_path_factory):
-    return Lazy(lambda cf: one_step(tmp_path_factory.mktemp("moeref"),
-                                    ["mesh.data=1", *MOE, f"model.moe.capacity_factor={cf}"], 1))
+    return Lazy(
+        lambda cf: one_step(
+            tmp_path_factory.mktemp("moeref"), ["mesh.data=1", *MOE, f"model.moe.capacity_factor={cf}"], 1
+        )
+    )
 
 
-@pytest.mark.parametrize("sizes, preset, capacity", [
-    pytest.param(dict(expert=4, data=2), "ep", "1.0", id="ep 4x2 capacity", marks=pytest.mark.slow),
-    pytest.param(dict(expert=8, data=1), "ep", "null", id="ep 8 dropless", marks=pytest.mark.slow),
-    pytest.param(dict(expert=2, fsdp=2, tensor=2), "fsdp+tp+ep", "1.0", id="fsdp+tp+ep 2x2x2",
-                 marks=pytest.mark.over_budget("the quick tier's one expert-parallel step: a MoE step compiled on "
-                                               "8 devices beside its 1-device reference, ~20 s cold", seconds=45)),
-])
+@pytest.mark.parametrize(
+    "sizes, preset, capacity",
+    [
+        pytest.param(dict(expert=4, data=2), "ep", "1.0", id="ep 4x2 capacity", marks=pytest.mark.slow),
+        pytest.param(dict(expert=8, data=1), "ep", "null", id="ep 8 dropless", marks=pytest.mark.slow),
+        pytest.param(
+            dict(expert=2, fsdp=2, tensor=2),
+            "fsdp+tp+ep",
+            "1.0",
+            id="fsdp+tp+ep 2x2x2",
+            marks=pytest.mark.over_budget(
+                "the quick tier's one expert-parallel step: a MoE step compiled on "
+                "8 devices beside its 1-device reference, ~20 s cold",
+                seconds=45,
+            ),
+        ),
+    ],
+)
 def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references, sizes, preset, capacity):
-    got = one_step(tmp_path, [*MOE, f"model.moe.capacity_factor={capacity}", f"rules.preset={preset}",
-                              *(f"mesh.{k}={v}" for k, v in sizes.items())], 8)
+    got = one_step(
+        tmp_path,
+        [
+            *MOE,
+            f"model.moe.capacity_factor={capacity}",
+            f"rules.preset={preset}",
+            *(f"mesh.{k}={v}" for k, v in sizes.items()),
+        ],
+        8,
+    )
     w_up = got[2]["params"]["moe_blocks"]["moe"]["w_up"]  # (layers, expert, embed, mlp)
     assert w_up.sharding.spec[1] == "expert"
     assert w_up.addressable_shards[0].data.shape[1] == 8 // sizes["expert"]
@@ -145,12 +195,20 @@ def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references,
     np.testing.assert_allclose(got[0]["dropped_fraction"], moe_references[capacity][0]["dropped_fraction"])
 
 
-@pytest.mark.parametrize("sizes, preset", [pytest.param(dict(data=1), "dp", id="1 device", marks=pytest.mark.slow),
-                                           pytest.param(dict(data=2, fsdp=2, tensor=2), "fsdp+tp", id="fsdp+tp 2x2x2")])
+@pytest.mark.parametrize(
+    "sizes, preset",
+    [
+        pytest.param(dict(data=1), "dp", id="1 device", marks=pytest.mark.slow),
+        pytest.param(dict(data=2, fsdp=2, tensor=2), "fsdp+tp", id="fsdp+tp 2x2x2"),
+    ],
+)
 def test_pallas_attention_trains_like_xla(tmp_path, reference, sizes, preset):
     # The Pallas kernel runs in interpret mode on CPU; under a mesh, per device in shard_map.
-    got = one_step(tmp_path, ["model.attention=pallas", f"rules.preset={preset}",
-                              *(f"mesh.{k}={v}" for k, v in sizes.items())], 8 if len(sizes) > 1 else 1)
+    got = one_step(
+        tmp_path,
+        ["model.attention=pallas", f"rules.preset={preset}", *(f"mesh.{k}={v}" for k, v in sizes.items())],
+        8 if len(sizes) > 1 else 1,
+    )
     state, trainer = got[2], got[3]
     model = nnx.merge(trainer.graphdef, state["params"], state["buffers"])
     assert model.blocks.attn.impl == "pallas"  # the config reached the layer

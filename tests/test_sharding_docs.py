@@ -15,11 +15,21 @@ import meshwork.sharding.rules
 import meshwork.sharding.shard_map_util
 
 
-@pytest.mark.parametrize("module", [meshwork.sharding.mesh, meshwork.sharding.rules, meshwork.sharding.parallel,
-                                    meshwork.sharding.report, meshwork.sharding.hlo,
-                                    meshwork.sharding.hlo_parse, meshwork.sharding.hlo_kernels,
-                                    meshwork.sharding.jaxpr_ops, meshwork.sharding.shard_map_util],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module",
+    [
+        meshwork.sharding.mesh,
+        meshwork.sharding.rules,
+        meshwork.sharding.parallel,
+        meshwork.sharding.report,
+        meshwork.sharding.hlo,
+        meshwork.sharding.hlo_parse,
+        meshwork.sharding.hlo_kernels,
+        meshwork.sharding.jaxpr_ops,
+        meshwork.sharding.shard_map_util,
+    ],
+    ids=lambda m: m.__name__,
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

@@ -43,6 +43,7 @@ def relative_error(got, want) -> float:
 # The checkpoint against transformers
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("length", LENGTHS)
 def test_logits_match_transformers(loaded, length):
     cfg, model, golden = loaded
@@ -71,8 +72,9 @@ def test_greedy_generation_through_the_cache_matches_transformers(loaded):
 
 def paged(cfg, pages_per_seq=8, page_size=4):
     """One sequence's pages, out of order in the pool (page 0 is the null page)."""
-    cache = PagedKVCache.zeros(cfg, n_pages=1 + pages_per_seq, page_size=page_size, batch=1,
-                               pages_per_seq=pages_per_seq)
+    cache = PagedKVCache.zeros(
+        cfg, n_pages=1 + pages_per_seq, page_size=page_size, batch=1, pages_per_seq=pages_per_seq
+    )
     order = 1 + np.random.default_rng(0).permutation(pages_per_seq)[None]
     return PagedKVCache(cache.k, cache.v, jnp.asarray(order, jnp.int32))
 
@@ -92,7 +94,7 @@ def test_every_cache_path_gives_transformers_logits(loaded, cache, impl):
     logits, kv = gen.forward(ids[:, :prefill], np.arange(prefill)[None], kv)
     got = [np.asarray(logits[0])]
     for p in range(prefill, ids.shape[1]):
-        logits, kv = gen.forward(ids[:, p:p + 1], np.array([[p]]), kv)
+        logits, kv = gen.forward(ids[:, p : p + 1], np.array([[p]]), kv)
         got.append(np.asarray(logits[0]))
     error = relative_error(np.concatenate(got), want)
     print(f"{cache} cache, {impl}: max |logit error| / max |logit| = {error:.2e}")
@@ -112,6 +114,7 @@ def test_export_writes_the_window(loaded, tmp_path):
 # --------------------------------------------------------------------------
 # Every attention path against the mask formula
 # --------------------------------------------------------------------------
+
 
 def numpy_attention(q, k, v, visible):
     """softmax(q k^T / sqrt(K), masked by visible[b, i, j]) v with G kv heads shared by H/G query heads."""
@@ -146,8 +149,11 @@ def test_attend_paths_agree_with_the_mask_formula(qkv, impl, packed):
     q, k, v = qkv
     B, L = q.shape[:2]
     window = 5
-    segments = np.stack([np.repeat([0, 1], [10, 14]), np.repeat([0, 1, 2], [3, 13, 8])]) if packed \
+    segments = (
+        np.stack([np.repeat([0, 1], [10, 14]), np.repeat([0, 1, 2], [3, 13, 8])])
+        if packed
         else np.zeros((B, L), np.int32)
+    )
     seg = jnp.asarray(segments, jnp.int32) if packed else None
     got = np.asarray(attend(q, k, v, causal=True, impl=impl, segment_ids_BL=seg, window=window))
     want = numpy_attention(q, k, v, visible_mask(L, segments, window))
@@ -163,8 +169,11 @@ def test_decode_kernel_takes_the_window(window):
     chunks (16 keys, steps of 8) put the window's start inside a chunk, on a chunk edge and before key 0."""
     B, S, H, G, K = 3, 48, 4, 2, 8
     kq, kk, kv = jax.random.split(jax.random.key(1), 3)
-    q, k, v = (jax.random.normal(kq, (B, H, K)), 3 * jax.random.normal(kk, (B, S, G, K)),
-               jax.random.normal(kv, (B, S, G, K)))
+    q, k, v = (
+        jax.random.normal(kq, (B, H, K)),
+        3 * jax.random.normal(kk, (B, S, G, K)),
+        jax.random.normal(kv, (B, S, G, K)),
+    )
     lengths = np.array([3, 21, 48])
 
     def run(**kw):
@@ -175,8 +184,9 @@ def test_decode_kernel_takes_the_window(window):
     visible = ((j < lengths[:, None]) & (j >= lengths[:, None] - window))[:, None, :]  # (B, 1 query, S)
     want = numpy_attention(q[:, None], k, v, visible)[:, 0]
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    np.testing.assert_allclose(decode_attention_reference(q, k, v, jnp.asarray(lengths), window=window), want,
-                               atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(
+        decode_attention_reference(q, k, v, jnp.asarray(lengths), window=window), want, atol=1e-5 * np.abs(want).max()
+    )
     if window < S:
         assert np.abs(run() - want).max() > 0.1  # the window changes the answer
 
@@ -185,17 +195,25 @@ def test_decode_kernel_takes_the_window(window):
 # Configs
 # --------------------------------------------------------------------------
 
+
 def qwen2(**change) -> dict:
     return json.loads((ROOT / "tests/fixtures/hf/qwen2/config.json").read_text()) | change
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
-     "qwen2 config layer_types=\\['full_attention', 'sliding_attention'\\]: layers \\[1\\] have sliding_window=8 "
-     "and the others full attention; meshwork has one attention for every layer"),
-    (dict(use_sliding_window=True, sliding_window=8, layer_types=None, max_window_layers=1),
-     "qwen2 config max_window_layers=1: layers \\[1\\] have sliding_window=8"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+            "qwen2 config layer_types=\\['full_attention', 'sliding_attention'\\]: layers \\[1\\] have sliding_window=8 "
+            "and the others full attention; meshwork has one attention for every layer",
+        ),
+        (
+            dict(use_sliding_window=True, sliding_window=8, layer_types=None, max_window_layers=1),
+            "qwen2 config max_window_layers=1: layers \\[1\\] have sliding_window=8",
+        ),
+    ],
+)
 def test_a_per_layer_mix_is_refused(change, match):
     with pytest.raises(ValueError, match=match) as info:
         config_from_hf(qwen2(**change))
@@ -207,8 +225,12 @@ def test_windows_that_reach_every_layer_are_read():
     than max_position_embeddings (64 here); otherwise plain causal attention."""
     sliding = ["sliding_attention"] * 2
     assert config_from_hf(qwen2(use_sliding_window=True, sliding_window=8, layer_types=sliding)).sliding_window == 8
-    assert config_from_hf(qwen2(use_sliding_window=True, sliding_window=8, layer_types=None,
-                                max_window_layers=0)).sliding_window == 8
+    assert (
+        config_from_hf(
+            qwen2(use_sliding_window=True, sliding_window=8, layer_types=None, max_window_layers=0)
+        ).sliding_window
+        == 8
+    )
     assert config_from_hf(qwen2(use_sliding_window=False, sliding_window=8, layer_types=None)).sliding_window is None
     assert config_from_hf(qwen2(use_sliding_window=True, sliding_window=64, layer_types=sliding)).sliding_window is None
     mistral = json.loads((FIXTURE / "config.json").read_text())
@@ -221,6 +243,10 @@ def test_export_refuses_a_window_it_cannot_write_back():
     with pytest.raises(ValueError, match="cannot export to Mixtral: sliding_window=8"):
         hf_config(moe)
     c = hf_config(ModelConfig(qkv_bias=True, sliding_window=8))
-    assert (c["model_type"], c["use_sliding_window"], c["sliding_window"], c["layer_types"]) == \
-        ("qwen2", True, 8, ["sliding_attention"] * c["num_hidden_layers"])
+    assert (c["model_type"], c["use_sliding_window"], c["sliding_window"], c["layer_types"]) == (
+        "qwen2",
+        True,
+        8,
+        ["sliding_attention"] * c["num_hidden_layers"],
+    )
     assert config_from_hf(c).sliding_window == 8

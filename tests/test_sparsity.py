@@ -8,18 +8,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_overrides
 from flax import nnx
 
 import meshwork.models.quantize as qz
-from meshwork.models.layers.quantized import parse_spec
 import meshwork.models.sparsity as sp
-from meshwork.models.quantize import weight_bytes
-from meshwork.models.sparsity import Sparse24Weight, compact_24, compact_bytes, compact_model, mask_24, matmul_24_gather, prune_model, prune_weight, unstructured_mask
-from meshwork.train.sparse_recovery import recover
 from meshwork.config import load_config
 from meshwork.config_sections import ModelConfig
+from meshwork.models.layers.quantized import parse_spec
+from meshwork.models.quantize import weight_bytes
+from meshwork.models.sparsity import (
+    Sparse24Weight,
+    compact_24,
+    compact_bytes,
+    compact_model,
+    mask_24,
+    matmul_24_gather,
+    prune_model,
+    prune_weight,
+    unstructured_mask,
+)
 from meshwork.models.transformer import Transformer
-from conftest import ROOT, tiny_overrides
+from meshwork.train.sparse_recovery import recover
 
 SIZES = dict(B=2, L=3, D=64, H=4, G=2, K=32, F=96, V=64)
 SPECS = sorted({*qz.ATTENTION_SPECS.values(), *qz.MLP_SPECS.values(), *qz.HEAD_SPECS.values()})
@@ -33,8 +43,7 @@ def operands(spec, seed=0, layers=None):
 
 
 def tiny_model():
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
-                      tie_embeddings=False)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, tie_embeddings=False)
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
@@ -130,8 +139,12 @@ def test_compact_bytes_are_half_the_values_plus_two_bits_per_kept_value(dtype, f
     assert c.values.nbytes == dense // 2
     assert c.indices.nbytes * 8 == (w.size // 2) * 2  # 2 bits per kept value
     assert c.nbytes == dense * fraction  # f32: 17/32 = 0.53125 of dense; bf16: 9/16
-    assert compact_bytes(w.shape, dtype) == {"values": c.values.nbytes, "indices": c.indices.nbytes,
-                                             "total": c.nbytes, "dense": dense}
+    assert compact_bytes(w.shape, dtype) == {
+        "values": c.values.nbytes,
+        "indices": c.indices.nbytes,
+        "total": c.nbytes,
+        "dense": dense,
+    }
 
 
 def test_index_packing_round_trips():
@@ -170,8 +183,10 @@ def test_prune_model_and_compact_model_run_the_same_pruned_model():
 
 
 def test_masked_finetuning_keeps_the_mask(tmp_path):
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "mesh.data=1", "train.steps=3",
-                                                       "optimizer.lr=1e-3", "optimizer.warmup_steps=0"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [*tiny_overrides(tmp_path), "mesh.data=1", "train.steps=3", "optimizer.lr=1e-3", "optimizer.warmup_steps=0"],
+    )
     from meshwork.models.build import build_model
 
     model = build_model(cfg)

@@ -67,11 +67,29 @@ def test_parse_hlo_opcodes_names_and_computations():
     instructions, computations = parse_hlo(HLO)
     opcodes = {name: i.opcode for name, i in instructions.items()}
     assert opcodes == {
-        "param_0": "parameter", "param_1": "parameter", "dot.1": "dot",
-        "param_0.1": "parameter", "constant.1": "constant", "broadcast.1": "broadcast", "multiply.1": "multiply",
-        "arg.1": "parameter", "gte.1": "get-tuple-element", "constant.2": "constant", "lt.1": "compare",
-        "x": "parameter", "w": "parameter", "dot_fusion": "fusion", "convert.3": "convert",
-        "mul_fusion": "fusion", "unnamed_dot": "fusion", "bitcast.8": "bitcast", "add.7": "add", "c": "constant", "tuple.4": "tuple", "while.1": "while", "tuple.5": "tuple",
+        "param_0": "parameter",
+        "param_1": "parameter",
+        "dot.1": "dot",
+        "param_0.1": "parameter",
+        "constant.1": "constant",
+        "broadcast.1": "broadcast",
+        "multiply.1": "multiply",
+        "arg.1": "parameter",
+        "gte.1": "get-tuple-element",
+        "constant.2": "constant",
+        "lt.1": "compare",
+        "x": "parameter",
+        "w": "parameter",
+        "dot_fusion": "fusion",
+        "convert.3": "convert",
+        "mul_fusion": "fusion",
+        "unnamed_dot": "fusion",
+        "bitcast.8": "bitcast",
+        "add.7": "add",
+        "c": "constant",
+        "tuple.4": "tuple",
+        "while.1": "while",
+        "tuple.5": "tuple",
     }
     assert instructions["dot_fusion"].calls == ("fused_dot",)
     assert instructions["dot_fusion"].op_name == "jit(step)/transpose(jvp(attention_core))/dot_general"
@@ -80,7 +98,9 @@ def test_parse_hlo_opcodes_names_and_computations():
     assert instructions["dot_fusion"].operands == ("w", "x") and instructions["tuple.5"].operands == ("mul_fusion", "c")
     # Unnamed instructions take their nearest named user's name stack, through unnamed ones;
     # one nothing reads (the ROOT tuple) keeps none.
-    assert instructions["unnamed_dot"].op_name == instructions["bitcast.8"].op_name == "jit(step)/jvp(loss)/while/body/add"
+    assert (
+        instructions["unnamed_dot"].op_name == instructions["bitcast.8"].op_name == "jit(step)/jvp(loss)/while/body/add"
+    )
     assert computations == {
         "fused_dot": {"parameter", "dot"},
         "fused_mul": {"parameter", "constant", "broadcast", "multiply"},
@@ -91,8 +111,10 @@ def test_parse_hlo_opcodes_names_and_computations():
 
 def test_classify_the_parsed_instructions():
     instructions, computations = parse_hlo(HLO)
-    got = {name: classify(instructions[name], computations)
-           for name in ("dot_fusion", "convert.3", "mul_fusion", "tuple.5", "dot.1", "unnamed_dot")}
+    got = {
+        name: classify(instructions[name], computations)
+        for name in ("dot_fusion", "convert.3", "mul_fusion", "tuple.5", "dot.1", "unnamed_dot")
+    }
     assert got == {
         "dot_fusion": ("attention core", "matmul"),  # a fusion is a matmul when its body holds a dot
         "convert.3": ("LM head + loss", "copy/convert"),
@@ -103,39 +125,45 @@ def test_classify_the_parsed_instructions():
     }
 
 
-@pytest.mark.parametrize("op_name, part", [
-    ("jit(f)/transpose(jvp(attention_core))/dot_general", "attention core"),
-    ("jit(f)/jvp(lm_head)/dot_general", "LM head + loss"),
-    ("jit(step)/jvp(loss)/log_softmax", "LM head + loss"),
-    ("jit(step)/jvp(embed)/gather", "embedding"),
-    ("jit(step)/nan_guard/optimizer/add", "optimizer"),  # the optimizer runs inside the guard's branch
-    ("jit(step)/nan_guard/select_n", "NaN guard"),
-    ("jit(step)/while/body/attention_core/dot_general", "attention core"),  # attention inside a layer
-    ("jit(f)/while/body/closed_call/dot_general", LAYERS),
-    ("jit(f)/transpose(jvp())/while/body/closed_call/checkpoint/rematted_computation/tanh", LAYERS),
-    ("jit(step)/embedding_table_norm/add", "other"),  # a whole scope name, not a prefix of one
-    ("jit(f)/add", "other"),
-    ("", "other"),
-])
+@pytest.mark.parametrize(
+    "op_name, part",
+    [
+        ("jit(f)/transpose(jvp(attention_core))/dot_general", "attention core"),
+        ("jit(f)/jvp(lm_head)/dot_general", "LM head + loss"),
+        ("jit(step)/jvp(loss)/log_softmax", "LM head + loss"),
+        ("jit(step)/jvp(embed)/gather", "embedding"),
+        ("jit(step)/nan_guard/optimizer/add", "optimizer"),  # the optimizer runs inside the guard's branch
+        ("jit(step)/nan_guard/select_n", "NaN guard"),
+        ("jit(step)/while/body/attention_core/dot_general", "attention core"),  # attention inside a layer
+        ("jit(f)/while/body/closed_call/dot_general", LAYERS),
+        ("jit(f)/transpose(jvp())/while/body/closed_call/checkpoint/rematted_computation/tanh", LAYERS),
+        ("jit(step)/embedding_table_norm/add", "other"),  # a whole scope name, not a prefix of one
+        ("jit(f)/add", "other"),
+        ("", "other"),
+    ],
+)
 def test_classify_part_from_the_name_stack(op_name, part):
     assert classify(Instruction("add", op_name, ()), {})[0] == part
 
 
-@pytest.mark.parametrize("opcode, body, kind", [
-    ("dot", None, "matmul"),
-    ("convolution", None, "matmul"),
-    ("all-reduce-start", None, "collective"),
-    ("all-gather-done", None, "collective"),
-    ("reduce-scatter", None, "collective"),
-    ("convert", None, "copy/convert"),
-    ("transpose", None, "copy/convert"),
-    ("add", None, "elementwise/other"),
-    ("reduce", None, "elementwise/other"),
-    ("fusion", {"parameter", "dot", "add"}, "matmul"),
-    ("fusion", {"parameter", "all-reduce", "dot"}, "collective"),
-    ("fusion", {"parameter", "convert", "bitcast", "reshape"}, "copy/convert"),
-    ("fusion", {"parameter", "exponential", "add"}, "elementwise/other"),
-])
+@pytest.mark.parametrize(
+    "opcode, body, kind",
+    [
+        ("dot", None, "matmul"),
+        ("convolution", None, "matmul"),
+        ("all-reduce-start", None, "collective"),
+        ("all-gather-done", None, "collective"),
+        ("reduce-scatter", None, "collective"),
+        ("convert", None, "copy/convert"),
+        ("transpose", None, "copy/convert"),
+        ("add", None, "elementwise/other"),
+        ("reduce", None, "elementwise/other"),
+        ("fusion", {"parameter", "dot", "add"}, "matmul"),
+        ("fusion", {"parameter", "all-reduce", "dot"}, "collective"),
+        ("fusion", {"parameter", "convert", "bitcast", "reshape"}, "copy/convert"),
+        ("fusion", {"parameter", "exponential", "add"}, "elementwise/other"),
+    ],
+)
 def test_classify_kind_from_the_opcode(opcode, body, kind):
     computations = {"body": body} if body else {}
     instr = Instruction(opcode, "jit(f)/x", ("body",) if body else ())

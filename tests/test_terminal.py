@@ -8,6 +8,7 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import LM_TINY_STEPS, ROOT
 
 from meshwork.config import load_config
 from meshwork.inference.cli import parse_args as inference_args
@@ -16,8 +17,6 @@ from meshwork.train import terminal
 from meshwork.train.logger import StepLogger
 from meshwork.train.loop import train
 from meshwork.train.terminal import say, summary_lines
-
-from conftest import LM_TINY_STEPS, ROOT
 
 
 class _Rows:
@@ -30,9 +29,10 @@ class _Rows:
 
 def _logger(tmp_path, *, steps: int, terminal_like: bool, monkeypatch, **log):
     monkeypatch.setattr(logger_module, "interactive", lambda: terminal_like)
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-        f"run.dir={tmp_path}", f"train.steps={steps}", "log.progress=true",
-        *[f"log.{k}={v}" for k, v in log.items()]])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [f"run.dir={tmp_path}", f"train.steps={steps}", "log.progress=true", *[f"log.{k}={v}" for k, v in log.items()]],
+    )
     return StepLogger(cfg, _Rows(), 1e9, 256, "tokens", start=0, last=steps, enabled=True, n_devices=1)
 
 
@@ -85,8 +85,16 @@ def test_a_notebook_kernel_gets_no_bar(monkeypatch):
 
 
 def _summary(**kw):
-    return {"run_dir": "runs/x", "resumed_from": None, "val_loss": {}, "preempted": False, "last_step": 600,
-            "goodput": None, "state": None, **kw}
+    return {
+        "run_dir": "runs/x",
+        "resumed_from": None,
+        "val_loss": {},
+        "preempted": False,
+        "last_step": 600,
+        "goodput": None,
+        "state": None,
+        **kw,
+    }
 
 
 def test_the_summary_reports_the_step_the_loss_was_evaluated_at(tmp_path):
@@ -120,9 +128,17 @@ def test_the_next_commands_parse(config, command, tmp_path, monkeypatch):
 def test_a_short_run_prints_the_startup_block_before_the_compile(tmp_path, capsys):
     # lm_tiny_runs["1dev"]'s config (tests/conftest.py), stopped early: its compiled programs come
     # from the session's compilation cache when that run was trained first.
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [
-        f"run.dir={tmp_path}", f"train.steps={LM_TINY_STEPS}", "log.eval_every=100", "log.progress=false",
-        "mesh.data=1", "train.stop_after=4"])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [
+            f"run.dir={tmp_path}",
+            f"train.steps={LM_TINY_STEPS}",
+            "log.eval_every=100",
+            "log.progress=false",
+            "mesh.data=1",
+            "train.stop_after=4",
+        ],
+    )
     summary = train(cfg, devices=jax.devices()[:1])
     lines = capsys.readouterr().out.splitlines() + summary_lines(summary, cfg)
     assert lines[:8] == [

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from meshwork.config import load_config
 from meshwork.run.checkpoint import CheckpointSchedule
@@ -35,15 +36,15 @@ from meshwork.train.logger import StepLogger
 from meshwork.train.run_dir.resume import open_checkpoints
 from meshwork.train.stops import NonFiniteLoss
 
-from conftest import ROOT
-
 DEVICE = jax.devices()[0]
 
 
 def state_at(step: int) -> dict:
     """A tiny train state whose values name the step it belongs to (device_put only: nothing compiles)."""
-    return {"params": {"w": jax.device_put(np.full((2, 3), float(step), np.float32), DEVICE)},
-            "step": jax.device_put(np.int32(step), DEVICE)}
+    return {
+        "params": {"w": jax.device_put(np.full((2, 3), float(step), np.float32), DEVICE)},
+        "step": jax.device_put(np.int32(step), DEVICE),
+    }
 
 
 def step_of(state: dict) -> int:
@@ -52,9 +53,11 @@ def step_of(state: dict) -> int:
 
 def finite(loss: float = 1.0) -> dict:
     """A step's metrics as the compiled step returns them: device scalars."""
-    return {"loss": jax.device_put(np.float32(loss), DEVICE),
-            "grad_norm": jax.device_put(np.float32(0.5), DEVICE),
-            "nonfinite": jax.device_put(np.bool_(not math.isfinite(loss)), DEVICE)}
+    return {
+        "loss": jax.device_put(np.float32(loss), DEVICE),
+        "grad_norm": jax.device_put(np.float32(0.5), DEVICE),
+        "nonfinite": jax.device_put(np.bool_(not math.isfinite(loss)), DEVICE),
+    }
 
 
 class Positions:
@@ -94,17 +97,30 @@ class StandInTrainer:
         path.write_bytes(b"\x89PNG\r\n\x1a\n")
 
 
-def make_run(tmp_path, *overrides: str, fast: FastTier | None = None, is_main: bool = True,
-             logger_last: int | None = None) -> Run:
+def make_run(
+    tmp_path, *overrides: str, fast: FastTier | None = None, is_main: bool = True, logger_last: int | None = None
+) -> Run:
     """A Run as train/loop.py's _run builds it, on lm_tiny's config with `overrides`."""
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [f"run.dir={tmp_path}", "log.progress=false",
-                                                      "log.tensorboard=false", *overrides])
+    cfg = load_config(
+        ROOT / "configs/lm_tiny.yaml",
+        [f"run.dir={tmp_path}", "log.progress=false", "log.tensorboard=false", *overrides],
+    )
     tmp_path.mkdir(parents=True, exist_ok=True)
     said: list[str] = []
     data = Positions()
-    run = Run(cfg, tmp_path, said.append, is_main, GoodputClock(), open_checkpoints(cfg, tmp_path, said.append),
-              fast, data, data.get_state(), set(),
-              {"val_loss": {}, "preempted": False, "nonfinite_steps": [], "elastic": []})
+    run = Run(
+        cfg,
+        tmp_path,
+        said.append,
+        is_main,
+        GoodputClock(),
+        open_checkpoints(cfg, tmp_path, said.append),
+        fast,
+        data,
+        data.get_state(),
+        set(),
+        {"val_loss": {}, "preempted": False, "nonfinite_steps": [], "elastic": []},
+    )
     run.writer = MetricsWriter(tmp_path, tensorboard=False)
     last = logger_last or cfg.train.steps
     run.logger = StepLogger(cfg, run.writer, 1e9, 256, "tokens", start=0, last=last, enabled=is_main, n_devices=8)
@@ -146,8 +162,7 @@ def test_nonfinite_guard_rollback_restores_the_last_checkpoint(tmp_path):
         run.writer.write(step, {"loss": 1.0})
     run.data_iter.index = 20
     run.logger.step_dispatched(6, finite())  # read back after the bad step: thrown away with it
-    back = NonFiniteGuard(run).check((5, {"loss": float("nan"), "grad_norm": 1.0, "nonfinite": True}),
-                                     StandInTrainer())
+    back = NonFiniteGuard(run).check((5, {"loss": float("nan"), "grad_norm": 1.0, "nonfinite": True}), StandInTrainer())
     assert isinstance(back, RollBack) and back.step == 2
     np.testing.assert_array_equal(np.asarray(back.state["params"]["w"]), np.full((2, 3), 2.0))
     assert run.skipped == {5} and run.summary["nonfinite_steps"] == [5]
@@ -277,8 +292,11 @@ class StandInElastic:
         row = {"elastic_reason": f"lost devices {sorted(lost)}", "elastic_devices": new.mesh.size}
         if not self.roll_back:
             return Change(new, state, row=row)
-        back, restored, progress = restore_newest(jax.tree.map(  # the newest tier, as the real change reads it
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), new.abstract, new.shardings))
+        back, restored, progress = restore_newest(
+            jax.tree.map(  # the newest tier, as the real change reads it
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), new.abstract, new.shardings
+            )
+        )
         return Change(new, restored, row=row, rolled_back_to=back, progress=progress)
 
 
@@ -321,4 +339,3 @@ def test_preemption_says_so_only_when_preempted(tmp_path):
     assert run.summary["preempted"] is True
     assert run.said == ["preempted: checkpoint of step 7 saved; run the same command to resume"]
     close(run)
-

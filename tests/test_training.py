@@ -6,13 +6,12 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from conftest import LM_TINY_LAYOUTS, LM_TINY_STEPS, ROOT
 
 from meshwork.config import load_config
 from meshwork.data.text import stdlib_corpus, unigram_entropy
 from meshwork.run.metrics import read_metrics
 from meshwork.train.plot import plot_run
-
-from conftest import LM_TINY_LAYOUTS, LM_TINY_STEPS, ROOT
 
 STEPS = LM_TINY_STEPS
 
@@ -26,8 +25,9 @@ def runs(lm_tiny_runs):
 # The quick tier trains on 1 device (the run the inference and fine-tuning tests reuse); dp and
 # fsdp on 8 are in the slow tier (one fsdp step equals one device's in tests/test_sharded_step.py,
 # and fsdp's per-device bytes are read from the shards in tests/test_report.py).
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name != "1dev" else [])
-                                  for name in LM_TINY_LAYOUTS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=[pytest.mark.slow] if name != "1dev" else []) for name in LM_TINY_LAYOUTS]
+)
 def test_lm_tiny_learns_the_corpus(runs, name):
     cfg = load_config(ROOT / "configs/lm_tiny.yaml")
     train_bin, _ = stdlib_corpus(cfg.data.val_fraction, cfg.data.cache_dir)

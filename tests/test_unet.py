@@ -12,20 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from meshwork.inference.diffusers_import import build_unet, config_from_diffusers, load_diffusers_unet
+from meshwork.config_sections import DiffusionConfig, UNetConfig
 from meshwork.diffusion import images
 from meshwork.diffusion import schedule as diffusion
 from meshwork.diffusion.sampling import ddim_sample
-from meshwork.config_sections import DiffusionConfig, UNetConfig
+from meshwork.inference.diffusers_import import build_unet, config_from_diffusers, load_diffusers_unet
 from meshwork.models.unet import UNet
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import logical_to_sharding, rules_for
-
-from conftest import ROOT
 
 FIXTURES = ROOT / "tests/fixtures/diffusers"
 MODELS = ["unet_class", "unet_uncond"]
@@ -76,8 +75,13 @@ def test_pallas_attention_serves_the_unet(loaded):
 
 
 def test_remat_keeps_values_and_gradients():
-    cfg = UNetConfig(block_out_channels=[8], down_block_types=["AttnDownBlock2D"], up_block_types=["AttnUpBlock2D"],
-                     norm_num_groups=4, attention_head_dim=4)
+    cfg = UNetConfig(
+        block_out_channels=[8],
+        down_block_types=["AttnDownBlock2D"],
+        up_block_types=["AttnUpBlock2D"],
+        norm_num_groups=4,
+        attention_head_dim=4,
+    )
     x, t = jax.random.normal(jax.random.key(0), (2, 4, 4, 1)), jnp.array([3, 700])
 
     def value_and_grad(remat):
@@ -96,15 +100,30 @@ def test_remat_unet_samples(remat):
     log.sample_every): the samplers merge the weights under jit and call the UNet inside
     fori_loop, a trace the remat wrapper must not write back into (it raised TraceContextError).
     Samples equal the plain UNet's, and the training gradient still checkpoints every block."""
-    cfg = UNetConfig(sample_size=4, block_out_channels=[8], down_block_types=["AttnDownBlock2D"],
-                     up_block_types=["AttnUpBlock2D"], norm_num_groups=4, attention_head_dim=4, num_class_embeds=3)
+    cfg = UNetConfig(
+        sample_size=4,
+        block_out_channels=[8],
+        down_block_types=["AttnDownBlock2D"],
+        up_block_types=["AttnUpBlock2D"],
+        norm_num_groups=4,
+        attention_head_dim=4,
+        num_class_embeds=3,
+    )
     labels = jnp.array([0, 1])
 
     def sample(remat):
         graphdef, state = nnx.split(UNet(cfg, remat=remat, rngs=nnx.Rngs(0)))
         fn = jax.tree_util.Partial(images._apply, graphdef, state)  # as sample_images passes the UNet
-        return ddim_sample(fn, (2, 4, 4, 1), jax.random.key(1), DiffusionConfig(), steps=3, labels=labels,
-                           guidance_scale=2.0, null_label=2)
+        return ddim_sample(
+            fn,
+            (2, 4, 4, 1),
+            jax.random.key(1),
+            DiffusionConfig(),
+            steps=3,
+            labels=labels,
+            guidance_scale=2.0,
+            null_label=2,
+        )
 
     np.testing.assert_allclose(sample(remat), sample("none"), atol=1e-5, rtol=1e-5)
 
@@ -136,15 +155,18 @@ def test_config_mapping():
     assert (u.num_class_embeds, u.mid_block_attention, u.flip_sin_to_cos, u.freq_shift) == (None, False, False, 1)
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"time_embedding_type": "fourier"}, "time_embedding_type='fourier'"),
-    ({"resnet_time_scale_shift": "scale_shift"}, "resnet_time_scale_shift"),
-    ({"down_block_types": ["SkipDownBlock2D", "AttnDownBlock2D"]}, "down_block_types"),
-    ({"attention_head_dim": None}, "attention_head_dim=None"),
-    ({"class_embed_type": "timestep"}, "class_embed_type"),
-    ({"act_fn": "gelu"}, "act_fn='gelu'"),
-    ({"_class_name": "UNet2DConditionModel"}, "UNet2DModel"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"time_embedding_type": "fourier"}, "time_embedding_type='fourier'"),
+        ({"resnet_time_scale_shift": "scale_shift"}, "resnet_time_scale_shift"),
+        ({"down_block_types": ["SkipDownBlock2D", "AttnDownBlock2D"]}, "down_block_types"),
+        ({"attention_head_dim": None}, "attention_head_dim=None"),
+        ({"class_embed_type": "timestep"}, "class_embed_type"),
+        ({"act_fn": "gelu"}, "act_fn='gelu'"),
+        ({"_class_name": "UNet2DConditionModel"}, "UNet2DModel"),
+    ],
+)
 def test_unsupported_configs_raise(change, match):
     with pytest.raises(ValueError, match=match):
         config_from_diffusers(diffusers_config("unet_class") | change)
@@ -175,11 +197,11 @@ def test_pipeline_layout_and_float32_weights(tmp_path, loaded):
 
 
 def test_parameters_carry_logical_names():
-    model = nnx.eval_shape(lambda: UNet(UNetConfig(block_out_channels=[16, 32], num_class_embeds=10),
-                                        rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: UNet(UNetConfig(block_out_channels=[16, 32], num_class_embeds=10), rngs=nnx.Rngs(0)))
     mesh, rules = make_mesh({"fsdp": -1}), rules_for("fsdp")
-    for path, var in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
-                                                         is_leaf=lambda v: isinstance(v, nnx.Variable)):
+    for path, var in jax.tree_util.tree_leaves_with_path(
+        nnx.state(model, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable)
+    ):
         names, shape = var.get_metadata()["out_sharding"], var.shape
         assert len(names) == len(shape), path
         # Under fsdp every weight matrix is split somewhere (the q/k/v biases stay whole, as in the LMs).
@@ -207,6 +229,7 @@ def place(model: nnx.Module, mesh, rules) -> nnx.Module:
 
     def put(v):
         return v.replace(jax.device_put(v[...], logical_to_sharding(v.get_metadata()["out_sharding"], mesh, rules)))
+
     return nnx.merge(graphdef, jax.tree.map(put, state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
 
 
@@ -250,8 +273,9 @@ def test_schedules_match_diffusers(ddpm):
     for name, spec in meta["schedules"].items():
         cfg = diffusion_config(spec)
         np.testing.assert_allclose(diffusion.betas(cfg), g[f"{name}/betas"], rtol=1e-6, atol=1e-9, err_msg=name)
-        np.testing.assert_allclose(diffusion.alphas_cumprod(cfg), g[f"{name}/alphas_cumprod"], rtol=2e-5,
-                                   atol=1e-9, err_msg=name)
+        np.testing.assert_allclose(
+            diffusion.alphas_cumprod(cfg), g[f"{name}/alphas_cumprod"], rtol=2e-5, atol=1e-9, err_msg=name
+        )
     cosine = diffusion.betas(diffusion_config(meta["schedules"]["cosine"]))
     assert float(cosine.max()) == pytest.approx(0.999)  # the cap binds at the end
 
@@ -261,10 +285,12 @@ def test_add_noise_and_velocity_match_diffusers(ddpm):
     t = g["noise_timesteps"]
     for name in ("linear", "cosine"):
         abar = diffusion.alphas_cumprod(diffusion_config(meta["schedules"][name]))
-        np.testing.assert_allclose(diffusion.add_noise(g["x0"], g["noise"], t, abar), g[f"{name}/add_noise"],
-                                   atol=1e-5, err_msg=name)
-        np.testing.assert_allclose(diffusion.v_target(g["x0"], g["noise"], t, abar), g[f"{name}/velocity"],
-                                   atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            diffusion.add_noise(g["x0"], g["noise"], t, abar), g[f"{name}/add_noise"], atol=1e-5, err_msg=name
+        )
+        np.testing.assert_allclose(
+            diffusion.v_target(g["x0"], g["noise"], t, abar), g[f"{name}/velocity"], atol=1e-5, err_msg=name
+        )
 
 
 def test_ddpm_step_matches_diffusers(ddpm):
@@ -273,9 +299,17 @@ def test_ddpm_step_matches_diffusers(ddpm):
         n = f"step/{case['name']}/"
         abar = diffusion.alphas_cumprod(diffusion_config(meta["schedules"][case["schedule"]]))
         prediction = {"epsilon": "epsilon", "v_prediction": "v"}[case["prediction_type"]]
-        prev, x0 = diffusion.ddpm_step(g[n + "model_output"], case["timestep"], g[n + "sample"], None, abar,
-                                       prev_t=case["prev_timestep"], prediction=prediction,
-                                       clip_sample=case["clip_sample"], noise=g[n + "variance_noise"])
+        prev, x0 = diffusion.ddpm_step(
+            g[n + "model_output"],
+            case["timestep"],
+            g[n + "sample"],
+            None,
+            abar,
+            prev_t=case["prev_timestep"],
+            prediction=prediction,
+            clip_sample=case["clip_sample"],
+            noise=g[n + "variance_noise"],
+        )
         np.testing.assert_allclose(x0, g[n + "pred_original_sample"], atol=1e-4, rtol=1e-5, err_msg=case["name"])
         np.testing.assert_allclose(prev, g[n + "prev_sample"], atol=1e-4, rtol=1e-5, err_msg=case["name"])
 
@@ -289,8 +323,8 @@ def test_ddpm_step_per_example_timesteps_and_key():
     t = jnp.array([0, 5, 700])
     prev, _ = diffusion.ddpm_step(out, t, x, None, abar, noise=z)
     for i in range(3):
-        one, _ = diffusion.ddpm_step(out[i:i + 1], t[i], x[i:i + 1], None, abar, noise=z[i:i + 1])
-        np.testing.assert_allclose(prev[i:i + 1], one, atol=1e-6)
+        one, _ = diffusion.ddpm_step(out[i : i + 1], t[i], x[i : i + 1], None, abar, noise=z[i : i + 1])
+        np.testing.assert_allclose(prev[i : i + 1], one, atol=1e-6)
     keyed, _ = diffusion.ddpm_step(out, 0, x, jax.random.key(5), abar)
     unkeyed, _ = diffusion.ddpm_step(out, 0, x, None, abar, noise=jnp.zeros_like(x))
     np.testing.assert_array_equal(keyed, unkeyed)
@@ -315,7 +349,8 @@ def test_diffusion_loss_targets(prediction):
     loss, metrics = diffusion.diffusion_loss(oracle, x0, jax.random.key(2), labels, cfg)
     assert float(loss) < 1e-6 and metrics["mse"] == loss and seen["labels"] is labels
     zero_loss, _ = jax.jit(lambda k: diffusion.diffusion_loss(lambda x, t, y: jnp.zeros_like(x), x0, k, None, cfg))(
-        jax.random.key(3))
+        jax.random.key(3)
+    )
     if prediction == "epsilon":
         assert 0.9 < float(zero_loss) < 1.1
     else:  # E[v^2] = abar E[eps^2] + (1 - abar) E[x0^2], between 1/3 and 1

@@ -6,15 +6,14 @@ import json
 import math
 import os
 import pathlib
+from pydoc_data.topics import topics
 
 import numpy as np
-from pydoc_data.topics import topics
+from conftest import ROOT, tiny_overrides
 from tokenizers import Tokenizer
 
 from meshwork.data import user_text
 from meshwork.data.user_text import PackedWindows, TokenSplit, text_corpus
-
-from conftest import ROOT, tiny_overrides
 
 TOKENIZER = ROOT / "tests/fixtures/text_tokenizer"
 TOPICS = [topics[k] for k in sorted(topics)]  # English prose every Python ships
@@ -100,6 +99,7 @@ def test_the_cache_is_reused_and_rebuilt_when_an_input_changes(tmp_path, monkeyp
 
     def no_tokenizing(self, texts):
         raise AssertionError("tokenized again although nothing changed")
+
     with monkeypatch.context() as m:
         m.setattr(user_text.TextTokenizer, "encode", no_tokenizing)
         again = text_corpus([str(tmp_path / "data/*")], **args)
@@ -127,13 +127,15 @@ def test_the_cache_goes_elsewhere_when_the_data_folder_is_read_only(tmp_path, mo
         if pathlib.Path(dir) == tmp_path / "data":
             raise PermissionError(13, "Permission denied")
         return mkdtemp(prefix=prefix, dir=dir)
+
     monkeypatch.setattr(user_text.tempfile, "mkdtemp", read_only_data)
     monkeypatch.setenv("MESHWORK_CACHE", str(tmp_path / "home_cache"))
     corpus = text_corpus([str(tmp_path / "data/*.txt")])
     assert corpus.built and corpus.folder.parent == tmp_path / "home_cache"
     assert not text_corpus([str(tmp_path / "data/*.txt")]).built  # and found there again
-    assert text_corpus([str(tmp_path / "data/*.txt")], cache_dir=str(tmp_path / "mine")).folder.parent == \
-        tmp_path / "mine"  # data.cache_dir, when set, is where it goes
+    assert (
+        text_corpus([str(tmp_path / "data/*.txt")], cache_dir=str(tmp_path / "mine")).folder.parent == tmp_path / "mine"
+    )  # data.cache_dir, when set, is where it goes
 
 
 def test_the_split_is_deterministic_and_disjoint(tmp_path):
@@ -177,9 +179,20 @@ def test_trains_through_the_cli_with_a_tokenizer(tmp_path, capsys):
     (tmp_path / "data").mkdir()
     (tmp_path / "data/topics.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TOPICS))
     run = tmp_path / "run"
-    argv = ["--config", str(ROOT / "configs/lm_tiny.yaml"), *tiny_overrides(run), "data.source=text",
-            f"data.text_files=[{tmp_path / 'data'}/*.jsonl]", f"data.tokenizer={TOKENIZER}", "data.val_fraction=0.1",
-            "model.vocab_size=128", "train.steps=4", "log.every=1", "log.eval_every=4", "checkpoint.every=4"]
+    argv = [
+        "--config",
+        str(ROOT / "configs/lm_tiny.yaml"),
+        *tiny_overrides(run),
+        "data.source=text",
+        f"data.text_files=[{tmp_path / 'data'}/*.jsonl]",
+        f"data.tokenizer={TOKENIZER}",
+        "data.val_fraction=0.1",
+        "model.vocab_size=128",
+        "train.steps=4",
+        "log.every=1",
+        "log.eval_every=4",
+        "checkpoint.every=4",
+    ]
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]

@@ -99,7 +99,7 @@ def blocks_of(path: pathlib.Path) -> list[Block]:
             k -= 1
         if k >= 0 and (mm := _MARKER.match(lines[k])):
             marker = mm.group(1)
-        out.append(Block(path, start + 1, language, "\n".join(lines[start + 1:j]) + "\n", marker))
+        out.append(Block(path, start + 1, language, "\n".join(lines[start + 1 : j]) + "\n", marker))
         i = j + 1
     return out
 
@@ -116,8 +116,13 @@ def cap_args(args: list[str]) -> list[str]:
     if module in ("train", "meshwork.train") and "--dry-run" not in rest:
         given = [int(a.split("=", 1)[1]) for a in rest if re.fullmatch(r"train\.steps=\d+", a)]
         steps = min([TRAIN_STEPS, *given])
-        extra = [f"train.steps={steps}", "log.every=1", f"log.eval_every={steps}", "log.eval_batches=1",
-                 f"checkpoint.every={steps}"]
+        extra = [
+            f"train.steps={steps}",
+            "log.every=1",
+            f"log.eval_every={steps}",
+            "log.eval_batches=1",
+            f"checkpoint.every={steps}",
+        ]
         if any(a.startswith("train.stop_after=") for a in rest):
             extra.append(f"train.stop_after={max(1, steps // 2)}")
         if any(a.startswith("log.sample_every=") for a in rest):
@@ -134,11 +139,13 @@ def _prelude(capped: bool) -> str:
     if not capped:
         return "set -eo pipefail\n"
     me = pathlib.Path(__file__).resolve()
-    return ("set -eo pipefail\n"
-            "python3() {\n"
-            f"  local extra; extra=$(command python3 {me} --cap-args \"$@\") || return 2\n"
-            "  command python3 \"$@\" $extra\n"
-            "}\n")
+    return (
+        "set -eo pipefail\n"
+        "python3() {\n"
+        f'  local extra; extra=$(command python3 {me} --cap-args "$@") || return 2\n'
+        '  command python3 "$@" $extra\n'
+        "}\n"
+    )
 
 
 def console_commands(text: str) -> list[tuple[str, list[str]]]:
@@ -156,8 +163,15 @@ def console_commands(text: str) -> list[tuple[str, list[str]]]:
 
 def run_script(script: str, workdir: pathlib.Path, env: dict, timeout: int) -> tuple[int, str]:
     try:
-        p = subprocess.run(["bash", "-c", script], cwd=workdir, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        p = subprocess.run(
+            ["bash", "-c", script],
+            cwd=workdir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
         return p.returncode, p.stdout
     except subprocess.TimeoutExpired as e:
         return 124, (e.stdout or b"").decode(errors="replace") + f"\n[timed out after {timeout} s]"
@@ -182,8 +196,10 @@ def check_block(block: Block, workdir: pathlib.Path, env: dict, capped: bool, ti
         printed = {line.strip() for line in output.splitlines()}
         for want in filter(str.strip, expected):
             if want.strip() not in printed:
-                problems.append(f"$ {command}\ndid not print the line the doc shows:\n  {want.strip()}\n"
-                                f"it printed:\n{_tail(output)}")
+                problems.append(
+                    f"$ {command}\ndid not print the line the doc shows:\n  {want.strip()}\n"
+                    f"it printed:\n{_tail(output)}"
+                )
     return problems
 
 
@@ -236,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             problems = check_block(b, workdir, env, not args.full, args.timeout)
             status = "FAIL" if problems else "ok  "
-            print(f"{status} {b.where} ({time.monotonic() - t0:.0f} s) {b.text.strip().splitlines()[0][:80]}",
-                  flush=True)
+            print(
+                f"{status} {b.where} ({time.monotonic() - t0:.0f} s) {b.text.strip().splitlines()[0][:80]}", flush=True
+            )
             failures += [(b, problem) for problem in problems]
     finally:
         if not args.keep:
@@ -246,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     ran = len(blocks) - len(skipped)
     for b, problem in failures:
         print(f"\n{b.where}: a command of this {b.language} block failed:\n{problem}", file=sys.stderr)
-    print(f"\n{ran - len({id(b) for b, _ in failures})} of {ran} blocks passed, {len(skipped)} skipped "
-          f"(marked in the docs), in {total:.0f} s", flush=True)
+    print(
+        f"\n{ran - len({id(b) for b, _ in failures})} of {ran} blocks passed, {len(skipped)} skipped "
+        f"(marked in the docs), in {total:.0f} s",
+        flush=True,
+    )
     return 1 if failures else 0
 
 

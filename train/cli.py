@@ -28,18 +28,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="YAML file (may `include:` others)")
     p.add_argument("--dry-run", action="store_true", help="compile the step, print the per-device report, exit")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the report as one JSON object")
-    p.add_argument("--graph", action="store_true", help="with --dry-run: print what XLA fused, scheduled and "
-                   "replaced in the compiled step (sharding/graph_report.py)")
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="with --dry-run: print what XLA fused, scheduled and "
+        "replaced in the compiled step (sharding/graph_report.py)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     dist = p.add_argument_group("multi-process (jax.distributed); omit all on a single host")
-    dist.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
-                      help="host:port of process 0 (env JAX_COORDINATOR_ADDRESS)")
-    dist.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
-                      help="number of processes (env JAX_NUM_PROCESSES)")
-    dist.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
-                      help="this process's id, 0-based (env JAX_PROCESS_ID)")
-    dist.add_argument("--distributed", action="store_true",
-                      help="call jax.distributed.initialize() with JAX's own cluster detection (SLURM, TPU pods, MPI)")
+    dist.add_argument(
+        "--coordinator-address",
+        default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        help="host:port of process 0 (env JAX_COORDINATOR_ADDRESS)",
+    )
+    dist.add_argument(
+        "--num-processes",
+        type=int,
+        default=_env_int("JAX_NUM_PROCESSES"),
+        help="number of processes (env JAX_NUM_PROCESSES)",
+    )
+    dist.add_argument(
+        "--process-id",
+        type=int,
+        default=_env_int("JAX_PROCESS_ID"),
+        help="this process's id, 0-based (env JAX_PROCESS_ID)",
+    )
+    dist.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with JAX's own cluster detection (SLURM, TPU pods, MPI)",
+    )
     return p.parse_intermixed_args(argv)
 
 
@@ -54,8 +72,10 @@ def init_distributed(args: argparse.Namespace) -> None:
     if not args.distributed and all(v is None for v in explicit):
         return
     if not args.distributed and any(v is None for v in explicit):
-        raise ConfigError("--coordinator-address, --num-processes and --process-id go together (or use "
-                          "--distributed for JAX's cluster auto-detection)")
+        raise ConfigError(
+            "--coordinator-address, --num-processes and --process-id go together (or use "
+            "--distributed for JAX's cluster auto-detection)"
+        )
     import jax
 
     jax.distributed.initialize(*explicit) if not args.distributed else jax.distributed.initialize()
@@ -69,7 +89,8 @@ def step_jaxpr(trainer):
 
     with trainer.context():
         return jax.make_jaxpr(trainer.make_step(trainer.grad_shardings))(
-            abstract_with_shardings(trainer.abstract, trainer.shardings), trainer.batch_abstract())
+            abstract_with_shardings(trainer.abstract, trainer.shardings), trainer.batch_abstract()
+        )
 
 
 def graph(cfg, as_json: bool) -> None:

@@ -48,7 +48,8 @@ same number of data-parallel replicas.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,19 +75,29 @@ def check_comm(cfg: Config, mesh_shape: dict[str, int]) -> None:
     if not uses_comm(cfg):
         return
     c = cfg.comm
-    chosen = [name for name, on in (("comm.compression", c.compression != "none"),
-                                    ("comm.stale_gradients", c.stale_gradients),
-                                    ("comm.local_steps", c.local_steps > 1)) if on]
+    chosen = [
+        name
+        for name, on in (
+            ("comm.compression", c.compression != "none"),
+            ("comm.stale_gradients", c.stale_gradients),
+            ("comm.local_steps", c.local_steps > 1),
+        )
+        if on
+    ]
     if len(chosen) > 1:
         raise ConfigError(f"{chosen[1]}: cannot be combined with {chosen[0]}; choose one")
     allowed = ("dp",) if c.local_steps > 1 else ("dp", "zero1")
     if cfg.rules.preset not in allowed:
-        raise ConfigError(f"{chosen[0]}: works on the data axis under rules.preset {' or '.join(allowed)}, "
-                          f"not {cfg.rules.preset}; set rules.preset=dp")
+        raise ConfigError(
+            f"{chosen[0]}: works on the data axis under rules.preset {' or '.join(allowed)}, "
+            f"not {cfg.rules.preset}; set rules.preset=dp"
+        )
     others = {a: n for a, n in mesh_shape.items() if a != AXIS and n > 1}
     if others or cfg.train.pipeline != "none":
-        raise ConfigError(f"{chosen[0]}: needs a mesh of the data axis alone, not {others or 'a pipeline'}; "
-                          "set the other mesh axes to 1")
+        raise ConfigError(
+            f"{chosen[0]}: needs a mesh of the data axis alone, not {others or 'a pipeline'}; "
+            "set the other mesh axes to 1"
+        )
 
 
 # ---------------------------------------------------------------- reducers (inside shard_map)
@@ -142,8 +153,9 @@ def _mean_blockwise(grads, state, cfg):
     # Both encodings' errors are fed back: this replica's own, and n times the error of the share
     # it re-encoded (its next contribution to that share's mean carries it).
     share_error = (share - decode(q2, scale2)[0]).reshape(-1) * n
-    owned = jax.lax.dynamic_update_slice(jnp.zeros(n * chunk, jnp.float32), share_error,
-                                         (jax.lax.axis_index(AXIS) * chunk,))
+    owned = jax.lax.dynamic_update_slice(
+        jnp.zeros(n * chunk, jnp.float32), share_error, (jax.lax.axis_index(AXIS) * chunk,)
+    )
     error = flat - sent + owned[:size]
     return unravel(mean.astype(flat.dtype)), {"error": unravel(error.astype(flat.dtype))}
 
@@ -203,7 +215,8 @@ def init_comm_state(cfg: Config, params: Any, n_replicas: int, inner_tx: optax.G
     """The comm entries of the train state (see the module docstring); {} when no option is on."""
     c = cfg.comm
     per_replica = lambda tree: jax.tree.map(  # noqa: E731
-        lambda p: jnp.zeros((n_replicas, *p.shape), jnp.float32 if c.compression != "none" else p.dtype), tree)
+        lambda p: jnp.zeros((n_replicas, *p.shape), jnp.float32 if c.compression != "none" else p.dtype), tree
+    )
     if c.local_steps > 1:
         local = jax.tree.map(lambda p: jnp.broadcast_to(p, (n_replicas, *p.shape)), params)
         return {"local_params": local, "inner_opt": jax.vmap(inner_tx.init)(local)}
@@ -212,8 +225,11 @@ def init_comm_state(cfg: Config, params: Any, n_replicas: int, inner_tx: optax.G
     state = {"error": per_replica(params)} if c.error_feedback else {}
     if c.compression == "powersgd":
         key = jax.random.key(0)  # the same start on every replica: Q is shared
-        state["q"] = {str(i): jax.random.normal(key, (matrix_view(p.shape)[0], matrix_view(p.shape)[2], c.rank))
-                      for i, p in enumerate(jax.tree.leaves(params)) if compressed(p.shape, c.rank)}
+        state["q"] = {
+            str(i): jax.random.normal(key, (matrix_view(p.shape)[0], matrix_view(p.shape)[2], c.rank))
+            for i, p in enumerate(jax.tree.leaves(params))
+            if compressed(p.shape, c.rank)
+        }
     return state
 
 
@@ -249,8 +265,9 @@ def make_comm_gradients(accumulate: Callable, cfg: Config, mesh) -> Callable:
 
     def grads_fn(params, buffers, batch, noise_key, comm):
         specs = {k: P(AXIS) if k in PER_REPLICA else P() for k in comm}
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(), specs),
-                             out_specs=(P(), P(), specs), check_vma=False)(params, buffers, batch, noise_key, comm)
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(), specs), out_specs=(P(), P(), specs), check_vma=False
+        )(params, buffers, batch, noise_key, comm)
 
     return grads_fn
 
@@ -260,9 +277,16 @@ def outer_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.sgd(cfg.comm.outer_lr, momentum=cfg.comm.outer_momentum, nesterov=True)
 
 
-def make_diloco_step(graphdef, accumulate: Callable, inner_tx: optax.GradientTransformation,
-                     outer_tx: optax.GradientTransformation, schedule: optax.Schedule, cfg: Config, mesh,
-                     seed: int = 0) -> Callable:
+def make_diloco_step(
+    graphdef,
+    accumulate: Callable,
+    inner_tx: optax.GradientTransformation,
+    outer_tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    cfg: Config,
+    mesh,
+    seed: int = 0,
+) -> Callable:
     """step(state, batch) -> (state, metrics) for local SGD / DiLoCo (comm.local_steps = H).
 
     Every step: each replica updates its own copy with the inner optimizer on
@@ -284,8 +308,11 @@ def make_diloco_step(graphdef, accumulate: Callable, inner_tx: optax.GradientTra
         updates, new_opt = inner_tx.update(grads, opt, params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b)[None], new, old)  # noqa: E731
-        metrics = {**jax.tree.map(lambda m: jax.lax.pmean(m, AXIS), metrics),
-                   "grad_norm": jax.lax.pmean(grad_norm, AXIS), "nonfinite": ~finite}
+        metrics = {
+            **jax.tree.map(lambda m: jax.lax.pmean(m, AXIS), metrics),
+            "grad_norm": jax.lax.pmean(grad_norm, AXIS),
+            "nonfinite": ~finite,
+        }
         return keep(new_params, params), keep(new_opt, opt), metrics
 
     def sync(args):
@@ -298,14 +325,23 @@ def make_diloco_step(graphdef, accumulate: Callable, inner_tx: optax.GradientTra
     def train_step(state, batch):
         noise_key = jax.random.fold_in(jax.random.key(seed), state["step"])
         local_params, inner_opt, metrics = jax.shard_map(
-            local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(), P(AXIS), P()),
-            out_specs=(P(AXIS), P(AXIS), P()), check_vma=False)(
-            state["comm"]["local_params"], state["comm"]["inner_opt"], state["buffers"], batch, noise_key)
+            local,
+            mesh=mesh,
+            in_specs=(P(AXIS), P(AXIS), P(), P(AXIS), P()),
+            out_specs=(P(AXIS), P(AXIS), P()),
+            check_vma=False,
+        )(state["comm"]["local_params"], state["comm"]["inner_opt"], state["buffers"], batch, noise_key)
         step = state["step"] + 1
         params, opt_state, local_params = jax.lax.cond(
-            step % H == 0, sync, lambda args: args, (state["params"], state["opt_state"], local_params))
+            step % H == 0, sync, lambda args: args, (state["params"], state["opt_state"], local_params)
+        )
         metrics = {**metrics, "lr": schedule(state["step"])}
-        return {**state, "step": step, "params": params, "opt_state": opt_state,
-                "comm": {"local_params": local_params, "inner_opt": inner_opt}}, metrics
+        return {
+            **state,
+            "step": step,
+            "params": params,
+            "opt_state": opt_state,
+            "comm": {"local_params": local_params, "inner_opt": inner_opt},
+        }, metrics
 
     return train_step

@@ -23,8 +23,9 @@ def sum_drift(cfg: Config, mesh: Mesh, steps: int = 20, seed: int = 0) -> dict[b
     cfg.comm's compression on the mesh axis "data" (one seeded stream: error feedback on, then off)."""
     replicas = mesh.shape["data"]
     rng = np.random.default_rng(seed)
-    trend = sum(np.outer(rng.normal(size=SHAPE[0]), rng.normal(size=SHAPE[1])) * w
-                for w in (1.0, 0.7, 0.5)).astype(np.float32)
+    trend = sum(np.outer(rng.normal(size=SHAPE[0]), rng.normal(size=SHAPE[1])) * w for w in (1.0, 0.7, 0.5)).astype(
+        np.float32
+    )
     by_row = NamedSharding(mesh, PartitionSpec("data"))
     drift = {}
     for ef in (True, False):

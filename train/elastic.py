@@ -24,7 +24,8 @@ import dataclasses
 import pathlib
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -59,12 +60,16 @@ def read_faults(path: pathlib.Path, known: set[int]) -> list[Fault]:
             continue
         m = _LINE.match(line)
         if m is None:
-            raise ConfigError(f"train.fault_file: {path} line {n}: {line!r} is not 'DEVICE_IDS' or "
-                              f"'DEVICE_IDS @ STEP[-STEP]' (e.g. '4 5 6 7 @ 10-20'); fix the line")
+            raise ConfigError(
+                f"train.fault_file: {path} line {n}: {line!r} is not 'DEVICE_IDS' or "
+                f"'DEVICE_IDS @ STEP[-STEP]' (e.g. '4 5 6 7 @ 10-20'); fix the line"
+            )
         ids = frozenset(int(x) for x in re.split(r"[\s,]+", m[1].strip()) if x)
         if unknown := sorted(ids - known):
-            raise ConfigError(f"train.fault_file: {path} line {n} names device {unknown[0]}, which this run does "
-                              f"not have (its devices: {', '.join(map(str, sorted(known)))}); fix the id")
+            raise ConfigError(
+                f"train.fault_file: {path} line {n} names device {unknown[0]}, which this run does "
+                f"not have (its devices: {', '.join(map(str, sorted(known)))}); fix the id"
+            )
         faults.append(Fault(ids, int(m[2]) if m[2] else None, int(m[3]) if m[3] else None))
     return faults
 
@@ -84,11 +89,17 @@ def layout_for(cfg: Config, n_full: int, n_left: int) -> tuple[Config, int]:
             continue
         fsdp = full["fsdp"] if dp % full["fsdp"] == 0 else dp
         sizes = {**full, "data": dp // fsdp, "fsdp": fsdp}
-        new = cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=sizes),
-                                     "train": cfg.train.model_copy(update={"microbatches": micro * dp_full // dp})})
+        new = cfg.model_copy(
+            update={
+                "mesh": cfg.mesh.model_copy(update=sizes),
+                "train": cfg.train.model_copy(update={"microbatches": micro * dp_full // dp}),
+            }
+        )
         return new, dp * other
-    raise ConfigError(f"train.elastic: {n_left} devices left cannot hold the mesh ({other} devices per "
-                      f"data-parallel replica) with train.global_batch={batch}; the run cannot go on")
+    raise ConfigError(
+        f"train.elastic: {n_left} devices left cannot hold the mesh ({other} devices per "
+        f"data-parallel replica) with train.global_batch={batch}; the run cannot go on"
+    )
 
 
 @dataclasses.dataclass
@@ -105,8 +116,10 @@ class Elastic:
 
     def __init__(self, cfg: Config, devices: list, run_dir: pathlib.Path, say: Callable[[str], None]):
         if jax.process_count() > 1:
-            raise ConfigError("train.elastic: in-process elasticity runs in one process; with several, set "
-                              "train.elastic=false (a restart resumes on any mesh)")
+            raise ConfigError(
+                "train.elastic: in-process elasticity runs in one process; with several, set "
+                "train.elastic=false (a restart resumes on any mesh)"
+            )
         self.cfg, self.devices, self.say = cfg, list(devices), say
         self.path = pathlib.Path(cfg.train.fault_file) if cfg.train.fault_file else run_dir / "lost_devices"
         self.ids = {d.id for d in self.devices}
@@ -133,8 +146,16 @@ class Elastic:
         lost = frozenset().union(*(f.devices for f in self.faults if f.active(self.reached)))
         return None if lost == self.lost else lost
 
-    def change(self, lost: frozenset[int], trainer, state: Any, step: int, fast: FastTier | None,
-               restore_newest: Callable[[Any], tuple[int | None, Any, dict]], make_trainer: Callable) -> Change:
+    def change(
+        self,
+        lost: frozenset[int],
+        trainer,
+        state: Any,
+        step: int,
+        fast: FastTier | None,
+        restore_newest: Callable[[Any], tuple[int | None, Any, dict]],
+        make_trainer: Callable,
+    ) -> Change:
         """Moves `state` (trained to `step`) onto the devices not in `lost`, compiling the step for a new
         device set; `restore_newest(target)` reads the newest tier when no copy of this step survives."""
         t0, before = time.perf_counter(), trainer.mesh.size
@@ -173,21 +194,35 @@ class Elastic:
         back, state, progress = restore_newest(target)
         if back is None:  # nothing saved yet: the run starts over on the new mesh
             back, state, progress = 0, new.init_state(), None
-        self.say(f"warning: shards of step {step} died with devices {sorted(lost)} and no tier holds this "
-                 f"step; back to step {back}")
+        self.say(
+            f"warning: shards of step {step} died with devices {sorted(lost)} and no tier holds this "
+            f"step; back to step {back}"
+        )
         return Change(new, state, rolled_back_to=back, progress=progress)
 
     def row(self, lost: frozenset[int], trainer, seconds: float, previous: int) -> dict[str, Any]:
         """The metrics row of a change, and its say() line."""
         n = trainer.mesh.size
         alive = f"{len(self.devices) - len(lost)} of {len(self.devices)} alive"
-        reason = (f"lost devices {sorted(lost)}" if n < previous else
-                  f"devices back ({alive})" if n > previous else f"device set changed ({alive})")
+        reason = (
+            f"lost devices {sorted(lost)}"
+            if n < previous
+            else f"devices back ({alive})"
+            if n > previous
+            else f"device set changed ({alive})"
+        )
         layout = " x ".join(f"{a} {s}" for a, s in trainer.mesh.shape.items() if s > 1) or "1 device"
-        self.say(f"elastic: {reason}; now {n} devices ({layout}, {trainer.cfg.train.microbatches} microbatch(es)), "
-                 f"{seconds:.2f} s lost")
-        return {"elastic_reason": reason, "elastic_devices": n, "elastic_lost_s": seconds,
-                "elastic_mesh": dict(trainer.mesh.shape), "elastic_microbatches": trainer.cfg.train.microbatches}
+        self.say(
+            f"elastic: {reason}; now {n} devices ({layout}, {trainer.cfg.train.microbatches} microbatch(es)), "
+            f"{seconds:.2f} s lost"
+        )
+        return {
+            "elastic_reason": reason,
+            "elastic_devices": n,
+            "elastic_lost_s": seconds,
+            "elastic_mesh": dict(trainer.mesh.shape),
+            "elastic_microbatches": trainer.cfg.train.microbatches,
+        }
 
 
 def _alive_pieces(x: jax.Array, lost: frozenset[int]):
@@ -199,4 +234,3 @@ def _alive_pieces(x: jax.Array, lost: frozenset[int]):
             continue
         seen.add(idx)
         yield idx, shard.data
-

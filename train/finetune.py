@@ -30,7 +30,6 @@ from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import Checkpointer
 from meshwork.sharding.rules import Rules
 
-
 # Model keys that choose how the model runs or starts, not what it computes: a config may set
 # them beside a Hugging Face base.
 _RUNTIME_KEYS = ("attention", "init_std")
@@ -62,11 +61,16 @@ def with_base_model(cfg: Config) -> Config:
     derived = derived.model_copy(update={k: getattr(cfg.model, k) for k in _RUNTIME_KEYS})
     if (clash := _first_difference(cfg.model, derived, "model")) is not None:
         key, ours, theirs = clash
-        raise ConfigError(f"{key}: the Hugging Face base {base_dir} has {key}={theirs!r} (from its config.json), "
-                          f"not {ours!r}; drop {key} from the config, the model is read from finetune.base")
+        raise ConfigError(
+            f"{key}: the Hugging Face base {base_dir} has {key}={theirs!r} (from its config.json), "
+            f"not {ours!r}; drop {key} from the config, the model is read from finetune.base"
+        )
     raw = {**cfg.to_dict(), "model": derived.model_dump(mode="json", by_alias=True)}
-    if (cfg.data.source == "text" and getattr(cfg.data, "tokenizer", None) is None
-            and (base_dir / "tokenizer.json").is_file()):
+    if (
+        cfg.data.source == "text"
+        and getattr(cfg.data, "tokenizer", None) is None
+        and (base_dir / "tokenizer.json").is_file()
+    ):
         raw["data"] = {**raw["data"], "tokenizer": str(base_dir / "tokenizer.json")}
     return validate(raw, f"finetune.base {base_dir}")
 
@@ -95,15 +99,19 @@ def check_base(cfg: Config) -> Config | None:
         with_base_model(cfg)  # the checkpoint's own checks, and the model keys against it
         return None
     if not (base_dir / "config.yaml").is_file():
-        raise ConfigError(f"finetune.base: {base_dir} has no config.yaml; point it to a trained run's run.dir "
-                          "or a Hugging Face checkpoint folder (config.json and *.safetensors)")
+        raise ConfigError(
+            f"finetune.base: {base_dir} has no config.yaml; point it to a trained run's run.dir "
+            "or a Hugging Face checkpoint folder (config.json and *.safetensors)"
+        )
     base = load_config(base_dir / "config.yaml")
     if base.finetune.method != "none":
         raise ConfigError(f"finetune.base: {base_dir} is itself a fine-tuning run; start from the run it tuned")
     if base.model != cfg.model:
         key = next(k for k in type(cfg.model).model_fields if getattr(base.model, k) != getattr(cfg.model, k))
-        raise ConfigError(f"model.{key}: the base run {base_dir} has model.{key}={getattr(base.model, key)!r}, "
-                          f"not {getattr(cfg.model, key)!r}; fine-tuning keeps the base architecture")
+        raise ConfigError(
+            f"model.{key}: the base run {base_dir} has model.{key}={getattr(base.model, key)!r}, "
+            f"not {getattr(cfg.model, key)!r}; fine-tuning keeps the base architecture"
+        )
     if Checkpointer(base_dir / "checkpoints", every=1, keep=1, use_async=False).latest_step() is None:
         raise ConfigError(f"finetune.base: {base_dir}/checkpoints holds no checkpoint; train the base run first")
     return base
@@ -118,8 +126,12 @@ def load_base_params(cfg: Config, mesh: Mesh, rules_by_role: dict[str, Rules]) -
         base = cfg.model_copy(update={"finetune": FinetuneConfig()})
         _, params, _ = split_model(nnx.eval_shape(lambda: build_model(base)), base)
         shardings = variable_shardings(params, mesh, rules_by_role["params"])
-        _, model = load_hf_model(base_dir, shardings=shardings, dtype=DTYPES[cfg.train.compute_dtype],
-                                 param_dtype=DTYPES[cfg.train.param_dtype])
+        _, model = load_hf_model(
+            base_dir,
+            shardings=shardings,
+            dtype=DTYPES[cfg.train.compute_dtype],
+            param_dtype=DTYPES[cfg.train.param_dtype],
+        )
         return nnx.state(model, nnx.Param)
     base = load_config(base_dir / "config.yaml")
     ckpt = Checkpointer(base_dir / "checkpoints", every=1, keep=base.checkpoint.keep, use_async=False)
@@ -133,6 +145,7 @@ def load_base_params(cfg: Config, mesh: Mesh, rules_by_role: dict[str, Rules]) -
 
 def describe(cfg: Config, abstract: dict[str, Any]) -> str:
     """Start-up lines: trainable vs total parameters, and bytes of weights, gradients and Adam state."""
+
     def nbytes(tree):
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -141,10 +154,12 @@ def describe(cfg: Config, abstract: dict[str, Any]) -> str:
     total = base + (trainable if cfg.finetune.method not in ("full", "none") else 0)
     weights = nbytes(abstract["params"]) + nbytes(abstract["buffers"])
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-    return (f"finetune {cfg.finetune.method}: {trainable:,} trainable of {total:,} parameters "
-            f"({100 * trainable / total:.3f}%)\n"
-            f"  bytes: weights {mib(weights)} (frozen {mib(nbytes(abstract['buffers']))}), "
-            f"gradients {mib(nbytes(abstract['params']))}, optimizer state {mib(nbytes(abstract['opt_state']))}")
+    return (
+        f"finetune {cfg.finetune.method}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / total:.3f}%)\n"
+        f"  bytes: weights {mib(weights)} (frozen {mib(nbytes(abstract['buffers']))}), "
+        f"gradients {mib(nbytes(abstract['params']))}, optimizer state {mib(nbytes(abstract['opt_state']))}"
+    )
 
 
 def base_data_config(cfg: Config) -> Config | None:

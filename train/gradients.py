@@ -25,7 +25,8 @@ strategy for each replica's gradient, so it is chosen beside these, in `Trainer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Protocol
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,9 @@ from meshwork.train.pipeline_step import make_pipeline_value_and_grad
 class GradientStrategy(Protocol):
     stateful: ClassVar[bool]  # keeps buffers in the train state's "comm" entry
 
-    def __call__(self, params: Any, buffers: Any, batch: Batch, noise_key: jax.Array,
-                 comm: Any = None) -> tuple[dict, Any, Any]: ...
+    def __call__(
+        self, params: Any, buffers: Any, batch: Batch, noise_key: jax.Array, comm: Any = None
+    ) -> tuple[dict, Any, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +128,9 @@ def local_strategy(cfg: Config, objective: Objective) -> Plain | Microbatched:
 def gradient_strategy(cfg: Config, graphdef: nnx.GraphDef, objective: Objective, mesh) -> GradientStrategy:
     """The strategy of `cfg`: the one place that reads train.pipeline, train.microbatches and comm.*."""
     if cfg.train.pipeline != "none":
-        return Pipelined(make_pipeline_value_and_grad(graphdef, cfg.train.pipeline, cfg.train.microbatches,
-                                                      cfg.train.virtual_stages))
+        return Pipelined(
+            make_pipeline_value_and_grad(graphdef, cfg.train.pipeline, cfg.train.microbatches, cfg.train.virtual_stages)
+        )
     local = local_strategy(cfg, objective)
     if cfg.comm.compression != "none" or cfg.comm.stale_gradients:
         return Reduced(local, make_comm_gradients(replica_gradient(local), cfg, mesh))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,8 +35,20 @@ class StepLogger:
     elsewhere (a pipe, a log file, a notebook) a line is printed every
     ~1/LINES_PER_RUN of the run, at each evaluation and at the last step."""
 
-    def __init__(self, cfg: Config, writer: MetricsWriter, flops_per_step: float, items_per_step: int, unit: str,
-                 *, start: int, last: int, enabled: bool, n_devices: int, live: Callable[[], dict] = dict):
+    def __init__(
+        self,
+        cfg: Config,
+        writer: MetricsWriter,
+        flops_per_step: float,
+        items_per_step: int,
+        unit: str,
+        *,
+        start: int,
+        last: int,
+        enabled: bool,
+        n_devices: int,
+        live: Callable[[], dict] = dict,
+    ):
         self.cfg, self.writer, self.last, self.live, self.n_devices = cfg, writer, last, live, n_devices
         self.unit, self.items_per_step, self.flops_per_step = unit, items_per_step, flops_per_step
         self.peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
@@ -91,11 +104,25 @@ class StepLogger:
         self.t_last, self.steps_since = now, 0
         tflops = self.flops_per_step / step_time / self.n_devices / 1e12
         extra = self.extra.pop(step, {})
-        self.writer.write(step, {**m, "step_time_s": step_time, f"{self.unit}_per_s": self.items_per_step / step_time,
-                                 "tflops_per_device": tflops, "mfu": tflops * 1e12 / self.peak, **self.live(), **host,
-                                 **extra})
-        if self.lines and (step % self.line_every == 0 or step == self.last or "val_loss" in extra
-                           or now - self.t_line >= LINE_AT_LEAST_EVERY_S):
+        self.writer.write(
+            step,
+            {
+                **m,
+                "step_time_s": step_time,
+                f"{self.unit}_per_s": self.items_per_step / step_time,
+                "tflops_per_device": tflops,
+                "mfu": tflops * 1e12 / self.peak,
+                **self.live(),
+                **host,
+                **extra,
+            },
+        )
+        if self.lines and (
+            step % self.line_every == 0
+            or step == self.last
+            or "val_loss" in extra
+            or now - self.t_line >= LINE_AT_LEAST_EVERY_S
+        ):
             self.t_line = now
             say(self.progress_line(step, m, step_time, extra, now))
         elif "val_loss" in extra and not self.pbar.disable:

@@ -1,8 +1,8 @@
 """The training loop: validate, build the mesh, init or resume, step, log, save.
 
-    from meshwork.config import load_config
-    from meshwork.train.loop import train
-    summary = train(load_config("configs/lm_tiny.yaml", ["train.steps=50"]))
+from meshwork.config import load_config
+from meshwork.train.loop import train
+summary = train(load_config("configs/lm_tiny.yaml", ["train.steps=50"]))
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from meshwork.train.run_dir import (
 )
 from meshwork.train.state import param_count
 from meshwork.train.task import make_task
-from meshwork.train.trainer import Trainer, build_trainer, check_fits, check_runtime, trainer_on
 from meshwork.train.terminal import say as say_through_bar
 from meshwork.train.terminal import startup_lines
+from meshwork.train.trainer import Trainer, build_trainer, check_fits, check_runtime, trainer_on
 
 
 def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = False) -> dict[str, Any]:
@@ -70,20 +70,31 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     lock = RunDirLock(run_dir)
     # Signals are caught from here on, so SIGTERM or Ctrl-C during the compile or the restore ends
     # with the documented status too (a dry run writes nothing and is simply interrupted).
-    with (contextlib.nullcontext() if dry_run else PreemptionGuard()) as guard:
+    with contextlib.nullcontext() if dry_run else PreemptionGuard() as guard:
         try:
             return _train(cfg, task, devices, dry_run, clock, run_dir, lock, is_main, say, guard)
         except OSError as e:  # metrics, manifests, samples: the run dir's storage gave out
             if (problem := storage_problem(e)) is None:
                 raise
-            raise StorageFull(storage_full_message(run_dir / "checkpoints", problem,
-                                                   f"writing {e.filename or 'to the run dir'}")) from None
+            raise StorageFull(
+                storage_full_message(run_dir / "checkpoints", problem, f"writing {e.filename or 'to the run dir'}")
+            ) from None
         finally:
             lock.release()
 
 
-def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pathlib.Path, lock: RunDirLock,
-           is_main: bool, say, guard: PreemptionGuard | None) -> dict[str, Any]:
+def _train(
+    cfg: Config,
+    task,
+    devices,
+    dry_run,
+    clock: GoodputClock,
+    run_dir: pathlib.Path,
+    lock: RunDirLock,
+    is_main: bool,
+    say,
+    guard: PreemptionGuard | None,
+) -> dict[str, Any]:
     start, changes = None, {}
     taken = False  # take_run_dir has run: the same on every process, where lock.held is process 0's alone
     if not dry_run:
@@ -95,8 +106,10 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
             taken = True
         start, changes = check_checkpoints(cfg, run_dir)
         if start is not None and start >= cfg.train.steps:
-            say(f"already at step {start} of train.steps={cfg.train.steps}; nothing to train (raise train.steps "
-                f"to train further)")
+            say(
+                f"already at step {start} of train.steps={cfg.train.steps}; nothing to train (raise train.steps "
+                f"to train further)"
+            )
             return _nothing_run(run_dir, start, clock, preempted=False)
     # A fault file that names devices this run lacks is refused before the compile.
     elastic = Elastic(cfg, devices or jax.devices(), run_dir, say) if cfg.train.elastic and not dry_run else None
@@ -126,8 +139,16 @@ def _train(cfg: Config, task, devices, dry_run, clock: GoodputClock, run_dir: pa
 
 def _nothing_run(run_dir: pathlib.Path, start: int | None, clock: GoodputClock, preempted: bool) -> dict[str, Any]:
     """The summary of an invocation that trained no step."""
-    return {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": preempted,
-            "nonfinite_steps": [], "goodput": clock.breakdown(), "last_step": start or 0, "state": None}
+    return {
+        "run_dir": str(run_dir),
+        "resumed_from": start,
+        "val_loss": {},
+        "preempted": preempted,
+        "nonfinite_steps": [],
+        "goodput": clock.breakdown(),
+        "last_step": start or 0,
+        "state": None,
+    }
 
 
 def _announce(trainer: Trainer, cfg: Config, dry_run, start: int | None, run_dir: pathlib.Path, say) -> None:
@@ -136,23 +157,40 @@ def _announce(trainer: Trainer, cfg: Config, dry_run, start: int | None, run_dir
         return
     total = param_count(trainer.abstract)
     active = f", {param_counts(cfg.model)['activated']:,} activated per token" if trainer.task.name == "lm" else ""
-    model = (f"{cfg.model.kind} model: {total:,} parameters{active}" if cfg.finetune.method == "none"
-             else describe(cfg, trainer.abstract))
+    model = (
+        f"{cfg.model.kind} model: {total:,} parameters{active}"
+        if cfg.finetune.method == "none"
+        else describe(cfg, trainer.abstract)
+    )
     for line in startup_lines(trainer, model, start=start, run_dir=run_dir) if not dry_run else [model]:
         say(line)
     say("compiling the train step...")
 
 
-def _run(cfg: Config, trainer: Trainer, elastic: Elastic | None, clock: GoodputClock, run_dir: pathlib.Path,
-         is_main: bool, say, guard: PreemptionGuard) -> dict[str, Any]:
+def _run(
+    cfg: Config,
+    trainer: Trainer,
+    elastic: Elastic | None,
+    clock: GoodputClock,
+    run_dir: pathlib.Path,
+    is_main: bool,
+    say,
+    guard: PreemptionGuard,
+) -> dict[str, Any]:
     """Opens the checkpoint tiers and the data, restores or initializes, trains, closes."""
     ckpt = open_checkpoints(cfg, run_dir, say)
     fast = open_fast_tier(cfg)
     start, snapshot = newest_tier(cfg, ckpt, fast, say)
     data_iter = trainer.task.train_iterator()
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "resumed_from": start, "val_loss": {}, "preempted": False,
-                               "nonfinite_steps": [], "restored_tier": "fast" if snapshot is not None else
-                               ("persistent" if start is not None else None), "elastic": []}
+    summary: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "resumed_from": start,
+        "val_loss": {},
+        "preempted": False,
+        "nonfinite_steps": [],
+        "restored_tier": "fast" if snapshot is not None else ("persistent" if start is not None else None),
+        "elastic": [],
+    }
     run = Run(cfg, run_dir, say, is_main, clock, ckpt, fast, data_iter, data_iter.get_state(), set(), summary)
     val_set = trainer.task.eval_batches()
     base_data = base_data_config(cfg)
@@ -169,15 +207,29 @@ def _run(cfg: Config, trainer: Trainer, elastic: Elastic | None, clock: GoodputC
         say(f"evaluating step 0 ({len(val_set)} validation batches)...")
         run.writer.write(0, evaluation.evaluate(trainer, state, 0))
     last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    run.logger = StepLogger(cfg, run.writer, trainer.task.flops_per_step(trainer.step_fn, trainer.mesh.size),
-                            trainer.task.items_per_step(), trainer.task.unit, start=start or 0, last=last,
-                            enabled=is_main, n_devices=trainer.mesh.size, live=lambda: {"goodput": clock.goodput()})
+    run.logger = StepLogger(
+        cfg,
+        run.writer,
+        trainer.task.flops_per_step(trainer.step_fn, trainer.mesh.size),
+        trainer.task.items_per_step(),
+        trainer.task.unit,
+        start=start or 0,
+        last=last,
+        enabled=is_main,
+        n_devices=trainer.mesh.size,
+        live=lambda: {"goodput": clock.goodput()},
+    )
     nonfinite = NonFiniteGuard(run)
     # Hooks that look at the new state come before the loop asks whether a signal ended the run;
     # those that keep it or move it come after, and see whether this step is the last.
     observers = [evaluation, Samples(run)]
-    keepers = [GoodputRow(run), PersistentCheckpoint(run, schedule, nonfinite), FastCheckpoint(run, last),
-               *([ElasticChange(run, elastic, trainer_on)] if elastic else []), Preemption(run)]
+    keepers = [
+        GoodputRow(run),
+        PersistentCheckpoint(run, schedule, nonfinite),
+        FastCheckpoint(run, last),
+        *([ElasticChange(run, elastic, trainer_on)] if elastic else []),
+        Preemption(run),
+    ]
     state, step = _loop(run, trainer, state, start or 0, last, nonfinite, observers, keepers, guard)
     run.logger.close()
     with clock.phase("checkpoint"):
@@ -191,8 +243,17 @@ def _run(cfg: Config, trainer: Trainer, elastic: Elastic | None, clock: GoodputC
     return summary
 
 
-def _loop(run: Run, trainer: Trainer, state: Any, step: int, last: int, nonfinite: NonFiniteGuard,
-          observers: list[Hook], keepers: list[Hook], guard: PreemptionGuard) -> tuple[Any, int]:
+def _loop(
+    run: Run,
+    trainer: Trainer,
+    state: Any,
+    step: int,
+    last: int,
+    nonfinite: NonFiniteGuard,
+    observers: list[Hook],
+    keepers: list[Hook],
+    guard: PreemptionGuard,
+) -> tuple[Any, int]:
     """Steps until `last` or a preemption signal; after each, the hooks in order (train/hooks/)."""
     while step < last:
         step += 1

@@ -20,7 +20,8 @@ statistics come back per microbatch and layer, reassembled in model order
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshwork.config_sections import LayerRun, chunk_runs
-from meshwork.objectives.next_token import token_cross_entropy
 from meshwork.models.transformer import apply_layers
-from meshwork.sharding.pipeline import pipeline_value_and_grad
+from meshwork.objectives.next_token import token_cross_entropy
 from meshwork.sharding.parallel import current_rules
+from meshwork.sharding.pipeline import pipeline_value_and_grad
 from meshwork.sharding.rules import Rules, logical_to_spec, split_axes
 
 Batch = dict[str, jax.Array]
@@ -73,6 +74,7 @@ def stage_layout(blocks: nnx.State, n_stages: int, virtual_stages: int = 1) -> n
             a = jax.lax.with_sharding_constraint(a, PartitionSpec(None, "stage", *rest))
             a = jax.lax.with_sharding_constraint(a, PartitionSpec("stage", None, *rest))
         return a
+
     return jax.tree.map(chunks, blocks)
 
 
@@ -80,19 +82,25 @@ def stage_specs(blocks: nnx.State, rules: Rules, axis_name: str = "stage", virtu
     """PartitionSpecs of `stage_layout(blocks, ...)`: `axis_name` on the new leading stage
     dimension, the inner dimensions split as the rules split the block's own (e.g. `embed`
     over `fsdp`), so the executor keeps its float32 gradient accumulators sharded that way."""
+
     def spec(var):
-        inner = [None if a == axis_name or (isinstance(a, tuple) and axis_name in a) else a
-                 for a in _mesh_spec(var, rules)[1:]]  # [0] is `layers`, now cut into stages
+        inner = [
+            None if a == axis_name or (isinstance(a, tuple) and axis_name in a) else a
+            for a in _mesh_spec(var, rules)[1:]
+        ]  # [0] is `layers`, now cut into stages
         # (P, L/P, ...) or (P, v, L/(P v), ...): the layers within a stage (and its chunks) unsplit.
         return var.replace(PartitionSpec(axis_name, *([None] * (1 if virtual_stages == 1 else 2)), *inner))
+
     return jax.tree.map(spec, blocks, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def head_specs(tree: Any, rules: Rules, axis_name: str = "stage") -> Any:
     """PartitionSpecs of replicated-over-stages params (embedding, final norm, LM head) under `rules`."""
+
     def spec(var):
         axes = [None if a == axis_name else a for a in _mesh_spec(var, rules)]
         return var.replace(PartitionSpec(*axes))
+
     return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -105,9 +113,13 @@ def data_axes(rules: Rules, mesh_shape: dict[str, int], specs: Any) -> tuple[str
     >>> data_axes(rules_for("fsdp+pp"), {"stage": 2, "data": 2, "fsdp": 2}, [PartitionSpec("stage", "fsdp")])
     ('data',)
     """
-    used = {a for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-            if isinstance(spec, PartitionSpec) for entry in spec
-            for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))}
+    used = {
+        a
+        for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        if isinstance(spec, PartitionSpec)
+        for entry in spec
+        for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))
+    }
     return tuple(a for a in split_axes("act_batch", rules, mesh_shape) if a not in used)
 
 
@@ -117,8 +129,9 @@ def model_runs(model: nnx.Module) -> tuple[LayerRun, ...]:
     return getattr(model, "runs", None) or (LayerRun("blocks", False, 0, model.cfg.n_layers),)
 
 
-def _gather_chunk_run(states: dict[str, nnx.State], runs: tuple[LayerRun, ...], piece: LayerRun,
-                      n_chunks: int, per_chunk: int) -> nnx.State:
+def _gather_chunk_run(
+    states: dict[str, nnx.State], runs: tuple[LayerRun, ...], piece: LayerRun, n_chunks: int, per_chunk: int
+) -> nnx.State:
     """Chunk-run `piece` of every chunk, stacked (n_chunks * piece.count, ...) in model order,
     sliced from the model's runs (a chunk's run lies inside one model run)."""
     if len(runs) == 1:  # one stack of layers (the dense model, an all-MoE one): already in this form
@@ -128,14 +141,15 @@ def _gather_chunk_run(states: dict[str, nnx.State], runs: tuple[LayerRun, ...], 
         first = c * per_chunk + piece.start
         run = _run_at(runs, first)
         lo = first - run.start
-        slices.append(jax.tree.map(lambda a, lo=lo: a[lo:lo + piece.count], states[run.name]))
+        slices.append(jax.tree.map(lambda a, lo=lo: a[lo : lo + piece.count], states[run.name]))
     if len(slices) == 1:
         return slices[0]
     return jax.tree.map(lambda *parts: jnp.concatenate(parts), *slices)
 
 
-def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches: int,
-                                 virtual_stages: int = 1) -> Callable:
+def make_pipeline_value_and_grad(
+    graphdef: nnx.GraphDef, kind: str, microbatches: int, virtual_stages: int = 1
+) -> Callable:
     """(params, buffers, batch) -> (loss, metrics, grads) with the layers pipelined over the mesh axis `stage`.
 
     The parameters' PartitionSpecs under the rules being traced with (`use_rules`) go to the
@@ -146,8 +160,9 @@ def make_pipeline_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches
     return functools.partial(_pipelined_value_and_grad, graphdef, kind, microbatches, virtual_stages)
 
 
-def _pipelined_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches: int, v: int, params, buffers,
-                              batch: Batch):
+def _pipelined_value_and_grad(
+    graphdef: nnx.GraphDef, kind: str, microbatches: int, v: int, params, buffers, batch: Batch
+):
     model = nnx.merge(graphdef, params, buffers)
     emb_g, emb_s = nnx.split(model.embed)
     head_g, head_s = nnx.split(model.head)
@@ -157,8 +172,10 @@ def _pipelined_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches: i
     runs = model_runs(model)
     pieces = chunk_runs(runs, P * v)
     if pieces is None:
-        raise ValueError(f"pipeline: the layers {[(r.name, r.count) for r in runs]} do not cut into "
-                         f"{P * v} chunks of one dense/MoE pattern; every stage runs one program")
+        raise ValueError(
+            f"pipeline: the layers {[(r.name, r.count) for r in runs]} do not cut into "
+            f"{P * v} chunks of one dense/MoE pattern; every stage runs one program"
+        )
     per_chunk = model.cfg.n_layers // (P * v)
     graphdefs, states = {}, {}
     for run in runs:
@@ -186,8 +203,18 @@ def _pipelined_value_and_grad(graphdef: nnx.GraphDef, kind: str, microbatches: i
     head_params = {"head": head_s, "embed": emb_s if tied else None}
     layout = _executor_layout(states, runs, pieces, head_params, mesh_shape, v)
     values, (d_stages, d_head, d_x_M) = pipeline_value_and_grad(
-        stage_fn, loss_fn, stages, head_params, x_M, targets_M, schedule=kind, virtual_stages=v,
-        context_M=context_M, has_aux=bool(n_moe), **layout)
+        stage_fn,
+        loss_fn,
+        stages,
+        head_params,
+        x_M,
+        targets_M,
+        schedule=kind,
+        virtual_stages=v,
+        context_M=context_M,
+        has_aux=bool(n_moe),
+        **layout,
+    )
     (d_embed,) = embed_vjp(d_x_M)
     if tied:  # the table is both the input embedding and the output projection
         d_embed = jax.tree.map(jnp.add, d_embed, d_head["embed"])
@@ -229,9 +256,10 @@ def _executor_layout(states, runs, pieces, head_params, mesh_shape: dict[str, in
     rules, layout = current_rules(), {}
     if rules is None:
         return layout
-    layout = dict(stage_specs={p.name: stage_specs(states[_run_at(runs, p.start).name], rules, "stage", v)
-                               for p in pieces},
-                  head_specs=head_specs(head_params, rules))
+    layout = dict(
+        stage_specs={p.name: stage_specs(states[_run_at(runs, p.start).name], rules, "stage", v) for p in pieces},
+        head_specs=head_specs(head_params, rules),
+    )
     layout["data_axes"] = data_axes(rules, mesh_shape, tuple(layout.values()))
     # Context parallelism: each stage holds its share of every row's tokens (ring attention).
     layout["seq_axes"] = split_axes("act_seq", rules, mesh_shape)
@@ -242,8 +270,14 @@ def _params_tree(params, d_embed, d_head, d_runs):
     """The pieces' gradients reassembled into the parameters' own tree (same Variables, same
     metadata); the routers' biases are not trained, their gradients (zero) are dropped."""
     grads = jax.tree.map(jnp.zeros_like, params)
-    nnx.replace_by_pure_dict(grads, {"embed": nnx.to_pure_dict(d_embed), "head": nnx.to_pure_dict(d_head),
-                                     **{k: nnx.to_pure_dict(d.filter(nnx.Param)) for k, d in d_runs.items()}})
+    nnx.replace_by_pure_dict(
+        grads,
+        {
+            "embed": nnx.to_pure_dict(d_embed),
+            "head": nnx.to_pure_dict(d_head),
+            **{k: nnx.to_pure_dict(d.filter(nnx.Param)) for k, d in d_runs.items()},
+        },
+    )
     return grads
 
 

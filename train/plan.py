@@ -30,13 +30,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=5, help="with --search: how many layouts to list")
     p.add_argument("--out", help="with --search: write the best layout as a config YAML here")
     p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s the matmuls reach")
-    p.add_argument("--overlap", type=float, default=0.5, help="fraction of gradient/weight traffic hidden under compute")
-    p.add_argument("--algorithm", default="auto", choices=("auto", "ring", "tree", "hierarchical"),
-                   help="collective algorithm (auto: fastest per collective)")
-    p.add_argument("--accounting", default="meshwork", choices=("meshwork", "mixed"),
-                   help="state bytes: meshwork (param_dtype everywhere) or mixed (ZeRO's 2+2+12 per parameter)")
-    p.add_argument("--grad-sync", default="per_microbatch", choices=("per_microbatch", "per_step"),
-                   help="when gradients are reduced: per microbatch (meshwork) or once per step")
+    p.add_argument(
+        "--overlap", type=float, default=0.5, help="fraction of gradient/weight traffic hidden under compute"
+    )
+    p.add_argument(
+        "--algorithm",
+        default="auto",
+        choices=("auto", "ring", "tree", "hierarchical"),
+        help="collective algorithm (auto: fastest per collective)",
+    )
+    p.add_argument(
+        "--accounting",
+        default="meshwork",
+        choices=("meshwork", "mixed"),
+        help="state bytes: meshwork (param_dtype everywhere) or mixed (ZeRO's 2+2+12 per parameter)",
+    )
+    p.add_argument(
+        "--grad-sync",
+        default="per_microbatch",
+        choices=("per_microbatch", "per_step"),
+        help="when gradients are reduced: per microbatch (meshwork) or once per step",
+    )
     p.add_argument("--json", action="store_true", help="print the plan(s) as one JSON object")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     return p.parse_intermixed_args(argv)
@@ -46,8 +60,10 @@ def _check(args: argparse.Namespace) -> None:
     if args.devices < 1:
         raise ConfigError(f"--devices {args.devices}: give a positive number of accelerators")
     if args.nodes is not None and (args.nodes < 1 or args.devices % args.nodes):
-        raise ConfigError(f"--devices {args.devices} cannot be split evenly over --nodes {args.nodes}; "
-                          "use a node count that divides the device count")
+        raise ConfigError(
+            f"--devices {args.devices} cannot be split evenly over --nodes {args.nodes}; "
+            "use a node count that divides the device count"
+        )
     if not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency {args.efficiency}: give a fraction of peak in (0, 1]")
     if not 0 <= args.overlap <= 1:
@@ -70,8 +86,13 @@ def main(argv: list[str]) -> int:
         except ConfigError as e:  # name the flag, as every other error here does
             raise ConfigError(f"--hardware: {e}") from None
         dpn = args.devices // args.nodes if args.nodes else None
-        options = PlanOptions(efficiency=args.efficiency, overlap=args.overlap, algorithm=args.algorithm,
-                              accounting=args.accounting, comm=CommOptions(grad_sync=args.grad_sync))
+        options = PlanOptions(
+            efficiency=args.efficiency,
+            overlap=args.overlap,
+            algorithm=args.algorithm,
+            accounting=args.accounting,
+            comm=CommOptions(grad_sync=args.grad_sync),
+        )
         return _search(cfg, hw, args, dpn, options) if args.search else _plan_one(cfg, hw, args, dpn, options)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -95,28 +116,33 @@ def _search(cfg, hw, args, dpn, options) -> int:
 
     plans, stats = search(cfg, hw, args.devices, dpn, options)
     if not plans:
-        print(f"error: none of {stats['considered']} layouts of {cfg.run.name} fits in "
-              f"{args.devices} x {hw.name}; add devices, shrink train.global_batch or use a larger accelerator",
-              file=sys.stderr)
+        print(
+            f"error: none of {stats['considered']} layouts of {cfg.run.name} fits in "
+            f"{args.devices} x {hw.name}; add devices, shrink train.global_batch or use a larger accelerator",
+            file=sys.stderr,
+        )
         return 1
     best = plans[0]
     reasons = explain(best, plans[1:])
     if args.json:
-        print(json.dumps({"stats": stats, "reasons": reasons, "plans": [p.to_dict() for p in plans[:args.top]]}))
+        print(json.dumps({"stats": stats, "reasons": reasons, "plans": [p.to_dict() for p in plans[: args.top]]}))
     else:
         nodes = describe_nodes(-(-args.devices // best.devices_per_node), best.devices_per_node)
-        print(f"{cfg.run.name} on {args.devices} x {hw.name} ({nodes}): "
-              f"{stats['considered']:,} layouts, {stats['invalid']:,} impossible for this model, "
-              f"{stats['too_big']:,} too big, {stats['fit']:,} fit")
+        print(
+            f"{cfg.run.name} on {args.devices} x {hw.name} ({nodes}): "
+            f"{stats['considered']:,} layouts, {stats['invalid']:,} impossible for this model, "
+            f"{stats['too_big']:,} too big, {stats['fit']:,} fit"
+        )
         print(f"{'#':>2}  {'step s':>8}  {'MFU':>6}  {'GB/dev':>7}  layout")
-        for i, p in enumerate(plans[:args.top], 1):
+        for i, p in enumerate(plans[: args.top], 1):
             print(f"{i:>2}  {p.step_time:8.3f}  {p.mfu:6.1%}  {p.memory['total'] / 1e9:7.1f}  {p.layout.describe()}")
         print("why:")
         print("\n".join(f"  {line}" for line in reasons))
         print("\n" + format_plan(best))
     if args.out:
-        write_config(cfg, best.layout, args.out, [f"planned by python -m train.plan for {args.devices} x {hw.name}",
-                                                   *reasons])
+        write_config(
+            cfg, best.layout, args.out, [f"planned by python -m train.plan for {args.devices} x {hw.name}", *reasons]
+        )
         print(f"wrote {args.out}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

@@ -43,7 +43,7 @@ class PreemptionGuard:
         self._calls = 0  # should_stop calls in this invocation: JAX's preemption sync counter
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "PreemptionGuard":
+    def __enter__(self) -> PreemptionGuard:
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -64,7 +64,9 @@ class PreemptionGuard:
         self.signal = signum
         from meshwork.train.terminal import say  # clears a progress bar first, so the line stands alone
 
-        say(f"{signal.Signals(signum).name}: saving a checkpoint after the current step (send it again to exit at once)")
+        say(
+            f"{signal.Signals(signum).name}: saving a checkpoint after the current step (send it again to exit at once)"
+        )
 
     def should_stop(self, step: int) -> bool:
         """Whether to checkpoint `step` and stop; call once per step boundary, on every process."""

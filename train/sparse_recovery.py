@@ -1,7 +1,7 @@
 """Recovery fine-tuning of a pruned model: train with the sparsity pattern held fixed.
 
-    params, masks = prune_model(model, "2:4")               # meshwork.models.sparsity
-    params, losses = recover(cfg, params, masks)            # the kept weights retrain, the zeros stay
+params, masks = prune_model(model, "2:4")               # meshwork.models.sparsity
+params, losses = recover(cfg, params, masks)            # the kept weights retrain, the zeros stay
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from meshwork.models.sparsity import apply_masks
 from meshwork.train.trainer import build_trainer, check_runtime
 
 
-def recover(cfg, params: nnx.State, masks: dict, *, devices: list | None = None,
-            log=None) -> tuple[nnx.State, list[float]]:
+def recover(
+    cfg, params: nnx.State, masks: dict, *, devices: list | None = None, log=None
+) -> tuple[nnx.State, list[float]]:
     """Fine-tunes pruned `params` for `cfg.train.steps` steps of `cfg`'s training (its data,
     optimizer and schedule: set a small `optimizer.lr`), with the masks re-applied after every
     optimizer step so the pruned weights stay zero. Returns (params, the training losses).
@@ -28,7 +29,8 @@ def recover(cfg, params: nnx.State, masks: dict, *, devices: list | None = None,
     state = trainer.init_state()
     # A copy (may_alias=False): the step donates the state, which must not delete the caller's params.
     state["params"] = jax.tree.map(
-        lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding, may_alias=False), params, state["params"])
+        lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding, may_alias=False), params, state["params"]
+    )
     masks = jax.device_put(masks, NamedSharding(trainer.mesh, PartitionSpec()))
     mask_fn = jax.jit(apply_masks, donate_argnums=0)
     state["params"] = mask_fn(state["params"], masks)

@@ -52,10 +52,12 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules], offlo
     layers' parameters ("blocks") to pinned host memory; only the memory kind
     changes, so offload composes with every preset.
     """
-    shardings = {"step": tree_shardings(None, mesh, rules["params"]),
-                 "params": variable_shardings(abstract["params"], mesh, rules["params"]),
-                 "buffers": variable_shardings(abstract["buffers"], mesh, rules["params"]),
-                 "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"])}
+    shardings = {
+        "step": tree_shardings(None, mesh, rules["params"]),
+        "params": variable_shardings(abstract["params"], mesh, rules["params"]),
+        "buffers": variable_shardings(abstract["buffers"], mesh, rules["params"]),
+        "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"]),
+    }
     if "ema" in abstract:
         shardings["ema"] = shardings["params"]
     if offload is not None and offload.optimizer:
@@ -68,8 +70,9 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules], offlo
     return shardings
 
 
-def init_state(cfg: Config, tx: optax.GradientTransformation, shardings: Any,
-               base_params: nnx.State | None = None) -> dict[str, Any]:
+def init_state(
+    cfg: Config, tx: optax.GradientTransformation, shardings: Any, base_params: nnx.State | None = None
+) -> dict[str, Any]:
     """Initializes directly into `shardings`: each device computes only its shards.
 
     `base_params`: a trained run's weights to start from (fine-tuning), already placed.

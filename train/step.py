@@ -7,7 +7,8 @@ task (train/task.py, meshwork.objectives).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,17 @@ from meshwork.partitioning import to_device_memory
 from meshwork.train.gradients import GradientStrategy
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    gradients: GradientStrategy, *, seed: int = 0, grad_shardings: Any = None,
-                    ema_decay: float | None = None,
-                    inject_nan_at: tuple[int, ...] = ()) -> Callable[[dict, Batch], tuple[dict, dict]]:
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    gradients: GradientStrategy,
+    *,
+    seed: int = 0,
+    grad_shardings: Any = None,
+    ema_decay: float | None = None,
+    inject_nan_at: tuple[int, ...] = (),
+) -> Callable[[dict, Batch], tuple[dict, dict]]:
     """Returns step(state, batch) -> (state, metrics); jit it with shardings and donation.
 
     `gradients` (train/gradients.py: plain, microbatched, pipelined, or reduced by hand with
@@ -37,6 +45,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     (train.on_nan). `inject_nan_at` makes the loss and gradients of those
     steps (1-based, as logged) NaN, to test that handling.
     """
+
     def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
         # Noise (e.g. noisy top-k routing) is a pure function of the step, so a
         # resumed run draws exactly what an uninterrupted one would.
@@ -57,8 +66,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
 
         # What a step may change besides its counter: `update` computes these, `keep` returns them as they were.
-        changed = ("params", "buffers", "opt_state", *(("comm",) if gradients.stateful else ()),
-                   *(("ema",) if ema_decay else ()))
+        changed = (
+            "params",
+            "buffers",
+            "opt_state",
+            *(("comm",) if gradients.stateful else ()),
+            *(("ema",) if ema_decay else ()),
+        )
 
         def update(_):
             new = _updated(graphdef, tx, ema_decay, state, grads, metrics)
@@ -85,16 +99,23 @@ def make_eval_step(objective: Objective) -> Callable[[Any, Any, Batch], jax.Arra
     return lambda params, buffers, batch: objective(params, buffers, batch)[1]["loss"]
 
 
-def _updated(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ema_decay: float | None, state: dict,
-             grads: Any, metrics: dict) -> dict:
+def _updated(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    ema_decay: float | None,
+    state: dict,
+    grads: Any,
+    metrics: dict,
+) -> dict:
     """The optimizer's update of `state`: new params and opt_state, the buffers models update from
     the step's statistics (MoE routers' biases), and the EMA of the weights if there is one."""
     with jax.named_scope("optimizer"):  # the scope profiles group by (perf/step_profile.py)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
     model = nnx.merge(graphdef, params, state["buffers"])
-    buffers = model.updated_buffers(state["buffers"], metrics) if hasattr(model, "updated_buffers") \
-        else state["buffers"]
+    buffers = (
+        model.updated_buffers(state["buffers"], metrics) if hasattr(model, "updated_buffers") else state["buffers"]
+    )
     new = {"params": params, "buffers": buffers, "opt_state": opt_state}
     if ema_decay:  # weights averaged over steps: what diffusion samples with
         new["ema"] = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, state["ema"], params)

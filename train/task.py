@@ -139,23 +139,30 @@ def _lm_task(cfg: Config) -> LMTask:
     if cfg.data.source == "text":
         return _text_task(cfg)
     if cfg.data.source != "tokens":
-        raise ConfigError(f"data.source: {cfg.data.source} is image data; a language model reads stdlib, "
-                          "stdlib_docs, tokens or text")
+        raise ConfigError(
+            f"data.source: {cfg.data.source} is image data; a language model reads stdlib, stdlib_docs, tokens or text"
+        )
     files = {}
     for key in ("train_path", "val_path"):
         path = pathlib.Path(getattr(cfg.data, key)).expanduser()
         if not path.is_file():
             raise ConfigError(f"data.{key}: file not found: {path}; point it to a uint16 token file (.bin)")
         if path.stat().st_size % np.dtype(data_lib.TOKEN_DTYPE).itemsize:
-            raise ConfigError(f"data.{key}: {path} has an odd number of bytes, so it is not a uint16 token file; "
-                              "write the token ids with np.asarray(ids, np.uint16).tofile(path)")
+            raise ConfigError(
+                f"data.{key}: {path} has an odd number of bytes, so it is not a uint16 token file; "
+                "write the token ids with np.asarray(ids, np.uint16).tofile(path)"
+            )
         if path.stat().st_size < 2 * (cfg.data.seq_len + 1):
-            raise ConfigError(f"data.{key}: {path} holds fewer than {cfg.data.seq_len + 1} tokens; "
-                              f"use a larger file or a smaller data.seq_len")
+            raise ConfigError(
+                f"data.{key}: {path} holds fewer than {cfg.data.seq_len + 1} tokens; "
+                f"use a larger file or a smaller data.seq_len"
+            )
         top = data_lib.max_token_id(path)  # the whole file: a bad id at its end would crash mid-run
         if top >= cfg.model.vocab_size:
-            raise ConfigError(f"data.{key}: token id {top} in {path} is out of range for "
-                              f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
+            raise ConfigError(
+                f"data.{key}: token id {top} in {path} is out of range for "
+                f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size"
+            )
         files[key] = path
     _check_eval_windows(cfg, files["val_path"], "data.val_path")
     return LMTask(cfg, files["train_path"], files["val_path"])
@@ -163,21 +170,28 @@ def _lm_task(cfg: Config) -> LMTask:
 
 def _text_task(cfg: Config) -> PackedLMTask:
     d, L = cfg.data, cfg.data.seq_len
-    corpus = user_text.text_corpus(d.text_files, tokenizer=d.tokenizer, text_field=d.text_field,
-                                   val_fraction=d.val_fraction, cache_dir=d.cache_dir)
+    corpus = user_text.text_corpus(
+        d.text_files, tokenizer=d.tokenizer, text_field=d.text_field, val_fraction=d.val_fraction, cache_dir=d.cache_dir
+    )
     if corpus.max_id >= cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer: token id {corpus.max_id} of the text ({corpus.tokenizer}) is out of "
-                          f"range for model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to the "
-                          f"tokenizer's {corpus.vocab_size} (or more)")
+        raise ConfigError(
+            f"data.tokenizer: token id {corpus.max_id} of the text ({corpus.tokenizer}) is out of "
+            f"range for model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to the "
+            f"tokenizer's {corpus.vocab_size} (or more)"
+        )
     if len(user_text.PackedWindows(corpus.train, L)) == 0:
-        raise ConfigError(f"data.text_files: the training split holds {corpus.train.n_tokens} tokens, not one "
-                          f"window of data.seq_len+1={L + 1}; add text, or lower data.seq_len or data.val_fraction")
+        raise ConfigError(
+            f"data.text_files: the training split holds {corpus.train.n_tokens} tokens, not one "
+            f"window of data.seq_len+1={L + 1}; add text, or lower data.seq_len or data.val_fraction"
+        )
     have, need = len(user_text.PackedWindows(corpus.val, L)), cfg.train.global_batch * cfg.log.eval_batches
     if have < need:
-        raise ConfigError(f"data.val_fraction: {d.val_fraction} of the text is {corpus.val.n_documents} document(s), "
-                          f"{have} windows of data.seq_len+1={L + 1} tokens, but evaluation takes "
-                          f"train.global_batch x log.eval_batches = {need}; raise data.val_fraction, add text, "
-                          "or lower log.eval_batches or data.seq_len")
+        raise ConfigError(
+            f"data.val_fraction: {d.val_fraction} of the text is {corpus.val.n_documents} document(s), "
+            f"{have} windows of data.seq_len+1={L + 1} tokens, but evaluation takes "
+            f"train.global_batch x log.eval_batches = {need}; raise data.val_fraction, add text, "
+            "or lower log.eval_batches or data.seq_len"
+        )
     return PackedLMTask(cfg, pathlib.Path(corpus.train.tokens), pathlib.Path(corpus.val.tokens), corpus)
 
 
@@ -187,9 +201,11 @@ def _check_eval_windows(cfg: Config, val: pathlib.Path, key: str) -> None:
     have = len(data_lib.TokenWindows(str(val), cfg.data.seq_len))
     need = cfg.train.global_batch * cfg.log.eval_batches
     if have < need:
-        raise ConfigError(f"{key}: {val} holds {have} windows of data.seq_len+1={cfg.data.seq_len + 1} tokens, but "
-                          f"evaluation takes train.global_batch x log.eval_batches = {need}; use more validation "
-                          "data, or lower log.eval_batches or data.seq_len")
+        raise ConfigError(
+            f"{key}: {val} holds {have} windows of data.seq_len+1={cfg.data.seq_len + 1} tokens, but "
+            f"evaluation takes train.global_batch x log.eval_batches = {need}; use more validation "
+            "data, or lower log.eval_batches or data.seq_len"
+        )
 
 
 def _diffusion_task(cfg: Config) -> DiffusionTask:
@@ -212,12 +228,16 @@ def _diffusion_task(cfg: Config) -> DiffusionTask:
     else:
         raise ConfigError(f"data.source: {cfg.data.source} is text; a UNet reads digits or images")
     if u.num_class_embeds is not None and labels.max() >= u.num_class_embeds:
-        raise ConfigError(f"model.unet.num_class_embeds: {u.num_class_embeds} classes, but the data has label "
-                          f"{labels.max()}; raise it")
+        raise ConfigError(
+            f"model.unet.num_class_embeds: {u.num_class_embeds} classes, but the data has label "
+            f"{labels.max()}; raise it"
+        )
     train_set, val_set = images_lib.split(images, labels, cfg.data.val_fraction)
     if not len(train_set[0]) or not len(val_set[0]):
         # Evaluation (or training) would index an empty array deep inside the run.
-        raise ConfigError(f"data.val_fraction: {cfg.data.val_fraction} of {len(images)} images leaves "
-                          f"{len(train_set[0])} for training and {len(val_set[0])} for validation; both need "
-                          "images: add images to data.image_dir or change data.val_fraction")
+        raise ConfigError(
+            f"data.val_fraction: {cfg.data.val_fraction} of {len(images)} images leaves "
+            f"{len(train_set[0])} for training and {len(val_set[0])} for validation; both need "
+            "images: add images to data.image_dir or change data.val_fraction"
+        )
     return DiffusionTask(cfg, train_set, val_set)

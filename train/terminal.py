@@ -47,8 +47,12 @@ def say(msg: str) -> None:
 def _mesh_line(mesh_shape: dict[str, int], preset: str) -> str:
     split = {k: v for k, v in mesh_shape.items() if v > 1} or {"data": 1}
     rest = [k for k in mesh_shape if k not in split]
-    return ("mesh: " + " x ".join(f"{k}={v}" for k, v in split.items())
-            + (f" ({', '.join(rest)} = 1)" if rest else "") + f"; rules.preset={preset}")
+    return (
+        "mesh: "
+        + " x ".join(f"{k}={v}" for k, v in split.items())
+        + (f" ({', '.join(rest)} = 1)" if rest else "")
+        + f"; rules.preset={preset}"
+    )
 
 
 def startup_lines(trainer, model_line: str, *, start: int | None, run_dir: Any) -> list[str]:
@@ -66,17 +70,21 @@ def startup_lines(trainer, model_line: str, *, start: int | None, run_dir: Any) 
     batch = cfg.train.global_batch
     micro = f" in {cfg.train.microbatches} microbatches" if cfg.train.microbatches > 1 else ""
     if trainer.task.name == "lm":
-        per_step = (f"batch: {batch} sequences x {cfg.data.seq_len} tokens = {trainer.task.items_per_step():,} "
-                    f"tokens per step{micro}")
+        per_step = (
+            f"batch: {batch} sequences x {cfg.data.seq_len} tokens = {trainer.task.items_per_step():,} "
+            f"tokens per step{micro}"
+        )
     else:
         size = cfg.model.unet.sample_size
         per_step = f"batch: {batch} images of {size}x{size} per step{micro}"
     where = "new run" if start is None else f"resuming from step {start}"
-    return [f"devices: {len(devices)}{of_all} x {devices[0].device_kind} ({devices[0].platform}){procs}",
-            _mesh_line(dict(mesh.shape), cfg.rules.preset),
-            model_line,
-            per_step,
-            f"run dir: {run_dir} ({where}; train.steps={cfg.train.steps})"]
+    return [
+        f"devices: {len(devices)}{of_all} x {devices[0].device_kind} ({devices[0].platform}){procs}",
+        _mesh_line(dict(mesh.shape), cfg.rules.preset),
+        model_line,
+        per_step,
+        f"run dir: {run_dir} ({where}; train.steps={cfg.train.steps})",
+    ]
 
 
 def _commands() -> tuple[str, str]:
@@ -101,7 +109,8 @@ def next_commands(cfg: Config, run_dir: Any, *, last_step: int) -> list[str]:
         out.append(f"{infer} diffusion --checkpoint {d} --out grid.png   (one row per class)")
     elif cfg.finetune.method != "prefix":
         prompt = {"stdlib": '--prompt "def "', "stdlib_docs": '--prompt "The "', "text": '--prompt "The "'}.get(
-            cfg.data.source, "--prompt-ids 1,2,3")
+            cfg.data.source, "--prompt-ids 1,2,3"
+        )
         out.append(f"{infer} lm --checkpoint {d} {prompt}")
     return out
 
@@ -132,13 +141,16 @@ def summary_lines(summary: dict[str, Any], cfg: Config, *, hint: bool = True) ->
         how = f"done: step {last} of {steps}"
     else:
         how = f"stopped at step {last} of {steps}" + (
-            f" (train.stop_after={cfg.train.stop_after})" if cfg.train.stop_after else "")
+            f" (train.stop_after={cfg.train.stop_after})" if cfg.train.stop_after else ""
+        )
     val = validation_phrase(summary, cfg)
     lines = [f"{how}{', ' + val if val else ''}; run dir {summary['run_dir']}"]
     g = summary.get("goodput")
     if g:
-        lines.append(f"goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s: " + ", ".join(
-            f"{k.removesuffix('_s')} {v:.1f} s" for k, v in g.items() if k.endswith("_s") and k != "wall_s"))
+        lines.append(
+            f"goodput {g['goodput']:.1%} of {g['wall_s']:.1f} s: "
+            + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in g.items() if k.endswith("_s") and k != "wall_s")
+        )
     if hint and last > 0:  # step 0 has no checkpoint to plot or sample from
         cmds = next_commands(cfg, summary["run_dir"], last_step=last)
         lines.append("next: " + cmds[0])

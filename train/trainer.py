@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,7 +34,14 @@ from meshwork.sharding.parallel import ParallelContext, use_parallel
 from meshwork.sharding.report import compiled_report, format_report, state_bytes
 from meshwork.sharding.ring_attention import zigzag_permutation
 from meshwork.sharding.rules import ROLES, Rules, logical_to_sharding, rules_for, split_axes, tree_shardings
-from meshwork.train.comm import check_comm, comm_shardings, init_comm_state, make_diloco_step, outer_optimizer, uses_comm
+from meshwork.train.comm import (
+    check_comm,
+    comm_shardings,
+    init_comm_state,
+    make_diloco_step,
+    outer_optimizer,
+    uses_comm,
+)
 from meshwork.train.finetune import check_base, load_base_params
 from meshwork.train.gradients import gradient_strategy, local_strategy, replica_gradient
 from meshwork.train.logger import to_host
@@ -55,7 +63,8 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
     if per_micro % dp:
         raise ConfigError(
             f"train.global_batch: {cfg.train.global_batch} sequences in {cfg.train.microbatches} microbatch(es) "
-            f"cannot be split over the data-parallel size data*fsdp={dp}; use a multiple of {dp * cfg.train.microbatches}")
+            f"cannot be split over the data-parallel size data*fsdp={dp}; use a multiple of {dp * cfg.train.microbatches}"
+        )
     try:
         rules = rules_for(cfg.rules.preset, cfg.rules.overrides)
     except KeyError as e:
@@ -63,20 +72,28 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
     for name, axes in cfg.rules.overrides.items():
         unknown = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in MESH_AXES]
         if unknown:
-            raise ConfigError(f"rules.overrides: {name}: {unknown[0]!r} is not a mesh axis; use one of "
-                              f"{', '.join(MESH_AXES)} (or null for replicated)")
+            raise ConfigError(
+                f"rules.overrides: {name}: {unknown[0]!r} is not a mesh axis; use one of "
+                f"{', '.join(MESH_AXES)} (or null for replicated)"
+            )
     seq_axes = split_axes("act_seq", rules, mesh_shape)
     if split_axes("expert", rules, mesh_shape) and cfg.train.pipeline != "none":
-        raise ConfigError("train.pipeline: expert parallelism (ep) inside a pipeline stage is not supported; "
-                          "drop ep from rules.preset (the experts stay whole on each stage) or set train.pipeline=none")
+        raise ConfigError(
+            "train.pipeline: expert parallelism (ep) inside a pipeline stage is not supported; "
+            "drop ep from rules.preset (the experts stay whole on each stage) or set train.pipeline=none"
+        )
     if len(seq_axes) > 1:
         raise ConfigError(f"rules.preset: the sequence is split over {seq_axes}; context parallelism uses one axis")
     if seq_axes and cfg.data.source == "text":
-        raise ConfigError(f"rules.preset: context parallelism (ring attention over {seq_axes[0]}) takes no packed "
-                          "documents, which data.source=text makes; drop cp from rules.preset")
+        raise ConfigError(
+            f"rules.preset: context parallelism (ring attention over {seq_axes[0]}) takes no packed "
+            "documents, which data.source=text makes; drop cp from rules.preset"
+        )
     if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
-                          f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout")
+        raise ConfigError(
+            f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
+            f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout"
+        )
     check_comm(cfg, mesh_shape)
     check_base(cfg)
     return make_task(cfg)
@@ -116,28 +133,39 @@ class Trainer:
     def rules(self) -> Rules:
         return self.rules_by_role["params"]  # also the activations' table
 
-    def compile(self) -> "Trainer":
+    def compile(self) -> Trainer:
         """This trainer with its train, skip and eval steps compiled (the long part of start-up)."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
         with self.context():
             # The step owns the state: donating it lets XLA update parameters
             # and moments in place instead of holding two copies.
-            step = jax.jit(self.make_step(self.grad_shardings), in_shardings=(self.shardings, self.batch_sharding),
-                           out_shardings=(self.shardings, replicated), donate_argnums=0)
+            step = jax.jit(
+                self.make_step(self.grad_shardings),
+                in_shardings=(self.shardings, self.batch_sharding),
+                out_shardings=(self.shardings, replicated),
+                donate_argnums=0,
+            )
             lowered = step.lower(abstract_with_shardings(self.abstract, self.shardings), self.batch_abstract())
             try:
                 step_fn = lowered.compile(
-                    compiler_options=compiler_options(self.cfg.comm, self.mesh.devices.flat[0].platform))
+                    compiler_options=compiler_options(self.cfg.comm, self.mesh.devices.flat[0].platform)
+                )
             except jax.errors.JaxRuntimeError as e:  # the installed jaxlib decides which options exist
                 if "No such compile option" not in str(e):
                     raise
-                raise ConfigError(f"comm.xla_options: {str(e).split(': ', 1)[-1]} in this jaxlib "
-                                  f"({jax.__version__}); remove it or check its spelling") from None
+                raise ConfigError(
+                    f"comm.xla_options: {str(e).split(': ', 1)[-1]} in this jaxlib "
+                    f"({jax.__version__}); remove it or check its spelling"
+                ) from None
             # A batch thrown out by a rollback: only the step counter moves (the schedule and noise follow it).
-            skip_fn = jax.jit(lambda state: {**state, "step": state["step"] + 1},
-                              out_shardings=self.shardings, donate_argnums=0)
-            eval_fn = jax.jit(make_eval_step(self.task.objective(self.graphdef)), in_shardings=(
-                self.shardings["params"], self.shardings["buffers"], self.batch_sharding), out_shardings=replicated)
+            skip_fn = jax.jit(
+                lambda state: {**state, "step": state["step"] + 1}, out_shardings=self.shardings, donate_argnums=0
+            )
+            eval_fn = jax.jit(
+                make_eval_step(self.task.objective(self.graphdef)),
+                in_shardings=(self.shardings["params"], self.shardings["buffers"], self.batch_sharding),
+                out_shardings=replicated,
+            )
         return dataclasses.replace(self, step_fn=step_fn, skip_fn=skip_fn, eval_fn=eval_fn)
 
     def batch_abstract(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -145,20 +173,36 @@ class Trainer:
         shapes = self.task.batch_shapes()
         if self.seq_perm is not None:
             shapes = {**shapes, "positions": shapes["inputs"]}
-        return {k: jax.ShapeDtypeStruct((self.cfg.train.global_batch, *shape), dtype, sharding=self.batch_sharding)
-                for k, (shape, dtype) in shapes.items()}
+        return {
+            k: jax.ShapeDtypeStruct((self.cfg.train.global_batch, *shape), dtype, sharding=self.batch_sharding)
+            for k, (shape, dtype) in shapes.items()
+        }
 
     def make_step(self, grad_shardings: Any) -> Callable:
         """step(state, batch) -> (state, metrics): the task's objective, the config's gradient
         strategy, and the optimizer's update (DiLoCo's local and outer steps under comm.local_steps)."""
         cfg, objective = self.cfg, self.task.objective(self.graphdef)
         if cfg.comm.local_steps > 1:
-            return make_diloco_step(self.graphdef, replica_gradient(local_strategy(cfg, objective)), self.inner_tx,
-                                    self.tx, self.schedule, cfg, self.mesh, cfg.run.seed)
-        return make_train_step(self.graphdef, self.tx, self.schedule,
-                               gradient_strategy(cfg, self.graphdef, objective, self.mesh), seed=cfg.run.seed,
-                               grad_shardings=grad_shardings, ema_decay=ema_decay(cfg),
-                               inject_nan_at=tuple(cfg.train.inject_nan_at))
+            return make_diloco_step(
+                self.graphdef,
+                replica_gradient(local_strategy(cfg, objective)),
+                self.inner_tx,
+                self.tx,
+                self.schedule,
+                cfg,
+                self.mesh,
+                cfg.run.seed,
+            )
+        return make_train_step(
+            self.graphdef,
+            self.tx,
+            self.schedule,
+            gradient_strategy(cfg, self.graphdef, objective, self.mesh),
+            seed=cfg.run.seed,
+            grad_shardings=grad_shardings,
+            ema_decay=ema_decay(cfg),
+            inject_nan_at=tuple(cfg.train.inject_nan_at),
+        )
 
     def context(self):
         """The mesh and the run's ParallelContext, current while tracing: activation constraints
@@ -171,8 +215,7 @@ class Trainer:
     def init_state(self) -> dict[str, Any]:
         """A fresh state; a fine-tuning run starts from its base run's trained weights."""
         # Outside the mesh context, like the trainer's own abstract state (nnx.eval_shape).
-        base = (load_base_params(self.cfg, self.mesh, self.rules_by_role)
-                if self.cfg.finetune.method != "none" else None)
+        base = load_base_params(self.cfg, self.mesh, self.rules_by_role) if self.cfg.finetune.method != "none" else None
         with self.context():
             if not uses_comm(self.cfg):
                 return init_state(self.cfg, self.tx, self.shardings, base)
@@ -185,19 +228,21 @@ class Trainer:
         """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
         if self.seq_perm is not None:  # a language model's tokens under context parallelism
             B = batch["inputs"].shape[0]
-            batch = {**{k: v[:, self.seq_perm] for k, v in batch.items()},
-                     "positions": np.broadcast_to(self.seq_perm.astype(np.int32), (B, len(self.seq_perm)))}
+            batch = {
+                **{k: v[:, self.seq_perm] for k, v in batch.items()},
+                "positions": np.broadcast_to(self.seq_perm.astype(np.int32), (B, len(self.seq_perm))),
+            }
         rows = process_rows(self.batch_sharding, next(iter(batch.values())).shape)
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape)
-                for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape) for k, v in batch.items()
+        }
 
     def evaluate(self, state: dict[str, Any], batches: list[dict[str, np.ndarray]]) -> float:
         with self.context():
             losses = [self.eval_fn(state["params"], state["buffers"], self.to_device(b)) for b in batches]
         return float(np.mean([to_host(x) for x in losses]))
 
-    def write_samples(self, state: dict[str, Any], path: pathlib.Path, num: int | None = None,
-                      steps: int = 25) -> None:
+    def write_samples(self, state: dict[str, Any], path: pathlib.Path, num: int | None = None, steps: int = 25) -> None:
         """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA): one row per
         class, 2 samples each (16 samples without classes), tiles scaled up to 48 px."""
         from flax import nnx
@@ -240,7 +285,8 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
     graphdef, abstract = abstract_state(cfg, tx)
     if uses_comm(cfg):
         abstract["comm"] = jax.eval_shape(
-            lambda params: init_comm_state(cfg, params, mesh.shape["data"], inner_tx), abstract["params"])
+            lambda params: init_comm_state(cfg, params, mesh.shape["data"], inner_tx), abstract["params"]
+        )
     parallel = ParallelContext(rules, collective_matmul=cfg.comm.collective_matmul)
     with jax.set_mesh(mesh), use_parallel(parallel):
         shardings = state_shardings(abstract, mesh, rules_by_role, cfg.train.offload)
@@ -253,16 +299,32 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
         if rules_by_role["grads"] != rules:
             grad_shardings = tree_shardings(logical_specs(abstract["params"]), mesh, rules_by_role["grads"])
         batch_sharding = logical_to_sharding(task.batch_axes, mesh, rules)
-    return Trainer(cfg, task, mesh, rules_by_role, parallel, seq_perm, tx, inner_tx, schedule, graphdef, abstract,
-                   shardings, grad_shardings, batch_sharding)
+    return Trainer(
+        cfg,
+        task,
+        mesh,
+        rules_by_role,
+        parallel,
+        seq_perm,
+        tx,
+        inner_tx,
+        schedule,
+        graphdef,
+        abstract,
+        shardings,
+        grad_shardings,
+        batch_sharding,
+    )
 
 
 def _check_divisible(cfg: Config, placed: dict[str, Any]) -> None:
     # Parameters first: the message should name a weight, not one of its Adam moments.
     for part in sorted(placed, key=lambda k: (k != "params", k != "buffers", k)):
         if problem := indivisible(placed[part]):
-            raise ConfigError(f"{part}.{problem} (rules.preset={cfg.rules.preset}); choose model sizes "
-                              f"the mesh divides, a smaller mesh axis, or another rules.preset")
+            raise ConfigError(
+                f"{part}.{problem} (rules.preset={cfg.rules.preset}); choose model sizes "
+                f"the mesh divides, a smaller mesh axis, or another rules.preset"
+            )
 
 
 def trainer_on(cfg: Config, devices: list, task: LMTask | DiffusionTask) -> Trainer:
@@ -278,6 +340,8 @@ def check_fits(trainer) -> None:
     need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     have = device_memory_bytes(trainer.mesh.local_devices[0])  # another process's devices do not answer
     if need > have:
-        raise ConfigError(f"the compiled step needs {need / 2**30:,.1f} GiB per device, more than the "
-                          f"{have / 2**30:,.1f} GiB one device has; lower train.global_batch or data.seq_len, "
-                          f"raise train.microbatches, set train.remat=full, or shard more (rules.preset=fsdp)")
+        raise ConfigError(
+            f"the compiled step needs {need / 2**30:,.1f} GiB per device, more than the "
+            f"{have / 2**30:,.1f} GiB one device has; lower train.global_batch or data.seq_len, "
+            f"raise train.microbatches, set train.remat=full, or shard more (rules.preset=fsdp)"
+        )

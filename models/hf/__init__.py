@@ -109,11 +109,18 @@ def _file_head_differs(files: list[pathlib.Path]) -> bool:
         table = t.where["model.embed_tokens.weight"].get_tensor("model.embed_tokens.weight")
     if head.shape == table.shape and np.array_equal(head, table):
         return False
-    diff = (float(np.abs(head.astype(np.float32) - table.astype(np.float32)).max())
-            if head.shape == table.shape else float("nan"))
-    warnings.warn(f"config.json has tie_word_embeddings=true, but the checkpoint's lm_head.weight differs from "
-                  f"model.embed_tokens.weight (max |difference| {diff:.3g}); using the file's lm_head, as "
-                  "transformers does (the model is loaded with untied embeddings)", UserWarning, stacklevel=3)
+    diff = (
+        float(np.abs(head.astype(np.float32) - table.astype(np.float32)).max())
+        if head.shape == table.shape
+        else float("nan")
+    )
+    warnings.warn(
+        f"config.json has tie_word_embeddings=true, but the checkpoint's lm_head.weight differs from "
+        f"model.embed_tokens.weight (max |difference| {diff:.3g}); using the file's lm_head, as "
+        "transformers does (the model is loaded with untied embeddings)",
+        UserWarning,
+        stacklevel=3,
+    )
     return True
 
 
@@ -134,11 +141,15 @@ def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, p
         if cfg.tie_embeddings:
             claimed.add("lm_head.weight")  # some exports keep the tied copy
         if left := sorted(set(t.unused(_IGNORED)) - claimed):
-            raise ValueError(f"{len(left)} checkpoint tensors have no place in meshwork's {model_type} model, "
-                             f"e.g. {left[:3]}; the config may not describe these weights")
+            raise ValueError(
+                f"{len(left)} checkpoint tensors have no place in meshwork's {model_type} model, "
+                f"e.g. {left[:3]}; the config may not describe these weights"
+            )
         read = functools.partial(HFTensor.read, t=t)
-        return {key: placer.stack(key, part, read) if isinstance(part, list) else placer.place(key, part, read)
-                for key, part in layout.items()}
+        return {
+            key: placer.stack(key, part, read) if isinstance(part, list) else placer.place(key, part, read)
+            for key, part in layout.items()
+        }
 
 
 class _Host:
@@ -205,8 +216,10 @@ class _Devices:
         # A fresh device copy in the model's dtypes: on CPU, device_put may alias an aligned
         # numpy buffer, which would keep safetensors' host copy alive as the parameter.
         target = self.target[key]
-        cast = jax.jit(lambda tree: jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, target),
-                       **({"out_shardings": shardings} if shardings is not None else {}))
+        cast = jax.jit(
+            lambda tree: jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, target),
+            **({"out_shardings": shardings} if shardings is not None else {}),
+        )
         out = cast(placed)
         del placed
         return _settle(out)
@@ -243,8 +256,14 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str,
     return cfg, _read_params(files, cfg, model_type, _Host())
 
 
-def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp.dtype = jnp.float32,
-                  param_dtype: jnp.dtype | None = None, remat: str = "none") -> tuple[ModelConfig, nnx.Module]:
+def load_hf_model(
+    path: str | pathlib.Path,
+    *,
+    shardings: Any = None,
+    dtype: jnp.dtype = jnp.float32,
+    param_dtype: jnp.dtype | None = None,
+    remat: str = "none",
+) -> tuple[ModelConfig, nnx.Module]:
     """(ModelConfig, model) from a checkpoint directory, read straight onto the devices.
 
     The safetensors files are memory-mapped and read one layer at a time, each
@@ -275,8 +294,10 @@ def load_hf_model(path: str | pathlib.Path, *, shardings: Any = None, dtype: jnp
     if shardings is not None:
         shardings = as_pure_dict(shardings)
         if jax.tree.structure(shardings) != jax.tree.structure(target):
-            raise ValueError("shardings do not match the model's parameters; build them with "
-                             "hf_param_shardings(load_hf_config(path), mesh, rules)")
+            raise ValueError(
+                "shardings do not match the model's parameters; build them with "
+                "hf_param_shardings(load_hf_config(path), mesh, rules)"
+            )
     check_tree(target, layout_shapes(hf_layout(cfg, model_type)))
     params = _read_params(files, cfg, model_type, _Devices(target, shardings))
     nnx.replace_by_pure_dict(abstract, params)
@@ -308,7 +329,6 @@ def hf_param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict[str, 
     return as_pure_dict(tree_shardings(logical_specs(abstract), mesh, rules))
 
 
-
 # ---------------------------------------------------------------- into a model
 
 
@@ -336,8 +356,14 @@ def apply_params(model: nnx.Module, params: dict[str, Any]) -> None:
     nnx.update(model, state)
 
 
-def build_hf_model(cfg: ModelConfig, params: dict[str, Any], *, dtype: jnp.dtype = jnp.float32,
-                   param_dtype: jnp.dtype = jnp.float32, remat: str = "none") -> nnx.Module:
+def build_hf_model(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    param_dtype: jnp.dtype = jnp.float32,
+    remat: str = "none",
+) -> nnx.Module:
     """The meshwork model for `cfg` holding `params` (both from `load_hf_checkpoint`).
 
     The model is built abstractly, so no random weights are drawn for the

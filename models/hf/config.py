@@ -19,9 +19,15 @@ from meshwork.config_sections import ModelConfig, MoEConfig
 from meshwork.models.hf.rope import rope_from_hf
 
 # model_type -> (rms_norm_eps, rope_theta) that transformers assumes when config.json omits them.
-DEFAULTS = {"llama": (1e-6, 10000.0), "mistral": (1e-6, 10000.0), "mixtral": (1e-5, 1e6),
-            "qwen2": (1e-6, 10000.0), "qwen2_moe": (1e-6, 10000.0), "qwen3": (1e-6, 10000.0),
-            "qwen3_moe": (1e-6, 10000.0)}
+DEFAULTS = {
+    "llama": (1e-6, 10000.0),
+    "mistral": (1e-6, 10000.0),
+    "mixtral": (1e-5, 1e6),
+    "qwen2": (1e-6, 10000.0),
+    "qwen2_moe": (1e-6, 10000.0),
+    "qwen3": (1e-6, 10000.0),
+    "qwen3_moe": (1e-6, 10000.0),
+}
 SUPPORTED = tuple(DEFAULTS)
 _QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
@@ -63,41 +69,69 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     refuse("head_dim", head_dim % 2 == 0, "RoPE needs an even head_dim")
     theta, rope_scaling = rope_from_hf(c, kind, defaults[1])
     if kind in ("llama", "qwen3", "qwen3_moe"):
-        refuse("attention_bias", not c.get("attention_bias", False),
-               f"{kind}'s attention_bias also biases o_proj, which meshwork's attention does not have")
+        refuse(
+            "attention_bias",
+            not c.get("attention_bias", False),
+            f"{kind}'s attention_bias also biases o_proj, which meshwork's attention does not have",
+        )
     if kind == "llama":
         refuse("mlp_bias", not c.get("mlp_bias", False), "meshwork's MLP has no biases")
     if kind == "mixtral":
-        refuse("sliding_window", c.get("sliding_window") is None,
-               "meshwork attends causally over the whole sequence; set it to null only if no sequence "
-               "you run is longer than the window")
+        refuse(
+            "sliding_window",
+            c.get("sliding_window") is None,
+            "meshwork attends causally over the whole sequence; set it to null only if no sequence "
+            "you run is longer than the window",
+        )
     window = None
     if kind == "mistral":  # every layer; transformers' MistralConfig defaults both keys when absent
         window = _masking_window(c.get("sliding_window", 4096), c.get("max_position_embeddings", 4096 * 32))
     if kind in ("qwen2", "qwen3"):
         window = _qwen_window(c, kind, need("num_hidden_layers"))
     elif kind in _QWEN:
-        refuse("use_sliding_window", not c.get("use_sliding_window", False),
-               "meshwork attends causally over the whole sequence (no sliding window)")
-        refuse("layer_types", all(t == "full_attention" for t in c.get("layer_types") or []),
-               "meshwork has full attention in every layer")
+        refuse(
+            "use_sliding_window",
+            not c.get("use_sliding_window", False),
+            "meshwork attends causally over the whole sequence (no sliding window)",
+        )
+        refuse(
+            "layer_types",
+            all(t == "full_attention" for t in c.get("layer_types") or []),
+            "meshwork has full attention in every layer",
+        )
 
-    common = dict(vocab_size=need("vocab_size"), d_model=D, n_layers=need("num_hidden_layers"), n_heads=H,
-                  n_kv_heads=G, head_dim=head_dim, d_ff=need("intermediate_size"), rope_theta=theta,
-                  rope_scaling=rope_scaling,
-                  norm_eps=c.get("rms_norm_eps") or defaults[0],
-                  # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless qkv_bias says not.
-                  qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True)),
-                  qk_norm=kind in ("qwen3", "qwen3_moe"),
-                  tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                  init_std=c.get("initializer_range", 0.02), sliding_window=window)
+    common = dict(
+        vocab_size=need("vocab_size"),
+        d_model=D,
+        n_layers=need("num_hidden_layers"),
+        n_heads=H,
+        n_kv_heads=G,
+        head_dim=head_dim,
+        d_ff=need("intermediate_size"),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        norm_eps=c.get("rms_norm_eps") or defaults[0],
+        # Qwen2 always has q/k/v biases; Qwen2-MoE has them unless qkv_bias says not.
+        qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True)),
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        init_std=c.get("initializer_range", 0.02),
+        sliding_window=window,
+    )
     if kind in ("llama", "mistral", "qwen2", "qwen3"):
         return ModelConfig(kind="transformer", **common)
     if kind == "mixtral":
         E, k = need("num_local_experts"), need("num_experts_per_tok")
         refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_local_experts={E}")
-        moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("intermediate_size"), router="softmax",
-                        norm_topk_prob=True, aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0)
+        moe = MoEConfig(
+            n_experts=E,
+            top_k=k,
+            d_expert=need("intermediate_size"),
+            router="softmax",
+            norm_topk_prob=True,
+            aux_loss_coef=c.get("router_aux_loss_coef", 0.001),
+            z_loss_coef=0.0,
+        )
         return ModelConfig(kind="moe", moe=moe, **common)
 
     # qwen2_moe, qwen3_moe (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
@@ -114,9 +148,17 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and num_experts={E}")
     d_shared = c.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
     shared = dict(n_shared_experts=1, d_shared=d_shared, shared_expert_gate=True) if d_shared else {}
-    moe = MoEConfig(n_experts=E, top_k=k, d_expert=need("moe_intermediate_size"), router="softmax",
-                    norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-                    aux_loss_coef=c.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0, **pattern, **shared)
+    moe = MoEConfig(
+        n_experts=E,
+        top_k=k,
+        d_expert=need("moe_intermediate_size"),
+        router="softmax",
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+        aux_loss_coef=c.get("router_aux_loss_coef", 0.001),
+        z_loss_coef=0.0,
+        **pattern,
+        **shared,
+    )
     return ModelConfig(kind="moe", moe=moe, **common)
 
 
@@ -137,23 +179,29 @@ def _qwen_window(c: dict[str, Any], kind: str, n_layers: int) -> int | None:
     key, types = "layer_types", c.get("layer_types")
     if types is None:
         key, start = "max_window_layers", c.get("max_window_layers", 28)
-        types = ["sliding_attention" if window is not None and i >= start else "full_attention"
-                 for i in range(n_layers)]
+        types = [
+            "sliding_attention" if window is not None and i >= start else "full_attention" for i in range(n_layers)
+        ]
     bad = sorted(set(types) - {"full_attention", "sliding_attention"})
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if bad:
-        raise ValueError(f"{kind} config layer_types has {bad}: meshwork reads only full_attention and "
-                         "sliding_attention layers")
+        raise ValueError(
+            f"{kind} config layer_types has {bad}: meshwork reads only full_attention and sliding_attention layers"
+        )
     if sliding and window is None:
-        raise ValueError(f"{kind} config layer_types marks layers {sliding} sliding_attention with no window "
-                         "(use_sliding_window false or sliding_window null), which transformers cannot run either")
+        raise ValueError(
+            f"{kind} config layer_types marks layers {sliding} sliding_attention with no window "
+            "(use_sliding_window false or sliding_window null), which transformers cannot run either"
+        )
     window = _masking_window(window, c.get("max_position_embeddings"))
     if window is None or not sliding:
         return None
     if len(sliding) < n_layers:
-        raise ValueError(f"{kind} config {key}={c.get(key)!r}: layers {sliding} have sliding_window={window} "
-                         "and the others full attention; meshwork has one attention for every layer "
-                         "(model.sliding_window), so it cannot load a per-layer mix")
+        raise ValueError(
+            f"{kind} config {key}={c.get(key)!r}: layers {sliding} have sliding_window={window} "
+            "and the others full attention; meshwork has one attention for every layer "
+            "(model.sliding_window), so it cannot load a per-layer mix"
+        )
     return window
 
 

@@ -26,16 +26,17 @@ class TensorReader:
             try:
                 handle = stack.enter_context(safe_open(f, framework="numpy"))
             except (SafetensorError, OSError) as e:  # a truncated or corrupt file, or one that is missing
-                raise ValueError(f"{f}: not a readable safetensors file ({e}); download or convert it "
-                                 "again") from None
+                raise ValueError(f"{f}: not a readable safetensors file ({e}); download or convert it again") from None
             self.where.update(dict.fromkeys(handle.keys(), handle))
         self.used: set[str] = set()
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
         """Raises ValueError unless the files hold `name` with `shape` (reads only the header)."""
         if name not in self.where:
-            raise ValueError(f"checkpoint has no tensor {name!r}, which the config implies; "
-                             "is config.json the one that belongs to these weights?")
+            raise ValueError(
+                f"checkpoint has no tensor {name!r}, which the config implies; "
+                "is config.json the one that belongs to these weights?"
+            )
         have = tuple(self.where[name].get_slice(name).get_shape())
         if have != shape:
             raise ValueError(f"tensor {name!r} has shape {have}, but config.json implies {shape}")
@@ -65,7 +66,7 @@ def checkpoint_files(path: pathlib.Path) -> tuple[dict[str, Any], list[pathlib.P
         try:
             files = sorted({path / f for f in _read_json(index)["weight_map"].values()})
         except (KeyError, TypeError, AttributeError):
-            raise ValueError(f"{index}: expected {{\"weight_map\": {{tensor: file}}}}") from None
+            raise ValueError(f'{index}: expected {{"weight_map": {{tensor: file}}}}') from None
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -24,8 +24,11 @@ if TYPE_CHECKING:
     from meshwork.models.hf.files import TensorReader
 
 # numpy dtype -> config.json's torch_dtype / dtype name.
-HF_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
-                  np.dtype(np.float16): "float16"}
+HF_DTYPE_NAMES = {
+    np.dtype(np.float32): "float32",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
+    np.dtype(np.float16): "float16",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +65,10 @@ class HFTensor:
 
     def write(self, x: np.ndarray) -> dict[str, np.ndarray]:
         """The file's tensor(s), contiguous, holding meshwork's array `x`."""
+
         def one(x: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(x.reshape(self.hf_shape[::-1]).T if self.linear else x.reshape(self.hf_shape))
+
         parts = [one(x[e]) for e in range(self.experts)] if self.experts else [one(x)]
         return dict(zip(self.names(), parts, strict=True))
 
@@ -78,27 +83,39 @@ def _vector(name: str, shape: tuple[int, ...]) -> HFTensor:
 
 def _swiglu(prefix: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj"), experts: int = 0) -> dict:
     gate, up, down = names
-    return {"w_gate": _linear(f"{prefix}{gate}.weight", F, D, experts=experts),
-            "w_up": _linear(f"{prefix}{up}.weight", F, D, experts=experts),
-            "w_down": _linear(f"{prefix}{down}.weight", D, F, experts=experts)}
+    return {
+        "w_gate": _linear(f"{prefix}{gate}.weight", F, D, experts=experts),
+        "w_up": _linear(f"{prefix}{up}.weight", F, D, experts=experts),
+        "w_down": _linear(f"{prefix}{down}.weight", D, F, experts=experts),
+    }
 
 
 def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str, Any]:
     p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
     D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
     # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
-    attn = {"wq": _linear(a + "q_proj.weight", H * K, D, (D, H, K)),
-            "wk": _linear(a + "k_proj.weight", G * K, D, (D, G, K)),
-            "wv": _linear(a + "v_proj.weight", G * K, D, (D, G, K)),
-            "wo": _linear(a + "o_proj.weight", D, H * K, (H, K, D))}
+    attn = {
+        "wq": _linear(a + "q_proj.weight", H * K, D, (D, H, K)),
+        "wk": _linear(a + "k_proj.weight", G * K, D, (D, G, K)),
+        "wv": _linear(a + "v_proj.weight", G * K, D, (D, G, K)),
+        "wo": _linear(a + "o_proj.weight", D, H * K, (H, K, D)),
+    }
     if cfg.qkv_bias:
-        attn |= {"bq": _vector(a + "q_proj.bias", (H, K)), "bk": _vector(a + "k_proj.bias", (G, K)),
-                 "bv": _vector(a + "v_proj.bias", (G, K))}
+        attn |= {
+            "bq": _vector(a + "q_proj.bias", (H, K)),
+            "bk": _vector(a + "k_proj.bias", (G, K)),
+            "bv": _vector(a + "v_proj.bias", (G, K)),
+        }
     if cfg.qk_norm:  # Qwen3: one scale over head_dim, shared by the heads
-        attn |= {"q_norm": {"scale": _vector(a + "q_norm.weight", (K,))},
-                 "k_norm": {"scale": _vector(a + "k_norm.weight", (K,))}}
-    layer = {"attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))}, "attn": attn,
-             "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))}}
+        attn |= {
+            "q_norm": {"scale": _vector(a + "q_norm.weight", (K,))},
+            "k_norm": {"scale": _vector(a + "k_norm.weight", (K,))},
+        }
+    layer = {
+        "attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))},
+        "attn": attn,
+        "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))},
+    }
     if not moe:
         return layer | {"mlp": _swiglu(p + "mlp.", D, cfg.d_ff)}
     m = cfg.moe
@@ -131,8 +148,10 @@ def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     'model.layers.1.self_attn.q_proj.weight'
     """
     D, V = cfg.d_model, cfg.vocab_size
-    layout: dict[str, Any] = {"embed": {"table": HFTensor("model.embed_tokens.weight", (V, D), (V, D))},
-                              "head": {"final_norm": {"scale": _vector("model.norm.weight", (D,))}}}
+    layout: dict[str, Any] = {
+        "embed": {"table": HFTensor("model.embed_tokens.weight", (V, D), (V, D))},
+        "head": {"final_norm": {"scale": _vector("model.norm.weight", (D,))}},
+    }
     if not cfg.tie_embeddings:
         layout["head"]["lm_head"] = _linear("lm_head.weight", V, D)
     if cfg.kind == "transformer":
@@ -145,10 +164,12 @@ def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
 
 def layout_shapes(layout: dict[str, Any]) -> dict[str, Any]:
     """The parameter shapes (ShapeDtypeStructs, float32) a layout implies, layers stacked."""
+
     def shapes(part: Any) -> Any:
         if isinstance(part, list):
             return jax.tree.map(lambda s: jax.ShapeDtypeStruct((len(part), *s.shape), jnp.float32), part[0])
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), part)
+
     return {key: shapes(part) for key, part in layout.items()}
 
 

@@ -35,8 +35,10 @@ def rope_from_hf(hf_config: dict[str, Any], kind: str, default_theta: float) -> 
     key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
     p = dict(c.get(key) or {})
     if any(isinstance(v, dict) for v in p.values()):
-        raise ValueError(f"{kind} config {key}={p!r}: per-layer-type RoPE parameters are not implemented; "
-                         "meshwork uses one RoPE for every layer")
+        raise ValueError(
+            f"{kind} config {key}={p!r}: per-layer-type RoPE parameters are not implemented; "
+            "meshwork uses one RoPE for every layer"
+        )
     partial = p.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if partial is not None and partial != 1.0:
         raise ValueError(f"{kind} config partial_rotary_factor={partial}: meshwork rotates the whole head_dim")
@@ -45,8 +47,10 @@ def rope_from_hf(hf_config: dict[str, Any], kind: str, default_theta: float) -> 
     if "mrope_section" in p or "mrope" in str(rope_type):
         raise ValueError(f"{kind} config {key}={p!r}: multimodal RoPE (mrope_section) is not implemented")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"{kind} config {key}={p!r}: rope_type {rope_type!r} is not implemented; "
-                         f"meshwork reads {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"{kind} config {key}={p!r}: rope_type {rope_type!r} is not implemented; "
+            f"meshwork reads {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return theta, None
 
@@ -57,8 +61,10 @@ def rope_from_hf(hf_config: dict[str, Any], kind: str, default_theta: float) -> 
 
     def max_positions(why: str) -> int:
         if c.get("max_position_embeddings") is None:
-            raise ValueError(f"{kind} config has no 'max_position_embeddings', which rope_type {rope_type!r} "
-                             f"needs {why}; add it to config.json")
+            raise ValueError(
+                f"{kind} config has no 'max_position_embeddings', which rope_type {rope_type!r} "
+                f"needs {why}; add it to config.json"
+            )
         return int(c["max_position_embeddings"])
 
     scaling: dict[str, Any] = {"rope_type": rope_type}

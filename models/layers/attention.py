@@ -25,7 +25,6 @@ from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.parallel import LocalAttention, current_parallel, with_logical_constraint
 
-
 # Names of the projections' outputs, for remat policies that save them by name (models/transformer.py).
 QKV_PROJ = ("query_proj", "key_proj", "value_proj")
 OUT_PROJ = "out_proj"
@@ -39,9 +38,18 @@ def attend(*args, **kwargs) -> jax.Array:
         return _attend(*args, **kwargs)
 
 
-def _attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_BL: jax.Array | None = None, *,
-           causal: bool = True, scale: float | None = None, impl: str = "xla",
-           segment_ids_BL: jax.Array | None = None, window: int | None = None) -> jax.Array:
+def _attend(
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    positions_BL: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    impl: str = "xla",
+    segment_ids_BL: jax.Array | None = None,
+    window: int | None = None,
+) -> jax.Array:
     """softmax(q k^T * scale + mask) v, with G key/value heads shared by H/G query heads.
 
     impl (model.attention in the config):
@@ -65,16 +73,35 @@ def _attend(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, positions_B
     if positions_BL is not None and causal and impl != "xla" and not parallel.split("act_seq"):
         raise ValueError(f"attention impl {impl!r} takes tokens in order 0..L-1; use xla for permuted positions")
     local = _single_device_attention(impl, q_BLHK, k_BSGK, positions_BL, causal=causal, scale=scale, window=window)
-    return parallel.attention(local, q_BLHK, k_BSGK, v_BSGK, positions_BL, causal=causal, scale=scale,
-                              segment_ids_BL=segment_ids_BL, window=window, opaque=impl == "pallas")
+    return parallel.attention(
+        local,
+        q_BLHK,
+        k_BSGK,
+        v_BSGK,
+        positions_BL,
+        causal=causal,
+        scale=scale,
+        segment_ids_BL=segment_ids_BL,
+        window=window,
+        opaque=impl == "pallas",
+    )
 
 
-def _single_device_attention(impl: str, q_BLHK: jax.Array, k_BSGK: jax.Array, positions_BL: jax.Array | None, *,
-                             causal: bool, scale: float | None, window: int | None) -> LocalAttention:
+def _single_device_attention(
+    impl: str,
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    positions_BL: jax.Array | None,
+    *,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
+) -> LocalAttention:
     """The attention formula of `impl` as a function of (q, k, v, segment ids or None), for the
     ParallelContext to run on whatever part of the batch and heads it gives it. `q_BLHK` and
     `k_BSGK` (the whole arrays) choose the Pallas kernel's blocks."""
     if impl == "xla":
+
         def xla(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
             mask = None
             if (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
@@ -84,24 +111,44 @@ def _single_device_attention(impl: str, q_BLHK: jax.Array, k_BSGK: jax.Array, po
             if mask is not None:
                 return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
             return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
+
         return xla
     if impl == "cudnn":
+
         def cudnn(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
             if segment_ids_BL is not None:
                 raise ValueError("attention impl cudnn takes no segment ids (packed documents); use xla or pallas")
-            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal,
-                                                local_window_size=(window - 1, 0) if window else None,
-                                                implementation="cudnn")
+            return jax.nn.dot_product_attention(
+                q_BLHK,
+                k_BSGK,
+                v_BSGK,
+                scale=scale,
+                is_causal=causal,
+                local_window_size=(window - 1, 0) if window else None,
+                implementation="cudnn",
+            )
+
         return cudnn
     if impl == "reference":
-        return lambda q, k, v, seg: flash_attention_reference(q, k, v, causal=causal, scale=scale, window=window,
-                                                              **_segments(seg))
+        return lambda q, k, v, seg: flash_attention_reference(
+            q, k, v, causal=causal, scale=scale, window=window, **_segments(seg)
+        )
     if impl == "pallas":
+
         def pallas(q, k, v, segment_ids_BL):
             # Block sizes (and GPU launch parameters) from the autotuner's cache, if it has this
             # shape: the whole arrays' shape, which the cache is keyed by.
-            return flash_attention(q, k, v, causal=causal, scale=scale, window=window,
-                                   **tuned_blocks(q_BLHK, k_BSGK, causal), **_segments(segment_ids_BL))
+            return flash_attention(
+                q,
+                k,
+                v,
+                causal=causal,
+                scale=scale,
+                window=window,
+                **tuned_blocks(q_BLHK, k_BSGK, causal),
+                **_segments(segment_ids_BL),
+            )
+
         return pallas
     raise ValueError(f"attention impl {impl!r}; choose xla, pallas, cudnn or reference")
 
@@ -110,8 +157,15 @@ def _segments(segment_ids_BL: jax.Array | None) -> dict[str, jax.Array]:
     return {"segment_ids_q": segment_ids_BL, "segment_ids_kv": segment_ids_BL} if segment_ids_BL is not None else {}
 
 
-def _mixed_precision_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_B1LS: jax.Array | None,
-                               *, causal: bool, scale: float | None) -> jax.Array:
+def _mixed_precision_attention(
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    mask_B1LS: jax.Array | None,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> jax.Array:
     """jax.nn.dot_product_attention's XLA formula for bf16 (or f16) q, k, v, with every product,
     forward and backward, taking operands in that dtype and accumulating in float32
     (mixed_matmul.mixed_einsum). JAX's own weighs the values with a bf16 x bf16 -> bf16 product,
@@ -120,7 +174,7 @@ def _mixed_precision_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax
     long enough sequence is computed by query blocks that skip the masked keys (causal_blocks.py)."""
     (B, L, H, K), (_, S, G, _) = q_BLHK.shape, k_BSGK.shape
     q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     formula = functools.partial(_softmax_weighted_values, scale=scale)
     if mask_B1LS is None and causal and L == S and L >= 2 * QUERY_BLOCK:
         return causal_blocks(formula, q_BLGRK, k_BSGK, v_BSGK, QUERY_BLOCK).reshape(B, L, H, K)
@@ -129,8 +183,9 @@ def _mixed_precision_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax
     return formula(q_BLGRK, k_BSGK, v_BSGK, mask_B1LS).reshape(B, L, H, K)
 
 
-def _softmax_weighted_values(q_BLGRK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                             mask: jax.Array | None, *, scale: float) -> jax.Array:
+def _softmax_weighted_values(
+    q_BLGRK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask: jax.Array | None, *, scale: float
+) -> jax.Array:
     """softmax(q k^T * scale, where `mask`) v in the compute dtype, scores in float32; `mask` is
     (L, S) or (B, 1, L, S), True where a query sees a key, or None."""
     s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * scale
@@ -141,8 +196,9 @@ def _softmax_weighted_values(q_BLGRK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.
     return mixed_einsum("BGRLS,BSGK->BLGRK", p_BGRLS, v_BSGK)
 
 
-def _mask(batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None,
-          window: int | None) -> jax.Array:
+def _mask(
+    batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None, window: int | None
+) -> jax.Array:
     """The (B, 1, L, L) causal mask by position (any token layout), within a document and a window."""
     B, L = batch_len
     pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
@@ -156,11 +212,26 @@ def _mask(batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_id
 
 
 class Attention(nnx.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, rope_theta: float,
-                 rope_scaling: dict | None = None,
-                 init_std: float, out_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5, impl: str = "xla",
-                 window: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        rope_theta: float,
+        rope_scaling: dict | None = None,
+        init_std: float,
+        out_std: float,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        impl: str = "xla",
+        window: int | None = None,
+    ):
         """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero.
         qk_norm: RMSNorm (epsilon `norm_eps`) over each head's q and k before RoPE (Qwen3).
         rope_scaling: scaled RoPE frequencies in Hugging Face's form (models/layers/rope.py).
@@ -188,19 +259,29 @@ class Attention(nnx.Module):
     def _scaling(self) -> dict | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
-    def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None = None,
-                 segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+    ) -> jax.Array:
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag).
         segment_ids_BL: each token's document in a packed row; attention stays within one."""
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
         if self.prefix is not None:
             if segment_ids_BL is not None or self.window is not None:
-                raise NotImplementedError("prefix tuning over packed documents or a sliding window is not "
-                                          "implemented; use LoRA or adapters")
+                raise NotImplementedError(
+                    "prefix tuning over packed documents or a sliding window is not implemented; use LoRA or adapters"
+                )
             o_BLHK = self.prefix.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL)
         else:
-            o_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, causal=True, impl=self.impl,
-                            segment_ids_BL=segment_ids_BL, window=self.window)
+            o_BLHK = attend(
+                q_BLHK,
+                k_BLGK,
+                v_BLGK,
+                positions_BL,
+                causal=True,
+                impl=self.impl,
+                segment_ids_BL=segment_ids_BL,
+                window=self.window,
+            )
         return checkpoint_name(matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), OUT_PROJ)
 
     def cached(self, x_BLD: jax.Array, positions_BL: jax.Array, kv):
@@ -212,8 +293,10 @@ class Attention(nnx.Module):
         layer's sliding window, when it has one).
         """
         if self.prefix is not None:
-            raise NotImplementedError("KV-cache decoding of a prefix-tuned model is not implemented; "
-                                      "generate with the full forward pass (model(tokens)) instead")
+            raise NotImplementedError(
+                "KV-cache decoding of a prefix-tuned model is not implemented; "
+                "generate with the full forward pass (model(tokens)) instead"
+            )
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
         o_BLHK, kv = kv.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, impl=self.impl, window=self.window)
         return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), kv
@@ -231,8 +314,12 @@ class Attention(nnx.Module):
         q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, name) for x, name in zip((q_BLHK, k_BLGK, v_BLGK), QKV_PROJ))
         if self.qk_norm:
             q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
-        q_BLHK = with_logical_constraint(apply_rope(q_BLHK, rope_pos_BL, self.rope_theta, self._scaling),
-                                         ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        k_BLGK = with_logical_constraint(apply_rope(k_BLGK, rope_pos_BL, self.rope_theta, self._scaling),
-                                         ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        q_BLHK = with_logical_constraint(
+            apply_rope(q_BLHK, rope_pos_BL, self.rope_theta, self._scaling),
+            ("act_batch", "act_seq", "act_heads", "act_head_dim"),
+        )
+        k_BLGK = with_logical_constraint(
+            apply_rope(k_BLGK, rope_pos_BL, self.rope_theta, self._scaling),
+            ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"),
+        )
         return q_BLHK, k_BLGK, v_BLGK

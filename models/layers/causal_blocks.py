@@ -25,8 +25,13 @@ import jax.numpy as jnp
 QUERY_BLOCK = 64
 
 
-def causal_blocks(attention: Callable[..., jax.Array], q_BLGRK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
-                  block: int = QUERY_BLOCK) -> jax.Array:
+def causal_blocks(
+    attention: Callable[..., jax.Array],
+    q_BLGRK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    block: int = QUERY_BLOCK,
+) -> jax.Array:
     """Causal attention of q over k, v (L == S) as `attention(q_blk, k_pre, v_pre, mask)` per query block.
 
     `attention(q_BlGRK, k_BsGK, v_BsGK, mask_ls)` is the plain formula for l queries over s keys

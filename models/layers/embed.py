@@ -15,8 +15,16 @@ from meshwork.sharding.rules import manual_axes, split_axes
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab_size: int, d_model: int, *, init_std: float, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        *,
+        init_std: float,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         self.table = param(normal(init_std), rngs.params(), (vocab_size, d_model), param_dtype, ("vocab", "embed"))
         self.dtype = dtype
 
@@ -55,8 +63,13 @@ def _lookup_in_embed_shards(table_VD: jax.Array, tokens_BL: jax.Array, dtype: jn
         return None
     shape = dict(mesh.shape)
     embed, batch = split_axes("embed", rules, shape), split_axes("act_batch", rules, shape)
-    if (not embed or not set(embed) <= set(batch) or split_axes("vocab", rules, shape)
-            or split_axes("act_norm_seq", rules, shape) or split_axes("act_embed", rules, shape)):
+    if (
+        not embed
+        or not set(embed) <= set(batch)
+        or split_axes("vocab", rules, shape)
+        or split_axes("act_norm_seq", rules, shape)
+        or split_axes("act_embed", rules, shape)
+    ):
         return None
     ways = math.prod(shape[a] for a in batch)
     if tokens_BL.ndim != 2 or tokens_BL.shape[0] % ways or table_VD.shape[0] <= tokens_BL.size // ways:
@@ -67,5 +80,9 @@ def _lookup_in_embed_shards(table_VD: jax.Array, tokens_BL: jax.Array, dtype: jn
         columns = jnp.take(table_Vd, group_tokens, axis=0).astype(dtype)  # (b x group, L, D / group)
         return jax.lax.all_to_all(columns, embed, split_axis=0, concat_axis=2, tiled=True)
 
-    return jax.shard_map(lookup, mesh=mesh, in_specs=(PartitionSpec(None, embed), PartitionSpec(batch, None)),
-                         out_specs=PartitionSpec(batch, None, None))(table_VD, tokens_BL)
+    return jax.shard_map(
+        lookup,
+        mesh=mesh,
+        in_specs=(PartitionSpec(None, embed), PartitionSpec(batch, None)),
+        out_specs=PartitionSpec(batch, None, None),
+    )(table_VD, tokens_BL)

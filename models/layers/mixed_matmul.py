@@ -47,8 +47,13 @@ def mixed_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | N
     products still read the cotangent rounded to x's dtype."""
     ins, _, out = spec.replace(" ", "").partition("->")
     xs, _, ws = ins.partition(",")
-    plain = (not out or x.dtype != w.dtype or set(xs) - set(ws + out) or set(ws) - set(xs + out)
-             or any(len(set(s)) != len(s) for s in (xs, ws, out)))
+    plain = (
+        not out
+        or x.dtype != w.dtype
+        or set(xs) - set(ws + out)
+        or set(ws) - set(xs + out)
+        or any(len(set(s)) != len(s) for s in (xs, ws, out))
+    )
     if plain:
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     return _einsum(f"{xs},{ws}->{out}", jnp.dtype(out_dtype or x.dtype), x, w)

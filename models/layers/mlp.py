@@ -12,8 +12,17 @@ from meshwork.sharding.parallel import current_parallel, with_logical_constraint
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, d_ff: int, *, init_std: float, out_std: float, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        init_std: float,
+        out_std: float,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
         self.w_gate = param(normal(init_std), rngs.params(), (d_model, d_ff), param_dtype, ("embed", "mlp"))
         self.w_up = param(normal(init_std), rngs.params(), (d_model, d_ff), param_dtype, ("embed", "mlp"))
         self.w_down = param(normal(out_std), rngs.params(), (d_ff, d_model), param_dtype, ("mlp", "embed"))
@@ -26,8 +35,13 @@ class SwiGLU(nnx.Module):
         layout = current_parallel().collective_matmul_axes()
         if layout and all(isinstance(w, nnx.Variable) and isinstance(w.get_value(), jax.Array) for w in weights):
             axis, batch_axes = layout
-            return tp_mlp(x_BLD, *(w.get_value().astype(self.dtype) for w in weights),
-                          jax.sharding.get_abstract_mesh(), axis_name=axis, batch_axes=batch_axes)
+            return tp_mlp(
+                x_BLD,
+                *(w.get_value().astype(self.dtype) for w in weights),
+                jax.sharding.get_abstract_mesh(),
+                axis_name=axis,
+                batch_axes=batch_axes,
+            )
         gate_BLF = matmul("BLD,DF->BLF", x_BLD, self.w_gate, self.dtype)
         up_BLF = matmul("BLD,DF->BLF", x_BLD, self.w_up, self.dtype)
         h_BLF = with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("act_batch", "act_seq", "act_mlp"))

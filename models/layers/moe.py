@@ -75,16 +75,29 @@ class MoE(nnx.Module):
     ((2, 3, 8), (4,), 0.0)
     """
 
-    def __init__(self, d_model: int, cfg: MoEConfig, *, init_std: float, out_std: float, dtype: jnp.dtype,
-                 param_dtype: jnp.dtype, rngs: nnx.Rngs, all_to_all: str = "lax"):
+    def __init__(
+        self,
+        d_model: int,
+        cfg: MoEConfig,
+        *,
+        init_std: float,
+        out_std: float,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        all_to_all: str = "lax",
+    ):
         D, E, F = d_model, cfg.n_experts, cfg.d_expert
         if cfg.top_k > E:
             raise ValueError(f"MoE: top_k={cfg.top_k} exceeds n_experts={E}; choose top_k <= n_experts")
-        if cfg.router == "sigmoid" and (E % cfg.n_groups or cfg.topk_groups > cfg.n_groups
-                                        or cfg.top_k > cfg.topk_groups * (E // cfg.n_groups)):
-            raise ValueError(f"MoE: {E} experts in n_groups={cfg.n_groups} with topk_groups={cfg.topk_groups} "
-                             f"cannot supply top_k={cfg.top_k} experts; groups must divide the experts and "
-                             f"topk_groups * experts-per-group must be >= top_k")
+        if cfg.router == "sigmoid" and (
+            E % cfg.n_groups or cfg.topk_groups > cfg.n_groups or cfg.top_k > cfg.topk_groups * (E // cfg.n_groups)
+        ):
+            raise ValueError(
+                f"MoE: {E} experts in n_groups={cfg.n_groups} with topk_groups={cfg.topk_groups} "
+                f"cannot supply top_k={cfg.top_k} experts; groups must divide the experts and "
+                f"topk_groups * experts-per-group must be >= top_k"
+            )
         if cfg.shared_expert_gate and not cfg.n_shared_experts:
             raise ValueError("MoE: shared_expert_gate needs a shared expert; set n_shared_experts >= 1")
         if all_to_all not in ALL_TO_ALL_IMPLS:
@@ -92,8 +105,7 @@ class MoE(nnx.Module):
         self.router = param(normal(init_std), rngs.params(), (D, E), param_dtype, ("embed", "router"))
         if cfg.router == "noisy":
             # Zero init as in Shazeer et al.: the noise starts at softplus(0) * noise_std.
-            self.noise = param(nnx.initializers.zeros_init(), rngs.params(), (D, E), param_dtype,
-                               ("embed", "router"))
+            self.noise = param(nnx.initializers.zeros_init(), rngs.params(), (D, E), param_dtype, ("embed", "router"))
         if cfg.router == "sigmoid":
             # float32 whatever param_dtype: it accumulates many tiny updates.
             self.router_bias = RouterBias(jnp.zeros((E,), F32), out_sharding=("router",), eager_sharding=False)
@@ -101,16 +113,24 @@ class MoE(nnx.Module):
         self.w_up = param(normal(init_std), rngs.params(), (E, D, F), param_dtype, ("expert", "embed", "mlp"))
         self.w_down = param(normal(out_std), rngs.params(), (E, F, D), param_dtype, ("expert", "mlp", "embed"))
         if cfg.n_shared_experts:
-            self.shared = SwiGLU(D, cfg.d_shared or cfg.n_shared_experts * F, init_std=init_std, out_std=out_std,
-                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.shared = SwiGLU(
+                D,
+                cfg.d_shared or cfg.n_shared_experts * F,
+                init_std=init_std,
+                out_std=out_std,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
         if cfg.shared_expert_gate:
             self.shared_gate = param(normal(init_std), rngs.params(), (D, 1), param_dtype, ("embed", None))
         self.cfg, self.dtype, self.all_to_all = cfg, dtype, all_to_all
 
     def router_logits(self, x_BLD: jax.Array) -> jax.Array:
         """x W_r in float32; HIGHEST precision so that top-k does not flip on bf16 passes (TPU)."""
-        return jnp.einsum("BLD,DE->BLE", x_BLD.astype(F32), self.router[...].astype(F32),
-                          precision=lax.Precision.HIGHEST)
+        return jnp.einsum(
+            "BLD,DE->BLE", x_BLD.astype(F32), self.router[...].astype(F32), precision=lax.Precision.HIGHEST
+        )
 
     def __call__(self, x_BLD: jax.Array, *, noise_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """noise_key: draws the noisy router's noise (pass one per step in training; None to evaluate)."""
@@ -120,17 +140,27 @@ class MoE(nnx.Module):
         logits_BLE = self.router_logits(x_BLD)
         gate_logits_BLE = logits_BLE
         if cfg.router == "noisy" and noise_key is not None:
-            noise_scale_BLE = cfg.noise_std * jax.nn.softplus(jnp.einsum(
-                "BLD,DE->BLE", x_BLD.astype(F32), self.noise[...].astype(F32), precision=lax.Precision.HIGHEST))
+            noise_scale_BLE = cfg.noise_std * jax.nn.softplus(
+                jnp.einsum(
+                    "BLD,DE->BLE", x_BLD.astype(F32), self.noise[...].astype(F32), precision=lax.Precision.HIGHEST
+                )
+            )
             gate_logits_BLE = logits_BLE + jax.random.normal(noise_key, logits_BLE.shape, F32) * noise_scale_BLE
         expert_BLX, weight_BLX, probs_BLE = select_experts(
-            gate_logits_BLE, router=cfg.router, k=X, norm_topk_prob=cfg.norm_topk_prob,
+            gate_logits_BLE,
+            router=cfg.router,
+            k=X,
+            norm_topk_prob=cfg.norm_topk_prob,
             bias_E=self.router_bias[...] if cfg.router == "sigmoid" else None,
-            n_groups=cfg.n_groups, topk_groups=cfg.topk_groups)
+            n_groups=cfg.n_groups,
+            topk_groups=cfg.topk_groups,
+        )
         across = _manual_token_axes()
-        stats = {"aux_loss": load_balancing_loss(probs_BLE, expert_BLX, across),
-                 "z_loss": router_z_loss(logits_BLE, across),
-                 "load": expert_load(expert_BLX, E, across)}
+        stats = {
+            "aux_loss": load_balancing_loss(probs_BLE, expert_BLX, across),
+            "z_loss": router_z_loss(logits_BLE, across),
+            "load": expert_load(expert_BLX, E, across),
+        }
 
         x_BLD = x_BLD.astype(self.dtype)
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
@@ -143,8 +173,9 @@ class MoE(nnx.Module):
             routes_BLX = expert_BLX
             stats["dropped_fraction"] = jnp.zeros((), F32)
             body = functools.partial(dropless_experts, n_experts=E)
-        y_BLD = run_experts(body, x_BLD, routes_BLX, weight_BLX.astype(self.dtype), weights, n_experts=E,
-                             impl=self.all_to_all)
+        y_BLD = run_experts(
+            body, x_BLD, routes_BLX, weight_BLX.astype(self.dtype), weights, n_experts=E, impl=self.all_to_all
+        )
         if cfg.routed_scaling_factor != 1.0:
             y_BLD = y_BLD * cfg.routed_scaling_factor
         if cfg.n_shared_experts:

@@ -83,8 +83,9 @@ def _swiglu_dense(x_EZD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array, 
     return jnp.einsum("EZF,EFD->EZD", jax.nn.silu(gate_EZF) * up_EZF, w_down_EFD)
 
 
-def _swiglu_grouped(x_AD: jax.Array, expert_A: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
-                    w_down_EFD: jax.Array) -> jax.Array:
+def _swiglu_grouped(
+    x_AD: jax.Array, expert_A: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array, w_down_EFD: jax.Array
+) -> jax.Array:
     """Row a through expert expert_A[a] by grouped matmuls; rows with expert >= E give zeros."""
     E = w_gate_EDF.shape[0]
     order_A = jnp.argsort(expert_A, stable=True)
@@ -105,8 +106,19 @@ def _exchange(x: jax.Array, axes: tuple[str, ...], split_axis: int, concat_axis:
     return lax.all_to_all(x, axes[0] if len(axes) == 1 else axes, split_axis, concat_axis, tiled=True)
 
 
-def capacity_experts(x_BLD, slot_BLX, weight_BLX, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
-                      capacity: int, axes: tuple[str, ...] | None, impl: str) -> jax.Array:
+def capacity_experts(
+    x_BLD,
+    slot_BLX,
+    weight_BLX,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    *,
+    n_experts: int,
+    capacity: int,
+    axes: tuple[str, ...] | None,
+    impl: str,
+) -> jax.Array:
     """Capacity dispatch on this device's rows: slot buffer (B, E, Q, D) -> experts -> combine.
 
     Under expert parallelism the buffer, expert-major (E, B, Q, D), is cut along E into N
@@ -118,15 +130,19 @@ def capacity_experts(x_BLD, slot_BLX, weight_BLX, w_gate_EDF, w_up_EDF, w_down_E
     E, Q = n_experts, capacity
     rows_B11 = jnp.arange(B)[:, None, None]
     # Which token fills each slot (L = none: the zero row appended below).
-    token_BZ = jnp.full((B, E * Q), L, jnp.int32).at[rows_B11, slot_BLX].set(
-        jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :, None], (B, L, X)), mode="drop")
+    token_BZ = (
+        jnp.full((B, E * Q), L, jnp.int32)
+        .at[rows_B11, slot_BLX]
+        .set(jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :, None], (B, L, X)), mode="drop")
+    )
     x_BLD = jnp.concatenate([x_BLD, jnp.zeros((B, 1, D), x_BLD.dtype)], axis=1)
     x_EBQD = x_BLD[jnp.arange(B)[:, None], token_BZ].reshape(B, E, Q, D).transpose(1, 0, 2, 3)
     if axes:
         x_EBQD = _exchange(x_EBQD, axes, 0, 1, impl)  # -> (E/N, N*B, Q, D)
     E_here, B_here = x_EBQD.shape[:2]
-    y_EBQD = _swiglu_dense(x_EBQD.reshape(E_here, B_here * Q, D), w_gate_EDF, w_up_EDF,
-                           w_down_EFD).reshape(E_here, B_here, Q, D)
+    y_EBQD = _swiglu_dense(x_EBQD.reshape(E_here, B_here * Q, D), w_gate_EDF, w_up_EDF, w_down_EFD).reshape(
+        E_here, B_here, Q, D
+    )
     if axes:
         y_EBQD = _exchange(y_EBQD, axes, 1, 0, impl)  # -> (E, B, Q, D)
     y_BZD = y_EBQD.transpose(1, 0, 2, 3).reshape(B, E * Q, D)
@@ -135,8 +151,18 @@ def capacity_experts(x_BLD, slot_BLX, weight_BLX, w_gate_EDF, w_up_EDF, w_down_E
     return jnp.einsum("BLXD,BLX->BLD", y_BLXD, weight_BLX)
 
 
-def dropless_experts(x_BLD, expert_BLX, weight_BLX, w_gate_EDF, w_up_EDF, w_down_EFD, *, n_experts: int,
-                      axes: tuple[str, ...] | None, impl: str) -> jax.Array:
+def dropless_experts(
+    x_BLD,
+    expert_BLX,
+    weight_BLX,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    *,
+    n_experts: int,
+    axes: tuple[str, ...] | None,
+    impl: str,
+) -> jax.Array:
     """Dropless dispatch on this device's tokens: sort by expert, grouped matmul, unsort, combine.
 
     Under expert parallelism each device sends N buffers of A = T*X rows (its assignments for
@@ -186,20 +212,26 @@ def _token_layout(n_experts: int) -> tuple[object, tuple[str, ...], tuple[str, .
     batch_axes = compiler_axes(split_axes("act_batch", rules, shape))
     expert_axes = split_axes("expert", rules, shape)
     if not set(expert_axes) <= set(batch_axes):
-        raise ValueError(f"expert parallelism: the experts are split over {expert_axes} but act_batch only over "
-                         f"{batch_axes}; map act_batch to the expert axes too (as the `ep` preset does)")
+        raise ValueError(
+            f"expert parallelism: the experts are split over {expert_axes} but act_batch only over "
+            f"{batch_axes}; map act_batch to the expert axes too (as the `ep` preset does)"
+        )
     if batch_axes and manual_axes():
         # Inside a shard_map already (a pipeline stage): the partitioner (Shardy) refuses a nested
         # one manual over the batch axes the enclosing one left it, so the compiler dispatches
         # the tokens itself there; expert parallelism needs the nested exchange.
         if expert_axes:
-            raise ValueError(f"expert parallelism inside a pipeline stage is not supported (experts split over "
-                             f"{expert_axes}); drop ep from rules.preset or set train.pipeline=none")
+            raise ValueError(
+                f"expert parallelism inside a pipeline stage is not supported (experts split over "
+                f"{expert_axes}); drop ep from rules.preset or set train.pipeline=none"
+            )
         return None
     n = math.prod(shape[a] for a in expert_axes)
     if n_experts % n:
-        raise ValueError(f"expert parallelism: {n_experts} experts cannot be split over mesh axes {expert_axes} "
-                         f"of {n} devices; use a number of experts divisible by {n}")
+        raise ValueError(
+            f"expert parallelism: {n_experts} experts cannot be split over mesh axes {expert_axes} "
+            f"of {n} devices; use a number of experts divisible by {n}"
+        )
     return (mesh, batch_axes, expert_axes) if batch_axes else None
 
 
@@ -219,12 +251,18 @@ def run_experts(body: Callable, x_BLD, routes_BLX, weight_BLX, weights, *, n_exp
     mesh, batch_axes, expert_axes = layout
     parts = math.prod(dict(mesh.shape)[a] for a in batch_axes)
     if x_BLD.shape[0] % parts:
-        raise ValueError(f"MoE: batch {x_BLD.shape[0]} is not divisible by the {parts} devices of act_batch "
-                         f"axes {batch_axes}; use a batch that is a multiple of {parts}")
+        raise ValueError(
+            f"MoE: batch {x_BLD.shape[0]} is not divisible by the {parts} devices of act_batch "
+            f"axes {batch_axes}; use a batch that is a multiple of {parts}"
+        )
     tokens = PartitionSpec(_spec_entry(batch_axes), None, None)
     experts = PartitionSpec(_spec_entry(expert_axes), None, None)
     # Manual over the batch and expert axes only; others (tensor, sequence, ...) stay automatic.
-    f = jax.shard_map(functools.partial(body, axes=expert_axes or None, impl=impl), mesh=mesh,
-                      in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=tokens,
-                      axis_names=frozenset(batch_axes))
+    f = jax.shard_map(
+        functools.partial(body, axes=expert_axes or None, impl=impl),
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, experts, experts, experts),
+        out_specs=tokens,
+        axis_names=frozenset(batch_axes),
+    )
     return f(x_BLD, routes_BLX, weight_BLX, *weights)

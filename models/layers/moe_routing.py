@@ -82,9 +82,16 @@ def _limit_to_groups(choice_BLE: jax.Array, n_groups: int, topk_groups: int) -> 
     return jnp.where(jnp.repeat(keep_BLU, per_group, axis=-1), choice_BLE, -jnp.inf)
 
 
-def select_experts(logits_BLE: jax.Array, *, router: str, k: int, norm_topk_prob: bool = True,
-                   bias_E: jax.Array | None = None, n_groups: int = 1,
-                   topk_groups: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+def select_experts(
+    logits_BLE: jax.Array,
+    *,
+    router: str,
+    k: int,
+    norm_topk_prob: bool = True,
+    bias_E: jax.Array | None = None,
+    n_groups: int = 1,
+    topk_groups: int = 1,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Chooses `k` experts per token (X in the shape letters) from router logits.
 
     Returns (expert_BLX int32, weight_BLX float32, probs_BLE float32): the chosen experts, best

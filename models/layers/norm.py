@@ -10,8 +10,9 @@ from meshwork.models.layers.params import param
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-                 axis: str = "embed"):
+    def __init__(
+        self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs, axis: str = "embed"
+    ):
         """Normalizes the last axis, of size `dim`; `axis` is its logical name ("head_dim" for
         Qwen3's per-head q/k norms, whose one scale all heads share)."""
         self.scale = param(nnx.initializers.ones, rngs.params(), (dim,), param_dtype, (axis,))

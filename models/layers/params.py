@@ -14,8 +14,14 @@ from meshwork.models.layers.mixed_matmul import weight_einsum
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
 
-def param(init: Initializer, key: jax.Array, shape: Sequence[int], dtype: jnp.dtype,
-          names: Sequence[str | None], kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
+def param(
+    init: Initializer,
+    key: jax.Array,
+    shape: Sequence[int],
+    dtype: jnp.dtype,
+    names: Sequence[str | None],
+    kind: type[nnx.Param] = nnx.Param,
+) -> nnx.Param:
     """An nnx.Param (or the subclass `kind`, e.g. models/lora.py's LoRAParam) whose metadata
     `out_sharding` holds one logical name per dimension.
 
@@ -46,4 +52,3 @@ def matmul(spec: str, x: jax.Array, weight: nnx.Param | nnx.Module, dtype: jnp.d
     if isinstance(w, jax.Array | np.ndarray):
         return weight_einsum(spec, x, w.astype(dtype))
     return w.matmul(spec, x, dtype)
-

@@ -44,7 +44,6 @@ F32 = jnp.float32
 INT8_MAX, INT4_MAX = 127, 7
 
 
-
 def parse_spec(spec: str) -> tuple[str, str, str]:
     """'BLD,DF->BLF' -> ('BLD', 'DF', 'BLF')."""
     inputs, out = spec.replace(" ", "").split("->")
@@ -69,8 +68,10 @@ def _to_out(s: jax.Array, letters: str, out: str) -> jax.Array:
 
 def _check_rank(q: QuantizedWeight, w_letters: str) -> None:
     if q.scales.ndim != len(w_letters):
-        raise ValueError(f"a quantized weight of shape {q.shape} read as {w_letters!r}: a stacked weight must "
-                         f"be sliced per layer (lax.scan over the layers) before its matmul")
+        raise ValueError(
+            f"a quantized weight of shape {q.shape} read as {w_letters!r}: a stacked weight must "
+            f"be sliced per layer (lax.scan over the layers) before its matmul"
+        )
 
 
 def _output_scale(scales: jax.Array, w_letters: str, out: str) -> jax.Array:
@@ -94,7 +95,7 @@ def pack_int4(values: jax.Array, axis: int) -> jax.Array:
     n = values.shape[axis]
     if n % 2:
         raise ValueError(f"int4 packing needs an even length along axis {axis}, got {n}")
-    pairs = values.astype(jnp.int8).reshape(*values.shape[:axis], n // 2, 2, *values.shape[axis + 1:])
+    pairs = values.astype(jnp.int8).reshape(*values.shape[:axis], n // 2, 2, *values.shape[axis + 1 :])
     lo, hi = jnp.take(pairs, 0, axis=axis + 1), jnp.take(pairs, 1, axis=axis + 1)
     return jnp.left_shift(hi, 4) | (lo & 0xF)
 
@@ -105,7 +106,7 @@ def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
     # Arithmetic shifts of a signed byte sign-extend each nibble.
     lo = jnp.right_shift(jnp.left_shift(packed, 4), 4)
     hi = jnp.right_shift(packed, 4)
-    shape = (*packed.shape[:axis], 2 * packed.shape[axis], *packed.shape[axis + 1:])
+    shape = (*packed.shape[:axis], 2 * packed.shape[axis], *packed.shape[axis + 1 :])
     return jnp.stack([lo, hi], axis=axis + 1).reshape(shape)
 
 
@@ -182,7 +183,7 @@ class Int4Weight(QuantizedWeight):
     def dequantize(self, dtype: jnp.dtype = F32) -> jax.Array:
         v = unpack_int4(self.values, self.axis)
         ax = self.axis % v.ndim
-        groups = v.reshape(*v.shape[:ax], self.scales.shape[ax], self.group_size, *v.shape[ax + 1:])
+        groups = v.reshape(*v.shape[:ax], self.scales.shape[ax], self.group_size, *v.shape[ax + 1 :])
         w = groups.astype(F32) * jnp.expand_dims(self.scales, ax + 1)
         return w.reshape(v.shape).astype(dtype)
 
@@ -218,8 +219,10 @@ def int4_axis(spec: str, shape: tuple[int, ...], group_size: int, name: str = "w
     n = shape[ax]
     if group_size < 2 or n % group_size or group_size % 2:
         letter = w_letters[ax - (len(shape) - len(w_letters))]
-        raise ValueError(f"int4 group_size={group_size} must be even and divide the input dim {letter}={n} "
-                         f"of {name} (read as {spec!r}); choose an even divisor of {n}")
+        raise ValueError(
+            f"int4 group_size={group_size} must be even and divide the input dim {letter}={n} "
+            f"of {name} (read as {spec!r}); choose an even divisor of {n}"
+        )
     return ax
 
 
@@ -254,7 +257,7 @@ def quantize_weight(w: jax.Array, spec: str, fmt: str, group_size: int = 32) -> 
         return FORMATS[fmt](values, scales)
     ax = int4_axis(spec, w.shape, group_size)
     n = w.shape[ax]
-    groups = w.reshape(*w.shape[:ax], n // group_size, group_size, *w.shape[ax + 1:])
+    groups = w.reshape(*w.shape[:ax], n // group_size, group_size, *w.shape[ax + 1 :])
     scales = jnp.max(jnp.abs(groups), axis=ax + 1, keepdims=True) / INT4_MAX
     scales = jnp.where(scales == 0, 1.0, scales)
     values = jnp.clip(jnp.round(groups / scales), -8, 7).astype(jnp.int8).reshape(w.shape)

@@ -29,8 +29,9 @@ import numpy as np
 from meshwork.rope_scaling import rope_type_of
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
-                     seq_len: int | jax.Array | None = None) -> tuple[np.ndarray | jax.Array, float]:
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None, seq_len: int | jax.Array | None = None
+) -> tuple[np.ndarray | jax.Array, float]:
     """Inverse frequencies (head_dim // 2,) float32 and the cos/sin scale, as transformers computes them.
 
     `seq_len` (max position + 1 of the call, may be traced) matters only for
@@ -57,8 +58,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None
     if rope_type == "llama3":
         return _llama3(inv_freq, factor, scaling), 1.0
     if rope_type == "dynamic":
-        return _dynamic_ntk(exponents, dim, theta, factor, int(scaling["original_max_position_embeddings"]),
-                            seq_len), 1.0
+        return _dynamic_ntk(
+            exponents, dim, theta, factor, int(scaling["original_max_position_embeddings"]), seq_len
+        ), 1.0
     return _yarn(pos_freqs, dim, theta, factor, scaling)
 
 
@@ -76,17 +78,17 @@ def _llama3(inv_freq: np.ndarray, factor: float, s: dict[str, Any]) -> np.ndarra
     return np.where(is_medium, smoothed, scaled)
 
 
-def _dynamic_ntk(exponents: np.ndarray, dim: int, theta: float, factor: float, original: int,
-                 seq_len: int | jax.Array | None) -> jax.Array:
+def _dynamic_ntk(
+    exponents: np.ndarray, dim: int, theta: float, factor: float, original: int, seq_len: int | jax.Array | None
+) -> jax.Array:
     # transformers recomputes from seq_len = max(position_ids) + 1, never below the original context,
     # in float32 (seq_len is a tensor there); at or below it the base is theta itself.
     seq = jnp.maximum(jnp.asarray(original if seq_len is None else seq_len), original).astype(jnp.float32)
     base = theta * ((factor * seq / original) - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / (base ** exponents)
+    return 1.0 / (base**exponents)
 
 
-def _yarn(pos_freqs: np.ndarray, dim: int, theta: float, factor: float,
-          s: dict[str, Any]) -> tuple[np.ndarray, float]:
+def _yarn(pos_freqs: np.ndarray, dim: int, theta: float, factor: float, s: dict[str, Any]) -> tuple[np.ndarray, float]:
     original = int(s["original_max_position_embeddings"])
 
     def get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -118,8 +120,9 @@ def _yarn(pos_freqs: np.ndarray, dim: int, theta: float, factor: float,
     return inv_freq, float(attention_factor)
 
 
-def rope_cos_sin(positions_BL: jax.Array, head_dim: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(
+    positions_BL: jax.Array, head_dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin (B, L, head_dim // 2) float32 at `positions_BL`, scaled as transformers scales them.
 
     transformers' cos/sin repeat these twice along the last axis ("rotate half").
@@ -141,8 +144,9 @@ def rope_cos_sin(positions_BL: jax.Array, head_dim: int, theta: float,
     return cos, sin
 
 
-def apply_rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float,
-               scaling: dict[str, Any] | None = None) -> jax.Array:
+def apply_rope(
+    x_BLHK: jax.Array, positions_BL: jax.Array, theta: float, scaling: dict[str, Any] | None = None
+) -> jax.Array:
     """Rotates pairs (i, i + K/2) of the last dimension by position-dependent angles.
 
     `scaling` is Hugging Face's rope_scaling dict (None: plain RoPE). With

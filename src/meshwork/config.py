@@ -56,72 +56,117 @@ class Config(Section):
     comm: CommConfig = CommConfig()
 
     @pydantic.model_validator(mode="after")
-    def _consistent(self) -> "Config":
+    def _consistent(self) -> Config:
         m, t = self.model, self.train
         if m.n_heads % m.n_kv_heads:
-            raise _KeyError("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor")
+            raise _KeyError(
+                "model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; use a divisor"
+            )
         if m.kind == "moe":
             e = m.moe
             if e.top_k > e.n_experts:
                 raise _KeyError("model.moe.top_k", f"{e.top_k} exceeds model.moe.n_experts={e.n_experts}")
             if e.n_experts % e.n_groups or e.topk_groups > e.n_groups:
-                raise _KeyError("model.moe.n_groups", f"{e.n_experts} experts in {e.n_groups} groups with "
-                                f"topk_groups={e.topk_groups}: groups must divide the experts and topk_groups <= n_groups")
+                raise _KeyError(
+                    "model.moe.n_groups",
+                    f"{e.n_experts} experts in {e.n_groups} groups with "
+                    f"topk_groups={e.topk_groups}: groups must divide the experts and topk_groups <= n_groups",
+                )
             if e.first_dense_layers >= m.n_layers:
-                raise _KeyError("model.moe.first_dense_layers", f"{e.first_dense_layers} leaves no MoE layer of "
-                                f"model.n_layers={m.n_layers}; lower it, or use model.kind=transformer")
+                raise _KeyError(
+                    "model.moe.first_dense_layers",
+                    f"{e.first_dense_layers} leaves no MoE layer of "
+                    f"model.n_layers={m.n_layers}; lower it, or use model.kind=transformer",
+                )
             _check_dense_layers(e.dense_layers, e.first_dense_layers, m.n_layers)
         if t.global_batch % t.microbatches:
-            raise _KeyError("train.microbatches", f"{t.microbatches} does not divide train.global_batch={t.global_batch}")
+            raise _KeyError(
+                "train.microbatches", f"{t.microbatches} does not divide train.global_batch={t.global_batch}"
+            )
         if (self.mesh.stage != 1) != (t.pipeline != "none"):
-            raise _KeyError("train.pipeline", f"train.pipeline={t.pipeline} with mesh.stage={self.mesh.stage}; "
-                            "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe, 1f1b, interleaved or zb-h1)")
+            raise _KeyError(
+                "train.pipeline",
+                f"train.pipeline={t.pipeline} with mesh.stage={self.mesh.stage}; "
+                "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe, 1f1b, interleaved or zb-h1)",
+            )
         if t.pipeline != "none" and m.kind == "unet":
-            raise _KeyError("train.pipeline", "pipelines are built for the language models, not model.kind=unet; "
-                            "set train.pipeline=none and mesh.stage=1")
+            raise _KeyError(
+                "train.pipeline",
+                "pipelines are built for the language models, not model.kind=unet; "
+                "set train.pipeline=none and mesh.stage=1",
+            )
         if t.pipeline != "none" and m.kind == "moe":
             _check_moe_pipeline(m, self.mesh.stage, t.virtual_stages if t.pipeline == "interleaved" else 1)
         if t.pipeline != "none" and self.mesh.stage > 0 and m.n_layers % self.mesh.stage:
-            raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
-                            f"{self.mesh.stage} equal stages")
+            raise _KeyError(
+                "model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage={self.mesh.stage} equal stages"
+            )
         if t.virtual_stages > 1 and t.pipeline != "interleaved":
-            raise _KeyError("train.virtual_stages", f"{t.virtual_stages} chunks per stage need "
-                            f"train.pipeline=interleaved, not {t.pipeline}; set train.virtual_stages=1")
+            raise _KeyError(
+                "train.virtual_stages",
+                f"{t.virtual_stages} chunks per stage need "
+                f"train.pipeline=interleaved, not {t.pipeline}; set train.virtual_stages=1",
+            )
         if t.pipeline == "interleaved" and self.mesh.stage > 0:
             chunks = self.mesh.stage * t.virtual_stages
             if m.n_layers % chunks:
-                raise _KeyError("model.n_layers", f"{m.n_layers} layers cannot be split into mesh.stage="
-                                f"{self.mesh.stage} x train.virtual_stages={t.virtual_stages} equal chunks")
+                raise _KeyError(
+                    "model.n_layers",
+                    f"{m.n_layers} layers cannot be split into mesh.stage="
+                    f"{self.mesh.stage} x train.virtual_stages={t.virtual_stages} equal chunks",
+                )
             if t.microbatches % self.mesh.stage:
-                raise _KeyError("train.microbatches", f"{t.microbatches} is not a multiple of mesh.stage="
-                                f"{self.mesh.stage}, which train.pipeline=interleaved needs")
+                raise _KeyError(
+                    "train.microbatches",
+                    f"{t.microbatches} is not a multiple of mesh.stage="
+                    f"{self.mesh.stage}, which train.pipeline=interleaved needs",
+                )
         ft = self.finetune
         if ft.method != "none" and not ft.base:
-            raise _KeyError("finetune.base", f"finetune.method={ft.method} starts from a trained model; "
-                            "set finetune.base to a run's run.dir or a Hugging Face checkpoint folder")
+            raise _KeyError(
+                "finetune.base",
+                f"finetune.method={ft.method} starts from a trained model; "
+                "set finetune.base to a run's run.dir or a Hugging Face checkpoint folder",
+            )
         if ft.method not in ("none", "full") and m.kind != "transformer":
-            raise _KeyError("finetune.method", f"{ft.method} is built for the dense transformer, not "
-                            f"model.kind={m.kind}; use full")
+            raise _KeyError(
+                "finetune.method", f"{ft.method} is built for the dense transformer, not model.kind={m.kind}; use full"
+            )
         if ft.method in ("lora", "qlora", "adapter", "prefix") and t.pipeline != "none":
-            raise _KeyError("finetune.method", f"{ft.method} with train.pipeline={t.pipeline} is not supported; "
-                            "set train.pipeline=none")
+            raise _KeyError(
+                "finetune.method",
+                f"{ft.method} with train.pipeline={t.pipeline} is not supported; set train.pipeline=none",
+            )
         o, c = t.offload, self.comm
         if (o.optimizer or o.params) and (c.compression != "none" or c.stale_gradients or c.local_steps > 1):
-            raise _KeyError("train.offload", "host offload with comm.compression, comm.stale_gradients or "
-                            "comm.local_steps > 1 is not supported; turn one of them off")
+            raise _KeyError(
+                "train.offload",
+                "host offload with comm.compression, comm.stale_gradients or "
+                "comm.local_steps > 1 is not supported; turn one of them off",
+            )
         if o.params and (m.kind != "transformer" or t.pipeline != "none" or ft.method not in ("none", "full")):
-            raise _KeyError("train.offload.params", f"parameter offload streams the dense transformer's scanned "
-                            f"layers (model.kind={m.kind}, train.pipeline={t.pipeline}, finetune.method="
-                            f"{ft.method}); use model.kind=transformer, train.pipeline=none, finetune none or full")
+            raise _KeyError(
+                "train.offload.params",
+                f"parameter offload streams the dense transformer's scanned "
+                f"layers (model.kind={m.kind}, train.pipeline={t.pipeline}, finetune.method="
+                f"{ft.method}); use model.kind=transformer, train.pipeline=none, finetune none or full",
+            )
         if isinstance(t.loss_chunk, int) and (t.pipeline != "none" or m.kind == "unet"):
-            raise _KeyError("train.loss_chunk", f"the chunked loss is for unpipelined language models (train.pipeline="
-                            f"{t.pipeline}, model.kind={m.kind}); set train.loss_chunk to auto or null")
+            raise _KeyError(
+                "train.loss_chunk",
+                f"the chunked loss is for unpipelined language models (train.pipeline="
+                f"{t.pipeline}, model.kind={m.kind}); set train.loss_chunk to auto or null",
+            )
         if t.remat not in ("none", "full", "dots_saveable") and m.kind == "unet":
-            raise _KeyError("train.remat", f"{t.remat} is a policy of the scanned transformer layers; "
-                            "use none, full or dots_saveable for model.kind=unet")
+            raise _KeyError(
+                "train.remat",
+                f"{t.remat} is a policy of the scanned transformer layers; "
+                "use none, full or dots_saveable for model.kind=unet",
+            )
         if o.params and not t.scan_layers:
-            raise _KeyError("train.offload.params", "parameter offload streams one layer per scan step; "
-                            "set train.scan_layers=true")
+            raise _KeyError(
+                "train.offload.params", "parameter offload streams one layer per scan step; set train.scan_layers=true"
+            )
         _check_tiers_and_elasticity(self)
         if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
@@ -141,27 +186,42 @@ class _KeyError(ValueError):
         self.key, self.msg = key, msg
 
 
-def _check_tiers_and_elasticity(cfg: "Config") -> None:
+def _check_tiers_and_elasticity(cfg: Config) -> None:
     """checkpoint.every=auto, the fast tier and train.elastic: what each needs from the others."""
     ck, t, c = cfg.checkpoint, cfg.train, cfg.comm
     if ck.every == "auto" and cfg.run.mttf_hours is None:
-        raise _KeyError("checkpoint.every", "auto picks the Young/Daly interval from the measured checkpoint "
-                        "cost and the job's mean time to failure; set run.mttf_hours (e.g. 24), or a number of steps")
+        raise _KeyError(
+            "checkpoint.every",
+            "auto picks the Young/Daly interval from the measured checkpoint "
+            "cost and the job's mean time to failure; set run.mttf_hours (e.g. 24), or a number of steps",
+        )
     if ck.fast_path is not None and ck.fast_every is None:
-        raise _KeyError("checkpoint.fast_path", f"{ck.fast_path} is the fast tier's folder, but no fast tier is "
-                        "written; set checkpoint.fast_every (e.g. 5) or drop checkpoint.fast_path")
+        raise _KeyError(
+            "checkpoint.fast_path",
+            f"{ck.fast_path} is the fast tier's folder, but no fast tier is "
+            "written; set checkpoint.fast_every (e.g. 5) or drop checkpoint.fast_path",
+        )
     if ck.fast_every is not None and ck.fast_path is None and not t.elastic:
-        raise _KeyError("checkpoint.fast_every", "a fast tier in host RAM dies with the process and only "
-                        "train.elastic reads it back; set checkpoint.fast_path to a local disk folder, or "
-                        "train.elastic=true")
+        raise _KeyError(
+            "checkpoint.fast_every",
+            "a fast tier in host RAM dies with the process and only "
+            "train.elastic reads it back; set checkpoint.fast_path to a local disk folder, or "
+            "train.elastic=true",
+        )
     if t.elastic and cfg.mesh.stage != 1:
-        raise _KeyError("train.elastic", f"mesh.stage={cfg.mesh.stage}: pipeline stages cannot shrink (each "
-                        "holds its own layers); elasticity shrinks the data-parallel axes, so set mesh.stage=1 "
-                        "and train.pipeline=none, or train.elastic=false")
+        raise _KeyError(
+            "train.elastic",
+            f"mesh.stage={cfg.mesh.stage}: pipeline stages cannot shrink (each "
+            "holds its own layers); elasticity shrinks the data-parallel axes, so set mesh.stage=1 "
+            "and train.pipeline=none, or train.elastic=false",
+        )
     if t.elastic and (c.compression != "none" or c.stale_gradients or c.local_steps > 1):
-        raise _KeyError("train.elastic", "comm.compression, comm.stale_gradients and comm.local_steps > 1 keep "
-                        "state per data-parallel replica, which a changing device count would orphan; turn "
-                        "them off, or train.elastic=false")
+        raise _KeyError(
+            "train.elastic",
+            "comm.compression, comm.stale_gradients and comm.local_steps > 1 keep "
+            "state per data-parallel replica, which a changing device count would orphan; turn "
+            "them off, or train.elastic=false",
+        )
 
 
 def _check_dense_layers(dense: tuple[int, ...] | None, first_dense: int, n_layers: int) -> None:
@@ -171,13 +231,19 @@ def _check_dense_layers(dense: tuple[int, ...] | None, first_dense: int, n_layer
         return
     key, got = "model.moe.dense_layers", list(dense)
     if first_dense:
-        raise _KeyError(key, f"{got} with model.moe.first_dense_layers={first_dense}: set one of them "
-                        "(dense_layers lists any layers; first_dense_layers counts leading ones)")
+        raise _KeyError(
+            key,
+            f"{got} with model.moe.first_dense_layers={first_dense}: set one of them "
+            "(dense_layers lists any layers; first_dense_layers counts leading ones)",
+        )
     if got != sorted(set(got)):
         raise _KeyError(key, f"{got}: list each layer once, in increasing order")
     if got[-1] >= n_layers:
-        raise _KeyError(key, f"{got}: layer {got[-1]} is past the last layer of model.n_layers={n_layers} "
-                        f"(layers are numbered 0..{n_layers - 1})")
+        raise _KeyError(
+            key,
+            f"{got}: layer {got[-1]} is past the last layer of model.n_layers={n_layers} "
+            f"(layers are numbered 0..{n_layers - 1})",
+        )
     if len(got) == n_layers:
         raise _KeyError(key, f"{got} makes every layer dense; leave a MoE layer, or use model.kind=transformer")
 
@@ -191,35 +257,54 @@ def _check_moe_pipeline(m, stage: int, virtual_stages: int) -> None:
     n_chunks = stage * virtual_stages
     runs = m.moe.layer_runs(m.n_layers)
     if m.n_layers % n_chunks == 0 and chunk_runs(runs, n_chunks) is None:
-        raise _KeyError("model.moe", f"dense layers {list(m.moe.dense_layer_indices(m.n_layers))} of {m.n_layers} "
-                        f"differ between the pipeline's {n_chunks} chunks of {m.n_layers // n_chunks} layers; every "
-                        "stage runs one program, so use a pattern that repeats per chunk (e.g. no dense layers) or "
-                        "train.pipeline=none")
+        raise _KeyError(
+            "model.moe",
+            f"dense layers {list(m.moe.dense_layer_indices(m.n_layers))} of {m.n_layers} "
+            f"differ between the pipeline's {n_chunks} chunks of {m.n_layers // n_chunks} layers; every "
+            "stage runs one program, so use a pattern that repeats per chunk (e.g. no dense layers) or "
+            "train.pipeline=none",
+        )
     for run in runs:
         if run.count % stage:
-            raise _KeyError("model.moe", f"the run of {run.count} {'MoE' if run.moe else 'dense'} layers from layer "
-                            f"{run.start} cannot be split over mesh.stage={stage} (each run of layers is stored "
-                            "split by stage); use no dense layers or train.pipeline=none")
+            raise _KeyError(
+                "model.moe",
+                f"the run of {run.count} {'MoE' if run.moe else 'dense'} layers from layer "
+                f"{run.start} cannot be split over mesh.stage={stage} (each run of layers is stored "
+                "split by stage); use no dense layers or train.pipeline=none",
+            )
     if m.moe.router == "noisy":
-        raise _KeyError("model.moe.router", "the noisy router's per-step noise is not carried through a pipeline "
-                        "schedule; use softmax or sigmoid, or train.pipeline=none")
+        raise _KeyError(
+            "model.moe.router",
+            "the noisy router's per-step noise is not carried through a pipeline "
+            "schedule; use softmax or sigmoid, or train.pipeline=none",
+        )
 
 
-def _check_packed_documents(cfg: "Config") -> None:
+def _check_packed_documents(cfg: Config) -> None:
     """data.source=text packs documents into rows with segment ids; the paths that cannot keep
     documents apart (the pipeline's stages, cuDNN attention, prefix tuning) refuse it here."""
     if not cfg.data.text_files:
-        raise _KeyError("data.text_files", "data.source=text needs data.text_files: files or globs "
-                        "(.txt, .jsonl, .parquet), e.g. data.text_files=[notes/*.txt]")
+        raise _KeyError(
+            "data.text_files",
+            "data.source=text needs data.text_files: files or globs "
+            "(.txt, .jsonl, .parquet), e.g. data.text_files=[notes/*.txt]",
+        )
     if cfg.train.pipeline != "none":
-        raise _KeyError("data.source", f"text (packed documents) is not supported with train.pipeline="
-                        f"{cfg.train.pipeline}; set train.pipeline=none and mesh.stage=1")
+        raise _KeyError(
+            "data.source",
+            f"text (packed documents) is not supported with train.pipeline="
+            f"{cfg.train.pipeline}; set train.pipeline=none and mesh.stage=1",
+        )
     if cfg.model.attention == "cudnn":
-        raise _KeyError("model.attention", "cudnn takes no segment ids, which data.source=text's packed "
-                        "documents need; use xla or pallas")
+        raise _KeyError(
+            "model.attention",
+            "cudnn takes no segment ids, which data.source=text's packed documents need; use xla or pallas",
+        )
     if cfg.finetune.method == "prefix":
-        raise _KeyError("finetune.method", "prefix tuning over packed documents (data.source=text) is not "
-                        "implemented; use lora, adapter or full")
+        raise _KeyError(
+            "finetune.method",
+            "prefix tuning over packed documents (data.source=text) is not implemented; use lora, adapter or full",
+        )
 
 
 # ---------------------------------------------------------------- loading
@@ -233,8 +318,9 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one "
-                                  f"mapping; keep one of them")
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping; keep one of them"
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -324,7 +410,11 @@ def _section_model(loc: list[str]) -> type[pydantic.BaseModel]:
     model: type[pydantic.BaseModel] = Config
     for part in loc:
         field = model.model_fields.get(part)
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, pydantic.BaseModel):
+        if (
+            field is None
+            or not isinstance(field.annotation, type)
+            or not issubclass(field.annotation, pydantic.BaseModel)
+        ):
             break
         model = field.annotation
     return model

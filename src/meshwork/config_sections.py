@@ -59,8 +59,10 @@ class RunConfig(Section):
         for key in keys:
             section, _, name = key.partition(".")
             if section != "optimizer" or name not in fields:
-                raise ValueError(f"{key!r} cannot change within a run; name optimizer keys only "
-                                 f"({', '.join('optimizer.' + f for f in fields)})")
+                raise ValueError(
+                    f"{key!r} cannot change within a run; name optimizer keys only "
+                    f"({', '.join('optimizer.' + f for f in fields)})"
+                )
         return keys
 
 
@@ -143,8 +145,10 @@ class MoEConfig(Section):
             else:
                 runs.append([i not in dense, i, 1])
         classic = [moe for moe, _, _ in runs] in ([True], [False, True])
-        return tuple(LayerRun(f"{'moe' if moe else 'dense'}_blocks" + ("" if classic else f"_{start}"), moe, start, n)
-                     for moe, start, n in runs)
+        return tuple(
+            LayerRun(f"{'moe' if moe else 'dense'}_blocks" + ("" if classic else f"_{start}"), moe, start, n)
+            for moe, start, n in runs
+        )
 
 
 class LayerRun(NamedTuple):
@@ -335,8 +339,16 @@ class TrainConfig(Section):
     """Model chunks per pipeline stage under pipeline=interleaved (Narayanan et al. 2021):
     stage s holds layer chunks s, s+P, s+2P, ... of n_layers / (stage x virtual_stages)
     layers each, and the bubble shrinks about v times; 1 for every other schedule."""
-    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj",
-                   "save_out_proj", "save_qkv_and_out_proj", "offload_dots"] = "none"
+    remat: Literal[
+        "none",
+        "full",
+        "dots_saveable",
+        "dots_with_no_batch_dims_saveable",
+        "save_qkv_proj",
+        "save_out_proj",
+        "save_qkv_and_out_proj",
+        "offload_dots",
+    ] = "none"
     """What the scanned layers keep for the backward pass (jax.checkpoint policy): full keeps only
     each layer's input, dots_saveable every matmul's output, dots_with_no_batch_dims_saveable the
     weight matmuls' (not attention's), save_qkv_proj / save_out_proj / save_qkv_and_out_proj the
@@ -388,7 +400,7 @@ class MeshConfig(Section):
         return v
 
     @pydantic.model_validator(mode="after")
-    def _one_fill(self) -> "MeshConfig":
+    def _one_fill(self) -> MeshConfig:
         if sum(getattr(self, a) == -1 for a in MESH_AXES) > 1:
             raise ValueError("at most one mesh axis may be -1")
         return self
@@ -512,7 +524,7 @@ def chunk_runs(runs: tuple[LayerRun, ...], n_chunks: int) -> tuple[LayerRun, ...
     """
     kinds = [run.moe for run in runs for _ in range(run.count)]
     n = len(kinds) // n_chunks
-    if len(kinds) % n_chunks or any(kinds[c * n:(c + 1) * n] != kinds[:n] for c in range(n_chunks)):
+    if len(kinds) % n_chunks or any(kinds[c * n : (c + 1) * n] != kinds[:n] for c in range(n_chunks)):
         return None
     out: list[list] = []
     for i, moe in enumerate(kinds[:n]):

@@ -28,9 +28,11 @@ from meshwork.sharding.rules import Rules, logical_to_spec, tree_shardings
 
 def logical_specs(state: Any) -> Any:
     """Tree prefix of `state`: a PartitionSpec of logical names per annotated variable, else None."""
+
     def spec(leaf):
         names = leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
         return PartitionSpec(*names) if names else None
+
     return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -47,6 +49,7 @@ def variable_shardings(tree: Any, mesh: Mesh, rules: Rules) -> Any:
         if isinstance(var, nnx.Variable) and not hasattr(var.get_value(), "shape"):
             return param_shardings(var, mesh, rules)
         return sharding
+
     return jax.tree.map(one, tree, plain, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
@@ -80,6 +83,7 @@ def param_shardings(params_state, mesh: Mesh, rules: Rules):
     >>> sh.get_value()["values"].spec, sh.get_value()["scales"].spec
     (P(None, None, 'tensor'), P(None, None, 'tensor'))
     """
+
     def for_variable(var):
         names = var.get_metadata().get("out_sharding")
         return jax.tree.map(lambda a: fit_sharding(names, tuple(np.shape(a)), mesh, rules), var)
@@ -105,8 +109,10 @@ def indivisible(tree: Any) -> str | None:
             if n % ways:
                 where = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
                 where = where.removesuffix(".value")
-                return (f"{where}: dimension {dim} of size {n} cannot be split {ways} ways over mesh axis "
-                        f"{' x '.join(names)}")
+                return (
+                    f"{where}: dimension {dim} of size {n} cannot be split {ways} ways over mesh axis "
+                    f"{' x '.join(names)}"
+                )
     return None
 
 
@@ -115,14 +121,21 @@ def indivisible(tree: Any) -> str | None:
 
 def abstract_with_shardings(abstract_state: Any, shardings: Any) -> Any:
     """ShapeDtypeStructs of `abstract_state` carrying `shardings` (a tree prefix is fine)."""
-    return jax.tree.map(lambda s, a: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), a), shardings, abstract_state)
+    return jax.tree.map(
+        lambda s, a: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), a),
+        shardings,
+        abstract_state,
+    )
 
 
 def per_leaf(prefix: Any, tree: Any) -> Any:
     """A tree prefix of shardings broadcast to one sharding per leaf of `tree`, in `tree`'s structure."""
-    return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree,
-                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda _: s, sub),
+        prefix,
+        tree,
+        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding),
+    )
 
 
 HOST = "pinned_host"
@@ -135,8 +148,9 @@ def on_host(shardings: Any) -> Any:
     >>> on_host(NamedSharding(mesh, PartitionSpec("fsdp"))).memory_kind   # doctest: +SKIP
     'pinned_host'
     """
-    return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings,
-                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    return jax.tree.map(
+        lambda s: s.with_memory_kind(HOST), shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+    )
 
 
 def to_device_memory(x: jax.Array) -> jax.Array:

@@ -12,8 +12,10 @@ ROPE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "linear": (("factor",), ()),
     "dynamic": (("factor", "original_max_position_embeddings"), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
-    "yarn": (("factor", "original_max_position_embeddings"),
-             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+    ),
 }
 # Keys transformers keeps beside the type's own; harmless here (theta is passed separately).
 _IGNORED_KEYS = ("rope_type", "type", "rope_theta")
@@ -31,14 +33,15 @@ def rope_type_of(scaling: dict[str, Any] | None) -> str:
     if rope_type is None:
         raise ValueError(f"rope_scaling={scaling!r} has no 'rope_type'; set one of {sorted(ROPE_KEYS)}")
     if rope_type not in ROPE_KEYS:
-        raise ValueError(f"rope_scaling rope_type {rope_type!r} is not implemented; "
-                         f"use one of {sorted(ROPE_KEYS)}")
+        raise ValueError(f"rope_scaling rope_type {rope_type!r} is not implemented; use one of {sorted(ROPE_KEYS)}")
     required, optional = ROPE_KEYS[rope_type]
     for key in required:
         if scaling.get(key) is None:
             raise ValueError(f"rope_scaling={scaling!r}: rope_type {rope_type!r} needs the key {key!r}")
     for key in scaling:
         if key not in required + optional + _IGNORED_KEYS:
-            raise ValueError(f"rope_scaling={scaling!r}: key {key!r} is not used by rope_type {rope_type!r} "
-                             f"(it takes {sorted(required + optional)})")
+            raise ValueError(
+                f"rope_scaling={scaling!r}: key {key!r} is not used by rope_type {rope_type!r} "
+                f"(it takes {sorted(required + optional)})"
+            )
     return rope_type

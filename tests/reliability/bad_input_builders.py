@@ -81,37 +81,55 @@ def missing_include(c):
 
 def tokens_out_of_vocab(c):
     ids = np.arange(4096) % 300  # ids up to 299, model.vocab_size=256
-    return train_argv("data.source=tokens", f"data.train_path={c.tokens('train.bin', ids)}",
-                      f"data.val_path={c.tokens('val.bin', ids % 256)}")(c)
+    return train_argv(
+        "data.source=tokens",
+        f"data.train_path={c.tokens('train.bin', ids)}",
+        f"data.val_path={c.tokens('val.bin', ids % 256)}",
+    )(c)
 
 
 def tokens_out_of_vocab_at_the_end(c):
     ids = np.arange((1 << 20) + 4096) % 256
     ids[-1] = 300  # past the first million tokens: only a check of the whole file sees it
-    return train_argv("data.source=tokens", f"data.train_path={c.tokens('train.bin', ids)}",
-                      f"data.val_path={c.tokens('val.bin', ids[:4096])}")(c)
+    return train_argv(
+        "data.source=tokens",
+        f"data.train_path={c.tokens('train.bin', ids)}",
+        f"data.val_path={c.tokens('val.bin', ids[:4096])}",
+    )(c)
 
 
 def tokens_empty(c):
-    return train_argv("data.source=tokens", f"data.train_path={c.write('empty.bin', b'')}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}")(c)
+    return train_argv(
+        "data.source=tokens",
+        f"data.train_path={c.write('empty.bin', b'')}",
+        f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}",
+    )(c)
 
 
 def tokens_missing(c):
-    return train_argv("data.source=tokens", f"data.train_path={c.tmp / 'missing.bin'}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}")(c)
+    return train_argv(
+        "data.source=tokens",
+        f"data.train_path={c.tmp / 'missing.bin'}",
+        f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}",
+    )(c)
 
 
 def tokens_odd_bytes(c):
     # A text file passed as tokens: 4097 bytes cannot be uint16 ids.
-    return train_argv("data.source=tokens", f"data.train_path={c.write('train.txt', 'x' * 4097)}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}")(c)
+    return train_argv(
+        "data.source=tokens",
+        f"data.train_path={c.write('train.txt', 'x' * 4097)}",
+        f"data.val_path={c.tokens('val.bin', np.arange(4096) % 256)}",
+    )(c)
 
 
 def tokens_val_too_short_for_eval(c):
     # 200 tokens: enough for one 32-token window, far from the 8 x 2 windows evaluation takes.
-    return train_argv("data.source=tokens", f"data.train_path={c.tokens('train.bin', np.arange(4096) % 256)}",
-                      f"data.val_path={c.tokens('val.bin', np.arange(200) % 256)}")(c)
+    return train_argv(
+        "data.source=tokens",
+        f"data.train_path={c.tokens('train.bin', np.arange(4096) % 256)}",
+        f"data.val_path={c.tokens('val.bin', np.arange(200) % 256)}",
+    )(c)
 
 
 def image_dir_missing(c):
@@ -182,8 +200,7 @@ def text_too_little_validation(c):
 
 
 def finetune_base_missing(c):
-    return train_argv("finetune.method=lora", f"finetune.base={c.tmp / 'no_base_run'}",
-                      run=c.tmp / "ft_run")(c)
+    return train_argv("finetune.method=lora", f"finetune.base={c.tmp / 'no_base_run'}", run=c.tmp / "ft_run")(c)
 
 
 # Refusals of train/run_dir/identity.py and meshwork/run/checkpoint.py: a run.dir of another config, one holding
@@ -234,13 +251,23 @@ def hf_unsupported_architecture(c):
 
 def hf_truncated_safetensors(c):
     data = (HF_LLAMA / "model.safetensors").read_bytes()
-    return ["lm", "--hf", str(_hf_dir(c, (HF_LLAMA / "config.json").read_text(), data[: len(data) // 2])),
-            "--prompt-ids", "1,2,3"]
+    return [
+        "lm",
+        "--hf",
+        str(_hf_dir(c, (HF_LLAMA / "config.json").read_text(), data[: len(data) // 2])),
+        "--prompt-ids",
+        "1,2,3",
+    ]
 
 
 def hf_garbage_safetensors(c):
-    return ["lm", "--hf", str(_hf_dir(c, (HF_LLAMA / "config.json").read_text(), b"\xff" * 64)),
-            "--prompt-ids", "1,2,3"]
+    return [
+        "lm",
+        "--hf",
+        str(_hf_dir(c, (HF_LLAMA / "config.json").read_text(), b"\xff" * 64)),
+        "--prompt-ids",
+        "1,2,3",
+    ]
 
 
 def hf_malformed_config_json(c):

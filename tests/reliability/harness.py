@@ -16,21 +16,48 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 40  # the tests stop at 10 and 30 and kill before step 37: 40 is enough
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-        "data.seq_len=32", "train.global_batch=8", "log.progress=false", "log.tensorboard=false",
-        "log.eval_batches=1", "log.every=1", "log.eval_every=1000", "mesh.data=1", f"train.steps={STEPS}",
-        "checkpoint.every=5", "checkpoint.keep=2"]
+TINY = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "train.global_batch=8",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "log.eval_batches=1",
+    "log.every=1",
+    "log.eval_every=1000",
+    "mesh.data=1",
+    f"train.steps={STEPS}",
+    "checkpoint.every=5",
+    "checkpoint.keep=2",
+]
 
 
 def launch(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, **popen) -> subprocess.Popen:
     """`python -m train` of the tiny lm_tiny run into `run_dir`, on one CPU device."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1",
-           "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    cmd = [sys.executable, "-m", "train", "--config", str(ROOT / "configs/lm_tiny.yaml"),
-           f"run.dir={run_dir}", *TINY, *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **popen)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "",
+        "PYTHONUNBUFFERED": "1",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        str(ROOT / "configs/lm_tiny.yaml"),
+        f"run.dir={run_dir}",
+        *TINY,
+        *extra,
+    ]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
 def run(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -76,12 +103,17 @@ def assert_same_final_state(run_dir: pathlib.Path, reference: pathlib.Path) -> N
 # The line the trainer prints as it enters each phase of a start: a signal test waits for it and
 # signals then, so the signal lands in the phase the test names. "imports" has no line: the signal
 # is sent as soon as the process runs, and the test checks nothing had been printed yet.
-PHASE_LINES = {"imports": None, "compile": "compiling the train step...",
-               "restore": "restoring the checkpoint of step", "steps": f"/{STEPS}: loss "}  # the first progress line: "step N/40: loss ..."
+PHASE_LINES = {
+    "imports": None,
+    "compile": "compiling the train step...",
+    "restore": "restoring the checkpoint of step",
+    "steps": f"/{STEPS}: loss ",
+}  # the first progress line: "step N/40: loss ..."
 
 
-def launch_until(phase: str, run_dir: pathlib.Path, cache: pathlib.Path, *extra: str,
-                 timeout: float = 180) -> tuple[subprocess.Popen, str]:
+def launch_until(
+    phase: str, run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, timeout: float = 180
+) -> tuple[subprocess.Popen, str]:
     """Starts the tiny run and returns once it has printed `phase`'s line, with what it printed so far
     (the signal the caller sends next lands in that phase: the trainer's output is unbuffered)."""
     import time

@@ -31,8 +31,13 @@ def _step(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str) -> dict:
     done = run(run_dir, cache, *extra, timeout=300)
     ckpts = run_dir / "checkpoints"
     names = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
-    return {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr, "checkpoints": names,
-            "manifests": [n for n in names if (ckpts / n / "meshwork_manifest.json").is_file()]}
+    return {
+        "returncode": done.returncode,
+        "stdout": done.stdout,
+        "stderr": done.stderr,
+        "checkpoints": names,
+        "manifests": [n for n in names if (ckpts / n / "meshwork_manifest.json").is_file()],
+    }
 
 
 def main(scenario: str, out: pathlib.Path, disk_bytes: int, cache: pathlib.Path) -> None:

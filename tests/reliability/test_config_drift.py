@@ -4,10 +4,9 @@ when named in run.allow_changes (then recorded), and a run at its last step is l
 import json
 
 import pytest
+from harness import STEPS, run, tree_digest
 
 from meshwork.run.metrics import read_metrics
-
-from harness import STEPS, run, tree_digest
 
 
 @pytest.mark.over_budget("two trainer processes: 10-15 s", seconds=40)

@@ -13,10 +13,9 @@ import time
 
 import numpy as np
 import pytest
+from harness import STEPS, final_state, launch, run
 
 from meshwork.run.metrics import read_metrics
-
-from harness import STEPS, final_state, launch, run
 
 KILLS = 10
 
@@ -50,8 +49,12 @@ def _kill_at(run_dir, cache, target: int, mid_write: bool) -> dict:
         time.sleep(0.0005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
-    return {"target": target, "killed": proc.returncode == -signal.SIGKILL, "mid_write": _writing(run_dir),
-            "at_step": _logged_step(run_dir)}
+    return {
+        "target": target,
+        "killed": proc.returncode == -signal.SIGKILL,
+        "mid_write": _writing(run_dir),
+        "at_step": _logged_step(run_dir),
+    }
 
 
 @pytest.mark.slow
@@ -86,7 +89,8 @@ def test_kill_9_at_random_moments_changes_nothing(reference_run, compile_cache, 
     parts = [v for k, v in account.items() if k.startswith("time_") and k != "time_wall_s"]
     assert sum(parts) == pytest.approx(account["time_wall_s"], rel=0.01)
     assert not (tmp_path / "checkpoints_rejected").exists() or all(
-        p.name.split("-")[0].isdigit() for p in (tmp_path / "checkpoints_rejected").iterdir())
+        p.name.split("-")[0].isdigit() for p in (tmp_path / "checkpoints_rejected").iterdir()
+    )
 
 
 def _damage(step_dir, how: str) -> str:

@@ -4,12 +4,11 @@ with the same global batch, the data stream picking up where it stopped."""
 import jax
 import numpy as np
 import pytest
+from harness import ROOT, TINY
 
 from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
 from meshwork.train.loop import train
-
-from harness import ROOT, TINY
 
 STEPS, STOP = 20, 10
 COMMON = [*TINY, f"train.steps={STEPS}", "checkpoint.every=5"]
@@ -28,8 +27,7 @@ def test_resume_on_4_devices_follows_the_8_device_run(tmp_path):
     _train(tmp_path / "elastic", FSDP8, 8, f"train.stop_after={STOP}")
     elastic = _train(tmp_path / "elastic", DP4, 4)
     assert elastic["resumed_from"] == STOP
-    assert {s.device for x in jax.tree.leaves(elastic["state"]) for s in x.addressable_shards} == \
-        set(jax.devices()[:4])
+    assert {s.device for x in jax.tree.leaves(elastic["state"]) for s in x.addressable_shards} == set(jax.devices()[:4])
 
     rows = lambda d: [r for r in read_metrics(d) if "loss" in r]  # noqa: E731
     a, b = rows(tmp_path / "straight"), rows(tmp_path / "elastic")

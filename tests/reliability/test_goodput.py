@@ -29,4 +29,5 @@ def test_restart_gap_and_rollback_are_lost_time():
     account = clock.breakdown()
     assert account["goodput"] == pytest.approx(50 / account["wall_s"], rel=1e-3)
     assert sum(v for k, v in account.items() if k not in ("wall_s", "goodput")) == pytest.approx(
-        account["wall_s"], abs=0.01)
+        account["wall_s"], abs=0.01
+    )

@@ -5,14 +5,13 @@ import math
 import jax
 import numpy as np
 import pytest
+from harness import ROOT, TINY
 
 from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
 from meshwork.train import cli
 from meshwork.train.loop import train
 from meshwork.train.stops import NonFiniteLoss
-
-from harness import ROOT, TINY
 
 STEPS, BAD = 20, 7
 OVERRIDES = [*TINY, f"train.steps={STEPS}", "checkpoint.every=5", f"train.inject_nan_at=[{BAD}]"]
@@ -56,7 +55,15 @@ def test_rollback_replays_without_the_bad_batch(skipped, tmp_path):
 def test_stop_names_the_step(tmp_path, capsys):
     with pytest.raises(NonFiniteLoss, match=rf"step {BAD} has loss nan .*\(last checkpoint: step 5\)"):
         _train(tmp_path / "api", "train.on_nan=stop")
-    status = cli.main(["--config", str(ROOT / "configs/lm_tiny.yaml"), f"run.dir={tmp_path / 'cli'}",
-                       *OVERRIDES, "train.on_nan=stop", "mesh.data=8"])
+    status = cli.main(
+        [
+            "--config",
+            str(ROOT / "configs/lm_tiny.yaml"),
+            f"run.dir={tmp_path / 'cli'}",
+            *OVERRIDES,
+            "train.on_nan=stop",
+            "mesh.data=8",
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 3 and f"step {BAD}" in err and "train.on_nan" in err and "Traceback" not in err

@@ -4,12 +4,11 @@ import signal
 import time
 
 import pytest
+from harness import launch, run
 
 from meshwork.run.checkpoint import Checkpointer
 from meshwork.run.metrics import read_metrics
 from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
-
-from harness import launch, run
 
 LONG = ["train.steps=100000", "checkpoint.every=100000"]  # no checkpoint but the one the signal asks for
 

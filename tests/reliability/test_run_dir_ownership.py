@@ -7,10 +7,9 @@ import signal
 import time
 
 import pytest
+from harness import PHASE_LINES, STEPS, assert_same_final_state, launch, launch_until, run, tree_digest
 
 from meshwork.run.metrics import read_metrics
-
-from harness import PHASE_LINES, STEPS, assert_same_final_state, launch, launch_until, run, tree_digest
 
 
 @pytest.mark.over_budget("two trainer processes, one paused while the other is refused: 12-14 s", seconds=40)
@@ -61,15 +60,20 @@ def _assert_landed(phase: str, sig: signal.Signals, before: str, proc, out: str)
 
 # The slow tier signals in each of these phases (the quick tier's signal test is the one while resuming).
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, phase, cached", [
-    (signal.SIGKILL, "compile", True),
-    (signal.SIGINT, "imports", True),   # Ctrl-C inside a gc callback during the imports used to be lost (exit 0)
-    (signal.SIGTERM, "compile", False),  # an empty compilation cache: the compile takes seconds
-    (signal.SIGINT, "compile", False),
-    (signal.SIGTERM, "steps", True),
-], ids=["kill-compile", "int-imports", "term-compile", "int-compile", "term-early-steps"])
-def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig, phase, cached, reference_run,
-                                                                            compile_cache, tmp_path):
+@pytest.mark.parametrize(
+    "sig, phase, cached",
+    [
+        (signal.SIGKILL, "compile", True),
+        (signal.SIGINT, "imports", True),  # Ctrl-C inside a gc callback during the imports used to be lost (exit 0)
+        (signal.SIGTERM, "compile", False),  # an empty compilation cache: the compile takes seconds
+        (signal.SIGINT, "compile", False),
+        (signal.SIGTERM, "steps", True),
+    ],
+    ids=["kill-compile", "int-imports", "term-compile", "int-compile", "term-early-steps"],
+)
+def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(
+    sig, phase, cached, reference_run, compile_cache, tmp_path
+):
     """Imports, data, compile, first steps: a signal there used to leave checkpoints/ without config.yaml."""
     run_dir = tmp_path / "run"
     proc, before = launch_until(phase, run_dir, compile_cache if cached else tmp_path / "empty_cache")
@@ -84,10 +88,20 @@ def test_signal_during_the_first_start_leaves_a_run_the_same_command_starts(sig,
     assert_same_final_state(run_dir, reference_run)
 
 
-@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, id="kill", marks=pytest.mark.over_budget(
-                                     "three trainer processes (run, killed while restoring, resumed): ~22 s", seconds=45)),
-                                 pytest.param(signal.SIGTERM, id="term", marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGINT, id="int", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(
+            signal.SIGKILL,
+            id="kill",
+            marks=pytest.mark.over_budget(
+                "three trainer processes (run, killed while restoring, resumed): ~22 s", seconds=45
+            ),
+        ),
+        pytest.param(signal.SIGTERM, id="term", marks=pytest.mark.slow),
+        pytest.param(signal.SIGINT, id="int", marks=pytest.mark.slow),
+    ],
+)
 def test_signal_while_resuming_leaves_a_run_the_same_command_resumes(sig, reference_run, compile_cache, tmp_path):
     """A second start interrupted by each signal while it restores step 30."""
     first = run(tmp_path, compile_cache, "train.stop_after=30")

@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import STEPS, assert_same_final_state
 
 SCENARIO = pathlib.Path(__file__).with_name("storage_scenario.py")
@@ -26,8 +25,9 @@ def _namespace_prefix() -> list[str]:
     if shutil.which("unshare") is None:
         why = "no `unshare` (util-linux) to make a mount namespace"
     else:
-        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True,
-                               text=True)
+        probe = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True, text=True
+        )
         if probe.returncode == 0:
             return ["unshare", "--user", "--map-root-user", "--mount"]
         why = f"user namespaces are not allowed here: {probe.stderr.strip()}"
@@ -41,8 +41,12 @@ def _scenario(name: str, tmp_path: pathlib.Path, reference_run: pathlib.Path, ca
     # A disk that holds two of the run's checkpoints but not the third one being written.
     one = sum(p.stat().st_size for p in (reference_run / "checkpoints" / str(STEPS)).rglob("*") if p.is_file())
     size = int(2.6 * one) + (256 << 10)
-    done = subprocess.run([*prefix, sys.executable, str(SCENARIO), name, str(tmp_path), str(size), str(cache)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [*prefix, sys.executable, str(SCENARIO), name, str(tmp_path), str(size), str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((tmp_path / "steps.json").read_text())
 

@@ -3,7 +3,7 @@ has (train/elastic.py), from the live state, or from the newest tier when shards
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from meshwork.train.elastic import Elastic
 from meshwork.train.hooks import Moved, StepEnd
@@ -22,8 +22,15 @@ class ElasticChange:
             return None
         run.logger.flush()  # the last step's metrics, read while its devices are still there
         with run.clock.phase("lost"):
-            moved = self.elastic.change(lost, end.trainer, end.state, step, run.fast,
-                                        lambda target: restore_newest(run.ckpt, run.fast, target), self.trainer_on)
+            moved = self.elastic.change(
+                lost,
+                end.trainer,
+                end.state,
+                step,
+                run.fast,
+                lambda target: restore_newest(run.ckpt, run.fast, target),
+                self.trainer_on,
+            )
         run.logger.n_devices = moved.trainer.mesh.size
         if moved.rolled_back_to is not None:  # shards were lost for good: train the steps since again
             step = moved.rolled_back_to

@@ -12,5 +12,6 @@ class GoodputRow:
 
     def after_step(self, end: StepEnd) -> None:
         if end.ending:
-            self.run.logger.add(end.step, **{f"time_{k}" if k.endswith("_s") else k: v
-                                              for k, v in self.run.clock.breakdown().items()})
+            self.run.logger.add(
+                end.step, **{f"time_{k}" if k.endswith("_s") else k: v for k, v in self.run.clock.breakdown().items()}
+            )

@@ -31,7 +31,8 @@ class NonFiniteGuard:
             raise NonFiniteLoss(
                 f"train.on_nan=stop: step {done[0]} has loss {done[1]['loss']} and gradient norm "
                 f"{done[1]['grad_norm']}; its update was not applied and the run stopped (last checkpoint: "
-                f"step {run.ckpt.latest_step()}); lower optimizer.lr, or set train.on_nan=skip or rollback")
+                f"step {run.ckpt.latest_step()}); lower optimizer.lr, or set train.on_nan=skip or rollback"
+            )
         return self.roll_back(done[0], trainer) if on_nan == "rollback" else None
 
     def roll_back(self, bad: int, trainer) -> RollBack:

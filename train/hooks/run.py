@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from meshwork.config import Config
 from meshwork.partitioning import abstract_with_shardings
@@ -33,8 +34,11 @@ class Run:
 
     def progress(self) -> dict[str, Any]:
         """What a checkpoint of the current step keeps beside the state."""
-        return {"iterator": self.data_iter.get_state(), "skipped_steps": sorted(self.skipped),
-                "goodput": self.clock.snapshot()}
+        return {
+            "iterator": self.data_iter.get_state(),
+            "skipped_steps": sorted(self.skipped),
+            "goodput": self.clock.snapshot(),
+        }
 
     def restore(self, trainer, step: int | None, snapshot=None) -> tuple[Any, dict]:
         """(state, progress) at checkpoint `step`, the data iterator moved there; a fresh state when None.

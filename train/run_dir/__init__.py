@@ -19,5 +19,15 @@ from meshwork.train.run_dir.resume import (
     restore_newest,
 )
 
-__all__ = ["RunDirLock", "check_checkpoints", "claim", "newest_tier", "open_checkpoints", "open_fast_tier",
-           "record_changes", "restore_newest", "take_run_dir", "write_config"]
+__all__ = [
+    "RunDirLock",
+    "check_checkpoints",
+    "claim",
+    "newest_tier",
+    "open_checkpoints",
+    "open_fast_tier",
+    "record_changes",
+    "restore_newest",
+    "take_run_dir",
+    "write_config",
+]

@@ -29,8 +29,16 @@ from meshwork.run.durable import replace_file
 
 # The keys that define a run: change any and it is another run.
 IDENTITY = ("model", "data", "optimizer", "finetune", "run.seed", "train.global_batch")
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "checkpoints_rejected", "tensorboard", "samples",
-             "owner.json", "config_history.jsonl")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "checkpoints",
+    "checkpoints_rejected",
+    "tensorboard",
+    "samples",
+    "owner.json",
+    "config_history.jsonl",
+)
 HISTORY = "config_history.jsonl"
 
 
@@ -65,13 +73,16 @@ def claim(cfg: Config, run_dir: pathlib.Path, *, is_main: bool = True) -> dict[s
     if not run_dir.is_dir():
         raise ConfigError(f"run.dir: {run_dir} is a file; point run.dir to a folder")
     if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.dir: {run_dir} is not writable (read-only file system or permissions); "
-                          f"make it writable or use another run.dir")
+        raise ConfigError(
+            f"run.dir: {run_dir} is not writable (read-only file system or permissions); "
+            f"make it writable or use another run.dir"
+        )
     if not any(run_dir.iterdir()):
         return {}
     if not any((run_dir / name).exists() for name in RUN_FILES):
-        raise ConfigError(f"run.dir: {run_dir} is not empty and holds no meshwork run; "
-                          "point run.dir to a new or empty folder")
+        raise ConfigError(
+            f"run.dir: {run_dir} is not empty and holds no meshwork run; point run.dir to a new or empty folder"
+        )
     if not committed_steps(run_dir / "checkpoints"):
         return {}  # nothing was committed: a fresh run, whatever its first start left behind
     hint = ""
@@ -89,8 +100,9 @@ def claim(cfg: Config, run_dir: pathlib.Path, *, is_main: bool = True) -> dict[s
         if key.startswith("optimizer."):
             hint = f"run.allow_changes=[{key}] to change it from the resumed step on, "
     if not cfg.run.overwrite:
-        raise ConfigError(f"{problem}; use {hint}a new run.dir, the original value, or run.overwrite=true "
-                          f"to replace that run")
+        raise ConfigError(
+            f"{problem}; use {hint}a new run.dir, the original value, or run.overwrite=true to replace that run"
+        )
     for name in RUN_FILES if is_main else ():
         path = run_dir / name
         if path.is_dir():
@@ -106,14 +118,14 @@ def _check_creatable(run_dir: pathlib.Path) -> None:
     if not ancestor.is_dir():
         raise ConfigError(f"run.dir: {run_dir} cannot be created: {ancestor} is a file; point run.dir to a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.dir: {run_dir} cannot be created: {ancestor} is not writable; "
-                          f"use a run.dir in a writable folder")
+        raise ConfigError(
+            f"run.dir: {run_dir} cannot be created: {ancestor} is not writable; use a run.dir in a writable folder"
+        )
 
 
 def record_changes(run_dir: pathlib.Path, step: int, changes: dict[str, list]) -> None:
     """Appends the changes a resume made (run.allow_changes) to config_history.jsonl."""
-    row = {"step": step, "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-           "changes": changes}
+    row = {"step": step, "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "changes": changes}
     with (run_dir / HISTORY).open("a") as f:
         f.write(json.dumps(row) + "\n")
         f.flush()

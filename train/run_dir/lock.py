@@ -55,18 +55,25 @@ class RunDirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"run.dir: {self.run_dir} is in use by {_holder(self.run_dir)}; wait for that "
-                              f"trainer to finish, stop it, or use another run.dir") from None
+            raise ConfigError(
+                f"run.dir: {self.run_dir} is in use by {_holder(self.run_dir)}; wait for that "
+                f"trainer to finish, stop it, or use another run.dir"
+            ) from None
         self._fd = fd
         if (self.run_dir / OWNER).exists():
-            return (f"warning: the trainer that last held {self.run_dir} ({_holder(self.run_dir)}) ended "
-                    f"without releasing it; taking the run over")
+            return (
+                f"warning: the trainer that last held {self.run_dir} ({_holder(self.run_dir)}) ended "
+                f"without releasing it; taking the run over"
+            )
         return None
 
     def record(self) -> None:
         """Writes who holds the lock (after config.yaml: a run dir's first file is its identity)."""
-        info = {"host": socket.gethostname(), "pid": os.getpid(),
-                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
         replace_file(self.run_dir / OWNER, json.dumps(info))
         self._recorded = True
 

@@ -30,8 +30,10 @@ def check_checkpoints(cfg: Config, run_dir: pathlib.Path) -> tuple[int | None, d
     good = [s for s in steps if manifest_problem(steps[s]) is None]
     if steps and not good and not cfg.run.overwrite:
         problems = "; ".join(f"step {s}: {manifest_problem(steps[s])}" for s in sorted(steps, reverse=True)[:3])
-        raise ConfigError(f"run.dir: no readable checkpoint in {directory} ({problems}); move "
-                          f"them away to start over, or set run.overwrite=true to replace the run")
+        raise ConfigError(
+            f"run.dir: no readable checkpoint in {directory} ({problems}); move "
+            f"them away to start over, or set run.overwrite=true to replace the run"
+        )
     return (max(good) if good else None), changes
 
 
@@ -44,8 +46,7 @@ def open_checkpoints(cfg: Config, run_dir: pathlib.Path, say) -> Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
             say(f"warning: removed {path}, left by an interrupted checkpoint write or delete")
     every = 1 if cfg.checkpoint.every == "auto" else cfg.checkpoint.every  # the loop decides (CheckpointSchedule)
-    ckpt = Checkpointer(directory, every=every, keep=cfg.checkpoint.keep,
-                        use_async=cfg.checkpoint.async_)
+    ckpt = Checkpointer(directory, every=every, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
     for message in ckpt.set_aside_unverified(run_dir):  # newer steps that failed verification
         say(f"warning: {message}")
     return ckpt
@@ -73,8 +74,10 @@ def newest_tier(cfg: Config, ckpt: Checkpointer, fast: FastTier | None, say) -> 
     if snap is not None and (differences(snap.identity, cfg.to_dict()) or (step is not None and snap.step <= step)):
         snap = None
     if snap is not None:
-        say(f"the fast tier holds step {snap.step}, newer than the persistent tier's "
-            f"{step if step is not None else 'none'}: restoring from it")
+        say(
+            f"the fast tier holds step {snap.step}, newer than the persistent tier's "
+            f"{step if step is not None else 'none'}: restoring from it"
+        )
         return snap.step, snap
     if fast is not None:
         fast.discard_after(step)

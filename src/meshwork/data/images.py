@@ -25,8 +25,10 @@ def _resize(img_HW_or_HWC: np.ndarray, size: int) -> np.ndarray:
     """Bilinear resize of one float image in [0, 1] to size x size."""
     channels = img_HW_or_HWC.shape[2:] or (1,)
     planes = img_HW_or_HWC.reshape(*img_HW_or_HWC.shape[:2], -1)
-    out = [np.asarray(Image.fromarray(planes[..., c].astype(np.float32), mode="F")
-                      .resize((size, size), Image.BILINEAR)) for c in range(planes.shape[-1])]
+    out = [
+        np.asarray(Image.fromarray(planes[..., c].astype(np.float32), mode="F").resize((size, size), Image.BILINEAR))
+        for c in range(planes.shape[-1])
+    ]
     return np.stack(out, axis=-1).reshape(size, size, *channels[-1:])
 
 
@@ -55,8 +57,9 @@ def image_folder(path: str | pathlib.Path, image_size: int, channels: int) -> tu
             img = Image.open(p).convert("L" if channels == 1 else "RGB")
         except OSError as e:  # PIL's UnidentifiedImageError, a truncated or corrupt file
             why = "not an image format PIL knows" if isinstance(e, UnidentifiedImageError) else str(e)
-            raise ValueError(f"{p} is not a readable image ({why}); remove it or replace it "
-                             "with a PNG or JPEG file") from None
+            raise ValueError(
+                f"{p} is not a readable image ({why}); remove it or replace it with a PNG or JPEG file"
+            ) from None
         arr = np.asarray(img, np.float32) / 255.0
         images.append(_resize(arr if channels > 1 else arr[..., None], image_size))
         parts = p.relative_to(root).parts
@@ -83,15 +86,15 @@ class ImageSource:
         return {"images": self.images[i], "labels": self.labels[i]}
 
 
-def image_train_iterator(images: np.ndarray, labels: np.ndarray, global_batch: int,
-                         seed: int) -> grain.DatasetIterator:
+def image_train_iterator(images: np.ndarray, labels: np.ndarray, global_batch: int, seed: int) -> grain.DatasetIterator:
     """Infinite, shuffled, checkpointable global batches (as the token iterator)."""
     ds = grain.MapDataset.source(ImageSource(images, labels)).shuffle(seed=seed).repeat(None)
     return iter(ds.batch(global_batch, drop_remainder=True).to_iter_dataset())
 
 
-def image_eval_batches(images: np.ndarray, labels: np.ndarray, global_batch: int,
-                       n_batches: int) -> list[dict[str, np.ndarray]]:
+def image_eval_batches(
+    images: np.ndarray, labels: np.ndarray, global_batch: int, n_batches: int
+) -> list[dict[str, np.ndarray]]:
     """A fixed validation set: images spread evenly over the split (repeating if it is small)."""
     idx = np.linspace(0, len(images) - 1, global_batch * n_batches).astype(np.int64)
     return [{"images": images[row], "labels": labels[row]} for row in idx.reshape(n_batches, global_batch)]

@@ -48,8 +48,11 @@ class ByteTokenizer:
 def stdlib_sources() -> list[pathlib.Path]:
     """The interpreter's standard-library `.py` files, sorted, without site-packages."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in sorted(root.rglob("*.py"))
-            if "site-packages" not in p.parts and "__pycache__" not in p.parts and p.is_file()]
+    return [
+        p
+        for p in sorted(root.rglob("*.py"))
+        if "site-packages" not in p.parts and "__pycache__" not in p.parts and p.is_file()
+    ]
 
 
 def stdlib_corpus(val_fraction: float, cache_dir: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
@@ -66,6 +69,7 @@ def stdlib_corpus(val_fraction: float, cache_dir: str | None = None) -> tuple[pa
             rel = path.relative_to(root).as_posix()
             # A file separator the model can learn: the path as a comment header.
             yield rel, f"# file: {rel}\n".encode() + path.read_bytes() + b"\n"
+
     return _cached_corpus("stdlib", documents, val_fraction, cache_dir)
 
 
@@ -81,10 +85,13 @@ def stdlib_docs_corpus(val_fraction: float, cache_dir: str | None = None) -> tup
     def documents():
         for name in sorted(topics):
             yield name, topics[name].encode() + b"\n"
+
     return _cached_corpus("stdlib_docs", documents, val_fraction, cache_dir)
 
 
-def _cached_corpus(name: str, documents, val_fraction: float, cache_dir: str | None) -> tuple[pathlib.Path, pathlib.Path]:
+def _cached_corpus(
+    name: str, documents, val_fraction: float, cache_dir: str | None
+) -> tuple[pathlib.Path, pathlib.Path]:
     """Byte-tokenizes (key, bytes) documents into train/val .bin files, split by a hash of the key."""
     base = pathlib.Path(cache_dir or os.environ.get("MESHWORK_CACHE", "~/.cache/meshwork")).expanduser()
     out = base / f"{name}-py{sys.version_info.major}.{sys.version_info.minor}-val{val_fraction:g}"
@@ -103,8 +110,10 @@ def _cached_corpus(name: str, documents, val_fraction: float, cache_dir: str | N
             tokens.tofile(tmp)
             os.replace(tmp, dest)
     except OSError as e:
-        raise ConfigError(f"data.cache_dir: the corpus cache {out} cannot be written ({e.strerror}); point "
-                          f"data.cache_dir (or MESHWORK_CACHE) to a writable folder") from None
+        raise ConfigError(
+            f"data.cache_dir: the corpus cache {out} cannot be written ({e.strerror}); point "
+            f"data.cache_dir (or MESHWORK_CACHE) to a writable folder"
+        ) from None
     return train, val
 
 
@@ -119,7 +128,7 @@ def max_token_id(path: str | os.PathLike) -> int:
 def _max_token_id(path: str, size: int, mtime_ns: int) -> int:
     tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
     chunk = 1 << 26
-    return max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
 def unigram_entropy(path: str | os.PathLike, vocab_size: int = 65536) -> float:
@@ -158,7 +167,7 @@ class TokenWindows:
         if self._tokens is None:
             self._tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
         start = int(i) * self.seq_len
-        return np.asarray(self._tokens[start:start + self.seq_len + 1], dtype=np.int32)
+        return np.asarray(self._tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
     def __getstate__(self):
         return {**self.__dict__, "_tokens": None}
@@ -185,7 +194,9 @@ def eval_batches(path: str, seq_len: int, global_batch: int, n_batches: int) -> 
     src = TokenWindows(str(path), seq_len)
     total = global_batch * n_batches
     if len(src) < total:
-        raise ValueError(f"{path}: {len(src)} windows of {seq_len + 1} tokens, need {total} for evaluation; "
-                         f"lower log.eval_batches or data.seq_len")
+        raise ValueError(
+            f"{path}: {len(src)} windows of {seq_len + 1} tokens, need {total} for evaluation; "
+            f"lower log.eval_batches or data.seq_len"
+        )
     idx = np.linspace(0, len(src) - 1, total).astype(np.int64).reshape(n_batches, global_batch)
     return [_to_example(np.stack([src[i] for i in row])) for row in idx]

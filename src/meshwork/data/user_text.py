@@ -68,8 +68,10 @@ class TextTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-            raise ConfigError(f"data.tokenizer: {path} is not a tokenizers file ({str(e).splitlines()[0]}); "
-                              "point it to a Hugging Face checkpoint's tokenizer.json") from None
+            raise ConfigError(
+                f"data.tokenizer: {path} is not a tokenizers file ({str(e).splitlines()[0]}); "
+                "point it to a Hugging Face checkpoint's tokenizer.json"
+            ) from None
         # A checkpoint's file may pad or truncate to the model's context; a document must be whole.
         self._tok.no_truncation()
         self._tok.no_padding()
@@ -78,8 +80,10 @@ class TextTokenizer:
         if eos is not None:
             self.eos_id = self._tok.token_to_id(eos)
             if self.eos_id is None:
-                raise ConfigError(f"data.tokenizer: {path.parent} names eos_token {eos!r}, which {path.name} "
-                                  "does not hold; fix tokenizer_config.json or remove its eos_token")
+                raise ConfigError(
+                    f"data.tokenizer: {path.parent} names eos_token {eos!r}, which {path.name} "
+                    "does not hold; fix tokenizer_config.json or remove its eos_token"
+                )
         self.fingerprint = hashlib.sha256(path.read_bytes() + f"\0eos={self.eos_id}".encode()).hexdigest()
         self.name = str(path)
 
@@ -109,8 +113,10 @@ def load_tokenizer(spec: str | None) -> TextTokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise ConfigError(f"data.tokenizer: no tokenizer.json at {path}; point it to a tokenizer.json file or a "
-                          "Hugging Face checkpoint folder holding one (null: the byte tokenizer)")
+        raise ConfigError(
+            f"data.tokenizer: no tokenizer.json at {path}; point it to a tokenizer.json file or a "
+            "Hugging Face checkpoint folder holding one (null: the byte tokenizer)"
+        )
     return TextTokenizer(path)
 
 
@@ -141,8 +147,10 @@ def find_text_files(patterns: list[str]) -> list[pathlib.Path]:
     for pattern in patterns:
         matches = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
         if not matches:
-            raise ConfigError(f"data.text_files: {pattern!r} matches no file; check the path (globs such as "
-                              "data/**/*.jsonl are expanded)")
+            raise ConfigError(
+                f"data.text_files: {pattern!r} matches no file; check the path (globs such as "
+                "data/**/*.jsonl are expanded)"
+            )
         files.update((pathlib.Path(p).resolve(), None) for p in matches)
     return list(files)
 
@@ -161,8 +169,10 @@ def read_documents(path: pathlib.Path, text_field: str = "text") -> Iterator[tup
             try:
                 yield 0, data.decode("utf-8"), len(data)
             except UnicodeDecodeError as e:
-                raise ConfigError(f"data.text_files: {path} is not UTF-8 text (byte {e.start}); convert it to "
-                                  "UTF-8 or leave it out of data.text_files") from None
+                raise ConfigError(
+                    f"data.text_files: {path} is not UTF-8 text (byte {e.start}); convert it to "
+                    "UTF-8 or leave it out of data.text_files"
+                ) from None
     except OSError as e:
         raise ConfigError(f"data.text_files: {path} cannot be read ({e.strerror}); check its permissions") from None
 
@@ -177,19 +187,27 @@ def _jsonl_documents(path: pathlib.Path, field: str):
                 record = json.loads(line.strip())
             except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
                 why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-                raise ConfigError(f"data.text_files: {path}:{i + 1}: not valid JSON ({why}); fix the line or "
-                                  "remove it (a .jsonl file holds one JSON object per line)") from None
+                raise ConfigError(
+                    f"data.text_files: {path}:{i + 1}: not valid JSON ({why}); fix the line or "
+                    "remove it (a .jsonl file holds one JSON object per line)"
+                ) from None
             if not isinstance(record, dict):
-                raise ConfigError(f"data.text_files: {path}:{i + 1}: a JSON {type(record).__name__}, not an object; "
-                                  f"write one object per line, with the text in field {field!r}")
+                raise ConfigError(
+                    f"data.text_files: {path}:{i + 1}: a JSON {type(record).__name__}, not an object; "
+                    f"write one object per line, with the text in field {field!r}"
+                )
             if field not in record:
-                raise ConfigError(f"data.text_field: {path}:{i + 1} has no field {field!r} (its fields: "
-                                  f"{', '.join(map(repr, record)) or 'none'}); set data.text_field to the one "
-                                  "holding the text")
+                raise ConfigError(
+                    f"data.text_field: {path}:{i + 1} has no field {field!r} (its fields: "
+                    f"{', '.join(map(repr, record)) or 'none'}); set data.text_field to the one "
+                    "holding the text"
+                )
             text = record[field]
             if text is not None and not isinstance(text, str):
-                raise ConfigError(f"data.text_field: {path}:{i + 1}: field {field!r} holds a "
-                                  f"{type(text).__name__}, not a string; point data.text_field to the text")
+                raise ConfigError(
+                    f"data.text_field: {path}:{i + 1}: field {field!r} holds a "
+                    f"{type(text).__name__}, not a string; point data.text_field to the text"
+                )
             yield i, text, len(line)
 
 
@@ -203,12 +221,15 @@ def _parquet_documents(path: pathlib.Path, field: str):
         raise ConfigError(f"data.text_files: {path} is not a Parquet file ({str(e).splitlines()[0]})") from None
     names = pf.schema_arrow.names
     if field not in names:
-        raise ConfigError(f"data.text_field: {path} has no column {field!r} (its columns: "
-                          f"{', '.join(map(repr, names))}); set data.text_field to the one holding the text")
+        raise ConfigError(
+            f"data.text_field: {path} has no column {field!r} (its columns: "
+            f"{', '.join(map(repr, names))}); set data.text_field to the one holding the text"
+        )
     kind = pf.schema_arrow.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f"data.text_field: column {field!r} of {path} holds {kind}, not strings; "
-                          "point data.text_field to the text")
+        raise ConfigError(
+            f"data.text_field: column {field!r} of {path} holds {kind}, not strings; point data.text_field to the text"
+        )
     rows, size, i = max(pf.metadata.num_rows, 1), path.stat().st_size, 0
     for batch in pf.iter_batches(columns=[field], batch_size=4096):
         for text in batch.column(0).to_pylist():
@@ -248,8 +269,15 @@ class TextCorpus:
     built: bool  # tokenized by this call; False when the cache was reused
 
 
-def text_corpus(text_files: list[str], *, tokenizer: str | None = None, text_field: str = "text",
-                val_fraction: float = 0.02, cache_dir: str | None = None, progress: bool | None = None) -> TextCorpus:
+def text_corpus(
+    text_files: list[str],
+    *,
+    tokenizer: str | None = None,
+    text_field: str = "text",
+    val_fraction: float = 0.02,
+    cache_dir: str | None = None,
+    progress: bool | None = None,
+) -> TextCorpus:
     """The tokenized corpus of `text_files`, from its cache when every input still matches, else
     tokenized now (a tqdm bar on stderr when it is a terminal; `progress` forces it on or off).
 
@@ -264,8 +292,13 @@ def text_corpus(text_files: list[str], *, tokenizer: str | None = None, text_fie
     tok = load_tokenizer(tokenizer)
     root = pathlib.Path(os.path.commonpath([str(p.parent) for p in files]))
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    same_inputs = {"format": FORMAT, "files": [s[0] for s in stats], "text_field": text_field,
-                   "tokenizer": tok.fingerprint, "val_fraction": val_fraction}
+    same_inputs = {
+        "format": FORMAT,
+        "files": [s[0] for s in stats],
+        "text_field": text_field,
+        "tokenizer": tok.fingerprint,
+        "val_fraction": val_fraction,
+    }
     identity = _digest(same_inputs)  # what the cache is of; `key` adds the files' sizes and times
     key = _digest({**same_inputs, "stats": stats})
     default = pathlib.Path(os.environ.get("MESHWORK_CACHE", "~/.cache/meshwork")).expanduser()
@@ -281,10 +314,21 @@ def text_corpus(text_files: list[str], *, tokenizer: str | None = None, text_fie
         except OSError as e:  # read-only data folder: try the next place
             error = e
             continue
-        return _build(files, root, tok, text_field, val_fraction, tmp, base / f"{CACHE_PREFIX}{key}",
-                      {"identity": identity, "key": key, **same_inputs}, progress)
-    raise ConfigError(f"data.cache_dir: the token cache cannot be written in {' or '.join(map(str, bases))} "
-                      f"({error.strerror}); point data.cache_dir (or MESHWORK_CACHE) to a writable folder")
+        return _build(
+            files,
+            root,
+            tok,
+            text_field,
+            val_fraction,
+            tmp,
+            base / f"{CACHE_PREFIX}{key}",
+            {"identity": identity, "key": key, **same_inputs},
+            progress,
+        )
+    raise ConfigError(
+        f"data.cache_dir: the token cache cannot be written in {' or '.join(map(str, bases))} "
+        f"({error.strerror}); point data.cache_dir (or MESHWORK_CACHE) to a writable folder"
+    )
 
 
 def _digest(obj: Any) -> str:
@@ -299,8 +343,16 @@ def _build(files, root, tok, text_field, val_fraction, tmp, final, meta, progres
     t0, dtype = time.perf_counter(), tok.dtype
     n, starts, top = {"train": 0, "val": 0}, {"train": array("q"), "val": array("q")}, -1
     pending: list[tuple[str, str]] = []
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing", file=sys.stderr,
-               disable=None if progress is None else not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="tokenizing",
+        file=sys.stderr,
+        disable=None if progress is None else not progress,
+        dynamic_ncols=True,
+    )
     try:
         with open(tmp / "train.bin", "wb") as out_train, open(tmp / "val.bin", "wb") as out_val:
             outs = {"train": out_train, "val": out_val}
@@ -329,8 +381,15 @@ def _build(files, root, tok, text_field, val_fraction, tmp, final, meta, progres
             flush()
         for split in ("train", "val"):
             np.save(tmp / f"{split}.starts.npy", np.frombuffer(starts[split], np.int64))
-        meta |= {"dtype": dtype.name, "max_id": top, "vocab_size": tok.vocab_size, "tokenizer_name": tok.name,
-                 "tokens": n, "documents": {s: len(v) for s, v in starts.items()}, "n_files": len(files)}
+        meta |= {
+            "dtype": dtype.name,
+            "max_id": top,
+            "vocab_size": tok.vocab_size,
+            "tokenizer_name": tok.name,
+            "tokens": n,
+            "documents": {s: len(v) for s, v in starts.items()},
+            "n_files": len(files),
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared data folder's cache from its other users
         try:
@@ -339,14 +398,18 @@ def _build(files, root, tok, text_field, val_fraction, tmp, final, meta, progres
             if not (final / "meta.json").is_file():  # not another process finishing first: a real error
                 raise
     except OSError as e:
-        raise ConfigError(f"data.cache_dir: the token cache {final} cannot be written ({e.strerror}); point "
-                          "data.cache_dir (or MESHWORK_CACHE) to a writable folder with space") from None
+        raise ConfigError(
+            f"data.cache_dir: the token cache {final} cannot be written ({e.strerror}); point "
+            "data.cache_dir (or MESHWORK_CACHE) to a writable folder with space"
+        ) from None
     finally:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
     seconds = time.perf_counter() - t0
-    _say(f"tokenized {n['train'] + n['val']:,} tokens ({n['val']:,} for validation) in {seconds:.1f} s "
-         f"({total / 2**20 / max(seconds, 1e-9):.1f} MiB/s)")
+    _say(
+        f"tokenized {n['train'] + n['val']:,} tokens ({n['val']:,} for validation) in {seconds:.1f} s "
+        f"({total / 2**20 / max(seconds, 1e-9):.1f} MiB/s)"
+    )
     _remove_stale(final, meta["identity"])
     return _load(final, built=True)
 
@@ -373,10 +436,19 @@ def _remove_stale(keep: pathlib.Path, identity: str) -> None:
 
 def _load(folder: pathlib.Path, built: bool) -> TextCorpus:
     meta = json.loads((folder / "meta.json").read_text())
-    splits = {s: TokenSplit(str(folder / f"{s}.bin"), str(folder / f"{s}.starts.npy"), meta["dtype"],
-                            meta["tokens"][s], meta["documents"][s]) for s in ("train", "val")}
-    return TextCorpus(folder, splits["train"], splits["val"], meta["max_id"], meta["tokenizer_name"],
-                      meta["vocab_size"], built)
+    splits = {
+        s: TokenSplit(
+            str(folder / f"{s}.bin"),
+            str(folder / f"{s}.starts.npy"),
+            meta["dtype"],
+            meta["tokens"][s],
+            meta["documents"][s],
+        )
+        for s in ("train", "val")
+    }
+    return TextCorpus(
+        folder, splits["train"], splits["val"], meta["max_id"], meta["tokenizer_name"], meta["vocab_size"], built
+    )
 
 
 # ---------------------------------------------------------------- grain pipeline
@@ -405,11 +477,15 @@ class PackedWindows:
             self._files = (np.memmap(self.split.tokens, dtype=self.split.dtype, mode="r"), np.load(self.split.starts))
         all_tokens, starts = self._files
         start, L = int(i) * self.seq_len, self.seq_len
-        tokens = np.asarray(all_tokens[start:start + L + 1], dtype=np.int32)
+        tokens = np.asarray(all_tokens[start : start + L + 1], dtype=np.int32)
         doc = np.searchsorted(starts, np.arange(start, start + L + 1), side="right")
         segment = (doc - doc[0] + 1).astype(np.int32)
-        return {"inputs": tokens[:-1], "targets": tokens[1:], "segment_ids": segment[:-1],
-                "loss_mask": (segment[1:] == segment[:-1]).astype(np.int32)}
+        return {
+            "inputs": tokens[:-1],
+            "targets": tokens[1:],
+            "segment_ids": segment[:-1],
+            "loss_mask": (segment[1:] == segment[:-1]).astype(np.int32),
+        }
 
     def __getstate__(self):
         return {**self.__dict__, "_files": None}
@@ -427,8 +503,10 @@ def eval_batches(split: TokenSplit, seq_len: int, global_batch: int, n_batches: 
     src = PackedWindows(split, seq_len)
     total = global_batch * n_batches
     if len(src) < total:
-        raise ValueError(f"{split.tokens}: {len(src)} windows of {seq_len + 1} tokens, need {total} for evaluation; "
-                         f"lower log.eval_batches or data.seq_len")
+        raise ValueError(
+            f"{split.tokens}: {len(src)} windows of {seq_len + 1} tokens, need {total} for evaluation; "
+            f"lower log.eval_batches or data.seq_len"
+        )
     idx = np.linspace(0, len(src) - 1, total).astype(np.int64).reshape(n_batches, global_batch)
     batches = []
     for row in idx:

@@ -37,15 +37,32 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshwork.config_sections import DiffusionConfig
 from meshwork.diffusion.patch_exchange import PatchExchange, exchanging, sent_bytes
-from meshwork.diffusion.sampling import (_check_guidance, _check_patch_layout, _combine, _ddim_update, _guided,
-                                         _partition, _start)
+from meshwork.diffusion.sampling import (
+    _check_guidance,
+    _check_patch_layout,
+    _combine,
+    _ddim_update,
+    _guided,
+    _partition,
+    _start,
+)
 from meshwork.diffusion.schedule import ModelFn, alphas_cumprod
 
 F32 = jnp.float32
 
 
-def denoise_patch(model_fn: ModelFn, x_own, t_B, labels, *, axis: str, n: int, stale: dict | None,
-                  guidance_scale=None, null_label=None) -> tuple[jax.Array, dict]:
+def denoise_patch(
+    model_fn: ModelFn,
+    x_own,
+    t_B,
+    labels,
+    *,
+    axis: str,
+    n: int,
+    stale: dict | None,
+    guidance_scale=None,
+    null_label=None,
+) -> tuple[jax.Array, dict]:
     """(prediction on this device's patch, what its layers sent): one patch-parallel UNet call.
 
     Inside shard_map over `axis`. stale=None: synchronous; else the previous call's sent dict.
@@ -54,8 +71,10 @@ def denoise_patch(model_fn: ModelFn, x_own, t_B, labels, *, axis: str, n: int, s
     with exchanging(exchange):
         out = _guided(model_fn, x_own, t_B, labels, guidance_scale, null_label).astype(F32)
     if not exchange.fresh and n > 1:
-        raise ValueError("distrifusion_sample: the denoiser never consulted the patch exchange, so it is not a "
-                         "meshwork UNet; use patch_parallel_sample, which exchanges the input only")
+        raise ValueError(
+            "distrifusion_sample: the denoiser never consulted the patch exchange, so it is not a "
+            "meshwork UNet; use patch_parallel_sample, which exchanges the input only"
+        )
     return out, exchange.fresh
 
 
@@ -63,8 +82,29 @@ def denoise_patch(model_fn: ModelFn, x_own, t_B, labels, *, axis: str, n: int, s
 # The sampling loop
 # --------------------------------------------------------------------------
 
-def _body(arrays, x_own, k_steps, t_N, prev_N, abar, labels, scale, null_label, warmup, *, static, axis, n,
-          batch_axes, full_shape, prediction, clip, eta, guided):
+
+def _body(
+    arrays,
+    x_own,
+    k_steps,
+    t_N,
+    prev_N,
+    abar,
+    labels,
+    scale,
+    null_label,
+    warmup,
+    *,
+    static,
+    axis,
+    n,
+    batch_axes,
+    full_shape,
+    prediction,
+    clip,
+    eta,
+    guided,
+):
     """Per device: DDIM on its patch, the UNet's per-layer state carried from step to step."""
     model_fn = _combine(static, arrays)
     h = x_own.shape[1]
@@ -74,8 +114,17 @@ def _body(arrays, x_own, k_steps, t_N, prev_N, abar, labels, scale, null_label, 
 
     def step(k, x_own, stale):
         t_B = jnp.full((x_own.shape[0],), t_N[k], jnp.int32)
-        out, sent = denoise_patch(model_fn, x_own, t_B, labels, axis=axis, n=n, stale=stale,
-                                  guidance_scale=scale if guided else None, null_label=null_label)
+        out, sent = denoise_patch(
+            model_fn,
+            x_own,
+            t_B,
+            labels,
+            axis=axis,
+            n=n,
+            stale=stale,
+            guidance_scale=scale if guided else None,
+            null_label=null_label,
+        )
         noise = None
         if eta:  # the full-size draw, sliced: the same z as the single-device sampler's
             z = jax.random.normal(jax.random.fold_in(k_steps, k), full_shape, F32)
@@ -100,34 +149,87 @@ def _program(static, n_arrays, has_labels, *, mesh, axis, batch_axes, **body_kw)
     body = functools.partial(_body, static=static, axis=axis, n=mesh.shape[axis], batch_axes=batch_axes, **body_kw)
     # check_vma off: the carried state mixes per-device halos and gathered (identical) values,
     # and nothing here is differentiated.
-    f = jax.shard_map(body, mesh=mesh, in_specs=([rep] * n_arrays, spec_x, rep, rep, rep, rep,
-                                                 spec_b if has_labels else None, rep, rep, rep),
-                      out_specs=spec_x, axis_names=frozenset((axis, *batch_axes)), check_vma=False)
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=([rep] * n_arrays, spec_x, rep, rep, rep, rep, spec_b if has_labels else None, rep, rep, rep),
+        out_specs=spec_x,
+        axis_names=frozenset((axis, *batch_axes)),
+        check_vma=False,
+    )
     return jax.jit(f)
 
 
-def _setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", batch_axes=(), steps=50, eta=0.0, warmup=4,
-           labels=None, guidance_scale=None, null_label=None, x_T=None, clip_sample=None):
+def _setup(
+    model_fn,
+    shape,
+    key,
+    cfg,
+    *,
+    mesh,
+    axis="sequence",
+    batch_axes=(),
+    steps=50,
+    eta=0.0,
+    warmup=4,
+    labels=None,
+    guidance_scale=None,
+    null_label=None,
+    x_T=None,
+    clip_sample=None,
+):
     shape, batch_axes = tuple(int(s) for s in shape), tuple(batch_axes)
     _check_guidance(shape, labels, guidance_scale, null_label)
     _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, "distrifusion_sample")
     x_T, k_steps, t_N, prev_N, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "distrifusion_sample")
     guided = guidance_scale is not None
     labels = None if labels is None else jnp.asarray(labels, jnp.int32)
-    f = _program(static, len(arrays), labels is not None, mesh=mesh, axis=axis, batch_axes=batch_axes,
-                 full_shape=shape, prediction=cfg.prediction,
-                 clip=None if clip_sample is None else float(clip_sample), eta=float(eta), guided=guided)
-    args = (arrays, x_T.astype(F32), k_steps, t_N, prev_N, alphas_cumprod(cfg), labels,
-            jnp.float32(guidance_scale if guided else 0.0), jnp.int32(null_label if guided else 0),
-            jnp.int32(warmup))
+    f = _program(
+        static,
+        len(arrays),
+        labels is not None,
+        mesh=mesh,
+        axis=axis,
+        batch_axes=batch_axes,
+        full_shape=shape,
+        prediction=cfg.prediction,
+        clip=None if clip_sample is None else float(clip_sample),
+        eta=float(eta),
+        guided=guided,
+    )
+    args = (
+        arrays,
+        x_T.astype(F32),
+        k_steps,
+        t_N,
+        prev_N,
+        alphas_cumprod(cfg),
+        labels,
+        jnp.float32(guidance_scale if guided else 0.0),
+        jnp.int32(null_label if guided else 0),
+        jnp.int32(warmup),
+    )
     return f, args
 
 
-def distrifusion_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: DiffusionConfig, *,
-                        mesh: Mesh, axis: str = "sequence", batch_axes: Sequence[str] = (), steps: int = 50,
-                        eta: float = 0.0, warmup: int = 4, labels: jax.Array | None = None,
-                        guidance_scale: float | None = None, null_label: int | None = None,
-                        x_T: jax.Array | None = None, clip_sample: float | None = None) -> jax.Array:
+def distrifusion_sample(
+    model_fn: ModelFn,
+    shape: Sequence[int],
+    key: jax.Array,
+    cfg: DiffusionConfig,
+    *,
+    mesh: Mesh,
+    axis: str = "sequence",
+    batch_axes: Sequence[str] = (),
+    steps: int = 50,
+    eta: float = 0.0,
+    warmup: int = 4,
+    labels: jax.Array | None = None,
+    guidance_scale: float | None = None,
+    null_label: int | None = None,
+    x_T: jax.Array | None = None,
+    clip_sample: float | None = None,
+) -> jax.Array:
     """DDIM sampling with the UNet split into n = mesh.shape[axis] horizontal patches (see the
     module docstring); returns x_0 (B, H, W, C). Same keywords and noise as `ddim_sample`;
     `warmup` (>= 1) synchronous steps first, warmup = steps is the single-device computation.
@@ -137,9 +239,23 @@ def distrifusion_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array,
         fn = jax.tree_util.Partial(apply, *nnx.split(unet))     # apply(g, s, x, t, y) = nnx.merge(g, s)(x, t, y)
         distrifusion_sample(fn, (2, 16, 16, 1), key, cfg, mesh=make_mesh({"sequence": 4}), steps=10)
     """
-    f, args = _setup(model_fn, shape, key, cfg, mesh=mesh, axis=axis, batch_axes=batch_axes, steps=steps, eta=eta,
-                     warmup=warmup, labels=labels, guidance_scale=guidance_scale, null_label=null_label, x_T=x_T,
-                     clip_sample=clip_sample)
+    f, args = _setup(
+        model_fn,
+        shape,
+        key,
+        cfg,
+        mesh=mesh,
+        axis=axis,
+        batch_axes=batch_axes,
+        steps=steps,
+        eta=eta,
+        warmup=warmup,
+        labels=labels,
+        guidance_scale=guidance_scale,
+        null_label=null_label,
+        x_T=x_T,
+        clip_sample=clip_sample,
+    )
     return f(*args)
 
 
@@ -147,8 +263,16 @@ def distrifusion_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array,
 # One denoising step, for measurements and tests
 # --------------------------------------------------------------------------
 
-def step_program(model_fn: ModelFn, shape: Sequence[int], *, mesh: Mesh, axis: str = "sequence",
-                 synchronous: bool, labelled: bool = True):
+
+def step_program(
+    model_fn: ModelFn,
+    shape: Sequence[int],
+    *,
+    mesh: Mesh,
+    axis: str = "sequence",
+    synchronous: bool,
+    labelled: bool = True,
+):
     """(jitted f, static part) of one patch-parallel UNet call on a (B, H, W, C) image split by rows:
 
         synchronous:  f(arrays, x_BHWC, t_B, labels_B)        -> (out_BHWC, sent)
@@ -168,8 +292,9 @@ def step_program(model_fn: ModelFn, shape: Sequence[int], *, mesh: Mesh, axis: s
         return out, jax.tree.map(lambda s: s[None], sent)
 
     specs = ([rep] * len(arrays), rows, rep, rep if labelled else None) + (() if synchronous else (stacked,))
-    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(rows, stacked), axis_names=frozenset((axis,)),
-                      check_vma=False)
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=specs, out_specs=(rows, stacked), axis_names=frozenset((axis,)), check_vma=False
+    )
     return jax.jit(f), arrays
 
 
@@ -187,7 +312,7 @@ def comm_formula(sent_shapes: dict, n: int, itemsize: int = 4) -> dict[str, int]
     out = {"halo": 0, "norm": 0, "kv": 0}
     for key, shapes in sent_shapes.items():
         kind = key.split("_", 1)[1]
-        for shape in (shapes if kind == "halo" else (shapes,)):
+        for shape in shapes if kind == "halo" else (shapes,):
             out[kind] += sent_bytes(kind, tuple(shape), itemsize, n)
     out["total"] = sum(out.values())
     return out
@@ -225,6 +350,8 @@ def stale_step_dependencies(hlo_text: str) -> dict[str, int]:
         return seen
 
     collectives = {name for name, instr in instrs.items() if is_collective(instr)}
-    return {"collectives": len(collectives),
-            "feeding_output": len(collectives & upstream(root.operands[:1])),
-            "feeding_sent": len(collectives & upstream(root.operands[1:]))}
+    return {
+        "collectives": len(collectives),
+        "feeding_output": len(collectives & upstream(root.operands[:1])),
+        "feeding_sent": len(collectives & upstream(root.operands[1:])),
+    }

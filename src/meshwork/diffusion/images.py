@@ -1,9 +1,9 @@
 """Images out of a diffusion model: sampling a UNet as its run's config says, and image grids.
 
-    images, labels = sample_images(model, cfg, num=40, steps=50)   # (N, H, W, C) in [-1, 1]
-    save_class_grid(images, labels, "grid.png")                    # row r: class r; tiles >= 48 px
-    save_grid(images, "plain.png")                                 # 8 a row, actual size
-    sample_images(model, cfg, num=40, steps=50, patch_parallel=4, warmup=4)   # DistriFusion on 4 devices
+images, labels = sample_images(model, cfg, num=40, steps=50)   # (N, H, W, C) in [-1, 1]
+save_class_grid(images, labels, "grid.png")                    # row r: class r; tiles >= 48 px
+save_grid(images, "plain.png")                                 # 8 a row, actual size
+sample_images(model, cfg, num=40, steps=50, patch_parallel=4, warmup=4)   # DistriFusion on 4 devices
 """
 
 from __future__ import annotations
@@ -25,9 +25,19 @@ def _apply(graphdef, state, x_BHWC, t_B, labels_B):
     return nnx.merge(graphdef, state)(x_BHWC, t_B, labels_B)
 
 
-def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "ddim", guidance: float | None = None,
-                  labels: str | int = "cycle", seed: int = 0, patch_parallel: int = 1,
-                  warmup: int = 4) -> tuple[np.ndarray, np.ndarray | None]:
+def sample_images(
+    model,
+    cfg: Config,
+    *,
+    num: int,
+    steps: int,
+    sampler: str = "ddim",
+    guidance: float | None = None,
+    labels: str | int = "cycle",
+    seed: int = 0,
+    patch_parallel: int = 1,
+    warmup: int = 4,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """(images (N, H, W, C) in [-1, 1], the labels asked for or None) from a UNet.
 
     patch_parallel n > 1: DDIM with the UNet split into n horizontal patches over the
@@ -41,15 +51,17 @@ def sample_images(model, cfg: Config, *, num: int, steps: int, sampler: str = "d
         y = jnp.arange(num) % n_real if labels == "cycle" else jnp.full((num,), int(labels))
         if int(y.max()) >= n_real:
             raise ConfigError(f"--labels: class {int(y.max())} does not exist; the run has classes 0..{n_real - 1}")
-    kw = dict(labels=y, guidance_scale=guidance if y is not None else None,
-              null_label=u.num_class_embeds - 1 if y is not None else None)
+    kw = dict(
+        labels=y,
+        guidance_scale=guidance if y is not None else None,
+        null_label=u.num_class_embeds - 1 if y is not None else None,
+    )
     key = jax.random.key(seed)
     # The weights travel as arguments of the jitted sampler, not as constants.
     graphdef, state = nnx.split(model)
     model_fn = jax.tree_util.Partial(_apply, graphdef, state)
     if patch_parallel > 1:
-        x = _distrifusion(model_fn, shape, key, d, steps=steps, sampler=sampler, n=patch_parallel, warmup=warmup,
-                          **kw)
+        x = _distrifusion(model_fn, shape, key, d, steps=steps, sampler=sampler, n=patch_parallel, warmup=warmup, **kw)
     elif sampler == "ddim":
         x = ddim_sample(model_fn, shape, key, d, steps=steps, clip_sample=1.0, **kw)
     else:
@@ -64,27 +76,33 @@ def _distrifusion(model_fn, shape, key, d, *, steps, sampler, n, warmup, **kw):
     if sampler != "ddim":
         raise ConfigError(f"--patch-parallel runs DDIM, not {sampler}; drop --sampler {sampler}")
     if jax.device_count() < n:
-        raise ConfigError(f"--patch-parallel {n} needs {n} devices; this machine has {jax.device_count()} "
-                          f"({jax.devices()[0].platform}); pick at most {jax.device_count()}")
+        raise ConfigError(
+            f"--patch-parallel {n} needs {n} devices; this machine has {jax.device_count()} "
+            f"({jax.devices()[0].platform}); pick at most {jax.device_count()}"
+        )
     if not 1 <= warmup <= steps:
         raise ConfigError(f"--warmup {warmup} must be between 1 and --steps {steps}")
     if shape[1] % n:
-        raise ConfigError(f"--patch-parallel {n}: the images' {shape[1]} rows do not split into {n} patches; "
-                          f"pick a divisor of {shape[1]}")
+        raise ConfigError(
+            f"--patch-parallel {n}: the images' {shape[1]} rows do not split into {n} patches; "
+            f"pick a divisor of {shape[1]}"
+        )
     mesh = make_mesh({"sequence": n}, devices=jax.devices()[:n])
     # The weights sit on one device; the patch-parallel program wants them replicated on its mesh.
     model_fn = jax.device_put(model_fn, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     try:
-        return distrifusion_sample(model_fn, shape, key, d, mesh=mesh, steps=steps, warmup=warmup,
-                                   clip_sample=1.0, **kw)
+        return distrifusion_sample(
+            model_fn, shape, key, d, mesh=mesh, steps=steps, warmup=warmup, clip_sample=1.0, **kw
+        )
     except ValueError as e:  # patch boundaries that the downsampling cannot keep aligned
         if not str(e).startswith("DistriFusion"):
             raise
         raise ConfigError(f"--patch-parallel {n}: {e}") from None
 
 
-def image_grid(images_NHWC, nrow: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0),
-               padding: int = 2, scale: int = 1) -> np.ndarray:
+def image_grid(
+    images_NHWC, nrow: int = 8, *, value_range: tuple[float, float] = (-1.0, 1.0), padding: int = 2, scale: int = 1
+) -> np.ndarray:
     """Tiles N images, `nrow` per row, into one uint8 image: (H', W') for 1 channel,
     (H', W', 3) for 3. Values in `value_range` map to 0..255 (clipped); `padding`
     black pixels separate and surround the tiles; `scale` repeats each pixel
@@ -109,7 +127,7 @@ def image_grid(images_NHWC, nrow: int = 8, *, value_range: tuple[float, float] =
     for i in range(N):
         r, c = divmod(i, cols)
         y0, x0 = padding + r * (H + padding), padding + c * (W + padding)
-        grid[y0:y0 + H, x0:x0 + W] = x[i]
+        grid[y0 : y0 + H, x0 : x0 + W] = x[i]
     return grid[..., 0] if C == 1 else grid
 
 
@@ -140,7 +158,7 @@ def by_class(images_NHWC, labels_N) -> tuple[np.ndarray, int]:
     per_row = max(len(m) for m in members)
     out = np.full((len(classes) * per_row, *x.shape[1:]), -np.inf, np.float32)  # clipped to black
     for r, m in enumerate(members):
-        out[r * per_row:r * per_row + len(m)] = x[m]
+        out[r * per_row : r * per_row + len(m)] = x[m]
     return out, per_row
 
 

@@ -76,8 +76,10 @@ class PatchExchange:
     def _key(self, kind: str) -> str:
         key = f"{len(self.fresh):03d}_{kind}"
         if self.stale is not None and key not in self.stale:
-            raise ValueError(f"DistriFusion: layer {key} has no activations from the previous step; the "
-                             "denoiser must visit the same layers on every step")
+            raise ValueError(
+                f"DistriFusion: layer {key} has no activations from the previous step; the "
+                "denoiser must visit the same layers on every step"
+            )
         return key
 
     def halo(self, x_BhWC: jax.Array, p: int, stride: int = 1) -> jax.Array:
@@ -87,13 +89,15 @@ class PatchExchange:
         so that the patches' outputs tile the output image without gaps or overlap."""
         h = x_BhWC.shape[1]
         if h % stride or h < p:
-            raise ValueError(f"DistriFusion: a {h}-row patch cannot feed a stride-{stride}, {2 * p + 1}-row conv "
-                             f"with aligned patch boundaries; make the image height a multiple of "
-                             f"{self.n} patches x 2^(resolution levels - 1), or use fewer patches")
+            raise ValueError(
+                f"DistriFusion: a {h}-row patch cannot feed a stride-{stride}, {2 * p + 1}-row conv "
+                f"with aligned patch boundaries; make the image height a multiple of "
+                f"{self.n} patches x 2^(resolution levels - 1), or use fewer patches"
+            )
         key = self._key("halo")
         n = self.n
         # ppermute leaves zeros on devices with no sender: the image's own border.
-        top = jax.lax.ppermute(x_BhWC[:, h - p:], self.axis, [(j, j + 1) for j in range(n - 1)])
+        top = jax.lax.ppermute(x_BhWC[:, h - p :], self.axis, [(j, j + 1) for j in range(n - 1)])
         bottom = jax.lax.ppermute(x_BhWC[:, :p], self.axis, [(j + 1, j) for j in range(n - 1)])
         self.fresh[key] = (top, bottom)
         if not self.synchronous:
@@ -135,8 +139,9 @@ class PatchExchange:
         self.fresh[key] = full_BL2HK
         if not self.synchronous:
             l = kv_Bl2HK.shape[1]
-            full_BL2HK = jax.lax.dynamic_update_slice_in_dim(self.stale[key], kv_Bl2HK.astype(full_BL2HK.dtype),
-                                                             self.index * l, axis=1)
+            full_BL2HK = jax.lax.dynamic_update_slice_in_dim(
+                self.stale[key], kv_Bl2HK.astype(full_BL2HK.dtype), self.index * l, axis=1
+            )
         return full_BL2HK[:, :, 0], full_BL2HK[:, :, 1]
 
 

@@ -57,6 +57,7 @@ F32 = jnp.float32
 # Schedule and one step (the schedule and the DDPM step are meshwork.diffusion.schedule's)
 # --------------------------------------------------------------------------
 
+
 def sampling_timesteps(cfg: DiffusionConfig, steps: int | None = None) -> np.ndarray:
     """The S timesteps visited, descending, with "leading" spacing t_k = (S-1-k) * (T // S).
 
@@ -87,8 +88,18 @@ def _ddpm_update(x_t, out, t, prev_t, abar, noise, *, prediction, clip, eta=None
         mean = sqrt(a') beta / (1-a) x0_hat + sqrt(a / a') (1-a') / (1-a) x_t
         var  = (1-a') / (1-a) beta            (no noise on the last step)
     """
-    x, _ = ddpm_step(out, t, x_t, None, abar, prev_t=prev_t, prediction=prediction, clip_sample=clip is not None,
-                     clip_sample_range=1.0 if clip is None else clip, noise=noise)
+    x, _ = ddpm_step(
+        out,
+        t,
+        x_t,
+        None,
+        abar,
+        prev_t=prev_t,
+        prediction=prediction,
+        clip_sample=clip is not None,
+        clip_sample_range=1.0 if clip is None else clip,
+        noise=noise,
+    )
     return x
 
 
@@ -120,8 +131,11 @@ def _guided(model_fn: ModelFn, x, t_B, labels, scale, null_label):
     """
     if scale is None:
         return model_fn(x, t_B, labels)
-    both = model_fn(jnp.concatenate([x, x]), jnp.concatenate([t_B, t_B]),
-                    jnp.concatenate([labels, jnp.full_like(labels, null_label)]))
+    both = model_fn(
+        jnp.concatenate([x, x]),
+        jnp.concatenate([t_B, t_B]),
+        jnp.concatenate([labels, jnp.full_like(labels, null_label)]),
+    )
     cond, uncond = jnp.split(both, 2)
     return uncond + scale * (cond - uncond)
 
@@ -129,6 +143,7 @@ def _guided(model_fn: ModelFn, x, t_B, labels, scale, null_label):
 # --------------------------------------------------------------------------
 # Jitted loop, weights as arguments
 # --------------------------------------------------------------------------
+
 
 def _is_array(leaf) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray))
@@ -155,11 +170,13 @@ def _noise_key(key):
 
 
 @functools.partial(jax.jit, static_argnames=("static", "update", "prediction", "clip", "eta", "guided"))
-def _sample_loop(arrays, x_T, k_steps, t_N, prev_N, abar, labels, scale, null_label, *, static, update,
-                 prediction, clip, eta, guided):
+def _sample_loop(
+    arrays, x_T, k_steps, t_N, prev_N, abar, labels, scale, null_label, *, static, update, prediction, clip, eta, guided
+):
     model_fn = _combine(static, arrays)
-    step = functools.partial(_ddpm_update if update == "ddpm" else _ddim_update, prediction=prediction,
-                             clip=clip, eta=eta)
+    step = functools.partial(
+        _ddpm_update if update == "ddpm" else _ddim_update, prediction=prediction, clip=clip, eta=eta
+    )
 
     def body(k, x):
         t_B = jnp.full((x.shape[0],), t_N[k], jnp.int32)
@@ -174,11 +191,15 @@ def _sample_loop(arrays, x_T, k_steps, t_N, prev_N, abar, labels, scale, null_la
 
 def _check_guidance(shape, labels, guidance_scale, null_label):
     if guidance_scale is not None and labels is None:
-        raise ValueError("sampling: guidance_scale needs labels (the conditional pass); pass labels=... "
-                         "or drop guidance_scale for unconditional sampling")
+        raise ValueError(
+            "sampling: guidance_scale needs labels (the conditional pass); pass labels=... "
+            "or drop guidance_scale for unconditional sampling"
+        )
     if guidance_scale is not None and null_label is None:
-        raise ValueError("sampling: guidance_scale needs null_label, the class id the model was trained with "
-                         "for 'no label' (e.g. num_class_embeds - 1)")
+        raise ValueError(
+            "sampling: guidance_scale needs null_label, the class id the model was trained with "
+            "for 'no label' (e.g. num_class_embeds - 1)"
+        )
     if labels is not None and jnp.shape(labels) != (shape[0],):
         raise ValueError(f"sampling: labels shape {jnp.shape(labels)} must be (batch,) = ({shape[0]},)")
 
@@ -201,17 +222,38 @@ def _sample(model_fn, shape, key, cfg, steps, *, update, eta, labels, guidance_s
     _check_guidance(shape, labels, guidance_scale, null_label)
     x_T, k_steps, t_N, prev_N, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "sampling")
     guided = guidance_scale is not None
-    return _sample_loop(arrays, x_T, k_steps, t_N, prev_N, alphas_cumprod(cfg),
-                        None if labels is None else jnp.asarray(labels, jnp.int32),
-                        jnp.float32(guidance_scale if guided else 0.0), jnp.int32(null_label if guided else 0),
-                        static=static, update=update, prediction=cfg.prediction,
-                        clip=None if clip_sample is None else float(clip_sample), eta=float(eta), guided=guided)
+    return _sample_loop(
+        arrays,
+        x_T,
+        k_steps,
+        t_N,
+        prev_N,
+        alphas_cumprod(cfg),
+        None if labels is None else jnp.asarray(labels, jnp.int32),
+        jnp.float32(guidance_scale if guided else 0.0),
+        jnp.int32(null_label if guided else 0),
+        static=static,
+        update=update,
+        prediction=cfg.prediction,
+        clip=None if clip_sample is None else float(clip_sample),
+        eta=float(eta),
+        guided=guided,
+    )
 
 
-def ddpm_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: DiffusionConfig, *,
-                labels: jax.Array | None = None, guidance_scale: float | None = None, null_label: int | None = None,
-                steps: int | None = None, x_T: jax.Array | None = None,
-                clip_sample: float | None = None) -> jax.Array:
+def ddpm_sample(
+    model_fn: ModelFn,
+    shape: Sequence[int],
+    key: jax.Array,
+    cfg: DiffusionConfig,
+    *,
+    labels: jax.Array | None = None,
+    guidance_scale: float | None = None,
+    null_label: int | None = None,
+    steps: int | None = None,
+    x_T: jax.Array | None = None,
+    clip_sample: float | None = None,
+) -> jax.Array:
     """DDPM ancestral sampling (Ho et al.) with "fixed_small" variance; returns x_0 (float32).
 
     x_T ~ N(0, I) from `key` (or `x_T`), then for each timestep
@@ -226,14 +268,36 @@ def ddpm_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: Di
     >>> x.shape, x.dtype
     ((1, 2, 2, 1), dtype('float32'))
     """
-    return _sample(model_fn, shape, key, cfg, steps, update="ddpm", eta=1.0, labels=labels,
-                   guidance_scale=guidance_scale, null_label=null_label, x_T=x_T, clip_sample=clip_sample)
+    return _sample(
+        model_fn,
+        shape,
+        key,
+        cfg,
+        steps,
+        update="ddpm",
+        eta=1.0,
+        labels=labels,
+        guidance_scale=guidance_scale,
+        null_label=null_label,
+        x_T=x_T,
+        clip_sample=clip_sample,
+    )
 
 
-def ddim_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: DiffusionConfig, *,
-                steps: int = 50, eta: float = 0.0, labels: jax.Array | None = None,
-                guidance_scale: float | None = None, null_label: int | None = None, x_T: jax.Array | None = None,
-                clip_sample: float | None = None) -> jax.Array:
+def ddim_sample(
+    model_fn: ModelFn,
+    shape: Sequence[int],
+    key: jax.Array,
+    cfg: DiffusionConfig,
+    *,
+    steps: int = 50,
+    eta: float = 0.0,
+    labels: jax.Array | None = None,
+    guidance_scale: float | None = None,
+    null_label: int | None = None,
+    x_T: jax.Array | None = None,
+    clip_sample: float | None = None,
+) -> jax.Array:
     """DDIM sampling (Song et al.) over `steps` leading-spaced timesteps; returns x_0 (float32).
 
     eta = 0 is deterministic: x_0 depends on x_T only, not on `key`. eta = 1 with the
@@ -246,16 +310,30 @@ def ddim_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: Di
     >>> bool((a == b).all())
     True
     """
-    return _sample(model_fn, shape, key, cfg, steps, update="ddim", eta=eta, labels=labels,
-                   guidance_scale=guidance_scale, null_label=null_label, x_T=x_T, clip_sample=clip_sample)
+    return _sample(
+        model_fn,
+        shape,
+        key,
+        cfg,
+        steps,
+        update="ddim",
+        eta=eta,
+        labels=labels,
+        guidance_scale=guidance_scale,
+        null_label=null_label,
+        x_T=x_T,
+        clip_sample=clip_sample,
+    )
 
 
 # --------------------------------------------------------------------------
 # Patch-parallel DDIM (DistriFusion)
 # --------------------------------------------------------------------------
 
-def patch_parallel_comm_bytes(shape: Sequence[int], n_patches: int, *, batch_shards: int = 1,
-                              dtype=jnp.float32) -> dict[str, int]:
+
+def patch_parallel_comm_bytes(
+    shape: Sequence[int], n_patches: int, *, batch_shards: int = 1, dtype=jnp.float32
+) -> dict[str, int]:
     """What each device exchanges per sampling step in `patch_parallel_sample`.
 
     A device owns a patch of B/batch_shards x H/n x W x C elements (`patch_bytes`) and
@@ -274,8 +352,27 @@ def patch_parallel_comm_bytes(shape: Sequence[int], n_patches: int, *, batch_sha
     return {"patch_bytes": patch, "sent_per_step": (n_patches - 1) * patch, "gathered_bytes": n_patches * patch}
 
 
-def _patch_parallel_body(arrays, x_own, k_steps, t_N, prev_N, abar, labels, scale, null_label, *, static,
-                         axis, batch_axes, full_shape, warmup, prediction, clip, eta, guided):
+def _patch_parallel_body(
+    arrays,
+    x_own,
+    k_steps,
+    t_N,
+    prev_N,
+    abar,
+    labels,
+    scale,
+    null_label,
+    *,
+    static,
+    axis,
+    batch_axes,
+    full_shape,
+    warmup,
+    prediction,
+    clip,
+    eta,
+    guided,
+):
     """Per device: the sampling loop on this device's patch (rows idx*h .. idx*h+h)."""
     model_fn = _combine(static, arrays)
     h = x_own.shape[1]
@@ -328,30 +425,68 @@ def _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, who):
         raise ValueError(f"{who}: mesh axes {missing} are not in the mesh {tuple(mesh.axis_names)}")
     n, nb = mesh.shape[axis], math.prod(mesh.shape[a] for a in batch_axes)
     if shape[1] % n or shape[0] % nb:
-        raise ValueError(f"{who}: height {shape[1]} must be divisible by mesh axis {axis!r} (size {n}) and batch "
-                         f"{shape[0]} by {batch_axes} (size {nb}); change the shape or mesh")
+        raise ValueError(
+            f"{who}: height {shape[1]} must be divisible by mesh axis {axis!r} (size {n}) and batch "
+            f"{shape[0]} by {batch_axes} (size {nb}); change the shape or mesh"
+        )
     if not 1 <= warmup <= len(sampling_timesteps(cfg, steps)):
-        raise ValueError(f"{who}: warmup={warmup} must be in [1, steps={steps}]; the first step is always "
-                         "synchronous since no previous activations exist yet")
+        raise ValueError(
+            f"{who}: warmup={warmup} must be in [1, steps={steps}]; the first step is always "
+            "synchronous since no previous activations exist yet"
+        )
 
 
-def _patch_parallel_setup(model_fn, shape, key, cfg, *, mesh, axis="sequence", batch_axes=(), steps=50, eta=0.0,
-                          warmup=4, labels=None, guidance_scale=None, null_label=None, x_T=None, clip_sample=None):
+def _patch_parallel_setup(
+    model_fn,
+    shape,
+    key,
+    cfg,
+    *,
+    mesh,
+    axis="sequence",
+    batch_axes=(),
+    steps=50,
+    eta=0.0,
+    warmup=4,
+    labels=None,
+    guidance_scale=None,
+    null_label=None,
+    x_T=None,
+    clip_sample=None,
+):
     """(jitted program, its arguments) for `patch_parallel_sample` and `patch_parallel_hlo`."""
     shape = tuple(int(s) for s in shape)
     _check_guidance(shape, labels, guidance_scale, null_label)
     batch_axes = tuple(batch_axes)
     _check_patch_layout(shape, cfg, mesh, axis, batch_axes, steps, warmup, "patch_parallel_sample")
-    x_T, k_steps, t_N, prev_N, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T,
-                                                       "patch_parallel_sample")
+    x_T, k_steps, t_N, prev_N, static, arrays = _start(model_fn, shape, key, cfg, steps, x_T, "patch_parallel_sample")
     guided = guidance_scale is not None
     labels = None if labels is None else jnp.asarray(labels, jnp.int32)
-    f = _patch_parallel_program(static, len(arrays), labels is not None, mesh=mesh, axis=axis,
-                                batch_axes=batch_axes, full_shape=shape, warmup=int(warmup),
-                                prediction=cfg.prediction, clip=None if clip_sample is None else float(clip_sample),
-                                eta=float(eta), guided=guided)
-    args = (arrays, x_T.astype(F32), k_steps, t_N, prev_N, alphas_cumprod(cfg), labels,
-            jnp.float32(guidance_scale if guided else 0.0), jnp.int32(null_label if guided else 0))
+    f = _patch_parallel_program(
+        static,
+        len(arrays),
+        labels is not None,
+        mesh=mesh,
+        axis=axis,
+        batch_axes=batch_axes,
+        full_shape=shape,
+        warmup=int(warmup),
+        prediction=cfg.prediction,
+        clip=None if clip_sample is None else float(clip_sample),
+        eta=float(eta),
+        guided=guided,
+    )
+    args = (
+        arrays,
+        x_T.astype(F32),
+        k_steps,
+        t_N,
+        prev_N,
+        alphas_cumprod(cfg),
+        labels,
+        jnp.float32(guidance_scale if guided else 0.0),
+        jnp.int32(null_label if guided else 0),
+    )
     return f, args
 
 
@@ -361,18 +496,34 @@ def _patch_parallel_program(static, n_arrays, has_labels, *, mesh, axis, batch_a
     b = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
     spec_x, spec_b, rep = PartitionSpec(b, axis), PartitionSpec(b), PartitionSpec()
     body = functools.partial(_patch_parallel_body, static=static, axis=axis, batch_axes=batch_axes, **body_kw)
-    f = jax.shard_map(body, mesh=mesh,
-                      in_specs=([rep] * n_arrays, spec_x, rep, rep, rep, rep, spec_b if has_labels else None,
-                                rep, rep),
-                      out_specs=spec_x, axis_names=frozenset((axis, *batch_axes)))
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=([rep] * n_arrays, spec_x, rep, rep, rep, rep, spec_b if has_labels else None, rep, rep),
+        out_specs=spec_x,
+        axis_names=frozenset((axis, *batch_axes)),
+    )
     return jax.jit(f)
 
 
-def patch_parallel_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: DiffusionConfig, *,
-                          mesh: Mesh, axis: str = "sequence", batch_axes: Sequence[str] = (), steps: int = 50,
-                          eta: float = 0.0, warmup: int = 4, labels: jax.Array | None = None,
-                          guidance_scale: float | None = None, null_label: int | None = None,
-                          x_T: jax.Array | None = None, clip_sample: float | None = None) -> jax.Array:
+def patch_parallel_sample(
+    model_fn: ModelFn,
+    shape: Sequence[int],
+    key: jax.Array,
+    cfg: DiffusionConfig,
+    *,
+    mesh: Mesh,
+    axis: str = "sequence",
+    batch_axes: Sequence[str] = (),
+    steps: int = 50,
+    eta: float = 0.0,
+    warmup: int = 4,
+    labels: jax.Array | None = None,
+    guidance_scale: float | None = None,
+    null_label: int | None = None,
+    x_T: jax.Array | None = None,
+    clip_sample: float | None = None,
+) -> jax.Array:
     """DDIM sampling with the image split into n horizontal patches over mesh axis `axis`
     (DistriFusion, Li et al. 2024, displaced patch parallelism); returns x_0 (B, H, W, C).
 
@@ -404,15 +555,27 @@ def patch_parallel_sample(model_fn: ModelFn, shape: Sequence[int], key: jax.Arra
     >>> patch_parallel_sample(f, (2, 8, 8, 1), jax.random.key(0), cfg, mesh=mesh, steps=10).shape
     (2, 8, 8, 1)
     """
-    f, args = _patch_parallel_setup(model_fn, shape, key, cfg, mesh=mesh, axis=axis, batch_axes=batch_axes,
-                                    steps=steps, eta=eta, warmup=warmup, labels=labels,
-                                    guidance_scale=guidance_scale, null_label=null_label, x_T=x_T,
-                                    clip_sample=clip_sample)
+    f, args = _patch_parallel_setup(
+        model_fn,
+        shape,
+        key,
+        cfg,
+        mesh=mesh,
+        axis=axis,
+        batch_axes=batch_axes,
+        steps=steps,
+        eta=eta,
+        warmup=warmup,
+        labels=labels,
+        guidance_scale=guidance_scale,
+        null_label=null_label,
+        x_T=x_T,
+        clip_sample=clip_sample,
+    )
     return f(*args)
 
 
-def patch_parallel_hlo(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: DiffusionConfig,
-                       **kwargs) -> str:
+def patch_parallel_hlo(model_fn: ModelFn, shape: Sequence[int], key: jax.Array, cfg: DiffusionConfig, **kwargs) -> str:
     """Optimized HLO text of the program `patch_parallel_sample` runs with these arguments (same
     keywords, same defaults), e.g. for `sharding.hlo.collective_summary`: its all-gather bytes
     are steps x `patch_parallel_comm_bytes(...)["sent_per_step"]`."""

@@ -76,8 +76,9 @@ def v_target(x0: jax.Array, noise: jax.Array, t: jax.Array, alphas_cumprod: jax.
     return jnp.sqrt(a) * noise - jnp.sqrt(1.0 - a) * x0
 
 
-def predicted_x0(model_output: jax.Array, x_t: jax.Array, t: jax.Array, alphas_cumprod: jax.Array,
-                 prediction: str = "epsilon") -> jax.Array:
+def predicted_x0(
+    model_output: jax.Array, x_t: jax.Array, t: jax.Array, alphas_cumprod: jax.Array, prediction: str = "epsilon"
+) -> jax.Array:
     """x0 implied by the model's output at x_t:
     epsilon: (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t);  v: sqrt(abar_t) x_t - sqrt(1 - abar_t) v."""
     a = _at(alphas_cumprod, t, x_t.ndim)
@@ -88,8 +89,9 @@ def predicted_x0(model_output: jax.Array, x_t: jax.Array, t: jax.Array, alphas_c
     raise ValueError(f"prediction={prediction!r}; choose epsilon or v")
 
 
-def diffusion_loss(model_fn: ModelFn, x0: jax.Array, key: jax.Array, labels: jax.Array | None,
-                   cfg: DiffusionConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def diffusion_loss(
+    model_fn: ModelFn, x0: jax.Array, key: jax.Array, labels: jax.Array | None, cfg: DiffusionConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The DDPM "simple" objective: E_{t, eps} || model(x_t, t, labels) - target ||^2.
 
     t ~ U{0..T-1} per example, eps ~ N(0, I), x_t = add_noise(x0, eps, t);
@@ -110,10 +112,19 @@ def diffusion_loss(model_fn: ModelFn, x0: jax.Array, key: jax.Array, labels: jax
     return loss, {"mse": loss}
 
 
-def ddpm_step(model_output: jax.Array, t: jax.Array, x_t: jax.Array, key: jax.Array | None,
-              alphas_cumprod: jax.Array, *, prev_t: jax.Array | None = None, prediction: str = "epsilon",
-              clip_sample: bool = True, clip_sample_range: float = 1.0,
-              noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def ddpm_step(
+    model_output: jax.Array,
+    t: jax.Array,
+    x_t: jax.Array,
+    key: jax.Array | None,
+    alphas_cumprod: jax.Array,
+    *,
+    prev_t: jax.Array | None = None,
+    prediction: str = "epsilon",
+    clip_sample: bool = True,
+    clip_sample_range: float = 1.0,
+    noise: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """One ancestral step x_t -> x_{t'}, t' = prev_t (default t - 1); returns (x_prev, x0_pred).
 
     With a = abar_t, a' = abar_{t'} (1 when t' < 0), beta = 1 - a / a':

@@ -51,6 +51,7 @@ from meshwork.kernels.pallas_backend import (
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
     """chunk: keys per program (the split); kv: keys per inner-loop step."""
+
     chunk: int
     kv: int
 
@@ -69,7 +70,7 @@ class _Config:
     scale: float
     chunk: int
     kv: int
-    rows: int       # query rows per program: H/G, padded to 16 for Triton's tl.dot
+    rows: int  # query rows per program: H/G, padded to 16 for Triton's tl.dot
     head_dim: int
     backend: str
     interpret: bool
@@ -117,10 +118,19 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l))
 
 
-def decode_attention(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, lengths_B: jax.Array, *,
-                     scale: float | None = None, chunk: int | None = None, block_kv: int | None = None,
-                     backend: str | None = None, interpret: bool | None = None,
-                     window: int | None = None) -> jax.Array:
+def decode_attention(
+    q_BHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    scale: float | None = None,
+    chunk: int | None = None,
+    block_kv: int | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    window: int | None = None,
+) -> jax.Array:
     """Attention of one query per sequence over the first lengths_B[b] cached keys (flash-decoding).
 
     q_BHK: the new token's queries; k_BSGK, v_BSGK: the cache, G kv heads each
@@ -136,9 +146,11 @@ def decode_attention(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, len
     """
     (B, H, K), (Bk, S, G, Kk) = q_BHK.shape, k_BSGK.shape
     if B != Bk or K != Kk or H % G or v_BSGK.shape != k_BSGK.shape or lengths_B.shape != (B,):
-        raise ValueError(f"decode_attention wants q (B, H, K), k and v (B, S, G, K) with H a multiple of G, and "
-                         f"lengths (B,); got q {q_BHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}, "
-                         f"lengths {lengths_B.shape}")
+        raise ValueError(
+            f"decode_attention wants q (B, H, K), k and v (B, S, G, K) with H a multiple of G, and "
+            f"lengths (B,); got q {q_BHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}, "
+            f"lengths {lengths_B.shape}"
+        )
     if window is not None and window < 1:
         raise ValueError(f"decode_attention window={window}: a window must see at least the new key (>= 1)")
     backend, interpret = resolve_backend(backend, interpret)
@@ -150,8 +162,17 @@ def decode_attention(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, len
     R = H // G
     rows = max(R, 16) if backend == "gpu" else R  # tl.dot needs M >= 16
     Kp = max(16, pl.next_power_of_2(K)) if backend == "gpu" else K
-    cfg = _Config(scale=float(K ** -0.5 if scale is None else scale), chunk=chunk, kv=kv, rows=rows, head_dim=Kp,
-                  backend=backend, interpret=interpret, heads_major=backend == "tpu", window=window)
+    cfg = _Config(
+        scale=float(K**-0.5 if scale is None else scale),
+        chunk=chunk,
+        kv=kv,
+        rows=rows,
+        head_dim=Kp,
+        backend=backend,
+        interpret=interpret,
+        heads_major=backend == "tpu",
+        window=window,
+    )
     o_BGRK = merge_chunks(*_decode_chunks(q_BHK, k_BSGK, v_BSGK, lengths_B, cfg), axis=2)
     return o_BGRK[:, :, :R, :K].reshape(B, H, K).astype(q_BHK.dtype)
 
@@ -175,14 +196,24 @@ def _decode_chunks(q_BHK, k_BSGK, v_BSGK, lengths_B, cfg):
         len_spec = pl.BlockSpec((B,), lambda b, g, c: (0,))
     out_spec = lambda n: pl.BlockSpec((None, None, None, cfg.rows, n), lambda b, g, c: (b, g, c, 0, 0))  # noqa: E731
     return launch(
-        functools.partial(_decode_kernel, cfg=cfg), cfg, grid=(B, G, C), name="decode_attention",
-        in_specs=[len_spec, pl.BlockSpec((None, None, cfg.rows, cfg.head_dim), lambda b, g, c: (b, g, 0, 0)),
-                  kv_spec, kv_spec],
+        functools.partial(_decode_kernel, cfg=cfg),
+        cfg,
+        grid=(B, G, C),
+        name="decode_attention",
+        in_specs=[
+            len_spec,
+            pl.BlockSpec((None, None, cfg.rows, cfg.head_dim), lambda b, g, c: (b, g, 0, 0)),
+            kv_spec,
+            kv_spec,
+        ],
         out_specs=[out_spec(cfg.head_dim), out_spec(1)],
-        out_shape=[jax.ShapeDtypeStruct((B, G, C, cfg.rows, cfg.head_dim), F32),
-                   jax.ShapeDtypeStruct((B, G, C, cfg.rows, 1), F32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, G, C, cfg.rows, cfg.head_dim), F32),
+            jax.ShapeDtypeStruct((B, G, C, cfg.rows, 1), F32),
+        ],
         # Clamped: a length past the cache must not count the padding.
-        args=(jnp.minimum(lengths_B.astype(jnp.int32), S), q, k, v))
+        args=(jnp.minimum(lengths_B.astype(jnp.int32), S), q, k, v),
+    )
 
 
 def merge_chunks(o, lse, axis):
@@ -201,10 +232,19 @@ def merge_chunks(o, lse, axis):
     return jnp.sum(w * o, axis=axis) / jnp.squeeze(jnp.where(total == 0.0, 1.0, total), axis)
 
 
-def decode_attention_reference(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, lengths_B: jax.Array, *,
-                               scale: float | None = None, chunk: int | None = None, block_kv: int | None = None,
-                               backend: str | None = None, interpret: bool | None = None,
-                               window: int | None = None) -> jax.Array:
+def decode_attention_reference(
+    q_BHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    scale: float | None = None,
+    chunk: int | None = None,
+    block_kv: int | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    window: int | None = None,
+) -> jax.Array:
     """`decode_attention` in plain JAX (float32 scores over the whole cache, masked by length and window).
 
     >>> q = jnp.ones((1, 4, 16)); k = v = jnp.ones((1, 64, 1, 16))
@@ -213,7 +253,7 @@ def decode_attention_reference(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.
     """
     del chunk, block_kv, backend, interpret
     (B, H, K), (_, S, G, _) = q_BHK.shape, k_BSGK.shape
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q_BGRK = q_BHK.astype(F32).reshape(B, G, H // G, K)
     s_BGRS = jnp.einsum("BGRK,BSGK->BGRS", q_BGRK, k_BSGK.astype(F32), precision="highest") * scale
     key_S, len_B1 = jnp.arange(S)[None, :], lengths_B[:, None]
@@ -222,6 +262,5 @@ def decode_attention_reference(q_BHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.
     s_BGRS = jnp.where(mask, s_BGRS, MASKED)
     p = jnp.where(mask, jnp.exp(s_BGRS - jnp.max(s_BGRS, axis=-1, keepdims=True)), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o_BGRK = jnp.einsum("BGRS,BSGK->BGRK", p / jnp.where(l == 0.0, 1.0, l), v_BSGK.astype(F32),
-                        precision="highest")
+    o_BGRK = jnp.einsum("BGRS,BSGK->BGRK", p / jnp.where(l == 0.0, 1.0, l), v_BSGK.astype(F32), precision="highest")
     return o_BGRK.reshape(B, H, K).astype(q_BHK.dtype)

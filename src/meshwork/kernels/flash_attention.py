@@ -38,6 +38,7 @@ DEFAULT_BLOCKS = {
 # Autodiff: the kernels' forward and backward under one custom_vjp
 # --------------------------------------------------------------------------
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _flash(q, k, v, seg_q, seg_kv, cfg):
     return flash_forward(q, k, v, seg_q, seg_kv, cfg)[0]
@@ -60,30 +61,49 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public API
 # --------------------------------------------------------------------------
 
+
 def _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window):
     if q_BLHK.ndim != 4 or k_BSGK.ndim != 4 or k_BSGK.shape != v_BSGK.shape:
-        raise ValueError(f"attention wants q (B, L, H, K) and k, v (B, S, G, K); got q {q_BLHK.shape}, "
-                         f"k {k_BSGK.shape}, v {v_BSGK.shape}")
+        raise ValueError(
+            f"attention wants q (B, L, H, K) and k, v (B, S, G, K); got q {q_BLHK.shape}, "
+            f"k {k_BSGK.shape}, v {v_BSGK.shape}"
+        )
     (B, L, H, K), (Bk, S, G, Kk) = q_BLHK.shape, k_BSGK.shape
     if B != Bk or K != Kk or H % G:
-        raise ValueError(f"q {q_BLHK.shape} and k/v {k_BSGK.shape} disagree: batch and head_dim must match and "
-                         f"the {H} query heads must be a multiple of the {G} kv heads")
+        raise ValueError(
+            f"q {q_BLHK.shape} and k/v {k_BSGK.shape} disagree: batch and head_dim must match and "
+            f"the {H} query heads must be a multiple of the {G} kv heads"
+        )
     if (segment_ids_q is None) != (segment_ids_kv is None):
         raise ValueError("pass both segment_ids_q and segment_ids_kv, or neither")
     if segment_ids_q is not None and (segment_ids_q.shape != (B, L) or segment_ids_kv.shape != (B, S)):
-        raise ValueError(f"segment ids must be (B, L) = {(B, L)} and (B, S) = {(B, S)}; got "
-                         f"{segment_ids_q.shape} and {segment_ids_kv.shape}")
+        raise ValueError(
+            f"segment ids must be (B, L) = {(B, L)} and (B, S) = {(B, S)}; got "
+            f"{segment_ids_q.shape} and {segment_ids_kv.shape}"
+        )
     if window is not None and (not causal or window < 1):
-        raise ValueError(f"window={window} needs causal=True and window >= 1 (key j is visible to query i "
-                         f"iff i - window < j <= i)")
+        raise ValueError(
+            f"window={window} needs causal=True and window >= 1 (key j is visible to query i iff i - window < j <= i)"
+        )
 
 
-def flash_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, causal: bool = True,
-                    scale: float | None = None, segment_ids_q: jax.Array | None = None,
-                    segment_ids_kv: jax.Array | None = None, window: int | None = None,
-                    block_q: int | None = None, block_kv: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, backend: str | None = None,
-                    interpret: bool | None = None) -> jax.Array:
+def flash_attention(
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    segment_ids_q: jax.Array | None = None,
+    segment_ids_kv: jax.Array | None = None,
+    window: int | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
     """softmax(q k^T * scale + mask) v without materializing the L x S scores; differentiable.
 
     G kv heads serve H/G query heads each (query head h uses kv head h // (H/G)).
@@ -105,18 +125,42 @@ def flash_attention(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, 
     (2, 96, 8, 32)
     """
     _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window)
-    cfg = plan(q_BLHK.shape, k_BSGK.shape, causal=causal, scale=scale, window=window,
-               segmented=segment_ids_q is not None, block_q=block_q, block_kv=block_kv, num_warps=num_warps,
-               num_stages=num_stages, backend=backend, interpret=interpret)
+    cfg = plan(
+        q_BLHK.shape,
+        k_BSGK.shape,
+        causal=causal,
+        scale=scale,
+        window=window,
+        segmented=segment_ids_q is not None,
+        block_q=block_q,
+        block_kv=block_kv,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        backend=backend,
+        interpret=interpret,
+    )
     q, k, v, seg_q, seg_kv = pad_inputs(q_BLHK, k_BSGK, v_BSGK, segment_ids_q, segment_ids_kv, cfg)
     # Padding and transposes stay outside the custom_vjp: autodiff undoes them for free.
     o = _flash(q, k, v, seg_q, seg_kv, cfg)
     o = o.transpose(0, 2, 1, 3) if cfg.heads_major else o
-    return o[:, :cfg.q_len, :, :q_BLHK.shape[3]]
+    return o[:, : cfg.q_len, :, : q_BLHK.shape[3]]
 
 
-def plan(q_shape, k_shape, *, causal, scale, window, segmented, block_q, block_kv, backend, interpret,
-         num_warps=None, num_stages=None) -> FlashConfig:
+def plan(
+    q_shape,
+    k_shape,
+    *,
+    causal,
+    scale,
+    window,
+    segmented,
+    block_q,
+    block_kv,
+    backend,
+    interpret,
+    num_warps=None,
+    num_stages=None,
+) -> FlashConfig:
     """The static configuration: backend, legal block sizes, padded head dim."""
     backend, interpret = resolve_backend(backend, interpret)
     (_, L, H, K), (_, S, G, _) = q_shape, k_shape
@@ -125,12 +169,23 @@ def plan(q_shape, k_shape, *, causal, scale, window, segmented, block_q, block_k
     bk_f, bk_b = (fit_block(block_kv or b, S, backend, lanes=True) for b in (d.kv, d.bwd_kv))
     # Triton tensors need power-of-two sizes >= 16; zero columns change no score.
     Kp = max(16, pl.next_power_of_2(K)) if backend == "gpu" else K
-    return FlashConfig(causal=causal, window=window, scale=float(K ** -0.5 if scale is None else scale), q_len=L,
-                       kv_len=S, blocks=BlockSizes(bq_f, bk_f, bq_b, bk_b), rep=H // G, head_dim=Kp,
-                       backend=backend, interpret=interpret, heads_major=backend == "tpu", segmented=segmented,
-                       # Triton-only: dropped elsewhere so TPU/CPU configs (and their traces) do not vary with them.
-                       num_warps=num_warps if backend == "gpu" else None,
-                       num_stages=num_stages if backend == "gpu" else None)
+    return FlashConfig(
+        causal=causal,
+        window=window,
+        scale=float(K**-0.5 if scale is None else scale),
+        q_len=L,
+        kv_len=S,
+        blocks=BlockSizes(bq_f, bk_f, bq_b, bk_b),
+        rep=H // G,
+        head_dim=Kp,
+        backend=backend,
+        interpret=interpret,
+        heads_major=backend == "tpu",
+        segmented=segmented,
+        # Triton-only: dropped elsewhere so TPU/CPU configs (and their traces) do not vary with them.
+        num_warps=num_warps if backend == "gpu" else None,
+        num_stages=num_stages if backend == "gpu" else None,
+    )
 
 
 def pad_inputs(q, k, v, seg_q, seg_kv, cfg):
@@ -147,11 +202,21 @@ def pad_inputs(q, k, v, seg_q, seg_kv, cfg):
     return prep(q, Lp), prep(k, Sp), prep(v, Sp), seg_q, seg_kv
 
 
-def flash_attention_reference(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, causal: bool = True,
-                              scale: float | None = None, segment_ids_q: jax.Array | None = None,
-                              segment_ids_kv: jax.Array | None = None, window: int | None = None,
-                              block_q: int | None = None, block_kv: int | None = None,
-                              backend: str | None = None, interpret: bool | None = None) -> jax.Array:
+def flash_attention_reference(
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    segment_ids_q: jax.Array | None = None,
+    segment_ids_kv: jax.Array | None = None,
+    window: int | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
     """`flash_attention` in plain JAX, materializing the (L, S) scores in float32; same signature and mask.
 
     Block/backend arguments are accepted and ignored so the two swap freely.
@@ -163,7 +228,7 @@ def flash_attention_reference(q_BLHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.
     del block_q, block_kv, backend, interpret
     _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window)
     (B, L, H, K), (_, S, G, _) = q_BLHK.shape, k_BSGK.shape
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q_BLGRK = q_BLHK.astype(F32).reshape(B, L, G, H // G, K)
     s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK.astype(F32), precision="highest") * scale
     i, j = jnp.arange(L)[:, None], jnp.arange(S)[None, :]

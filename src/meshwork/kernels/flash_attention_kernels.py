@@ -45,6 +45,7 @@ from meshwork.kernels.pallas_backend import F32, MASKED, dot, dot_precision, flo
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Query / key block lengths of the forward and of the two backward kernels."""
+
     q: int
     kv: int
     bwd_q: int
@@ -55,23 +56,25 @@ class BlockSizes:
 # Kernel bodies (shared by all backends)
 # --------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
     """The static configuration of one flash-attention call, shared by its three kernels."""
+
     causal: bool
     window: int | None
     scale: float
-    q_len: int        # real (unpadded) lengths: rows/cols beyond are masked
+    q_len: int  # real (unpadded) lengths: rows/cols beyond are masked
     kv_len: int
     blocks: BlockSizes
-    rep: int          # query heads per kv head, H // G
-    head_dim: int     # padded head dim
+    rep: int  # query heads per kv head, H // G
+    head_dim: int  # padded head dim
     backend: str
     interpret: object  # bool or pltpu.InterpretParams (hashable)
     heads_major: bool  # arrays in (B, H, L, K) (TPU) instead of (B, L, H, K)
     segmented: bool
     poison: bool = False
-    num_warps: int | None = None   # Triton launch parameters (GPU only; None: compiler_params' defaults)
+    num_warps: int | None = None  # Triton launch parameters (GPU only; None: compiler_params' defaults)
     num_stages: int | None = None
 
     @property
@@ -204,6 +207,7 @@ def _dkdv_kernel(*refs, cfg: FlashConfig):
             ds = p * (dot(do, v, (1, 1), prec) - delta)
             dk = dk + dot(ds.astype(q.dtype), q, (0, 0), prec)
             return dk, dv
+
         return lax.fori_loop(*q_block_range(cfg, kv_start, bq, bk), step, carry)
 
     zeros = jnp.zeros((bk, cfg.head_dim), F32)
@@ -216,11 +220,14 @@ def _dkdv_kernel(*refs, cfg: FlashConfig):
 # pallas_call wiring: grids and BlockSpecs per layout
 # --------------------------------------------------------------------------
 
+
 def _seq_spec(cfg, block, index):
     """BlockSpec of `block` rows of one head of a q/k/v/o-shaped array; index(b, h, i) -> (head, row block)."""
+
     def index_map(b, h, i):
         head, blk = index(b, h, i)
         return (b, head, blk, 0) if cfg.heads_major else (b, blk, head, 0)
+
     shape = (None, None, block, cfg.head_dim) if cfg.heads_major else (None, block, None, cfg.head_dim)
     return pl.BlockSpec(shape, index_map)
 
@@ -240,11 +247,15 @@ def _seg_args(cfg, seg_q, seg_kv, bq, bk, per_kv_block):
     S = seg_kv.shape[1]
     col, rows = seg_q[:, :, None], seg_kv.reshape(B, S // bk, 1, bk)
     if per_kv_block:  # dK/dV: whole query column, this key block's row
-        specs = [pl.BlockSpec((None, L, 1), lambda b, g, j: (b, 0, 0)),
-                 pl.BlockSpec((None, None, 1, bk), lambda b, g, j: (b, j, 0, 0))]
+        specs = [
+            pl.BlockSpec((None, L, 1), lambda b, g, j: (b, 0, 0)),
+            pl.BlockSpec((None, None, 1, bk), lambda b, g, j: (b, j, 0, 0)),
+        ]
     else:  # forward / dQ: this query block's column, every key row
-        specs = [pl.BlockSpec((None, bq, 1), lambda b, h, i: (b, i, 0)),
-                 pl.BlockSpec((None, S // bk, 1, bk), lambda b, h, i: (b, 0, 0, 0))]
+        specs = [
+            pl.BlockSpec((None, bq, 1), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, S // bk, 1, bk), lambda b, h, i: (b, 0, 0, 0)),
+        ]
     return (col, rows), specs
 
 
@@ -256,14 +267,23 @@ def flash_forward(q, k, v, seg_q, seg_kv, cfg):
     rep = cfg.rep
     seg_args, seg_specs = _seg_args(cfg, seg_q, seg_kv, bq, cfg.blocks.kv, per_kv_block=False)
     return launch(
-        functools.partial(_fwd_kernel, cfg=cfg), cfg, grid=(B, H, L // bq), name="flash_attention_fwd",
-        in_specs=[_seq_spec(cfg, bq, lambda b, h, i: (h, i)),
-                  _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
-                  _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)), *seg_specs],
-        out_specs=[_seq_spec(cfg, bq, lambda b, h, i: (h, i)),
-                   pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))],
+        functools.partial(_fwd_kernel, cfg=cfg),
+        cfg,
+        grid=(B, H, L // bq),
+        name="flash_attention_fwd",
+        in_specs=[
+            _seq_spec(cfg, bq, lambda b, h, i: (h, i)),
+            _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
+            _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
+            *seg_specs,
+        ],
+        out_specs=[
+            _seq_spec(cfg, bq, lambda b, h, i: (h, i)),
+            pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)),
+        ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, L, 1), F32)],
-        args=(q, k, v, *seg_args))
+        args=(q, k, v, *seg_args),
+    )
 
 
 def flash_backward(q, k, v, seg_q, seg_kv, o, lse, do, cfg):
@@ -278,23 +298,35 @@ def flash_backward(q, k, v, seg_q, seg_kv, o, lse, do, cfg):
     seg_args, seg_specs = _seg_args(cfg, seg_q, seg_kv, bq, bk, per_kv_block=False)
     row_stat = pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))
     (dq,) = launch(
-        functools.partial(_dq_kernel, cfg=cfg), cfg, grid=(B, H, L // bq), name="flash_attention_dq",
-        in_specs=[_seq_spec(cfg, bq, lambda b, h, i: (h, i)),
-                  _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
-                  _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
-                  _seq_spec(cfg, bq, lambda b, h, i: (h, i)), row_stat, row_stat, *seg_specs],
+        functools.partial(_dq_kernel, cfg=cfg),
+        cfg,
+        grid=(B, H, L // bq),
+        name="flash_attention_dq",
+        in_specs=[
+            _seq_spec(cfg, bq, lambda b, h, i: (h, i)),
+            _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
+            _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
+            _seq_spec(cfg, bq, lambda b, h, i: (h, i)),
+            row_stat,
+            row_stat,
+            *seg_specs,
+        ],
         out_specs=[_seq_spec(cfg, bq, lambda b, h, i: (h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        args=(q, k, v, do, lse, delta, *seg_args))
+        args=(q, k, v, do, lse, delta, *seg_args),
+    )
 
     seg_args, seg_specs = _seg_args(cfg, seg_q, seg_kv, bq, bk, per_kv_block=True)
     group_stat = pl.BlockSpec((None, rep, L, 1), lambda b, g, j: (b, g, 0, 0))
     kv_block = _seq_spec(cfg, bk, lambda b, g, j: (g, j))
     dk, dv = launch(
-        functools.partial(_dkdv_kernel, cfg=cfg), cfg, grid=(B, G, S // bk), name="flash_attention_dkdv",
-        in_specs=[_group_spec(cfg, L), kv_block, kv_block, _group_spec(cfg, L), group_stat, group_stat,
-                  *seg_specs],
+        functools.partial(_dkdv_kernel, cfg=cfg),
+        cfg,
+        grid=(B, G, S // bk),
+        name="flash_attention_dkdv",
+        in_specs=[_group_spec(cfg, L), kv_block, kv_block, _group_spec(cfg, L), group_stat, group_stat, *seg_specs],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        args=(q, k, v, do, lse, delta, *seg_args))
+        args=(q, k, v, do, lse, delta, *seg_args),
+    )
     return dq, dk, dv

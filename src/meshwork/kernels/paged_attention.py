@@ -67,7 +67,7 @@ class _Config:
     scale: float
     page_size: int
     pages_per_split: int
-    rows: int        # rows per program, padded (Triton: power of two >= 16)
+    rows: int  # rows per program, padded (Triton: power of two >= 16)
     head_dim: int
     backend: str
     interpret: object
@@ -75,8 +75,7 @@ class _Config:
     poison: bool = False
 
 
-def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                  cfg: _Config):
+def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
     b, g, c, s = (pl.program_id(i) for i in range(4))
     T = cfg.page_size
     layer = layer_ref[0]
@@ -89,9 +88,11 @@ def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v
 
     def load(ref, page):
         if cfg.backend == "tpu":
+
             def copy(buf):
                 pltpu.sync_copy(ref.at[layer, page, :, pl.ds(g, 1), :], buf)
                 return buf[:, 0, :]
+
             return pl.run_scoped(copy, pltpu.VMEM((T, 1, cfg.head_dim), ref.dtype))
         return ref[layer, page, :, g, :]
 
@@ -106,8 +107,11 @@ def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v
             mask &= key > pos - cfg.window
         return online_softmax_step(m, l, acc, scores, mask, v, prec)
 
-    init = (jnp.full((cfg.rows, 1), MASKED, F32), jnp.zeros((cfg.rows, 1), F32),
-            jnp.zeros((cfg.rows, cfg.head_dim), F32))
+    init = (
+        jnp.full((cfg.rows, 1), MASKED, F32),
+        jnp.zeros((cfg.rows, 1), F32),
+        jnp.zeros((cfg.rows, cfg.head_dim), F32),
+    )
     m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), step, init)
     empty = l == 0.0  # no visible key in this split: weight exp(-inf) = 0 in the merge
     l = jnp.where(empty, 1.0, l)
@@ -119,19 +123,39 @@ def _check(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL):
     if k_pool.ndim == 4:
         k_pool, v_pool = k_pool[None], v_pool[None]
     (B, L, H, K), (_, _, _, G, Kk) = q_BLHK.shape, k_pool.shape
-    if (k_pool.ndim != 5 or v_pool.shape != k_pool.shape or K != Kk or H % G or page_table_BP.ndim != 2
-            or page_table_BP.shape[0] != B or positions_BL.shape != (B, L)):
-        raise ValueError(f"paged_attention wants q (B, L, H, K), k and v pools ([layers,] pages, page_size, G, K) "
-                         f"with H a multiple of G, page_table (B, P) and positions (B, L); got q {q_BLHK.shape}, "
-                         f"k {k_pool.shape}, v {v_pool.shape}, page_table {page_table_BP.shape}, "
-                         f"positions {positions_BL.shape}")
+    if (
+        k_pool.ndim != 5
+        or v_pool.shape != k_pool.shape
+        or K != Kk
+        or H % G
+        or page_table_BP.ndim != 2
+        or page_table_BP.shape[0] != B
+        or positions_BL.shape != (B, L)
+    ):
+        raise ValueError(
+            f"paged_attention wants q (B, L, H, K), k and v pools ([layers,] pages, page_size, G, K) "
+            f"with H a multiple of G, page_table (B, P) and positions (B, L); got q {q_BLHK.shape}, "
+            f"k {k_pool.shape}, v {v_pool.shape}, page_table {page_table_BP.shape}, "
+            f"positions {positions_BL.shape}"
+        )
     return k_pool, v_pool
 
 
-def paged_attention(q_BLHK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table_BP: jax.Array,
-                    positions_BL: jax.Array, *, layer: jax.Array | int = 0, scale: float | None = None,
-                    window: int | None = None, block_rows: int | None = None, pages_per_split: int | None = None,
-                    backend: str | None = None, interpret=None) -> jax.Array:
+def paged_attention(
+    q_BLHK: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    page_table_BP: jax.Array,
+    positions_BL: jax.Array,
+    *,
+    layer: jax.Array | int = 0,
+    scale: float | None = None,
+    window: int | None = None,
+    block_rows: int | None = None,
+    pages_per_split: int | None = None,
+    backend: str | None = None,
+    interpret=None,
+) -> jax.Array:
     """Queries at positions_BL over the keys their sequence's pages hold at positions <= theirs.
 
     q_BLHK: L new tokens per sequence (L = 1: decode; L > 1: a prefill chunk,
@@ -155,9 +179,11 @@ def paged_attention(q_BLHK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pag
     (B, L, H, K), (_, _, T, G, _), P = q_BLHK.shape, k_pool.shape, page_table_BP.shape[1]
     R = H // G
     if backend == "gpu" and (T < 16 or T & (T - 1) or K < 16 or K & (K - 1)):
-        raise ValueError(f"paged_attention on GPU (Triton) needs page_size and head_dim powers of two >= 16, got "
-                         f"page_size {T}, head_dim {K}; change the page size, or read the pages by gather "
-                         f"(attention impl xla)")
+        raise ValueError(
+            f"paged_attention on GPU (Triton) needs page_size and head_dim powers of two >= 16, got "
+            f"page_size {T}, head_dim {K}; change the page size, or read the pages by gather "
+            f"(attention impl xla)"
+        )
     # Rows per program: whole query tokens (all R heads of one), at least one token.
     tokens = max(1, min(L, (block_rows or DEFAULT_ROWS) // R))
     rows = tokens * R
@@ -165,15 +191,21 @@ def paged_attention(q_BLHK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pag
         rows = max(16, pl.next_power_of_2(rows))  # tl.dot needs M >= 16, Triton power-of-two shapes
     elif backend == "tpu":
         rows = round_up(rows, 8)
-    per_split = pages_per_split or (-(-DEFAULT_KEYS_PER_SPLIT[backend] // T) if DEFAULT_KEYS_PER_SPLIT[backend]
-                                    else P)
-    cfg = _Config(scale=float(K ** -0.5 if scale is None else scale), page_size=T,
-                  pages_per_split=max(1, min(per_split, P)), rows=rows, head_dim=K, backend=backend,
-                  interpret=interpret, window=window)
+    per_split = pages_per_split or (-(-DEFAULT_KEYS_PER_SPLIT[backend] // T) if DEFAULT_KEYS_PER_SPLIT[backend] else P)
+    cfg = _Config(
+        scale=float(K**-0.5 if scale is None else scale),
+        page_size=T,
+        pages_per_split=max(1, min(per_split, P)),
+        rows=rows,
+        head_dim=K,
+        backend=backend,
+        interpret=interpret,
+        window=window,
+    )
     o, lse = _paged_splits(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL, jnp.asarray(layer), tokens, cfg)
     o = merge_chunks(o, lse, axis=3)  # (B, G, C, rows, K)
     C = o.shape[2]
-    o = o[:, :, :, :tokens * R].reshape(B, G, C * tokens, R, K)[:, :, :L]
+    o = o[:, :, :, : tokens * R].reshape(B, G, C * tokens, R, K)[:, :, :L]
     return o.transpose(0, 2, 1, 3, 4).reshape(B, L, H, K).astype(q_BLHK.dtype)
 
 
@@ -204,16 +236,27 @@ def _paged_splits(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL, layer, to
         small = [smem] * 4
         pool_spec = pl.BlockSpec(memory_space=pl.ANY)
     else:
-        whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+        def whole(shape):
+            return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
         small = [whole((1,)), whole(table.shape), whole(lo_BC.shape), whole(hi_BC.shape)]
         pool_spec = whole(k_pool.shape)
-    out_spec = lambda n: pl.BlockSpec((None, None, None, None, cfg.rows, n),
-                                      lambda b, g, c, s: (b, g, c, s, 0, 0))
-    out_shape = [jax.ShapeDtypeStruct((B, G, C, S, cfg.rows, K), F32),
-                 jax.ShapeDtypeStruct((B, G, C, S, cfg.rows, 1), F32)]
-    in_specs = [*small, pl.BlockSpec((None, None, cfg.rows), lambda b, g, c, s: (b, c, 0)),
-                pl.BlockSpec((None, None, None, cfg.rows, K), lambda b, g, c, s: (b, g, c, 0, 0)),
-                pool_spec, pool_spec]
+
+    def out_spec(n):
+        return pl.BlockSpec((None, None, None, None, cfg.rows, n), lambda b, g, c, s: (b, g, c, s, 0, 0))
+
+    out_shape = [
+        jax.ShapeDtypeStruct((B, G, C, S, cfg.rows, K), F32),
+        jax.ShapeDtypeStruct((B, G, C, S, cfg.rows, 1), F32),
+    ]
+    in_specs = [
+        *small,
+        pl.BlockSpec((None, None, cfg.rows), lambda b, g, c, s: (b, c, 0)),
+        pl.BlockSpec((None, None, None, cfg.rows, K), lambda b, g, c, s: (b, g, c, 0, 0)),
+        pool_spec,
+        pool_spec,
+    ]
     args = (layer, table, lo_BC, hi_BC, pos_BC_rows, q, k_pool, v_pool)
     out_specs = [out_spec(K), out_spec(1)]
     kernel = functools.partial(_paged_kernel, cfg=cfg)
@@ -222,19 +265,40 @@ def _paged_splits(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL, layer, to
         n = len(args)
         args = (*args, *(jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape))
         in_specs, aliases = [*in_specs, *out_specs], {n: 0, n + 1: 1}
-        kernel = lambda *refs: _paged_kernel(*refs[:n], *refs[n + 2:], cfg=cfg)
+
+        def kernel(*refs):
+            return _paged_kernel(*refs[:n], *refs[n + 2 :], cfg=cfg)
+
     grid = (B, G, C, S)
     params = compiler_params(cfg.backend, len(grid), K)
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          input_output_aliases=aliases, interpret=cfg.interpret, name="paged_attention",
-                          compiler_params=params)(*args)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=cfg.interpret,
+        name="paged_attention",
+        compiler_params=params,
+    )(*args)
 
 
-def paged_attention_reference(q_BLHK: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table_BP: jax.Array,
-                              positions_BL: jax.Array, *, layer: jax.Array | int = 0, scale: float | None = None,
-                              window: int | None = None, block_rows: int | None = None,
-                              pages_per_split: int | None = None, backend: str | None = None,
-                              interpret=None) -> jax.Array:
+def paged_attention_reference(
+    q_BLHK: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    page_table_BP: jax.Array,
+    positions_BL: jax.Array,
+    *,
+    layer: jax.Array | int = 0,
+    scale: float | None = None,
+    window: int | None = None,
+    block_rows: int | None = None,
+    pages_per_split: int | None = None,
+    backend: str | None = None,
+    interpret=None,
+) -> jax.Array:
     """`paged_attention` in plain JAX: gather each sequence's pages into (B, P*T, G, K), mask, softmax in float32.
 
     This is the gather the kernel avoids (and the XLA path's fallback).
@@ -246,7 +310,7 @@ def paged_attention_reference(q_BLHK: jax.Array, k_pool: jax.Array, v_pool: jax.
     del block_rows, pages_per_split, backend, interpret
     k_pool, v_pool = _check(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
     (B, L, H, K), G = q_BLHK.shape, k_pool.shape[3]
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     k, v = gather_pages(k_pool, page_table_BP, layer), gather_pages(v_pool, page_table_BP, layer)
     q_BLGRK = q_BLHK.astype(F32).reshape(B, L, G, H // G, K)
     s = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k.astype(F32), precision="highest") * scale

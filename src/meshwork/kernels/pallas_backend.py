@@ -53,8 +53,10 @@ def resolve_backend(backend: str | None, interpret=None) -> tuple[str, object]:
 # the abstract mesh's device, else from the default device, which on a CPU host is no target.
 # The H200 is the GPU this project tunes on; a v5e is the TPU the tuning
 # table's example names.
-ABSTRACT_DEVICES = {"cuda": jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
-                    "tpu": jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")}
+ABSTRACT_DEVICES = {
+    "cuda": jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
+    "tpu": jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
+}
 
 
 @contextlib.contextmanager
@@ -70,21 +72,25 @@ def lowering_target(platform: str):
         yield
         return
     mesh = jax.sharding.get_abstract_mesh()
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-            mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types, abstract_device=device)):
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types, abstract_device=device)
+    ):
         yield
 
 
-def compiler_params(backend: str, grid_rank: int, head_dim: int, *, num_warps: int | None = None,
-                    num_stages: int | None = None):
+def compiler_params(
+    backend: str, grid_rank: int, head_dim: int, *, num_warps: int | None = None, num_stages: int | None = None
+):
     """Backend compiler parameters; they also select Triton, since jax>=0.10 defaults GPU to Mosaic GPU.
 
     num_warps / num_stages: Triton launch parameters (None: 4 warps up to head_dim 128, else 8, as the
     H200 tuning run found fastest at 128; 2 stages); ignored on TPU and CPU.
     """
     if backend == "gpu":
-        return pltr.CompilerParams(num_warps=(4 if head_dim <= 128 else 8) if num_warps is None else num_warps,
-                                   num_stages=2 if num_stages is None else num_stages)
+        return pltr.CompilerParams(
+            num_warps=(4 if head_dim <= 128 else 8) if num_warps is None else num_warps,
+            num_stages=2 if num_stages is None else num_stages,
+        )
     if backend == "tpu":
         # Every program writes its own output block: no grid axis carries state.
         return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
@@ -129,18 +135,32 @@ def launch(kernel, cfg, *, grid, in_specs, out_specs, out_shape, args, name):
         body = kernel
 
         def kernel(*refs):  # the aliased inputs are never read
-            body(*refs[:n_in], *refs[n_in + n_out:])
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          input_output_aliases=aliases, interpret=cfg.interpret, name=name,
-                          compiler_params=compiler_params(cfg.backend, len(grid), cfg.head_dim,
-                                                          num_warps=getattr(cfg, "num_warps", None),
-                                                          num_stages=getattr(cfg, "num_stages", None)))(*args)
+            body(*refs[:n_in], *refs[n_in + n_out :])
+
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=cfg.interpret,
+        name=name,
+        compiler_params=compiler_params(
+            cfg.backend,
+            len(grid),
+            cfg.head_dim,
+            num_warps=getattr(cfg, "num_warps", None),
+            num_stages=getattr(cfg, "num_stages", None),
+        ),
+    )(*args)
 
 
 def dot(a, b, contract, precision):
     """a @ b with float32 accumulation; contract=(i, j) names the contracted dims of a and b."""
-    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
-                           preferred_element_type=F32, precision=precision)
+    return lax.dot_general(
+        a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=F32, precision=precision
+    )
 
 
 def dot_precision(dtype):

@@ -105,6 +105,7 @@ def _dtype_name(dtype) -> str:
         if isinstance(getattr(candidate, "name", None), str):
             return candidate.name
     import numpy as np  # numpy, not jax: still cheap to import
+
     return np.dtype(dtype).name
 
 
@@ -135,15 +136,18 @@ def _load(path: pathlib.Path | None) -> dict:
         entries = data["entries"]
     except (OSError, ValueError, AttributeError) as e:
         # A broken cache must not break training: fall back to the defaults, loudly.
-        warnings.warn(f"ignoring attention tuning cache {path}: {e}; delete it or rerun "
-                      f"benchmarks/autotune_attention.py", stacklevel=3)
+        warnings.warn(
+            f"ignoring attention tuning cache {path}: {e}; delete it or rerun benchmarks/autotune_attention.py",
+            stacklevel=3,
+        )
         entries = {}
     _memo[path] = (stamp, entries)
     return entries
 
 
-def lookup(device_kind: str, shape_key: str, *, nearest: bool = False,
-           path: str | os.PathLike | None = None) -> dict | None:
+def lookup(
+    device_kind: str, shape_key: str, *, nearest: bool = False, path: str | os.PathLike | None = None
+) -> dict | None:
     """The tuned config for (device_kind, shape_key), or None when there is none.
 
     nearest: when the exact key is missing, take the entry of the same device,
@@ -179,8 +183,14 @@ def _check_config(config: dict) -> None:
             raise ValueError(f"tuning field {name}={value!r} must be a positive int")
 
 
-def record(device_kind: str, shape_key: str, config: dict, *, measured: dict | None = None,
-           path: str | os.PathLike | None = None) -> pathlib.Path:
+def record(
+    device_kind: str,
+    shape_key: str,
+    config: dict,
+    *,
+    measured: dict | None = None,
+    path: str | os.PathLike | None = None,
+) -> pathlib.Path:
     """Store `config` (a subset of CONFIG_FIELDS) for (device_kind, shape_key); returns the file written.
 
     measured: free-form JSON facts about the measurement (times, date, jax
@@ -227,8 +237,7 @@ def device_kind_for(backend: str | None) -> str | None:
     return devices[0].device_kind if devices else None
 
 
-def tuned_blocks(q, k, causal: bool, backend: str | None = None, *,
-                 path: str | os.PathLike | None = None) -> dict:
+def tuned_blocks(q, k, causal: bool, backend: str | None = None, *, path: str | os.PathLike | None = None) -> dict:
     """Keyword arguments for `flash_attention` from the cache: {} when nothing is tuned for this shape.
 
     q: (B, L, H, K) and k: (B, S, G, K), arrays, tracers or ShapeDtypeStructs

@@ -14,7 +14,7 @@ trainer's gradient strategies (train/gradients.py) differentiate whatever object
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -30,4 +30,5 @@ def denoising_loss(graphdef: nnx.GraphDef, cfg: Config) -> Objective:
             labels = jnp.where(drop & (noise_key is not None), n_classes - 1, batch["labels"])
         loss, metrics = diffusion_loss(model, batch["images"], key, labels, dcfg)
         return loss, {**metrics, "loss": loss}
+
     return loss_fn

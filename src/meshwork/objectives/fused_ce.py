@@ -36,9 +36,15 @@ W_GATHERED = (None, "vocab")  # the weight as every chunk reads it: whole, but f
 PARTIAL_DV = ("act_batch", None, "act_vocab")  # one (D, V) partial sum of dW per device that holds rows
 
 
-def fused_cross_entropy(h_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array,
-                        loss_mask_BL: jax.Array | None = None, *, chunk: int,
-                        dtype: jnp.dtype | None = None) -> jax.Array:
+def fused_cross_entropy(
+    h_BLD: jax.Array,
+    w_DV: jax.Array,
+    targets_BL: jax.Array,
+    loss_mask_BL: jax.Array | None = None,
+    *,
+    chunk: int,
+    dtype: jnp.dtype | None = None,
+) -> jax.Array:
     """Mean next-token cross-entropy of logits = h @ w, computed `chunk` token rows at a time.
 
     Equals `token_cross_entropy(h @ w, batch)` (next_token.py), its mask semantics included (the mean
@@ -163,4 +169,3 @@ def _bwd(parts, res, g):
 
 
 _chunked_ce.defvjp(_fwd, _bwd)
-

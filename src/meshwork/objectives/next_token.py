@@ -15,7 +15,6 @@ from flax import nnx
 from meshwork.objectives import Batch, Objective
 from meshwork.objectives.fused_ce import fused_cross_entropy
 
-
 # `auto` fuses the loss from this vocabulary size up (below it the logits are small and the plain
 # loss is as fast), in chunks whose float32 logits take at most AUTO_CHUNK_BYTES. Smaller chunks
 # keep a chunk's logits near the cache between the head matmul and the softmax passes: at
@@ -53,6 +52,7 @@ def next_token_loss(graphdef: nnx.GraphDef, loss_chunk: int | str | None = None)
     `head_weight`, never holding the whole batch's logits; None: the logits of `apply`;
     "auto": `auto_loss_chunk` of the model's vocabulary, where its head weight is a plain array.
     """
+
     def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
         model = nnx.merge(graphdef, params, buffers)
         kw = dict(noise_key=noise_key, segment_ids_BL=batch.get("segment_ids"))
@@ -60,14 +60,16 @@ def next_token_loss(graphdef: nnx.GraphDef, loss_chunk: int | str | None = None)
         if chunk is not None:
             h_BLD, stats = model.apply_hidden(batch["inputs"], batch.get("positions"), **kw)
             with jax.named_scope("loss"):  # the scope profiles group by (perf/step_profile.py)
-                ce = fused_cross_entropy(h_BLD, model.head_weight(), batch["targets"], batch.get("loss_mask"),
-                                         chunk=chunk, dtype=model.dtype)
+                ce = fused_cross_entropy(
+                    h_BLD, model.head_weight(), batch["targets"], batch.get("loss_mask"), chunk=chunk, dtype=model.dtype
+                )
         else:
             logits_BLV, stats = model.apply(batch["inputs"], batch.get("positions"), **kw)
             with jax.named_scope("loss"):
                 ce = token_cross_entropy(logits_BLV, batch)
         objective = ce + sum(c * stats[k] for k, c in model.aux_coefficients().items() if k in stats)
         return objective, {"loss": ce, **stats}
+
     return loss_fn
 
 

@@ -25,20 +25,42 @@ def gqa_attention_params(d_model: int, n_heads: int, n_kv_heads: int, head_dim: 
     return d_model * head_dim * (2 * n_heads + 2 * n_kv_heads) + bias
 
 
-def mla_attention_params(d_model: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int,
-                         qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int) -> int:
+def mla_attention_params(
+    d_model: int,
+    n_heads: int,
+    q_lora_rank: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+) -> int:
     """DeepSeek-V2/V3 multi-head latent attention: low-rank q and joint kv projections
     (with their RMSNorms), a decoupled RoPE key shared by all heads, and the output."""
     qk_head = qk_nope_head_dim + qk_rope_head_dim
     q = d_model * q_lora_rank + q_lora_rank + q_lora_rank * n_heads * qk_head
-    kv = (d_model * (kv_lora_rank + qk_rope_head_dim) + kv_lora_rank
-          + kv_lora_rank * n_heads * (qk_nope_head_dim + v_head_dim))
+    kv = (
+        d_model * (kv_lora_rank + qk_rope_head_dim)
+        + kv_lora_rank
+        + kv_lora_rank * n_heads * (qk_nope_head_dim + v_head_dim)
+    )
     return q + kv + n_heads * v_head_dim * d_model
 
 
-def lm_param_counts(*, vocab_size: int, d_model: int, n_layers: int, attention: int, d_ff: int,
-                    tie_embeddings: bool, n_moe_layers: int = 0, n_experts: int = 0, top_k: int = 0,
-                    d_expert: int = 0, d_shared: int = 0, shared_gate: bool = False) -> dict[str, int]:
+def lm_param_counts(
+    *,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    attention: int,
+    d_ff: int,
+    tie_embeddings: bool,
+    n_moe_layers: int = 0,
+    n_experts: int = 0,
+    top_k: int = 0,
+    d_expert: int = 0,
+    d_shared: int = 0,
+    shared_gate: bool = False,
+) -> dict[str, int]:
     """{"total", "activated"} parameters of a decoder LM of which `n_moe_layers` layers
     (whichever they are) are Mixture-of-Experts (SwiGLU experts: 3 matrices each).
 
@@ -54,22 +76,35 @@ def lm_param_counts(*, vocab_size: int, d_model: int, n_layers: int, attention: 
     moe_active = attention + router + top_k * 3 * D * d_expert + shared + norms
     embeddings = vocab_size * D * (1 if tie_embeddings else 2) + D  # + final norm
     n_dense = n_layers - n_moe_layers
-    return {"total": n_dense * dense_layer + n_moe_layers * moe_total + embeddings,
-            "activated": n_dense * dense_layer + n_moe_layers * moe_active + embeddings}
+    return {
+        "total": n_dense * dense_layer + n_moe_layers * moe_total + embeddings,
+        "activated": n_dense * dense_layer + n_moe_layers * moe_active + embeddings,
+    }
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Total and per-token activated parameters of meshwork's model for `cfg`."""
     attention = gqa_attention_params(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias)
-    kw = dict(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, attention=attention,
-              d_ff=cfg.d_ff, tie_embeddings=cfg.tie_embeddings)
+    kw = dict(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        attention=attention,
+        d_ff=cfg.d_ff,
+        tie_embeddings=cfg.tie_embeddings,
+    )
     if cfg.kind != "moe":
         return lm_param_counts(**kw)
     m = cfg.moe
-    return lm_param_counts(**kw, n_moe_layers=m.n_moe_layers(cfg.n_layers), n_experts=m.n_experts,
-                           top_k=m.top_k, d_expert=m.d_expert,
-                           d_shared=(m.d_shared or m.n_shared_experts * m.d_expert) if m.n_shared_experts else 0,
-                           shared_gate=m.shared_expert_gate and m.n_shared_experts > 0)
+    return lm_param_counts(
+        **kw,
+        n_moe_layers=m.n_moe_layers(cfg.n_layers),
+        n_experts=m.n_experts,
+        top_k=m.top_k,
+        d_expert=m.d_expert,
+        d_shared=(m.d_shared or m.n_shared_experts * m.d_expert) if m.n_shared_experts else 0,
+        shared_gate=m.shared_expert_gate and m.n_shared_experts > 0,
+    )
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -86,8 +86,15 @@ class Scenario:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if not self.step_time > 0:
             raise ConfigError(f"step_time must be positive, got {self.step_time!r}")
-        for name in ("checkpoint_cost", "recovery_cost", "fast_cost", "fast_recovery_cost", "rejoin_cost",
-                     "initial_cost", "replacement_time"):
+        for name in (
+            "checkpoint_cost",
+            "recovery_cost",
+            "fast_cost",
+            "fast_recovery_cost",
+            "rejoin_cost",
+            "initial_cost",
+            "replacement_time",
+        ):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("every", "fast_every"):
@@ -103,8 +110,15 @@ class Scenario:
             raise ConfigError(f"degraded_fraction must be in (-1, 1), got {self.degraded_fraction!r}")
 
     @classmethod
-    def persistent(cls, *, step_time: float, checkpoint_cost: float, every: int | None, recovery_cost: float,
-                   initial_cost: float = 0.0) -> Scenario:
+    def persistent(
+        cls,
+        *,
+        step_time: float,
+        checkpoint_cost: float,
+        every: int | None,
+        recovery_cost: float,
+        initial_cost: float = 0.0,
+    ) -> Scenario:
         """Mode (a): restart the process and restore the persistent tier."""
         return cls("persistent", step_time, checkpoint_cost, every, recovery_cost, initial_cost=initial_cost)
 
@@ -146,8 +160,9 @@ def interval_steps(step_time: float, checkpoint_cost: float, mttf: float) -> int
     return max(1, round(daly_interval(checkpoint_cost, mttf) / step_time))
 
 
-def simulate(s: Scenario, failures: np.ndarray, *, total_steps: int | None = None, horizon: float | None = None,
-             seed: int = 0) -> Result:
+def simulate(
+    s: Scenario, failures: np.ndarray, *, total_steps: int | None = None, horizon: float | None = None, seed: int = 0
+) -> Result:
     """Plays `s` against the failure times `failures` (seconds, ascending) until `total_steps` are done
     (and the final checkpoint saved) or until wall time `horizon`, whichever is given (one of them).
 
@@ -217,8 +232,10 @@ class _Sim:
             need = (target - self.step) * self.s.step_time / r if r > 0 else math.inf
             dt = min(need, stop - self.t)
             if dt == math.inf:  # no failure, replacement or horizon will ever come: a stalled run
-                raise ConfigError("the run stalls: degraded_fraction x outstanding failures reached 1 with no "
-                                  "replacement due; lower degraded_fraction or give a replacement_time")
+                raise ConfigError(
+                    "the run stalls: degraded_fraction x outstanding failures reached 1 with no "
+                    "replacement due; lower degraded_fraction or give a replacement_time"
+                )
             self.step = target if dt == need else self.step + dt * r / self.s.step_time
             self.acct["degraded"] += dt * (1 - r)
             self.t += dt
@@ -259,7 +276,8 @@ class _Sim:
         while self.t < self.end:
             target, tier = self.boundary()
             if not self.work_until(target) or not self.pause(
-                    s.checkpoint_cost if tier == "persistent" else s.fast_cost, "checkpoint"):
+                s.checkpoint_cost if tier == "persistent" else s.fast_cost, "checkpoint"
+            ):
                 if self.t < self.end:
                     self.fail()
                 continue
@@ -268,15 +286,36 @@ class _Sim:
                 self.persist_at = target
             if self.total is not None and target >= self.total:
                 break
-        return Result(wall=self.t, steps=self.step, failures=self.failures,
-                      breakdown={"productive": self.step * s.step_time, **self.acct})
+        return Result(
+            wall=self.t,
+            steps=self.step,
+            failures=self.failures,
+            breakdown={"productive": self.step * s.step_time, **self.acct},
+        )
 
 
-def scenario(mode: str, *, n_devices: int, device_mttf: float, step_time: float, persistent_cost: float,
-             fast_cost: float, startup: float, compile_: float, restore_persistent: float, restore_fast: float,
-             reshard: float, recompile: float, rejoin: float, replacement_time: float, group: int,
-             fast_loss_prob: float, rollback: float, every: int | None = None,
-             fast_every: int | None = None) -> Scenario:
+def scenario(
+    mode: str,
+    *,
+    n_devices: int,
+    device_mttf: float,
+    step_time: float,
+    persistent_cost: float,
+    fast_cost: float,
+    startup: float,
+    compile_: float,
+    restore_persistent: float,
+    restore_fast: float,
+    reshard: float,
+    recompile: float,
+    rejoin: float,
+    replacement_time: float,
+    group: int,
+    fast_loss_prob: float,
+    rollback: float,
+    every: int | None = None,
+    fast_every: int | None = None,
+) -> Scenario:
     """One of MODES at `n_devices`, its intervals from Daly's formula unless given.
 
     Persistent interval: Daly at the cluster MTTF for "persistent"; for "fast"/"elastic", Daly at the
@@ -285,20 +324,39 @@ def scenario(mode: str, *, n_devices: int, device_mttf: float, step_time: float,
     """
     mttf = cluster_mttf(device_mttf, n_devices)
     if mode == "persistent":
-        return Scenario("persistent", step_time, persistent_cost,
-                        every or interval_steps(step_time, persistent_cost, mttf),
-                        startup + compile_ + restore_persistent, initial_cost=0.0)
+        return Scenario(
+            "persistent",
+            step_time,
+            persistent_cost,
+            every or interval_steps(step_time, persistent_cost, mttf),
+            startup + compile_ + restore_persistent,
+            initial_cost=0.0,
+        )
     fast_every = fast_every or interval_steps(step_time, fast_cost, mttf)
     if every is None and fast_loss_prob > 0:
         k = max(1, round(interval_steps(step_time, persistent_cost, mttf / fast_loss_prob) / fast_every))
         every = k * fast_every
-    common = {"fast_every": fast_every, "fast_cost": fast_cost, "fast_loss_prob": fast_loss_prob,
-              "recovery_cost": startup + compile_ + restore_persistent}
+    common = {
+        "fast_every": fast_every,
+        "fast_cost": fast_cost,
+        "fast_loss_prob": fast_loss_prob,
+        "recovery_cost": startup + compile_ + restore_persistent,
+    }
     if mode == "fast":
-        return Scenario("fast", step_time, persistent_cost, every, fast_recovery_cost=startup + compile_ + restore_fast,
-                        **common)
+        return Scenario(
+            "fast", step_time, persistent_cost, every, fast_recovery_cost=startup + compile_ + restore_fast, **common
+        )
     if mode == "elastic":
-        return Scenario("elastic", step_time, persistent_cost, every, fast_recovery_cost=reshard + recompile,
-                        rollback=rollback, degraded_fraction=min(group / n_devices, 0.99),
-                        replacement_time=replacement_time, rejoin_cost=rejoin, **common)
+        return Scenario(
+            "elastic",
+            step_time,
+            persistent_cost,
+            every,
+            fast_recovery_cost=reshard + recompile,
+            rollback=rollback,
+            degraded_fraction=min(group / n_devices, 0.99),
+            replacement_time=replacement_time,
+            rejoin_cost=rejoin,
+            **common,
+        )
     raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")

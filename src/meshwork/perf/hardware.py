@@ -78,9 +78,7 @@ class Accelerator:
         try:
             return self.peak_flops[dtype]
         except KeyError:
-            raise ConfigError(
-                f"{self.name} has no {dtype!r} peak; choose one of {sorted(self.peak_flops)}"
-            ) from None
+            raise ConfigError(f"{self.name} has no {dtype!r} peak; choose one of {sorted(self.peak_flops)}") from None
 
 
 # Latencies per collective hop: ASSUMPTIONS, not data-sheet figures (vendors
@@ -240,9 +238,7 @@ def get_hardware(name: str) -> Accelerator:
     try:
         return HARDWARE[name.lower()]
     except KeyError:
-        raise ConfigError(
-            f"unknown accelerator {name!r}; choose one of: {', '.join(HARDWARE)}"
-        ) from None
+        raise ConfigError(f"unknown accelerator {name!r}; choose one of: {', '.join(HARDWARE)}") from None
 
 
 # --------------------------------------------------------------------------
@@ -266,6 +262,7 @@ _DEVICE_KINDS = [
 ]
 _JAX_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
 
+
 def table_dtype(dtype: str) -> str:
     """The table's dtype key ("bf16", "fp32", "fp8") for a jax dtype name ("bfloat16", ...)."""
     return _JAX_DTYPES.get(dtype, dtype)
@@ -279,8 +276,7 @@ def accelerator_for_device_kind(device_kind: str) -> Accelerator | None:
     return None
 
 
-def measure_cpu_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5,
-                     accumulate: str | None = None) -> float:
+def measure_cpu_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5, accumulate: str | None = None) -> float:
     """FLOP/s of one n x n matmul on the first CPU device, best of `repeats`.
 
     `accumulate`: the product's dtype when it differs from the inputs' (e.g.

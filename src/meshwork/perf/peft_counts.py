@@ -21,27 +21,43 @@ from collections.abc import Iterable
 GPT3_175B = dict(n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96, head_dim=128, d_ff=4 * 12288)
 
 
-def projection_shapes(*, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                      d_ff: int) -> dict[str, tuple[int, int]]:
+def projection_shapes(
+    *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, d_ff: int
+) -> dict[str, tuple[int, int]]:
     """finetune.targets name -> (inputs, outputs) of that projection in one layer.
 
     >>> projection_shapes(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128)["k"]
     (64, 32)
     """
     D, H, G, K, F = d_model, n_heads, n_kv_heads, head_dim, d_ff
-    return {"q": (D, H * K), "k": (D, G * K), "v": (D, G * K), "o": (H * K, D),
-            "gate": (D, F), "up": (D, F), "down": (F, D)}
+    return {
+        "q": (D, H * K),
+        "k": (D, G * K),
+        "v": (D, G * K),
+        "o": (H * K, D),
+        "gate": (D, F),
+        "up": (D, F),
+        "down": (F, D),
+    }
 
 
-def lora_params(targets: Iterable[str], *, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int,
-                head_dim: int, d_ff: int, rank: int) -> int:
+def lora_params(
+    targets: Iterable[str],
+    *,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    d_ff: int,
+    rank: int,
+) -> int:
     """LoRA's (and QLoRA's) trainable parameters: r (inputs + outputs) per target per layer.
 
     >>> lora_params(["q", "v"], n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, rank=4)
     1792
     """
-    shapes = projection_shapes(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                               d_ff=d_ff)
+    shapes = projection_shapes(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, d_ff=d_ff)
     unknown = set(targets) - set(shapes)
     if unknown:
         raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose among {', '.join(shapes)}")
@@ -58,8 +74,9 @@ def adapter_params(*, n_layers: int, d_model: int, rank: int) -> int:
     return n_layers * 2 * (2 * d_model * rank + rank + d_model)
 
 
-def prefix_params(*, n_layers: int, d_model: int, n_kv_heads: int, head_dim: int, prefix_len: int,
-                  prefix_hidden: int = 0) -> int:
+def prefix_params(
+    *, n_layers: int, d_model: int, n_kv_heads: int, head_dim: int, prefix_len: int, prefix_hidden: int = 0
+) -> int:
     """Prefix tuning: P keys and P values of G K per layer (hidden = 0); or, reparameterized,
     per layer an embedding (P, D) and an MLP D -> hidden -> 2 G K with biases.
 
@@ -78,15 +95,21 @@ def finetune_params(model, ft) -> int | None:
     """Trainable parameters of `ft` (a FinetuneConfig) on `model` (a dense ModelConfig);
     None for methods none and full (every parameter)."""
     dims = dict(n_layers=model.n_layers, d_model=model.d_model)
-    heads = dict(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
-                 head_dim=model.head_dim or model.d_model // model.n_heads)
+    heads = dict(
+        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim or model.d_model // model.n_heads
+    )
     if ft.method in ("lora", "qlora"):
         return lora_params(ft.targets, **dims, **heads, d_ff=model.d_ff, rank=ft.rank)
     if ft.method == "adapter":
         return adapter_params(**dims, rank=ft.rank)
     if ft.method == "prefix":
-        return prefix_params(**dims, n_kv_heads=heads["n_kv_heads"], head_dim=heads["head_dim"],
-                             prefix_len=ft.prefix_len, prefix_hidden=ft.prefix_hidden)
+        return prefix_params(
+            **dims,
+            n_kv_heads=heads["n_kv_heads"],
+            head_dim=heads["head_dim"],
+            prefix_len=ft.prefix_len,
+            prefix_hidden=ft.prefix_hidden,
+        )
     return None
 
 

@@ -54,7 +54,6 @@ from meshwork.perf.flops import train_flops_per_token
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_comm import Collective, CommOptions, collective_time, placement, step_collectives, summarize
 from meshwork.perf.planner_layout import REMATS, Layout, layout_from_config, make_layout
-from meshwork.perf.planner_remat import kept_during_backward, recompute_fraction
 from meshwork.perf.planner_memory import (
     StateBytes,
     activation_memory,
@@ -65,12 +64,27 @@ from meshwork.perf.planner_memory import (
     state_memory,
 )
 from meshwork.perf.planner_pipeline import pipeline_schedule
+from meshwork.perf.planner_remat import kept_during_backward, recompute_fraction
 from meshwork.perf.planner_weights import indivisible, model_weights, shard_size
 from meshwork.sharding.mesh import MESH_AXES
 
-__all__ = ["Plan", "PlanOptions", "Layout", "make_layout", "layout_from_config", "layout_problem", "plan", "search",
-           "explain", "format_plan", "describe_nodes", "step_flops", "compiled_step_flops", "config_for",
-           "write_config"]
+__all__ = [
+    "Plan",
+    "PlanOptions",
+    "Layout",
+    "make_layout",
+    "layout_from_config",
+    "layout_problem",
+    "plan",
+    "search",
+    "explain",
+    "format_plan",
+    "describe_nodes",
+    "step_flops",
+    "compiled_step_flops",
+    "config_for",
+    "write_config",
+]
 
 GB = 1e9
 # AdamW + global-norm clipping, per parameter element, as XLA:CPU's cost_analysis counts
@@ -110,7 +124,7 @@ class Plan:
     hardware: Accelerator
     devices_per_node: int
     memory: dict[str, float]
-    collectives: list[tuple[Collective, float, str]]   # (collective, seconds per step, algorithm)
+    collectives: list[tuple[Collective, float, str]]  # (collective, seconds per step, algorithm)
     times: dict[str, float]
     flops: dict[str, float]
     step_time: float
@@ -124,17 +138,40 @@ class Plan:
         return summarize([c for c, _, _ in self.collectives])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": {"mesh": self.layout.sizes, "preset": self.layout.preset,
-                           "microbatches": self.layout.microbatches, "pipeline": self.layout.pipeline,
-                           "virtual_stages": self.layout.virtual_stages,
-                           "remat": self.layout.remat},
-                "hardware": self.hardware.name, "memory": self.memory, "hbm_usable": self.hbm_usable,
-                "fits": self.fits, "collectives": self.summary(),
-                "collective_list": [{"kind": c.kind, "axes": list(c.axes), "group": c.group, "count": c.count,
-                                     "payload_bytes": c.payload_bytes, "bytes": c.sent_bytes, "what": c.what,
-                                     "time_s": t, "algorithm": a} for c, t, a in self.collectives],
-                "times": self.times, "flops": self.flops, "step_time_s": self.step_time, "mfu": self.mfu,
-                "tokens_per_s": self.tokens_per_s}
+        return {
+            "layout": {
+                "mesh": self.layout.sizes,
+                "preset": self.layout.preset,
+                "microbatches": self.layout.microbatches,
+                "pipeline": self.layout.pipeline,
+                "virtual_stages": self.layout.virtual_stages,
+                "remat": self.layout.remat,
+            },
+            "hardware": self.hardware.name,
+            "memory": self.memory,
+            "hbm_usable": self.hbm_usable,
+            "fits": self.fits,
+            "collectives": self.summary(),
+            "collective_list": [
+                {
+                    "kind": c.kind,
+                    "axes": list(c.axes),
+                    "group": c.group,
+                    "count": c.count,
+                    "payload_bytes": c.payload_bytes,
+                    "bytes": c.sent_bytes,
+                    "what": c.what,
+                    "time_s": t,
+                    "algorithm": a,
+                }
+                for c, t, a in self.collectives
+            ],
+            "times": self.times,
+            "flops": self.flops,
+            "step_time_s": self.step_time,
+            "mfu": self.mfu,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 # ---------------------------------------------------------------------------
@@ -157,16 +194,23 @@ def _layer_forward_flops(cfg: Config) -> dict[str, float]:
     m, h = cfg.model, cfg.model.d_model
     q, kv = m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
     total = _layer_flops_per_token(cfg) / 3
-    parts = {"qkv": 2 * h * (q + 2 * kv) * m.n_layers,
-             "attention": 4 * q * cfg.data.seq_len * m.n_layers,
-             "out_proj": 2 * q * h * m.n_layers}
+    parts = {
+        "qkv": 2 * h * (q + 2 * kv) * m.n_layers,
+        "attention": 4 * q * cfg.data.seq_len * m.n_layers,
+        "out_proj": 2 * q * h * m.n_layers,
+    }
     n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
     e = m.moe
     experts = n_moe * 6 * h * e.top_k * e.d_expert  # the routed experts' three products
     mlp = max(total - sum(parts.values()) - experts, 0.0)  # dense MLPs, shared experts, routers
     gated_down = n_moe * 2 * h * (e.d_shared or e.n_shared_experts * e.d_expert) if e.shared_expert_gate else 0.0
-    return {**parts, "mlp_in": 2 / 3 * mlp + gated_down, "mlp_out": mlp / 3 - gated_down,
-            "experts": experts if e.capacity_factor is not None else 0.0, "total": total}
+    return {
+        **parts,
+        "mlp_in": 2 / 3 * mlp + gated_down,
+        "mlp_out": mlp / 3 - gated_down,
+        "experts": experts if e.capacity_factor is not None else 0.0,
+        "total": total,
+    }
 
 
 def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
@@ -182,16 +226,22 @@ def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
     m, tokens = cfg.model, cfg.train.global_batch * cfg.data.seq_len
     model = train_flops_per_token(m, cfg.data.seq_len) * tokens
     # A pipeline backward recomputes its stage's forward; zb-h1's input and weight halves each do.
-    forwards = recompute_fraction(layout.remat, _layer_forward_flops(cfg)) + \
-        {"none": 0, "zb-h1": 2}.get(layout.pipeline, 1)
+    forwards = recompute_fraction(layout.remat, _layer_forward_flops(cfg)) + {"none": 0, "zb-h1": 2}.get(
+        layout.pipeline, 1
+    )
     recompute = forwards * _layer_flops_per_token(cfg) / 3 * tokens
     padding = 0.0
     if m.kind == "moe" and m.moe.capacity_factor and m.moe.capacity_factor > 1:
         e = m.moe
-        padding = (e.capacity_factor - 1) * 6 * e.top_k * 3 * m.d_model * e.d_expert * \
-            e.n_moe_layers(m.n_layers) * tokens
-    return {"model": model, "recompute": recompute, "padding": padding,
-            "per_device": (model + recompute + padding) / layout.devices}
+        padding = (
+            (e.capacity_factor - 1) * 6 * e.top_k * 3 * m.d_model * e.d_expert * e.n_moe_layers(m.n_layers) * tokens
+        )
+    return {
+        "model": model,
+        "recompute": recompute,
+        "padding": padding,
+        "per_device": (model + recompute + padding) / layout.devices,
+    }
 
 
 def compiled_step_flops(cfg: Config, layout: Layout) -> float:
@@ -236,8 +286,13 @@ def memory(cfg: Config, layout: Layout, accounting: StateBytes | None = None) ->
     return mem
 
 
-def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | None = None,
-         options: PlanOptions = PlanOptions()) -> Plan:
+def plan(
+    cfg: Config,
+    layout: Layout,
+    hw: Accelerator,
+    devices_per_node: int | None = None,
+    options: PlanOptions = PlanOptions(),
+) -> Plan:
     """Memory, collectives, time and MFU of `cfg` trained under `layout` on `hw`.
 
     `devices_per_node` defaults to the hardware's (capped at the device count).
@@ -259,8 +314,10 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
         unsaved = (kept_by_layers(cfg, layout, "none") - kept_by_layers(cfg, layout, kept)) / layout.sizes["stage"]
         recompute += 2 * max(unsaved, 0.0) * layout.microbatches / hw.hbm_bandwidth  # per microbatch
 
-    timed = [(c, *collective_time(c, layout, hw, dpn, options.algorithm))
-             for c in step_collectives(cfg, layout, options.comm, acc)]
+    timed = [
+        (c, *collective_time(c, layout, hw, dpn, options.algorithm))
+        for c in step_collectives(cfg, layout, options.comm, acc)
+    ]
     critical_comm = sum(t for c, t, _ in timed if not c.overlappable)
     background = sum(t for c, t, _ in timed if c.overlappable)
     work = compute + recompute + critical_comm
@@ -270,9 +327,17 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
     state = mem["params"] + mem["grads"] + mem["opt_state"]
     optimizer = 2 * state / hw.hbm_bandwidth
     step = work + bubble + background - hidden + optimizer
-    times = {"compute": compute, "recompute": recompute, "activation_comm": critical_comm,
-             "bubble": bubble, "grad_weight_comm": background, "hidden_comm": hidden,
-             "exposed_grad_weight_comm": background - hidden, "optimizer": optimizer, "step": step}
+    times = {
+        "compute": compute,
+        "recompute": recompute,
+        "activation_comm": critical_comm,
+        "bubble": bubble,
+        "grad_weight_comm": background,
+        "hidden_comm": hidden,
+        "exposed_grad_weight_comm": background - hidden,
+        "optimizer": optimizer,
+        "step": step,
+    }
     if "host" in mem:
         # Host offload streams its bytes over PCIe; counted as not overlapped (an upper bound).
         link = hw.host_link_bandwidth or 64 * GB  # PCIe 5.0 x16 where the table has no figure
@@ -280,8 +345,20 @@ def plan(cfg: Config, layout: Layout, hw: Accelerator, devices_per_node: int | N
         step += times["host_transfer"]
         times["step"] = step
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    return Plan(layout, hw, dpn, mem, timed, times, flops, step, flops["model"] / (step * peak * layout.devices),
-                tokens / step, mem["total"] <= usable, usable)
+    return Plan(
+        layout,
+        hw,
+        dpn,
+        mem,
+        timed,
+        times,
+        flops,
+        step,
+        flops["model"] / (step * peak * layout.devices),
+        tokens / step,
+        mem["total"] <= usable,
+        usable,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -307,8 +384,9 @@ def layout_problem(cfg: Config, layout: Layout) -> str | None:
     m, s = cfg.model, layout.sizes
     if s["stage"] > 1 and (m.kind != "transformer" or m.n_layers % s["stage"]):
         return "pipelines need a dense transformer whose layers divide into equal stages"
-    if layout.pipeline == "interleaved" and (m.n_layers % (s["stage"] * layout.virtual_stages)
-                                             or layout.microbatches % s["stage"]):
+    if layout.pipeline == "interleaved" and (
+        m.n_layers % (s["stage"] * layout.virtual_stages) or layout.microbatches % s["stage"]
+    ):
         return "interleaving needs layers divisible by stage x virtual stages and microbatches by stage"
     if s["sequence"] > 1 and (cfg.data.seq_len % (2 * s["sequence"]) or layout.pipeline != "none"):
         return "context parallelism needs seq_len divisible by 2 x sequence and no pipeline"
@@ -335,8 +413,17 @@ def candidate_layouts(cfg: Config, n_devices: int, devices_per_node: int):
             continue
         zeros = (3,) if fsdp > 1 else ((0, 1, 2) if data > 1 else (0,))
         for zero, sp, remat in itertools.product(zeros, (False, True) if tensor > 1 else (False,), REMATS):
-            base = dict(stage=stage, data=data, fsdp=fsdp, expert=expert, sequence=sequence, tensor=tensor,
-                        zero=zero, sequence_parallel=sp, remat=remat)
+            base = dict(
+                stage=stage,
+                data=data,
+                fsdp=fsdp,
+                expert=expert,
+                sequence=sequence,
+                tensor=tensor,
+                zero=zero,
+                sequence_parallel=sp,
+                remat=remat,
+            )
             per_shard = cfg.train.global_batch // max(1, data * fsdp * (expert if expert > 1 else 1))
             mbs = [mb for mb in _divisors(per_shard) if mb <= 64]
             if stage > 1:
@@ -344,8 +431,13 @@ def candidate_layouts(cfg: Config, n_devices: int, devices_per_node: int):
             yield base, mbs
 
 
-def search(cfg: Config, hw: Accelerator, n_devices: int, devices_per_node: int | None = None,
-           options: PlanOptions = PlanOptions()) -> tuple[list[Plan], dict[str, int]]:
+def search(
+    cfg: Config,
+    hw: Accelerator,
+    n_devices: int,
+    devices_per_node: int | None = None,
+    options: PlanOptions = PlanOptions(),
+) -> tuple[list[Plan], dict[str, int]]:
     """All layouts that fit in HBM, fastest first, and counts of what was considered.
 
     Without a pipeline more microbatches never make a step faster here (the
@@ -371,22 +463,35 @@ def search(cfg: Config, hw: Accelerator, n_devices: int, devices_per_node: int |
             if base["stage"] == 1:
                 break
     # Ties (to 0.1%) go to less recomputation, fewer microbatches, less tensor parallelism.
-    fitting.sort(key=lambda p: (round(p.step_time, 3 - int(math.floor(math.log10(p.step_time)))),
-                                REMATS.index(p.layout.remat), p.layout.microbatches, p.layout.sizes["tensor"]))
+    fitting.sort(
+        key=lambda p: (
+            round(p.step_time, 3 - int(math.floor(math.log10(p.step_time)))),
+            REMATS.index(p.layout.remat),
+            p.layout.microbatches,
+            p.layout.sizes["tensor"],
+        )
+    )
     stats["fit"] = len(fitting)
     return fitting, stats
 
 
-_PARTS = {"compute": "compute", "recompute": "remat/pipeline recompute",
-          "activation_comm": "tp/sp/ep/pipeline communication", "bubble": "pipeline bubble",
-          "exposed_grad_weight_comm": "exposed gradient/weight communication", "optimizer": "optimizer update"}
+_PARTS = {
+    "compute": "compute",
+    "recompute": "remat/pipeline recompute",
+    "activation_comm": "tp/sp/ep/pipeline communication",
+    "bubble": "pipeline bubble",
+    "exposed_grad_weight_comm": "exposed gradient/weight communication",
+    "optimizer": "optimizer update",
+}
 
 
 def explain(best: Plan, others: list[Plan]) -> list[str]:
     """Sentences on why `best` wins: its time split against the runner-up's (and
     the fastest layout with a different mesh, when the runner-up shares it)."""
-    lines = [f"best: {best.layout.describe()}: {_secs(best.step_time)}/step, MFU {best.mfu:.1%}, "
-             f"{_fmt_bytes(best.memory['total'])} of {_fmt_bytes(best.hbm_usable)} usable"]
+    lines = [
+        f"best: {best.layout.describe()}: {_secs(best.step_time)}/step, MFU {best.mfu:.1%}, "
+        f"{_fmt_bytes(best.memory['total'])} of {_fmt_bytes(best.hbm_usable)} usable"
+    ]
     rivals = others[:1]
     other_mesh = next((o for o in others if o.layout.mesh != best.layout.mesh), None)
     if other_mesh is not None and other_mesh not in rivals:
@@ -394,16 +499,19 @@ def explain(best: Plan, others: list[Plan]) -> list[str]:
     for rival in rivals:
         slower = rival.step_time / best.step_time - 1
         if slower < 1e-3:
-            lines.append(f"ties (within 0.1%) with {rival.layout.describe()} ({_secs(rival.step_time)}); "
-                         "ties rank less recomputation, fewer microbatches, less tensor parallelism first")
+            lines.append(
+                f"ties (within 0.1%) with {rival.layout.describe()} ({_secs(rival.step_time)}); "
+                "ties rank less recomputation, fewer microbatches, less tensor parallelism first"
+            )
             continue
         eps = 1e-3 * best.step_time
         diffs = sorted(((rival.times[k] - best.times[k], k) for k in _PARTS), reverse=True)
         part = lambda k: f"{_PARTS[k]} {_secs(best.times[k])} vs {_secs(rival.times[k])}"  # noqa: E731
         gains = [part(k) for d, k in diffs if d > eps][:3]
         losses = [part(k) for d, k in diffs if d < -eps][-2:]
-        line = (f"vs {rival.layout.describe()} ({_secs(rival.step_time)}, {slower:+.1%}): "
-                + (f"saves on {'; '.join(gains)}" if gains else "small savings everywhere"))
+        line = f"vs {rival.layout.describe()} ({_secs(rival.step_time)}, {slower:+.1%}): " + (
+            f"saves on {'; '.join(gains)}" if gains else "small savings everywhere"
+        )
         if losses:
             line += f"; pays more for {'; '.join(losses)}"
         lines.append(line)
@@ -434,26 +542,37 @@ def format_plan(p: Plan) -> str:
     lay = p.layout
     nodes = math.ceil(lay.devices / p.devices_per_node)
     on_nodes = describe_nodes(nodes, p.devices_per_node)
-    lines = [f"layout: {lay.describe()} on {lay.devices} x {p.hardware.name} ({on_nodes})",
-             "memory per device:"]
+    lines = [f"layout: {lay.describe()} on {lay.devices} x {p.hardware.name} ({on_nodes})", "memory per device:"]
     for k, v in p.memory.items():
         if k != "total" and v:
             lines.append(f"  {k:<18} {_fmt_bytes(v):>12}")
-    lines.append(f"  {'total':<18} {_fmt_bytes(p.memory['total']):>12}  of {_fmt_bytes(p.hbm_usable)} usable: "
-                 + ("fits" if p.fits else "DOES NOT FIT"))
+    lines.append(
+        f"  {'total':<18} {_fmt_bytes(p.memory['total']):>12}  of {_fmt_bytes(p.hbm_usable)} usable: "
+        + ("fits" if p.fits else "DOES NOT FIT")
+    )
     lines.append("collectives per step (per device; bytes sent under ring algorithms):")
     for c, t, algo in sorted(p.collectives, key=lambda x: -x[1]):
         n_intra, n_nodes = placement(c.axes, lay.mesh, p.devices_per_node)
         where = f"{'x'.join(c.axes)}={c.group}" + (f" over {n_nodes} nodes" if n_nodes > 1 else "")
-        lines.append(f"  {c.kind:<18} {where:<24} {c.count:>6g} x {_fmt_bytes(c.payload_bytes):>11}  "
-                     f"sent {_fmt_bytes(c.sent_bytes):>11}  {_secs(t):>9} {algo:<12} {c.what}")
+        lines.append(
+            f"  {c.kind:<18} {where:<24} {c.count:>6g} x {_fmt_bytes(c.payload_bytes):>11}  "
+            f"sent {_fmt_bytes(c.sent_bytes):>11}  {_secs(t):>9} {algo:<12} {c.what}"
+        )
     t = p.times
     names = {**_PARTS, "grad_weight_comm": "gradient/weight communication"}
-    lines.append("time per step: " + ", ".join(f"{names[k]} {_secs(t[k])}" for k in (
-        "compute", "recompute", "activation_comm", "bubble", "grad_weight_comm") if t[k])
-        + f" (of which hidden under compute {_secs(t['hidden_comm'])}), optimizer {_secs(t['optimizer'])}")
-    lines.append(f"step {_secs(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
-                 f"(model {p.flops['model']:.3e} FLOPs/step)")
+    lines.append(
+        "time per step: "
+        + ", ".join(
+            f"{names[k]} {_secs(t[k])}"
+            for k in ("compute", "recompute", "activation_comm", "bubble", "grad_weight_comm")
+            if t[k]
+        )
+        + f" (of which hidden under compute {_secs(t['hidden_comm'])}), optimizer {_secs(t['optimizer'])}"
+    )
+    lines.append(
+        f"step {_secs(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
+        f"(model {p.flops['model']:.3e} FLOPs/step)"
+    )
     return "\n".join(lines)
 
 
@@ -462,8 +581,13 @@ def config_for(cfg: Config, layout: Layout) -> Config:
     raw = cfg.to_dict()
     raw["mesh"] = dict(layout.sizes)
     raw["rules"] = {**raw["rules"], "preset": layout.preset}
-    raw["train"] = {**raw["train"], "microbatches": layout.microbatches, "pipeline": layout.pipeline,
-                    "virtual_stages": layout.virtual_stages, "remat": layout.remat}
+    raw["train"] = {
+        **raw["train"],
+        "microbatches": layout.microbatches,
+        "pipeline": layout.pipeline,
+        "virtual_stages": layout.virtual_stages,
+        "remat": layout.remat,
+    }
     return validate(raw, "planned layout")
 
 

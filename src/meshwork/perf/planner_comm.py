@@ -116,8 +116,9 @@ class CommOptions:
     "per_step": once per step after local accumulation (DeepSpeed, Megatron)."""
 
 
-def step_collectives(cfg: Config, layout: Layout, options: CommOptions = CommOptions(),
-                     accounting: StateBytes | None = None) -> list[Collective]:
+def step_collectives(
+    cfg: Config, layout: Layout, options: CommOptions = CommOptions(), accounting: StateBytes | None = None
+) -> list[Collective]:
     """Every collective of one train step of `cfg` under `layout`, per device.
 
     >>> from meshwork.perf.planner_layout import make_layout
@@ -138,8 +139,10 @@ def step_collectives(cfg: Config, layout: Layout, options: CommOptions = CommOpt
 
     _weight_collectives(cfg, layout, options, acc, add)
     _activation_collectives(cfg, layout, options, add)
-    return [Collective(kind, axes, math.prod(layout.sizes[a] for a in axes), payload[0], count, what, ovl)
-            for (kind, axes, what, ovl, count), payload in out.items()]
+    return [
+        Collective(kind, axes, math.prod(layout.sizes[a] for a in axes), payload[0], count, what, ovl)
+        for (kind, axes, what, ovl, count), payload in out.items()
+    ]
 
 
 def _weight_collectives(cfg, layout, options, acc, add) -> None:
@@ -153,14 +156,19 @@ def _weight_collectives(cfg, layout, options, acc, add) -> None:
         R = token_axes(w, layout)
         gather = [a for a in R if a in P]
         shard = shard_size(w, layout, "params")
-        used = shard * math.prod(sizes[a] for a in gather)     # elements of the weight as a device uses it
+        used = shard * math.prod(sizes[a] for a in gather)  # elements of the weight as a device uses it
         # One collective per layer for scanned weights (XLA reduces a layer's gradients together).
         layers = w.shape[0] // math.prod(sizes[a] for a in layout.split("layers")) if w.scanned else 1
         stack = w.path.split(".")[0] if w.scanned else "rest"
         per = 1 / layers
         if gather:
-            add("all-gather", gather, used * acc.param * per, layers * (2 if w.scanned else 1) * M,
-                f"fsdp gather ({stack})")
+            add(
+                "all-gather",
+                gather,
+                used * acc.param * per,
+                layers * (2 if w.scanned else 1) * M,
+                f"fsdp gather ({stack})",
+            )
         scatter = [a for a in R if a in P or a in G or a in O]
         rest = [a for a in R if a not in scatter]
         grad = used * acc.grad * per
@@ -178,6 +186,7 @@ def _weight_collectives(cfg, layout, options, acc, add) -> None:
                     add(kind, axes, grad, layers * in_loop, f"grad sync ({stack})")
                 else:
                     add(kind, axes, grad * layers, 1, f"grad sync ({stack}, once)")
+
         if scatter:
             sync("reduce-scatter", scatter, grad)
             grad /= math.prod(sizes[a] for a in scatter)
@@ -198,7 +207,7 @@ def _activation_collectives(cfg, layout, options, add) -> None:
     m, p = cfg.model, ITEMSIZE[cfg.train.compute_dtype]
     ts = token_shape(cfg, layout)
     M, P = layout.microbatches, layout.sizes["stage"]
-    act = ts.tokens * m.d_model * p                      # one (b, s, h) activation, full hidden
+    act = ts.tokens * m.d_model * p  # one (b, s, h) activation, full hidden
     layers = m.n_layers // P
     n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
     moe_layers = n_moe // P if P > 1 else n_moe
@@ -206,7 +215,7 @@ def _activation_collectives(cfg, layout, options, add) -> None:
     tp = layout.split("act_heads")
     if tp:
         sp = set(layout.split("act_norm_seq")) & set(tp)
-        n_in = 2 if options.fused_projections else 5    # backward input-gradient reductions per layer
+        n_in = 2 if options.fused_projections else 5  # backward input-gradient reductions per layer
         if sp:
             add("all-gather", tp, act, 2 * layers * M, "tp/sp layers forward", False)
             add("reduce-scatter", tp, act, 2 * layers * M, "tp/sp layers forward", False)
@@ -301,8 +310,9 @@ def algorithm_time(kind: str, S: float, n_intra: int, n_nodes: int, hw: Accelera
     return factor * ((n - 1) / n * S / bw + (n - 1) * lat)
 
 
-def collective_time(c: Collective, layout: Layout, hw: Accelerator, devices_per_node: int,
-                    algorithm: str = "auto") -> tuple[float, str]:
+def collective_time(
+    c: Collective, layout: Layout, hw: Accelerator, devices_per_node: int, algorithm: str = "auto"
+) -> tuple[float, str]:
     """(seconds per step, algorithm used) for `c`; "auto" takes the fastest of
     ring, tree and hierarchical, as NCCL picks per message size."""
     n_intra, n_nodes = placement(c.axes, layout.mesh, devices_per_node)
@@ -313,6 +323,7 @@ def collective_time(c: Collective, layout: Layout, hw: Accelerator, devices_per_
         options.append("tree")
     if n_nodes > 1 and n_intra > 1 and c.kind != "collective-permute":
         options.append("hierarchical")
-    best_t, best_a = min((algorithm_time(c.kind, c.payload_bytes, n_intra, n_nodes, hw, a), i, a)
-                         for i, a in enumerate(options))[::2]
+    best_t, best_a = min(
+        (algorithm_time(c.kind, c.payload_bytes, n_intra, n_nodes, hw, a), i, a) for i, a in enumerate(options)
+    )[::2]
     return best_t * c.count, best_a

@@ -84,13 +84,13 @@ class Layout:
         """Into how many pieces logical dimension `name` is cut."""
         return math.prod(self.sizes[a] for a in self.split(name, role))
 
-    def weight_split(self, weight: "Weight", role: str = "params") -> tuple[tuple[str, ...], ...]:
+    def weight_split(self, weight: Weight, role: str = "params") -> tuple[tuple[str, ...], ...]:
         """Per dimension of `weight`, the mesh axes splitting it under `role` (as
         `sharding.rules.logical_to_spec`: a mesh axis splits at most one
         dimension of an array, the first that names it)."""
         return _weight_split(self._preset, self.overrides, role, weight.names)
 
-    def weight_axes(self, weight: "Weight", role: str = "params") -> tuple[str, ...]:
+    def weight_axes(self, weight: Weight, role: str = "params") -> tuple[str, ...]:
         """Mesh axes of size > 1 that split some dimension of `weight` under `role`."""
         return tuple(a for axes in self.weight_split(weight, role) for a in axes if self.sizes[a] > 1)
 
@@ -105,12 +105,12 @@ class Layout:
         return ", ".join([mesh, self.preset, *extra])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rules(preset: str, overrides: tuple, role: str):
     return rules_for(preset, dict(overrides), role)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _weight_split(preset: str, overrides: tuple, role: str, names: tuple) -> tuple[tuple[str, ...], ...]:
     table = _table(preset, overrides, role)
     used: set[str] = set()
@@ -122,14 +122,26 @@ def _weight_split(preset: str, overrides: tuple, role: str, names: tuple) -> tup
     return tuple(dims)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table(preset: str, overrides: tuple, role: str) -> dict[str, tuple[str, ...]]:
     return {name: axes_of(name, _rules(preset, overrides, role)) for name, _ in _rules(preset, overrides, role)}
 
 
-def make_layout(*, data: int = 1, fsdp: int = 1, expert: int = 1, sequence: int = 1, tensor: int = 1,
-                stage: int = 1, zero: int = 0, sequence_parallel: bool = False, microbatches: int = 1,
-                remat: str = "none", schedule: str = "1f1b", virtual_stages: int = 1) -> Layout:
+def make_layout(
+    *,
+    data: int = 1,
+    fsdp: int = 1,
+    expert: int = 1,
+    sequence: int = 1,
+    tensor: int = 1,
+    stage: int = 1,
+    zero: int = 0,
+    sequence_parallel: bool = False,
+    microbatches: int = 1,
+    remat: str = "none",
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+) -> Layout:
     """A Layout from parallelism degrees, with the preset meshwork needs for them.
 
     `zero` (0, 1, 2) is the ZeRO stage over the data-parallel axes when
@@ -155,8 +167,14 @@ def make_layout(*, data: int = 1, fsdp: int = 1, expert: int = 1, sequence: int 
     if expert > 1:
         parts.append("ep")
     sizes = dict(stage=stage, data=data, fsdp=fsdp, expert=expert, sequence=sequence, tensor=tensor)
-    return Layout(tuple((a, sizes[a]) for a in MESH_AXES), "+".join(parts), microbatches,
-                  schedule if stage > 1 else "none", remat, virtual_stages=virtual_stages if stage > 1 else 1)
+    return Layout(
+        tuple((a, sizes[a]) for a in MESH_AXES),
+        "+".join(parts),
+        microbatches,
+        schedule if stage > 1 else "none",
+        remat,
+        virtual_stages=virtual_stages if stage > 1 else 1,
+    )
 
 
 def layout_from_config(cfg: Config, n_devices: int) -> Layout:
@@ -168,11 +186,17 @@ def layout_from_config(cfg: Config, n_devices: int) -> Layout:
     except MeshSizeError as e:
         raise ConfigError(f"{e} (devices: {n_devices})") from None
     overrides = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in cfg.rules.overrides.items()))
-    layout = Layout(tuple(zip(MESH_AXES, shape)), cfg.rules.preset, cfg.train.microbatches, cfg.train.pipeline,
-                    cfg.train.remat, overrides, cfg.train.virtual_stages)
+    layout = Layout(
+        tuple(zip(MESH_AXES, shape)),
+        cfg.rules.preset,
+        cfg.train.microbatches,
+        cfg.train.pipeline,
+        cfg.train.remat,
+        overrides,
+        cfg.train.virtual_stages,
+    )
     try:
         layout.rules()
     except KeyError as e:
         raise ConfigError(str(e.args[0])) from None
     return layout
-

@@ -58,7 +58,7 @@ class StateBytes:
     """Bytes of replicated scalars in the optimizer state."""
 
     @classmethod
-    def meshwork(cls, cfg: Config) -> "StateBytes":
+    def meshwork(cls, cfg: Config) -> StateBytes:
         b = ITEMSIZE[cfg.train.param_dtype]
         # + optax's adamw step count and the schedule's: two int32 scalars.
         return cls(b, b, 2 * b, f"meshwork ({cfg.train.param_dtype} params, grads, Adam moments)", 8)
@@ -83,8 +83,7 @@ def state_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = No
     params = sum(shard_size(w, layout, "params") for w in weights)
     grads = sum(shard_size(w, layout, "grads") for w in weights)
     opt = sum(shard_size(w, layout, "opt_state") for w in weights)
-    out = {"params": params * acc.param, "grads": grads * acc.grad,
-           "opt_state": opt * acc.optimizer + acc.counters}
+    out = {"params": params * acc.param, "grads": grads * acc.grad, "opt_state": opt * acc.optimizer + acc.counters}
     out["total"] = out["params"] + out["grads"] + out["opt_state"]
     return out
 
@@ -124,8 +123,9 @@ def offload_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = 
     if layout.remat == "offload_dots":
         # The weight products' outputs of one microbatch at a time; each microbatch's go out in
         # its forward pass and come back for its backward pass.
-        activations = (kept_by_layers(cfg, layout, kept_during_backward(layout.remat))
-                       - kept_by_layers(cfg, layout, "full")) / layout.sizes["stage"]
+        activations = (
+            kept_by_layers(cfg, layout, kept_during_backward(layout.remat)) - kept_by_layers(cfg, layout, "full")
+        ) / layout.sizes["stage"]
         host += activations
         transfer += 2 * activations * layout.microbatches
     return {"host": host, "transfer": transfer, "activations": activations}
@@ -147,14 +147,11 @@ def zero_memory(n_params: float, n_devices: int, stage: int, accounting: StateBy
     return n_params * {0: p + g + k, 1: p + g + k / N, 2: p + (g + k) / N, 3: (p + g + k) / N}[stage]
 
 
-
-
 # ---------------------------------------------------------------------------
 # Activations
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                            remat: str = "none") -> float:
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, remat: str = "none") -> float:
     """Activation bytes of one GPT transformer layer in fp16 (Korthikanti et al. 2022, Table 2):
 
         no parallelism      s b h (34 + 5 a s / h)
@@ -179,14 +176,14 @@ class TokenShape:
     """The activations one device sees per microbatch: b sequences of s tokens
     (after the batch and context-parallel splits), and the tensor splits."""
 
-    b: float          # sequences per device per microbatch
-    s: int            # tokens per sequence on this device (s / cp)
-    seq: int          # the full sequence length (attention's key length)
-    t_heads: int      # ways heads are split (tp)
-    t_kv: int         # ways kv heads are split
-    t_mlp: int        # ways the MLP hidden dimension is split
-    t_norm: int       # ways the residual stream between blocks is split (sp, cp counted in s)
-    t_vocab: int      # ways the vocabulary (logits) is split
+    b: float  # sequences per device per microbatch
+    s: int  # tokens per sequence on this device (s / cp)
+    seq: int  # the full sequence length (attention's key length)
+    t_heads: int  # ways heads are split (tp)
+    t_kv: int  # ways kv heads are split
+    t_mlp: int  # ways the MLP hidden dimension is split
+    t_norm: int  # ways the residual stream between blocks is split (sp, cp counted in s)
+    t_vocab: int  # ways the vocabulary (logits) is split
 
     @property
     def tokens(self) -> float:
@@ -200,13 +197,27 @@ def token_shape(cfg: Config, layout: Layout) -> TokenShape:
     s_ways = layout.ways("act_seq")
     norm_ways = layout.ways("act_norm_seq")
     b = cfg.train.global_batch / (layout.ways("act_batch") * layout.microbatches)
-    return TokenShape(b=b, s=seq // s_ways, seq=seq, t_heads=layout.ways("act_heads"),
-                      t_kv=layout.ways("act_kv_heads"), t_mlp=layout.ways("act_mlp"),
-                      t_norm=max(1, norm_ways // s_ways), t_vocab=layout.ways("act_vocab"))
+    return TokenShape(
+        b=b,
+        s=seq // s_ways,
+        seq=seq,
+        t_heads=layout.ways("act_heads"),
+        t_kv=layout.ways("act_kv_heads"),
+        t_mlp=layout.ways("act_mlp"),
+        t_norm=max(1, norm_ways // s_ways),
+        t_vocab=layout.ways("act_vocab"),
+    )
 
 
-def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = "none", moe: bool = False,
-                           materialized_scores: bool = True, capacity_factor: float = 1.0) -> float:
+def layer_activation_bytes(
+    m: ModelConfig,
+    ts: TokenShape,
+    p: int,
+    remat: str = "none",
+    moe: bool = False,
+    materialized_scores: bool = True,
+    capacity_factor: float = 1.0,
+) -> float:
     """Bytes one layer keeps for its backward pass, for one microbatch on one device.
 
     Korthikanti et al.'s accounting (each tensor a backward matmul or
@@ -249,9 +260,15 @@ def layer_activation_bytes(m: ModelConfig, ts: TokenShape, p: int, remat: str = 
     if remat == "none":
         per_token = 4 * h / ts.t_norm + (2 * q + 2 * kv) / ts.t_heads + scores + ffn + router
     else:
-        per_token = kept_elements_per_token(remat, h=h / ts.t_norm, qkv=(q + 2 * kv) / ts.t_heads,
-                                            attention=scores + q / ts.t_heads, out_proj=h / ts.t_norm,
-                                            mlp_in=mlp_in, experts=kept_experts)
+        per_token = kept_elements_per_token(
+            remat,
+            h=h / ts.t_norm,
+            qkv=(q + 2 * kv) / ts.t_heads,
+            attention=scores + q / ts.t_heads,
+            out_proj=h / ts.t_norm,
+            mlp_in=mlp_in,
+            experts=kept_experts,
+        )
     return per_token * ts.tokens * p
 
 
@@ -292,8 +309,11 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     working = 0.0
     if recomputes_matmuls(layout.remat):
         whole = kept_by_layers(cfg, layout, "none", one=True)
-        working = whole if layout.remat in ("full", "offload_dots") else \
-            max(whole - kept_by_layers(cfg, layout, layout.remat, one=True), 0.0)
+        working = (
+            whole
+            if layout.remat in ("full", "offload_dots")
+            else max(whole - kept_by_layers(cfg, layout, layout.remat, one=True), 0.0)
+        )
     out: dict[str, float] = {}
     if layout.pipeline != "none":
         sched = pipeline_schedule(layout)  # the schedule table the executor runs

@@ -53,16 +53,26 @@ class PipelineSchedule:
 def schedule_table(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> pipeline.Schedule:
     """`sharding.pipeline_schedules.schedule_table`, with an unknown kind a config error naming the key."""
     if kind not in pipeline.SCHEDULES:
-        raise ConfigError(f"train.pipeline={kind!r}: sharding/pipeline_schedules.py has no such schedule; "
-                          f"choose one of {', '.join(pipeline.SCHEDULES)}")
+        raise ConfigError(
+            f"train.pipeline={kind!r}: sharding/pipeline_schedules.py has no such schedule; "
+            f"choose one of {', '.join(pipeline.SCHEDULES)}"
+        )
     return pipeline.schedule_table(kind, stages, microbatches, virtual_stages=virtual_stages)
 
 
 @functools.lru_cache(maxsize=256)
 def _read(kind: str, stages: int, microbatches: int, virtual_stages: int) -> PipelineSchedule:
     table = schedule_table(kind, stages, microbatches, virtual_stages)
-    return PipelineSchedule(kind, stages, microbatches, virtual_stages, pipeline.idle_fraction(table),
-                            pipeline.stash_size(table), pipeline.cotangent_stash_size(table), table.n_steps)
+    return PipelineSchedule(
+        kind,
+        stages,
+        microbatches,
+        virtual_stages,
+        pipeline.idle_fraction(table),
+        pipeline.stash_size(table),
+        pipeline.cotangent_stash_size(table),
+        table.n_steps,
+    )
 
 
 def pipeline_schedule(layout: Layout) -> PipelineSchedule | None:
@@ -99,7 +109,9 @@ def schedule_text(layout: Layout, max_steps: int = 40) -> str:
         return ""
     table = schedule_table(s.kind, s.stages, s.microbatches, s.virtual_stages)
     chunks = f" x {s.virtual_stages} virtual stages" if s.virtual_stages > 1 else ""
-    return (f"pipeline schedule: {s.kind}, {s.stages} stages{chunks} x {s.microbatches} microbatches, "
-            f"{s.steps} time steps\n{compact_table(table, max_steps)}\n"
-            f"pipeline idle fraction: {s.idle:.4f} of stage time steps (bubble = {s.bubble_ratio:.4f} x busy time); "
-            f"stash: {s.stash} stage inputs and {s.cotangents} cotangents per stage")
+    return (
+        f"pipeline schedule: {s.kind}, {s.stages} stages{chunks} x {s.microbatches} microbatches, "
+        f"{s.steps} time steps\n{compact_table(table, max_steps)}\n"
+        f"pipeline idle fraction: {s.idle:.4f} of stage time steps (bubble = {s.bubble_ratio:.4f} x busy time); "
+        f"stash: {s.stash} stage inputs and {s.cotangents} cotangents per stage"
+    )

@@ -53,12 +53,12 @@ NOT_RECOMPUTED = {**KEPT, "offload_dots": KEPT["dots_with_no_batch_dims_saveable
 POLICIES = ("none", *KEPT)
 
 
-def kept_elements_per_token(remat: str, *, h: float, qkv: float, attention: float, out_proj: float,
-                            mlp_in: float, experts: float = 0.0) -> float:
+def kept_elements_per_token(
+    remat: str, *, h: float, qkv: float, attention: float, out_proj: float, mlp_in: float, experts: float = 0.0
+) -> float:
     """Elements one layer keeps per token under a policy other than "none": its input (the
     residual stream, `h`, already divided by its split) plus the kept tensors' sizes."""
-    sizes = {"qkv": qkv, "attention": attention, "out_proj": out_proj, "mlp_in": mlp_in,
-             "experts": experts}
+    sizes = {"qkv": qkv, "attention": attention, "out_proj": out_proj, "mlp_in": mlp_in, "experts": experts}
     return h + sum(sizes[t] for t in KEPT[remat])
 
 

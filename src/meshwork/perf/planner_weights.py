@@ -43,39 +43,51 @@ class Weight:
 def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weight]:
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim
     L = ("layers",)
-    w = [Weight(f"{prefix}.attn_norm.scale", (n, D), L + ("embed",), "norm"),
-         Weight(f"{prefix}.attn.wq", (n, D, H, K), L + ("embed", "heads", "head_dim")),
-         Weight(f"{prefix}.attn.wk", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
-         Weight(f"{prefix}.attn.wv", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
-         Weight(f"{prefix}.attn.wo", (n, H, K, D), L + ("heads", "head_dim", "embed"))]
+    w = [
+        Weight(f"{prefix}.attn_norm.scale", (n, D), L + ("embed",), "norm"),
+        Weight(f"{prefix}.attn.wq", (n, D, H, K), L + ("embed", "heads", "head_dim")),
+        Weight(f"{prefix}.attn.wk", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
+        Weight(f"{prefix}.attn.wv", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
+        Weight(f"{prefix}.attn.wo", (n, H, K, D), L + ("heads", "head_dim", "embed")),
+    ]
     if m.qkv_bias:
-        w += [Weight(f"{prefix}.attn.bq", (n, H, K), L + ("heads", "head_dim")),
-              Weight(f"{prefix}.attn.bk", (n, G, K), L + ("kv_heads", "head_dim")),
-              Weight(f"{prefix}.attn.bv", (n, G, K), L + ("kv_heads", "head_dim"))]
+        w += [
+            Weight(f"{prefix}.attn.bq", (n, H, K), L + ("heads", "head_dim")),
+            Weight(f"{prefix}.attn.bk", (n, G, K), L + ("kv_heads", "head_dim")),
+            Weight(f"{prefix}.attn.bv", (n, G, K), L + ("kv_heads", "head_dim")),
+        ]
     if m.qk_norm:
         # Reached by every token of every head: its gradient sums over the batch, sequence and head splits,
         # which the "dense" kind counts as the batch and sequence axes (head_dim-sized: negligible).
-        w += [Weight(f"{prefix}.attn.q_norm.scale", (n, K), L + ("head_dim",)),
-              Weight(f"{prefix}.attn.k_norm.scale", (n, K), L + ("head_dim",))]
+        w += [
+            Weight(f"{prefix}.attn.q_norm.scale", (n, K), L + ("head_dim",)),
+            Weight(f"{prefix}.attn.k_norm.scale", (n, K), L + ("head_dim",)),
+        ]
     w.append(Weight(f"{prefix}.mlp_norm.scale", (n, D), L + ("embed",), "norm"))
     if not moe:
         F = m.d_ff
-        return w + [Weight(f"{prefix}.mlp.w_gate", (n, D, F), L + ("embed", "mlp")),
-                    Weight(f"{prefix}.mlp.w_up", (n, D, F), L + ("embed", "mlp")),
-                    Weight(f"{prefix}.mlp.w_down", (n, F, D), L + ("mlp", "embed"))]
+        return w + [
+            Weight(f"{prefix}.mlp.w_gate", (n, D, F), L + ("embed", "mlp")),
+            Weight(f"{prefix}.mlp.w_up", (n, D, F), L + ("embed", "mlp")),
+            Weight(f"{prefix}.mlp.w_down", (n, F, D), L + ("mlp", "embed")),
+        ]
     e = m.moe
     E, F = e.n_experts, e.d_expert
     w.append(Weight(f"{prefix}.moe.router", (n, D, E), L + ("embed", "router")))
     if e.router == "noisy":
         w.append(Weight(f"{prefix}.moe.noise", (n, D, E), L + ("embed", "router")))
-    w += [Weight(f"{prefix}.moe.w_gate", (n, E, D, F), L + ("expert", "embed", "mlp"), "expert"),
-          Weight(f"{prefix}.moe.w_up", (n, E, D, F), L + ("expert", "embed", "mlp"), "expert"),
-          Weight(f"{prefix}.moe.w_down", (n, E, F, D), L + ("expert", "mlp", "embed"), "expert")]
+    w += [
+        Weight(f"{prefix}.moe.w_gate", (n, E, D, F), L + ("expert", "embed", "mlp"), "expert"),
+        Weight(f"{prefix}.moe.w_up", (n, E, D, F), L + ("expert", "embed", "mlp"), "expert"),
+        Weight(f"{prefix}.moe.w_down", (n, E, F, D), L + ("expert", "mlp", "embed"), "expert"),
+    ]
     if e.n_shared_experts:
         S = e.d_shared or e.n_shared_experts * F
-        w += [Weight(f"{prefix}.moe.shared.w_gate", (n, D, S), L + ("embed", "mlp")),
-              Weight(f"{prefix}.moe.shared.w_up", (n, D, S), L + ("embed", "mlp")),
-              Weight(f"{prefix}.moe.shared.w_down", (n, S, D), L + ("mlp", "embed"))]
+        w += [
+            Weight(f"{prefix}.moe.shared.w_gate", (n, D, S), L + ("embed", "mlp")),
+            Weight(f"{prefix}.moe.shared.w_up", (n, D, S), L + ("embed", "mlp")),
+            Weight(f"{prefix}.moe.shared.w_down", (n, S, D), L + ("mlp", "embed")),
+        ]
     if e.shared_expert_gate:
         w.append(Weight(f"{prefix}.moe.shared_gate", (n, D, 1), L + ("embed", None)))
     return w
@@ -113,8 +125,10 @@ def _model_weights(model_json: str) -> tuple[Weight, ...]:
 def shard_size(weight: Weight, layout: Layout, role: str = "params") -> int:
     """Elements of `weight` one device holds under `role`'s rules (uneven splits round up)."""
     sizes = layout.sizes
-    return math.prod(-(-dim // math.prod(sizes[a] for a in axes))
-                     for dim, axes in zip(weight.shape, layout.weight_split(weight, role)))
+    return math.prod(
+        -(-dim // math.prod(sizes[a] for a in axes))
+        for dim, axes in zip(weight.shape, layout.weight_split(weight, role))
+    )
 
 
 def indivisible(weights: tuple[Weight, ...], layout: Layout) -> str | None:
@@ -148,4 +162,3 @@ def token_axes(weight: Weight, layout: Layout) -> tuple[str, ...]:
         routed = layout.split("expert")
         axes = [a for a in axes if a not in routed]
     return tuple(axes)
-

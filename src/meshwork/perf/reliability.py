@@ -77,8 +77,14 @@ def daly_interval(checkpoint_cost: float, mttf: float) -> float:
     return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - c
 
 
-def goodput(interval: float, checkpoint_cost: float, mttf: float, restart_cost: float = 0.0, *,
-            model: Literal["daly", "first_order"] = "daly") -> float:
+def goodput(
+    interval: float,
+    checkpoint_cost: float,
+    mttf: float,
+    restart_cost: float = 0.0,
+    *,
+    model: Literal["daly", "first_order"] = "daly",
+) -> float:
     """Expected fraction of wall time spent on work that is kept, checkpointing every `interval` of work.
 
     model="daly" (default), the full cost function of Daly 2006: with exponential failures at

@@ -41,13 +41,26 @@ if TYPE_CHECKING:
 
 # Bytes per element; jax dtype names are accepted too.
 DTYPE_BYTES: dict[str, int] = {
-    "fp32": 4, "float32": 4,
-    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
-    "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
 }
 # The names `Accelerator.peak_flops` uses.
-_PEAK_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16", "fp16": "bf16",
-             "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+_PEAK_KEY = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "bf16",
+    "fp16": "bf16",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -100,8 +113,19 @@ def batched_matmul(b: int, m: int, k: int, n: int, dtype: str = "bf16", name: st
     return Op(name, 2.0 * b * m * k * n, float(b) * (m * k + k * n + m * n) * dtype_bytes(dtype))
 
 
-def attention(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *, kv_heads: int | None = None,
-              causal: bool = False, flash: bool = True, dtype: str = "bf16", name: str = "attention") -> Op:
+def attention(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    *,
+    kv_heads: int | None = None,
+    causal: bool = False,
+    flash: bool = True,
+    dtype: str = "bf16",
+    name: str = "attention",
+) -> Op:
     """softmax(Q K^T) V over B batch, H query heads, L queries, S keys, K head dim.
 
     FLOPs: 2BHLSK for Q K^T plus 2BHLSK for P V = 4BHLSK, halved when causal
@@ -124,8 +148,15 @@ def attention(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *,
     return Op(name, flops, float(elems) * dtype_bytes(dtype))
 
 
-def elementwise(n: int, n_inputs: int = 1, *, n_outputs: int = 1, flops_per_element: float = 1.0,
-                dtype: str = "bf16", name: str = "elementwise") -> Op:
+def elementwise(
+    n: int,
+    n_inputs: int = 1,
+    *,
+    n_outputs: int = 1,
+    flops_per_element: float = 1.0,
+    dtype: str = "bf16",
+    name: str = "elementwise",
+) -> Op:
     """An elementwise op over n elements: n * flops_per_element FLOPs, (n_inputs + n_outputs) n elements moved.
 
     Example: a bf16 residual add `elementwise(n, 2)` has intensity 1/6.
@@ -164,7 +195,7 @@ def op_time(op: Op, accelerator: Accelerator, dtype: str = "bf16") -> float:
 
 
 def bound(op: Op, accelerator: Accelerator, dtype: str = "bf16") -> Literal["compute", "memory"]:
-    """"compute" if the op's intensity reaches the ridge point peak / bandwidth, else "memory"."""
+    """ "compute" if the op's intensity reaches the ridge point peak / bandwidth, else "memory"."""
     return "compute" if op.intensity >= peak(accelerator, dtype) / accelerator.hbm_bandwidth else "memory"
 
 
@@ -173,8 +204,9 @@ def bound(op: Op, accelerator: Accelerator, dtype: str = "bf16") -> Literal["com
 # --------------------------------------------------------------------------
 
 
-def transformer_layer_ops(model: ModelConfig, batch: int, seq: int, *, dtype: str = "bf16",
-                          causal: bool = True, flash: bool = True) -> list[Op]:
+def transformer_layer_ops(
+    model: ModelConfig, batch: int, seq: int, *, dtype: str = "bf16", causal: bool = True, flash: bool = True
+) -> list[Op]:
     """The forward ops of one pre-norm block of `models.transformer` (GQA + RoPE, SwiGLU MLP).
 
     T = batch * seq tokens, D = d_model, H / G query / kv heads of size K,
@@ -225,8 +257,15 @@ def summarize(ops: list[Op], accelerator: Accelerator, dtype: str = "bf16") -> l
     times = [op_time(op, accelerator, dtype) for op in ops]
     total = sum(times) or 1.0
     return [
-        dict(name=op.name, flops=op.flops, bytes=op.bytes, intensity=op.intensity,
-             bound=bound(op, accelerator, dtype), seconds=s, share=s / total)
+        dict(
+            name=op.name,
+            flops=op.flops,
+            bytes=op.bytes,
+            intensity=op.intensity,
+            bound=bound(op, accelerator, dtype),
+            seconds=s,
+            share=s / total,
+        )
         for op, s in zip(ops, times)
     ]
 
@@ -253,8 +292,13 @@ def roofline_plot(ops: list[Op], accelerator: Accelerator, path: str, dtype: str
     hi = max(finite + [p / w]) * 4
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.loglog(xs, [min(p, x * w) for x in xs], color="black", lw=1.5,
-              label=f"{accelerator.name} {dtype}: {p / 1e12:.0f} TFLOP/s, {w / 1e12:.2f} TB/s")
+    ax.loglog(
+        xs,
+        [min(p, x * w) for x in xs],
+        color="black",
+        lw=1.5,
+        label=f"{accelerator.name} {dtype}: {p / 1e12:.0f} TFLOP/s, {w / 1e12:.2f} TB/s",
+    )
     ax.axvline(p / w, color="gray", ls=":", lw=1)
     # Ops of equal intensity (gate and up, the two residual adds) share a point and a label.
     points: dict[float, list[Op]] = {}
@@ -265,8 +309,13 @@ def roofline_plot(ops: list[Op], accelerator: Accelerator, path: str, dtype: str
         x = group[0].intensity
         y = attainable_flops(group[0], accelerator, dtype)
         ax.scatter([x], [y], s=18, color="tab:red" if bound(group[0], accelerator, dtype) == "memory" else "tab:blue")
-        ax.annotate(", ".join(op.name for op in group), (x, y), textcoords="offset points",
-                    xytext=(4, -12 - 9 * (i % 3)), fontsize=7)
+        ax.annotate(
+            ", ".join(op.name for op in group),
+            (x, y),
+            textcoords="offset points",
+            xytext=(4, -12 - 9 * (i % 3)),
+            fontsize=7,
+        )
     ax.set_xlabel("arithmetic intensity (FLOPs / HBM byte)")
     ax.set_ylabel("attainable FLOP/s")
     ax.set_title(f"roofline, ridge at {p / w:.0f} FLOPs/byte")

@@ -26,13 +26,27 @@ import jax
 
 # (part, name-stack scope that marks it), first match wins: attention inside a layer is
 # attention, not "layers"; the optimizer runs inside the NaN guard's branch.
-PARTS = (("embedding", "embed"), ("attention core", "attention_core"), ("LM head + loss", "lm_head"),
-         ("LM head + loss", "loss"), ("optimizer", "optimizer"), ("NaN guard", "nan_guard"))
+PARTS = (
+    ("embedding", "embed"),
+    ("attention core", "attention_core"),
+    ("LM head + loss", "lm_head"),
+    ("LM head + loss", "loss"),
+    ("optimizer", "optimizer"),
+    ("NaN guard", "nan_guard"),
+)
 KINDS = ("matmul", "collective", "copy/convert", "elementwise/other")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
-               "collective-broadcast")
-MOVES = ("copy", "convert", "transpose", "bitcast-convert", "dynamic-update-slice", "dynamic-slice", "pad",
-         "concatenate", "slice")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "collective-broadcast")
+MOVES = (
+    "copy",
+    "convert",
+    "transpose",
+    "bitcast-convert",
+    "dynamic-update-slice",
+    "dynamic-slice",
+    "pad",
+    "concatenate",
+    "slice",
+)
 # Ops that only contain other ops (their bodies' ops are events of their own): counted once, inside.
 CONTAINERS = ("while", "conditional", "call", "async-start", "async-done", "async-update")
 
@@ -62,9 +76,9 @@ def _balanced(text: str) -> int:
 def _opcode_and_operands(rhs: str) -> tuple[str, tuple[str, ...]]:
     """The opcode and operand names of `type opcode(operands), attrs`, where type may be a
     parenthesized tuple."""
-    rhs = rhs[_balanced(rhs):] if rhs.startswith("(") else (rhs.split(" ", 1)[1] if " " in rhs else rhs)
+    rhs = rhs[_balanced(rhs) :] if rhs.startswith("(") else (rhs.split(" ", 1)[1] if " " in rhs else rhs)
     opcode, _, rest = rhs.strip().partition("(")
-    group = rest[:_balanced("(" + rest) - 1]
+    group = rest[: _balanced("(" + rest) - 1]
     return opcode.strip(), tuple(re.findall(r"%([\w.\-]+)", group))
 
 
@@ -123,8 +137,11 @@ def classify(instr: Instruction, computations: dict[str, set[str]]) -> tuple[str
     stack = instr.op_name.split("/", 1)[-1]  # without the jitted function's own name: jit(loss)/...
     part = next((p for p, scope in PARTS if re.search(rf"\b{scope}\b", stack)), None)
     if part is None:
-        part = "layers (projections, MLP, norms)" if "while/body" in instr.op_name or "checkpoint" in instr.op_name \
+        part = (
+            "layers (projections, MLP, norms)"
+            if "while/body" in instr.op_name or "checkpoint" in instr.op_name
             else "other"
+        )
     ops = {instr.opcode}
     if instr.opcode == "fusion":
         ops = set().union(*(computations.get(c, set()) for c in instr.calls)) or {"fusion"}
@@ -133,8 +150,15 @@ def classify(instr: Instruction, computations: dict[str, set[str]]) -> tuple[str
         kind = "matmul"
     elif base & set(COLLECTIVES):
         kind = "collective"
-    elif base <= set(MOVES) | {"bitcast", "reshape", "broadcast", "parameter", "constant", "tuple",
-                               "get-tuple-element"}:
+    elif base <= set(MOVES) | {
+        "bitcast",
+        "reshape",
+        "broadcast",
+        "parameter",
+        "constant",
+        "tuple",
+        "get-tuple-element",
+    }:
         kind = "copy/convert"
     else:
         kind = "elementwise/other"
@@ -156,19 +180,25 @@ class StepProfile:
 
     def table(self) -> str:
         """A markdown table: parts by rows, op kinds by columns, milliseconds per step."""
-        parts = sorted({p for p, _ in self.by_part_kind}, key=lambda p: -sum(
-            v for (q, _), v in self.by_part_kind.items() if q == p))
+        parts = sorted(
+            {p for p, _ in self.by_part_kind},
+            key=lambda p: -sum(v for (q, _), v in self.by_part_kind.items() if q == p),
+        )
         total = sum(self.by_part_kind.values())
         lines = ["| part | " + " | ".join(KINDS) + " | total ms | share |", "|---" * (len(KINDS) + 3) + "|"]
         for p in parts:
             row = [self.by_part_kind.get((p, k), 0.0) * 1e3 for k in KINDS]
-            lines.append(f"| {p} | " + " | ".join(f"{v:.1f}" for v in row) + f" | {sum(row):.1f} | "
-                         f"{sum(row) / 1e3 / total:.0%} |")
+            lines.append(
+                f"| {p} | " + " | ".join(f"{v:.1f}" for v in row) + f" | {sum(row):.1f} | "
+                f"{sum(row) / 1e3 / total:.0%} |"
+            )
         col = [sum(v for (_, k), v in self.by_part_kind.items() if k == kind) * 1e3 for kind in KINDS]
         lines.append("| **all ops** | " + " | ".join(f"{v:.1f}" for v in col) + f" | {total * 1e3:.1f} | 100% |")
-        lines.append(f"\nstep wall {self.wall_s * 1e3:.1f} ms; ops running {self.busy_s * 1e3:.1f} ms "
-                     f"(summed op time / busy = {total / max(self.busy_s, 1e-12):.2f}: ops run concurrently); "
-                     f"host gap {self.host_gap_s * 1e3:.1f} ms")
+        lines.append(
+            f"\nstep wall {self.wall_s * 1e3:.1f} ms; ops running {self.busy_s * 1e3:.1f} ms "
+            f"(summed op time / busy = {total / max(self.busy_s, 1e-12):.2f}: ops run concurrently); "
+            f"host gap {self.host_gap_s * 1e3:.1f} ms"
+        )
         return "\n".join(lines)
 
 
@@ -184,8 +214,15 @@ def _union_length(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-def profile_steps(fn: Callable, args_for_step: Iterable[tuple], compiled_text: str, *, steps: int,
-                  n_devices: int = 1, module: str | None = None) -> StepProfile:
+def profile_steps(
+    fn: Callable,
+    args_for_step: Iterable[tuple],
+    compiled_text: str,
+    *,
+    steps: int,
+    n_devices: int = 1,
+    module: str | None = None,
+) -> StepProfile:
     """Trace `steps` calls of `fn(*args)` (args from `args_for_step`, whose results feed nothing:
     a train step threads its state through `args_for_step`'s generator) and group the op time.
 
@@ -220,10 +257,17 @@ def profile_steps(fn: Callable, args_for_step: Iterable[tuple], compiled_text: s
                         continue
                     by_part_kind[classify(instr, computations)] += ev.duration_ns
                     by_op[stats["hlo_op"]] += ev.duration_ns
-                    intervals[stats.get("device_ordinal", 0)].append((int(ev.start_ns),
-                                                                       int(ev.start_ns + ev.duration_ns)))
+                    intervals[stats.get("device_ordinal", 0)].append(
+                        (int(ev.start_ns), int(ev.start_ns + ev.duration_ns))
+                    )
     per = 1e-9 / (steps * n_devices)
     busy = sum(_union_length(v) for v in intervals.values()) * per
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:30]
-    return StepProfile(steps, n_devices, wall, busy, {k: v * per for k, v in by_part_kind.items()},
-                       [(name, t * per, *classify(instructions[name], computations)) for name, t in top])
+    return StepProfile(
+        steps,
+        n_devices,
+        wall,
+        busy,
+        {k: v * per for k, v in by_part_kind.items()},
+        [(name, t * per, *classify(instructions[name], computations)) for name, t in top],
+    )

@@ -57,7 +57,8 @@ class Checkpointer:
         self._verdicts: dict[int, tuple[tuple, str | None]] = {}
         # Retention is ours (after verification), so Orbax keeps everything it writes.
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=every, max_to_keep=None, enable_async_checkpointing=use_async, create=True)
+            save_interval_steps=every, max_to_keep=None, enable_async_checkpointing=use_async, create=True
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         _drop_late_writer_callbacks()
 
@@ -128,10 +129,15 @@ class Checkpointer:
         self.wait()  # one write in flight at a time (Orbax would wait here too)
         with self._storage_errors():
             self._saving = step
-            saved = self.manager.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data_iter=ocp.args.JsonSave(progress),
-                config=ocp.args.JsonSave(config)))
+            saved = self.manager.save(
+                step,
+                force=True,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data_iter=ocp.args.JsonSave(progress),
+                    config=ocp.args.JsonSave(config),
+                ),
+            )
             self.poll()
         self.stalls.append(time.perf_counter() - t0)  # what the step loop paid: the cost Young/Daly weigh
         return saved
@@ -153,7 +159,7 @@ class Checkpointer:
         write_manifest(step_dir)  # the CRCs it records were just read: the step is verified
         self._verdicts[step] = (files_fingerprint(step_dir), None)
         # Only now may older checkpoints go: the newest verified ones are kept.
-        for old in self.verified_steps()[:-self.keep]:
+        for old in self.verified_steps()[: -self.keep]:
             _delete(self.directory / str(old))
 
     def wait(self) -> None:
@@ -178,14 +184,18 @@ class Checkpointer:
             step, self._saving = self._saving, None
             with contextlib.suppress(Exception):  # Orbax's writers end (failing too) before their folders go
                 self.manager.wait_until_finished()
-            raise StorageFull(storage_full_message(
-                self.directory, problem, f"saving step {step}" if step is not None else "saving a checkpoint")) from None
+            raise StorageFull(
+                storage_full_message(
+                    self.directory, problem, f"saving step {step}" if step is not None else "saving a checkpoint"
+                )
+            ) from None
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(state placed by `abstract_state`'s shardings, progress dict)."""
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data_iter=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data_iter=ocp.args.JsonRestore()),
+        )
         return out["state"], out["data_iter"]
 
     def restore_parts(self, step: int, abstract_parts: dict[str, Any]) -> dict[str, Any]:
@@ -197,8 +207,12 @@ class Checkpointer:
         without building its optimizer.
         """
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_parts)
-        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=abstract_parts, restore_args=restore_args, partial_restore=True)))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=abstract_parts, restore_args=restore_args, partial_restore=True)
+            ),
+        )
         return out["state"]
 
     def saved_config(self, step: int) -> dict:
@@ -227,8 +241,11 @@ def _drop_late_writer_callbacks() -> None:
         return
 
     def hook(unraisable) -> None:
-        late = (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
-                and str(unraisable.exc_value) == "Event loop is closed")
+        late = (
+            unraisable.object is None
+            and isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+        )
         if not late:
             previous(unraisable)
 
@@ -276,17 +293,25 @@ class CheckpointSchedule:
         self.every = every
         if not changed and len(stalls) > 1:
             return None
-        return {"checkpoint_every": every, "checkpoint_cost_s": cost, "checkpoint_interval_s": tau,
-                "checkpoint_young_s": young_interval(cost, self.mttf_s), "checkpoint_step_time_s": step_time_s,
-                "checkpoint_saves": len(stalls), "mttf_s": self.mttf_s}
+        return {
+            "checkpoint_every": every,
+            "checkpoint_cost_s": cost,
+            "checkpoint_interval_s": tau,
+            "checkpoint_young_s": young_interval(cost, self.mttf_s),
+            "checkpoint_step_time_s": step_time_s,
+            "checkpoint_saves": len(stalls),
+            "mttf_s": self.mttf_s,
+        }
 
     @staticmethod
     def describe(row: dict[str, Any]) -> str:
         """The say() line of a new auto interval."""
-        return (f"checkpoint.every=auto: every {row['checkpoint_every']} steps (Daly's interval "
-                f"{row['checkpoint_interval_s']:.2f} s from a measured cost of {row['checkpoint_cost_s']:.3f} s per "
-                f"checkpoint, {row['checkpoint_step_time_s'] * 1e3:.0f} ms per step and an MTTF of "
-                f"{row['mttf_s'] / 3600:g} h)")
+        return (
+            f"checkpoint.every=auto: every {row['checkpoint_every']} steps (Daly's interval "
+            f"{row['checkpoint_interval_s']:.2f} s from a measured cost of {row['checkpoint_cost_s']:.3f} s per "
+            f"checkpoint, {row['checkpoint_step_time_s'] * 1e3:.0f} ms per step and an MTTF of "
+            f"{row['mttf_s'] / 3600:g} h)"
+        )
 
 
 # ---------------------------------------------------------------- on disk, without Orbax
@@ -304,8 +329,12 @@ def leftovers(directory: pathlib.Path) -> list[pathlib.Path]:
     `.N.deleting` folders (a kill while pruning). Neither is a checkpoint."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if p.is_dir() and (
-        ".orbax-checkpoint-tmp" in p.name or (p.name.startswith(".") and p.name.endswith(".deleting"))))
+    return sorted(
+        p
+        for p in directory.iterdir()
+        if p.is_dir()
+        and (".orbax-checkpoint-tmp" in p.name or (p.name.startswith(".") and p.name.endswith(".deleting")))
+    )
 
 
 def storage_full_message(directory: pathlib.Path, problem: str, doing: str) -> str:
@@ -356,8 +385,7 @@ def files_fingerprint(step_dir: pathlib.Path) -> tuple:
 
 def write_manifest(step_dir: pathlib.Path) -> None:
     """Records size and CRC-32 of every file of a committed step; written to a temp name, then renamed."""
-    files = {str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
-             for p in _files(step_dir)}
+    files = {str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in _files(step_dir)}
     replace_file(step_dir / MANIFEST, json.dumps({"files": files}))
 
 

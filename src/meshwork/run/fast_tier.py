@@ -92,7 +92,7 @@ def region_from(pieces: list[Piece], region: Index, dtype) -> Any:
 def place(pieces: list[Piece], target: jax.ShapeDtypeStruct) -> jax.Array | None:
     """A global array laid out by `target.sharding`, built only from `pieces`; None if they fall short.
 
-        place(host_pieces(x), jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=other))  # x, resharded
+    place(host_pieces(x), jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=other))  # x, resharded
     """
     index_map = target.sharding.addressable_devices_indices_map(target.shape)
     regions = {d: block(i, target.shape) for d, i in index_map.items()}
@@ -100,8 +100,11 @@ def place(pieces: list[Piece], target: jax.ShapeDtypeStruct) -> jax.Array | None
     if any(p is None for p in parts.values()):
         return None
     return jax.make_array_from_callback(
-        target.shape, target.sharding, lambda i: parts[next(d for d, r in regions.items()
-                                                            if r == block(i, target.shape))], dtype=target.dtype)
+        target.shape,
+        target.sharding,
+        lambda i: parts[next(d for d, r in regions.items() if r == block(i, target.shape))],
+        dtype=target.dtype,
+    )
 
 
 def place_tree(leaves: list[list[Piece]], abstract: Any) -> Any | None:
@@ -114,9 +117,9 @@ def place_tree(leaves: list[list[Piece]], abstract: Any) -> Any | None:
 class FastTier:
     """Saves and reads back host copies of the state; `path` None keeps them in RAM only.
 
-        fast = FastTier(every=5, path="/local/ssd/run1", buffered=True)
-        stall_s = fast.save(step, state, progress, identity)   # at a step boundary
-        snap = fast.latest()                                   # the newest complete copy, or None
+    fast = FastTier(every=5, path="/local/ssd/run1", buffered=True)
+    stall_s = fast.save(step, state, progress, identity)   # at a step boundary
+    snap = fast.latest()                                   # the newest complete copy, or None
     """
 
     def __init__(self, every: int, path: str | pathlib.Path | None, *, buffered: bool):
@@ -141,8 +144,9 @@ class FastTier:
         t0 = time.perf_counter()
         self.wait()  # one write at a time; the previous one has had `every` steps to finish
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
-        snap = Snapshot(step, [host_pieces(x) for _, x in flat], [jax.tree_util.keystr(p) for p, _ in flat],
-                        progress, identity)
+        snap = Snapshot(
+            step, [host_pieces(x) for _, x in flat], [jax.tree_util.keystr(p) for p, _ in flat], progress, identity
+        )
         self.in_ram = snap  # also with a disk path: this process reads its own copy from RAM
         if self.path is not None and self.buffered:
             self._writing = self._writer.submit(self._write, snap)
@@ -170,8 +174,13 @@ class FastTier:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        meta = {"step": snap.step, "paths": snap.paths, "index": index, "progress": snap.progress,
-                "identity": snap.identity}
+        meta = {
+            "step": snap.step,
+            "paths": snap.paths,
+            "index": index,
+            "progress": snap.progress,
+            "identity": snap.identity,
+        }
         (tmp / "index.json").write_text(json.dumps(meta))
         final = self.path / str(snap.step)
         shutil.rmtree(final, ignore_errors=True)
@@ -218,8 +227,10 @@ class FastTier:
             raise ValueError(f"the fast tier's snapshot of step {snap.step} holds another state's leaves")
         state = place_tree(snap.leaves, abstract)
         if state is None:
-            raise ValueError(f"the fast tier's snapshot of step {snap.step} does not cover the new layout "
-                             f"(another process held the rest)")
+            raise ValueError(
+                f"the fast tier's snapshot of step {snap.step} does not cover the new layout "
+                f"(another process held the rest)"
+            )
         return state
 
     def close(self) -> None:

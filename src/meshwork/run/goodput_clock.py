@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 PHASES = ("productive", "compile", "restore", "checkpoint", "eval", "lost")
 

@@ -19,8 +19,9 @@ class MetricsWriter:
     leave two different losses for one step.
     """
 
-    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool, resume_step: int | None = None,
-                 enabled: bool = True):
+    def __init__(
+        self, run_dir: str | pathlib.Path, *, tensorboard: bool, resume_step: int | None = None, enabled: bool = True
+    ):
         self.enabled = enabled
         self.path = pathlib.Path(run_dir) / "metrics.jsonl"
         if not enabled:
@@ -82,5 +83,5 @@ def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
     """The rows of run_dir/metrics.jsonl. A last line without its newline is a row still being
     written (read while the trainer runs) and is left out."""
     text = (pathlib.Path(run_dir) / "metrics.jsonl").read_text()
-    complete = text if text.endswith("\n") else text[:text.rfind("\n") + 1]
+    complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
     return [json.loads(ln) for ln in complete.splitlines() if ln]
