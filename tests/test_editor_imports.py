@@ -45,13 +45,18 @@ NAMES = [
     ("meshwork.models.lora", "add_lora"),
     ("meshwork.models.unet", "UNet"),
     ("meshwork.models.layers.attention", "Attention"),
-    ("meshwork.train.loop", "Trainer"),
+    ("meshwork.objectives.next_token", "next_token_loss"),
+    ("meshwork.train.trainer", "build_trainer"),
+    ("meshwork.train.trainer", "Trainer"),
+    ("meshwork.train.gradients", "gradient_strategy"),
+    ("meshwork.train.hooks.persistent", "PersistentCheckpoint"),
     ("meshwork.train.loop", "train"),
     ("meshwork.train.optim", "make_optimizer"),
     ("meshwork.train.state", "init_state"),
     ("meshwork.inference.generate", "Generator"),
     ("meshwork.inference.serving", "Server"),
     ("meshwork.inference.kv_cache", "KVCache"),
+    ("meshwork.inference.validation", "RequestError"),
 ]
 
 
