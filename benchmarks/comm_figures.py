@@ -101,7 +101,7 @@ def bytes_table() -> None:
             cfg = _cfg(tmp, name, 40)
             trainer = build_trainer(cfg, check_runtime(cfg)).compile()
             sent = _sent(trainer)
-            grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract["params"]))
+            grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract.params))
         if "DiLoCo" in name:
             sent /= 4  # the parameter all-reduce sits in the sync branch, taken once per H = 4 steps
         base = base or sent

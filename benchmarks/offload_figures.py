@@ -88,8 +88,8 @@ def main() -> None:
             trainer = build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
             args, outs = host_bytes(trainer.step_fn)
             copies = gpu_placements(trainer)
-        n_moments = len(jax.tree.leaves(trainer.abstract["opt_state"]))
-        n_layer = len(jax.tree.leaves(trainer.abstract["params"]["blocks"]))
+        n_moments = len(jax.tree.leaves(trainer.abstract.opt_state))
+        n_layer = len(jax.tree.leaves(trainer.abstract.params["blocks"]))
         print(
             f"| {name} | {args:,} / {outs:,} | {n_moments} | {n_layer} | {copies['pinned_host']} | "
             f"{copies['device']} |",

@@ -72,5 +72,5 @@ def trainable_filter(cfg: Config | None):
 
 def ema_decay(cfg: Config) -> float | None:
     """Decay of the weights' exponential moving average, when the model keeps one (diffusion
-    samples with it): the trainer keeps `state["ema"]`, inference may read it instead of the weights."""
+    samples with it): the trainer keeps `state.ema`, inference may read it instead of the weights."""
     return (cfg.model.diffusion.ema_decay or None) if cfg.model.kind == "unet" else None

@@ -34,7 +34,7 @@ a (tokens, kept values) temporary; it is tested against the dense product and
 timed by benchmarks/sparsity.py, not used by the model.
 
 Masked fine-tuning: `apply_masks(params, masks)` zeroes the pruned weights of
-a params tree (a model's `nnx.State` or the trainer's `state["params"]`);
+a params tree (a model's `nnx.State` or the trainer's `state.params`);
 re-applied after every optimizer step it keeps the sparsity pattern fixed while
 the kept weights recover (`meshwork.train.sparse_recovery.recover`).
 """
@@ -147,7 +147,7 @@ def prune_model(model: nnx.Module, method: str = "2:4", fraction: float = 0.5) -
     masks ({weight path: bool array, True = kept}, for `apply_masks`).
 
     `nnx.update(model, params)` makes the model the pruned one. From a train state:
-    `prune_model(nnx.merge(trainer.graphdef, state["params"], state["buffers"]), ...)`.
+    `prune_model(nnx.merge(trainer.graphdef, state.params, state.buffers), ...)`.
 
     >>> from meshwork.config_sections import ModelConfig
     >>> from meshwork.models.transformer import Transformer

@@ -60,7 +60,7 @@ def state_bytes(
 
     `abstract_state` is {"params", "opt_state", ...} of arrays or
     ShapeDtypeStructs; `shardings` the same keys, each a tree prefix of
-    shardings (as `Trainer.shardings`). Gradients have the parameters' shapes
+    shardings (a train state's `.parts()`, as `Trainer.report_dict` passes). Gradients have the parameters' shapes
     and dtypes, laid out by `grad_shardings` when given (ZeRO-2) and like the
     parameters otherwise.
 

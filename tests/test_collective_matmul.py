@@ -194,7 +194,7 @@ def _train(tmp_path, collective: bool, steps: int = 2):
     state = trainer.init_state()
     for _ in range(steps):
         state, metrics = trainer.step_fn(state, trainer.to_device(next(batches)))
-    return jax.device_get(metrics), jax.device_get(state["params"]), trainer.step_fn.as_text(), cfg
+    return jax.device_get(metrics), jax.device_get(state.params), trainer.step_fn.as_text(), cfg
 
 
 def test_train_step_with_collective_matmul_equals_the_plain_one(tmp_path):

@@ -47,7 +47,7 @@ def _wire(trainer) -> dict:
 
 
 def _grad_bytes(trainer) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract["params"]))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract.params))
 
 
 @pytest.mark.over_budget("one compiled step per compression option (module fixture): ~17 s cold", seconds=40)
@@ -68,7 +68,7 @@ def test_bytes_on_the_wire_fall_by_the_expected_factor(trainers):
         assert wire["all-reduce"]["bytes"] < 0.001 * ring * grads  # only the metrics' scalars
 
     # PowerSGD rank r: r (rows + cols) per compressed matrix, the other leaves exactly.
-    shapes = [x.shape for x in jax.tree.leaves(trainers["dp"].abstract["params"])]
+    shapes = [x.shape for x in jax.tree.leaves(trainers["dp"].abstract.params)]
     for name, r in (("powersgd", 1), ("powersgd_r4", 4)):
         expect = sum(
             4 * (b * r * (rows + cols) if compressed(s, r) else int(np.prod(s)))

@@ -37,7 +37,7 @@ def three_steps(tmp_path, overrides, n_devices):
     state = trainer.init_state()
     for _ in range(3):
         state, metrics = trainer.step_fn(state, trainer.to_device(next(batches)))
-    return jax.device_get(metrics), jax.device_get(state["params"]), jax.device_get(state["ema"])
+    return jax.device_get(metrics), jax.device_get(state.params), jax.device_get(state.ema)
 
 
 @pytest.fixture(scope="module")

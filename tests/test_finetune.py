@@ -73,7 +73,7 @@ def test_lora_learns_the_docs_and_reports_the_code_loss(base, tuned):
 @pytest.mark.slow
 def test_only_the_lora_matrices_are_trained(base, tuned):
     state = tuned["lora"]["state"]
-    params = jax.tree.leaves(state["params"])
+    params = jax.tree.leaves(state.params)
     cfg = load_config(ROOT / "configs/lora_tiny.yaml")
     L, D, H, G, K, r = (
         cfg.model.n_layers,
@@ -86,11 +86,11 @@ def test_only_the_lora_matrices_are_trained(base, tuned):
     # A and B for W_q (D -> H*K) and W_v (D -> G*K) in every layer.
     assert sum(p.size for p in params) == L * r * ((D + H * K) + (D + G * K))
     # Adam's moments exist for those alone.
-    moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim > 0]
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     assert sum(m.size for m in moments) == 2 * sum(p.size for p in params)
     # The frozen base is bit for bit the base run's weights.
     base_params = jax.tree.leaves(nnx.state(load_run(base["run_dir"])[1], nnx.Param))  # its last checkpoint
-    frozen = jax.tree.leaves(state["buffers"])
+    frozen = jax.tree.leaves(state.buffers)
     assert len(frozen) == len(base_params)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(frozen, base_params))
 
@@ -111,7 +111,7 @@ def test_qlora_tracks_lora(tuned):
     # 4-bit base weights: the start is within 1% of LoRA's, and so is the loss after fine-tuning.
     assert qlora[0] == pytest.approx(lora[0], rel=0.01)
     assert qlora[STEPS] == pytest.approx(lora[STEPS], rel=0.02), (lora, qlora)
-    frozen = tuned["qlora"]["state"]["buffers"]
+    frozen = tuned["qlora"]["state"].buffers
     int4 = [x for x in jax.tree.leaves(frozen) if x.dtype in (np.int8, np.uint8)]
     assert int4, "no 4-bit weights in the QLoRA base"
 
@@ -134,7 +134,7 @@ def test_sharded_finetuning_resumes_exactly(base, tmp_path):
     for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The frozen base is split over the 8 devices like the trainable weights.
-    wq = jax.tree.leaves(straight["state"]["buffers"])[0]
+    wq = jax.tree.leaves(straight["state"].buffers)[0]
     assert len(wq.addressable_shards) == 8
 
 

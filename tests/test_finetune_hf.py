@@ -126,7 +126,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(setup, straight):
     train(lora_config(setup, run_dir, STEPS, f"train.stop_after={STEPS // 2}"), devices=jax.devices()[:1])
     resumed = train(lora_config(setup, run_dir), devices=jax.devices()[:1])
     assert resumed["resumed_from"] == STEPS // 2
-    a, b = jax.tree.leaves(straight["state"]["params"]), jax.tree.leaves(resumed["state"]["params"])
+    a, b = jax.tree.leaves(straight["state"].params), jax.tree.leaves(resumed["state"].params)
     assert len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
     assert resumed["val_loss"][STEPS] == straight["val_loss"][STEPS]
 
@@ -152,6 +152,6 @@ def test_full_fine_tuning_from_the_folder_starts_from_its_weights(setup):
     devices = jax.devices()[:1]
     state = build_trainer(cfg, check_runtime(cfg, devices), devices).init_state()  # layout only: no compile
     _, want = load_hf_checkpoint(setup / "base")
-    got = nnx.to_pure_dict(state["params"])
+    got = nnx.to_pure_dict(state.params)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))

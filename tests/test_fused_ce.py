@@ -162,7 +162,7 @@ def train_steps(tmp_path, overrides):
     for _ in range(STEPS):
         state, metrics = trainer.step_fn(state, trainer.to_device(next(batches)))
         losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state["params"]), trainer.step_fn.as_text()
+    return losses, jax.device_get(state.params), trainer.step_fn.as_text()
 
 
 def test_training_with_loss_chunk_equals_plain(tmp_path):

@@ -143,7 +143,7 @@ def test_aux_loss_free_bias_moves_toward_underloaded_experts(tmp_path):
         ],
     )
     out = train(cfg)
-    bias = out["state"]["buffers"]["moe_blocks"]["moe"]["router_bias"]
+    bias = out["state"].buffers["moe_blocks"]["moe"]["router_bias"]
     assert isinstance(bias, RouterBias)  # a buffer: never touched by the optimizer
     load = np.asarray(read_metrics(tmp_path)[-1]["load_per_layer"])
     assert load.shape == (cfg.model.n_layers - 1, 8)
@@ -228,7 +228,7 @@ def test_the_planner_mirrors_interleaved_runs():
     _, abstract = abstract_state(cfg, make_optimizer(cfg.optimizer, 10)[0])
     real = {
         ".".join(map(str, path)): (tuple(v.shape), tuple(v.get_metadata()["out_sharding"]))
-        for path, v in nnx.to_flat_state(abstract["params"])
+        for path, v in nnx.to_flat_state(abstract.params)
     }
     assert {w.path: (w.shape, w.names) for w in model_weights(cfg.model)} == real
     assert {k.split(".")[0] for k in real} == {"embed", "head", "moe_blocks_0", "dense_blocks_1", "moe_blocks_3"}
@@ -276,8 +276,8 @@ def test_interleaved_runs_under_expert_parallelism_equal_one_device(tmp_path):
     got = one_step(
         tmp_path / "ep", [*moe, "rules.preset=fsdp+tp+ep", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"], 8
     )
-    assert sorted(got[2]["params"]) == ["dense_blocks_1", "embed", "head", "moe_blocks_0"]
-    assert got[2]["params"]["moe_blocks_0"]["moe"]["w_up"].sharding.spec[1] == "expert"
+    assert sorted(got[2].params) == ["dense_blocks_1", "embed", "head", "moe_blocks_0"]
+    assert got[2].params["moe_blocks_0"]["moe"]["w_up"].sharding.spec[1] == "expert"
     assert "all-to-all" in got[3].step_fn.as_text()
     assert_same_step(got, want)
 

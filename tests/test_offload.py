@@ -89,9 +89,9 @@ def test_memory_kinds(runs, n_devices, option):
     trainer, state, _ = runs(n_devices, option)
     offload = trainer.cfg.train.offload
     kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}  # noqa: E731
-    assert kinds(state["opt_state"]) == {"pinned_host" if offload.optimizer else "device"}
-    assert kinds(state["params"]["blocks"]) == {"pinned_host" if offload.params else "device"}
-    assert kinds(state["params"]["embed"]) | kinds(state["params"]["head"]) == {"device"}
+    assert kinds(state.opt_state) == {"pinned_host" if offload.optimizer else "device"}
+    assert kinds(state.params["blocks"]) == {"pinned_host" if offload.params else "device"}
+    assert kinds(state.params["embed"]) | kinds(state.params["head"]) == {"device"}
     # Only the memory kind changes: same partition specs as without offload (here fsdp on 8).
     ref = runs(n_devices, "none")[1]
     specs = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]  # noqa: E731
@@ -107,11 +107,11 @@ def test_bytes_off_device(runs, n_devices, option):
     shardings, abstract = trainer.shardings, trainer.abstract
     expected = 0
     if offload.optimizer:
-        expected += state_bytes(abstract, shardings)["opt_state"]
+        expected += state_bytes(abstract.parts(), shardings.parts())["opt_state"]
     if offload.params:
         expected += state_bytes(
-            {"params": abstract["params"]["blocks"], "opt_state": {}},
-            {"params": shardings["params"]["blocks"], "opt_state": {}},
+            {"params": abstract.params["blocks"], "opt_state": {}},
+            {"params": shardings.params["blocks"], "opt_state": {}},
         )["params"]
     assert host_bytes(trainer.step_fn) == (expected, expected)
     assert host_bytes(ref_trainer.step_fn) == (0, 0)
@@ -159,14 +159,14 @@ def test_what_the_gpu_program_streams(runs):
     sent to the host in the forward pass (more host placements than offloaded state arrays)."""
     assert _placements(runs(1, "none")[0]) == {"pinned_host": 0, "device": 0}
     trainer = runs(1, "optimizer")[0]
-    n_moments = len(jax.tree.leaves(trainer.abstract["opt_state"]))
+    n_moments = len(jax.tree.leaves(trainer.abstract.opt_state))
     opt = _placements(trainer)
     assert opt["pinned_host"] == n_moments and opt["device"] >= n_moments
     # The figures the docs quote (jax 0.10.2; benchmarks/offload_figures.py): 26 copies to host
     # (one per optimizer-state array) and 39 to device on this model.
     assert (n_moments, opt["pinned_host"], opt["device"]) == (26, 26, 39), (n_moments, opt)
     trainer = runs(1, "params_dots")[0]
-    n_layer_params = len(jax.tree.leaves(trainer.abstract["params"]["blocks"]))
+    n_layer_params = len(jax.tree.leaves(trainer.abstract.params["blocks"]))
     both = _placements(trainer)
     assert both["pinned_host"] > n_layer_params and both["device"] > 2 * n_layer_params  # forward and backward scans
 

@@ -55,7 +55,7 @@ def train_then_grads(tmp_path, overrides, n_devices, steps=3, curve_steps=None):
     gradients = gradient_strategy(cfg, trainer.graphdef, task.objective(trainer.graphdef), trainer.mesh)
     batch = trainer.to_device(next(batches))
     with trainer.context():
-        metrics, grads, _ = jax.jit(gradients)(state["params"], state["buffers"], batch, jax.random.key(0))
+        metrics, grads, _ = jax.jit(gradients)(state.params, state.buffers, batch, jax.random.key(0))
     result = np.asarray(losses), jax.device_get(metrics), jax.device_get(grads)
     if curve_steps is None:
         return result

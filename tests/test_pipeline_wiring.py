@@ -62,7 +62,8 @@ def test_pp_state_bytes_match_planner_and_accumulators_are_sharded(tmp_path, mon
     trainer = build_trainer(cfg, check_runtime(cfg, jax.devices()), jax.devices()).compile()
     state = trainer.init_state()
     on_device = {
-        k: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(state[k])) for k in ("params", "opt_state")
+        k: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(getattr(state, k)))
+        for k in ("params", "opt_state")
     }
     want = state_memory(cfg, layout_from_config(cfg, 8))
     assert on_device == {"params": want["params"], "opt_state": want["opt_state"]}
@@ -94,7 +95,7 @@ def test_pp_fsdp_step_equals_single_device(tmp_path, reference_4_layers):
     from test_sharded_step import assert_same_step, one_step
 
     got = one_step(tmp_path, ["model.n_layers=4", *LAYOUTS["fsdp"], "train.pipeline=1f1b", "train.microbatches=2"], 8)
-    wq = got[2]["params"]["blocks"]["attn"]["wq"]
+    wq = got[2].params["blocks"]["attn"]["wq"]
     assert tuple(wq.sharding.spec)[:2] == ("stage", "fsdp")
     assert_same_step(got, reference_4_layers)
 

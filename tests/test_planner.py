@@ -115,7 +115,7 @@ def test_weights_mirror_the_model(config, extra):
     _, abstract = abstract_state(cfg, make_optimizer(cfg.optimizer, 10)[0])
     real = {
         ".".join(map(str, path)): (tuple(v.shape), tuple(v.get_metadata()["out_sharding"]))
-        for path, v in nnx.to_flat_state(abstract["params"])
+        for path, v in nnx.to_flat_state(abstract.params)
     }
     assert {w.path: (w.shape, w.names) for w in model_weights(cfg.model)} == real
 

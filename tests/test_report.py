@@ -64,7 +64,7 @@ def trainers(tmp_path_factory):
 
 
 def grad_shardings(trainer):
-    return tree_shardings(logical_specs(trainer.abstract["params"]), trainer.mesh, trainer.rules_by_role["grads"])
+    return tree_shardings(logical_specs(trainer.abstract.params), trainer.mesh, trainer.rules_by_role["grads"])
 
 
 def summary(collectives, in_loop=None):
@@ -81,7 +81,7 @@ def summary(collectives, in_loop=None):
 
 def block_bytes(trainer):
     """fp32 bytes of the scanned layers' parameters (what ZeRO's formulas count)."""
-    return 4 * sum(x.size for x in jax.tree.leaves(trainer.abstract["params"]["blocks"]))
+    return 4 * sum(x.size for x in jax.tree.leaves(trainer.abstract.params["blocks"]))
 
 
 # --- Megatron: one MLP block's forward --------------------------------------------
@@ -198,7 +198,7 @@ def layout(tmp_path, name):
     mesh = make_mesh(cfg.mesh.sizes())
     rules = {role: rules_for(cfg.rules.preset, cfg.rules.overrides, role) for role in ROLES}
     _, abstract = abstract_state(cfg, make_optimizer(cfg.optimizer, cfg.train.steps)[0])
-    grads = tree_shardings(logical_specs(abstract["params"]), mesh, rules["grads"])
+    grads = tree_shardings(logical_specs(abstract.params), mesh, rules["grads"])
     return abstract, state_shardings(abstract, mesh, rules), grads
 
 
@@ -213,18 +213,19 @@ def layout(tmp_path, name):
 )
 def test_state_bytes_follow_zero_formulas(tmp_path, name, formula):
     abstract, shardings, grads = layout(tmp_path, name)
-    got = state_bytes(abstract, shardings, grads)
+    got = state_bytes(abstract.parts(), shardings.parts(), grads)
     assert got["total"] == pytest.approx(formula(param_count(abstract)), rel=0.02)
     assert got["total"] == got["params"] + got["grads"] + got["opt_state"]
 
 
 def test_state_bytes_read_the_trainers_shardings(trainers, tmp_path):
     t = trainers("zero2")
-    got = state_bytes(t.abstract, t.shardings, grad_shardings(t))
+    got = state_bytes(t.abstract.parts(), t.shardings.parts(), grad_shardings(t))
     P = param_count(t.abstract)
     assert got["params"] == 4 * P
     assert got["grads"] == pytest.approx(4 * P / N, rel=0.01)
-    assert got == state_bytes(*layout(tmp_path, "zero2"))
+    abstract, shardings, grads = layout(tmp_path, "zero2")
+    assert got == state_bytes(abstract.parts(), shardings.parts(), grads)
 
 
 # --- the report itself ---------------------------------------------------------------
@@ -232,7 +233,7 @@ def test_state_bytes_read_the_trainers_shardings(trainers, tmp_path):
 
 def test_report_is_json_and_prints_every_figure(trainers):
     t = trainers("fsdp")
-    report = compiled_report(t.step_fn, state_bytes(t.abstract, t.shardings, grad_shardings(t)))
+    report = compiled_report(t.step_fn, state_bytes(t.abstract.parts(), t.shardings.parts(), grad_shardings(t)))
     assert json.loads(json.dumps(report)) == report
     assert set(report["collectives"]) == set(COLLECTIVES)
     assert report["temp_bytes"] > 0 and report["flops"] > 0

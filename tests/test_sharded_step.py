@@ -28,7 +28,7 @@ def one_step(tmp_path, overrides, n_devices):
     state = trainer.init_state()
     for _ in range(STEPS):
         state, metrics = trainer.step_fn(state, trainer.to_device(next(batches)))
-    return jax.device_get(metrics), jax.device_get(state["params"]), state, trainer
+    return jax.device_get(metrics), jax.device_get(state.params), state, trainer
 
 
 class Lazy(dict):
@@ -82,7 +82,7 @@ def test_sharded_step_equals_single_device(tmp_path, reference, layout):
     preset, sizes = LAYOUTS[layout]
     got = one_step(tmp_path, [*(f"mesh.{k}={v}" for k, v in sizes.items()), f"rules.preset={preset}"], 8)
     # The compared run really was sharded the way the preset says: wq is (layers, embed, heads, head_dim).
-    wq = got[2]["params"]["blocks"]["attn"]["wq"]
+    wq = got[2].params["blocks"]["attn"]["wq"]
     expect = (None, "fsdp" if "fsdp" in preset else None, "tensor" if "tp" in preset or "sp" in preset else None)
     assert tuple(wq.sharding.spec)[:3] == expect, wq.sharding.spec
     if "cp" in preset:  # attention really went around the ring
@@ -133,7 +133,7 @@ def test_pipeline_step_equals_single_device(tmp_path, references_4_layers, kind,
         ],
         8,
     )
-    wq = got[2]["params"]["blocks"]["attn"]["wq"]
+    wq = got[2].params["blocks"]["attn"]["wq"]
     assert wq.sharding.spec[0] == "stage" and wq.addressable_shards[0].data.shape[0] == 1
     assert_same_step(got, references_4_layers[tied])
 
@@ -186,7 +186,7 @@ def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references,
         ],
         8,
     )
-    w_up = got[2]["params"]["moe_blocks"]["moe"]["w_up"]  # (layers, expert, embed, mlp)
+    w_up = got[2].params["moe_blocks"]["moe"]["w_up"]  # (layers, expert, embed, mlp)
     assert w_up.sharding.spec[1] == "expert"
     assert w_up.addressable_shards[0].data.shape[1] == 8 // sizes["expert"]
     hlo = got[3].step_fn.as_text()
@@ -210,6 +210,6 @@ def test_pallas_attention_trains_like_xla(tmp_path, reference, sizes, preset):
         8 if len(sizes) > 1 else 1,
     )
     state, trainer = got[2], got[3]
-    model = nnx.merge(trainer.graphdef, state["params"], state["buffers"])
+    model = nnx.merge(trainer.graphdef, state.params, state.buffers)
     assert model.blocks.attn.impl == "pallas"  # the config reached the layer
     assert_same_step(got, reference)

@@ -64,5 +64,5 @@ def test_fsdp_stores_an_eighth_of_every_divisible_leaf(runs):
         assert leaf.sharding.shard_shape(leaf.shape) == shard.shape
         checked += 1
     # params + Adam mu + nu, for every weight of the model
-    n_params = len(jax.tree.leaves(state["params"]))
+    n_params = len(jax.tree.leaves(state.params))
     assert checked == 3 * n_params and n_params >= 11

@@ -323,25 +323,20 @@ def make_diloco_step(
         return params, opt_state, jax.tree.map(lambda p, lp: jnp.broadcast_to(p, lp.shape), params, local_params)
 
     def train_step(state, batch):
-        noise_key = jax.random.fold_in(jax.random.key(seed), state["step"])
+        noise_key = jax.random.fold_in(jax.random.key(seed), state.step)
         local_params, inner_opt, metrics = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=(P(AXIS), P(AXIS), P(), P(AXIS), P()),
             out_specs=(P(AXIS), P(AXIS), P()),
             check_vma=False,
-        )(state["comm"]["local_params"], state["comm"]["inner_opt"], state["buffers"], batch, noise_key)
-        step = state["step"] + 1
+        )(state.comm["local_params"], state.comm["inner_opt"], state.buffers, batch, noise_key)
+        step = state.step + 1
         params, opt_state, local_params = jax.lax.cond(
-            step % H == 0, sync, lambda args: args, (state["params"], state["opt_state"], local_params)
+            step % H == 0, sync, lambda args: args, (state.params, state.opt_state, local_params)
         )
-        metrics = {**metrics, "lr": schedule(state["step"])}
-        return {
-            **state,
-            "step": step,
-            "params": params,
-            "opt_state": opt_state,
-            "comm": {"local_params": local_params, "inner_opt": inner_opt},
-        }, metrics
+        metrics = {**metrics, "lr": schedule(state.step)}
+        comm = {"local_params": local_params, "inner_opt": inner_opt}
+        return state.replace(step=step, params=params, opt_state=opt_state, comm=comm), metrics
 
     return train_step

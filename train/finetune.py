@@ -15,7 +15,6 @@ its own checkpoints like any run; the base is read only at step 0.
 from __future__ import annotations
 
 import pathlib
-from typing import Any
 
 import jax
 from flax import nnx
@@ -29,6 +28,7 @@ from meshwork.partitioning import abstract_with_shardings, variable_shardings
 from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import Checkpointer
 from meshwork.sharding.rules import Rules
+from meshwork.train.state import TrainState
 
 # Model keys that choose how the model runs or starts, not what it computes: a config may set
 # them beside a Hugging Face base.
@@ -143,22 +143,22 @@ def load_base_params(cfg: Config, mesh: Mesh, rules_by_role: dict[str, Rules]) -
     return state["params"]
 
 
-def describe(cfg: Config, abstract: dict[str, Any]) -> str:
+def describe(cfg: Config, abstract: TrainState) -> str:
     """Start-up lines: trainable vs total parameters, and bytes of weights, gradients and Adam state."""
 
     def nbytes(tree):
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
-    trainable = sum(x.size for x in jax.tree.leaves(abstract["params"]))
+    trainable = sum(x.size for x in jax.tree.leaves(abstract.params))
     base = param_counts(cfg.model)["total"]
     total = base + (trainable if cfg.finetune.method not in ("full", "none") else 0)
-    weights = nbytes(abstract["params"]) + nbytes(abstract["buffers"])
+    weights = nbytes(abstract.params) + nbytes(abstract.buffers)
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     return (
         f"finetune {cfg.finetune.method}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.3f}%)\n"
-        f"  bytes: weights {mib(weights)} (frozen {mib(nbytes(abstract['buffers']))}), "
-        f"gradients {mib(nbytes(abstract['params']))}, optimizer state {mib(nbytes(abstract['opt_state']))}"
+        f"  bytes: weights {mib(weights)} (frozen {mib(nbytes(abstract.buffers))}), "
+        f"gradients {mib(nbytes(abstract.params))}, optimizer state {mib(nbytes(abstract.opt_state))}"
     )
 
 

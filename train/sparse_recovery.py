@@ -28,18 +28,20 @@ def recover(
     trainer = build_trainer(cfg, check_runtime(cfg, devices), devices).compile()
     state = trainer.init_state()
     # A copy (may_alias=False): the step donates the state, which must not delete the caller's params.
-    state["params"] = jax.tree.map(
-        lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding, may_alias=False), params, state["params"]
+    state = state.replace(
+        params=jax.tree.map(
+            lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding, may_alias=False), params, state.params
+        )
     )
     masks = jax.device_put(masks, NamedSharding(trainer.mesh, PartitionSpec()))
     mask_fn = jax.jit(apply_masks, donate_argnums=0)
-    state["params"] = mask_fn(state["params"], masks)
+    state = state.replace(params=mask_fn(state.params, masks))
     data = trainer.task.train_iterator()
     losses = []
     for i in range(cfg.train.steps):
         state, metrics = trainer.step_fn(state, trainer.to_device(next(data)))
-        state["params"] = mask_fn(state["params"], masks)
+        state = state.replace(params=mask_fn(state.params, masks))
         losses.append(float(metrics["loss"]))
         if log is not None:
             log(i + 1, losses[-1])
-    return jax.device_get(state["params"]), losses
+    return jax.device_get(state.params), losses

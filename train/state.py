@@ -1,6 +1,7 @@
 """The train state and its abstract-first, sharded initialization.
 
-State is a plain dict pytree {"step", "params", "opt_state"}; the model's
+State is a `TrainState` pytree (step, params, buffers, opt_state, and ema/comm when the run
+has them); the model's
 structure (its nnx GraphDef) is kept apart and closed over by the step, so
 the jitted functions see only arrays. Parameters and Adam moments are
 `nnx.Param` variables carrying their logical axis names, which is all the
@@ -13,6 +14,7 @@ sharding rules need:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,23 +30,73 @@ from meshwork.models.build import build_model, ema_decay, split_model
 from meshwork.partitioning import logical_specs, on_host, per_leaf, variable_shardings
 from meshwork.sharding.rules import Rules, tree_shardings
 
+# The parts in the order they flatten: the sorted key order of the dict the state used to be, so
+# leaves, jit shardings, donation and checkpoints (Orbax names a leaf by its key path) are unchanged.
+_PARTS = ("buffers", "comm", "ema", "opt_state", "params", "step")
+_OPTIONAL = ("comm", "ema")
 
-def _fresh_state(cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None) -> dict[str, Any]:
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """The train state: a pytree in which the optional parts a run does not have are absent.
+
+    `ema` is the diffusion EMA of the weights, `comm` the per-replica buffers of explicit gradient
+    reduction or DiLoCo; None means the run has none, and the part is then no node of the tree
+    (not a None leaf). Each present part flattens under `DictKey(name)`, in sorted name order, so
+    `TrainState(step, params, buffers, opt_state)` has exactly the leaves, key paths and on-disk
+    names of the dict {"step", "params", "buffers", "opt_state"} it replaces: checkpoints of either
+    restore into the other. A TrainState of shardings (a tree prefix) lays out one of arrays.
+
+    >>> state = state.replace(step=state.step + 1)   # doctest: +SKIP
+    """
+
+    step: Any
+    params: Any
+    buffers: Any
+    opt_state: Any
+    ema: Any = None
+    comm: Any = None
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+    def parts(self) -> dict[str, Any]:
+        """The parts in the tree by name, in flattening order (the required four always)."""
+        return {k: getattr(self, k) for k in _PARTS if k not in _OPTIONAL or getattr(self, k) is not None}
+
+
+def _flatten_with_keys(state: TrainState) -> tuple[list[tuple[jax.tree_util.DictKey, Any]], tuple[str, ...]]:
+    # Only the optional parts may be absent: a map that turns the step (a leaf) into None must keep
+    # the node, or the tree would change shape under Orbax's and jax's own maps.
+    parts = state.parts()
+    return [(jax.tree_util.DictKey(name), part) for name, part in parts.items()], tuple(parts)
+
+
+jax.tree_util.register_pytree_with_keys(
+    TrainState,
+    _flatten_with_keys,
+    lambda names, children: TrainState(**dict(zip(names, children))),
+    lambda state: (list(state.parts().values()), tuple(state.parts())),
+)
+
+
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None) -> TrainState:
     _, params, buffers = split_model(build_model(cfg, base_params=base_params), cfg)
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers, "opt_state": tx.init(params)}
-    if ema_decay(cfg):
-        state["ema"] = jax.tree.map(jnp.copy, params)
-    return state
+    ema = jax.tree.map(jnp.copy, params) if ema_decay(cfg) else None
+    return TrainState(jnp.zeros((), jnp.int32), params, buffers, tx.init(params), ema=ema)
 
 
-def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, dict[str, Any]]:
+def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched."""
     graphdef = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)[0]
     return graphdef, jax.eval_shape(lambda: _fresh_state(cfg, tx))
 
 
-def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules], offload: OffloadConfig | None = None) -> Any:
-    """NamedShardings for every state leaf (a tree prefix of the state).
+def state_shardings(
+    abstract: TrainState, mesh: Mesh, rules: Mapping[str, Rules], offload: OffloadConfig | None = None
+) -> TrainState:
+    """NamedShardings for every state leaf (a TrainState, a tree prefix of the state); `comm` is
+    left out (the trainer lays it out, train/comm.py).
 
     `rules` maps a role to its table (see `sharding.rules.ROLES`): parameters
     follow "params", Adam's moments "opt_state" (they differ under ZeRO-1/2).
@@ -52,27 +104,27 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: Mapping[str, Rules], offlo
     layers' parameters ("blocks") to pinned host memory; only the memory kind
     changes, so offload composes with every preset.
     """
-    shardings = {
-        "step": tree_shardings(None, mesh, rules["params"]),
-        "params": variable_shardings(abstract["params"], mesh, rules["params"]),
-        "buffers": variable_shardings(abstract["buffers"], mesh, rules["params"]),
-        "opt_state": tree_shardings(logical_specs(abstract["opt_state"]), mesh, rules["opt_state"]),
-    }
-    if "ema" in abstract:
-        shardings["ema"] = shardings["params"]
+    params = variable_shardings(abstract.params, mesh, rules["params"])
+    opt_state = tree_shardings(logical_specs(abstract.opt_state), mesh, rules["opt_state"])
+    ema = params if abstract.ema is not None else None
     if offload is not None and offload.optimizer:
         # A prefix sharding may stand for a whole subtree: expand to one per leaf first.
-        shardings["opt_state"] = on_host(per_leaf(shardings["opt_state"], abstract["opt_state"]))
+        opt_state = on_host(per_leaf(opt_state, abstract.opt_state))
     if offload is not None and offload.params:
-        params = per_leaf(shardings["params"], abstract["params"])
+        params = per_leaf(params, abstract.params)
         params["blocks"] = on_host(params["blocks"])
-        shardings["params"] = params
-    return shardings
+    return TrainState(
+        step=tree_shardings(None, mesh, rules["params"]),
+        params=params,
+        buffers=variable_shardings(abstract.buffers, mesh, rules["params"]),
+        opt_state=opt_state,
+        ema=ema,
+    )
 
 
 def init_state(
-    cfg: Config, tx: optax.GradientTransformation, shardings: Any, base_params: nnx.State | None = None
-) -> dict[str, Any]:
+    cfg: Config, tx: optax.GradientTransformation, shardings: TrainState, base_params: nnx.State | None = None
+) -> TrainState:
     """Initializes directly into `shardings`: each device computes only its shards.
 
     `base_params`: a trained run's weights to start from (fine-tuning), already placed.
@@ -97,5 +149,5 @@ def compiled_for_one_run(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         return lowered.compile()
 
 
-def param_count(state: dict[str, Any]) -> int:
-    return sum(x.size for x in jax.tree.leaves(state["params"]))
+def param_count(state: TrainState) -> int:
+    return sum(x.size for x in jax.tree.leaves(state.params))

@@ -46,7 +46,7 @@ from meshwork.train.finetune import check_base, load_base_params
 from meshwork.train.gradients import gradient_strategy, local_strategy, replica_gradient
 from meshwork.train.logger import to_host
 from meshwork.train.optim import make_optimizer
-from meshwork.train.state import abstract_state, init_state, state_shardings
+from meshwork.train.state import TrainState, abstract_state, init_state, state_shardings
 from meshwork.train.step import make_eval_step, make_train_step
 from meshwork.train.task import DiffusionTask, LMTask, make_task
 
@@ -121,8 +121,8 @@ class Trainer:
     inner_tx: optax.GradientTransformation | None  # DiLoCo's per-replica optimizer
     schedule: optax.Schedule
     graphdef: nnx.GraphDef
-    abstract: dict[str, Any]  # the train state as ShapeDtypeStructs
-    shardings: dict[str, Any]  # a NamedSharding prefix tree of the state
+    abstract: TrainState  # the train state as ShapeDtypeStructs
+    shardings: TrainState  # a NamedSharding prefix tree of the state
     grad_shardings: Any  # the gradients' own layout (ZeRO-2), or None: the parameters'
     batch_sharding: NamedSharding
     step_fn: Callable | None = None  # (state, batch) -> (state, metrics), donating the state
@@ -159,11 +159,11 @@ class Trainer:
                 ) from None
             # A batch thrown out by a rollback: only the step counter moves (the schedule and noise follow it).
             skip_fn = jax.jit(
-                lambda state: {**state, "step": state["step"] + 1}, out_shardings=self.shardings, donate_argnums=0
+                lambda state: state.replace(step=state.step + 1), out_shardings=self.shardings, donate_argnums=0
             )
             eval_fn = jax.jit(
                 make_eval_step(self.task.objective(self.graphdef)),
-                in_shardings=(self.shardings["params"], self.shardings["buffers"], self.batch_sharding),
+                in_shardings=(self.shardings.params, self.shardings.buffers, self.batch_sharding),
                 out_shardings=replicated,
             )
         return dataclasses.replace(self, step_fn=step_fn, skip_fn=skip_fn, eval_fn=eval_fn)
@@ -212,17 +212,16 @@ class Trainer:
         stack.enter_context(use_parallel(self.parallel))
         return stack
 
-    def init_state(self) -> dict[str, Any]:
+    def init_state(self) -> TrainState:
         """A fresh state; a fine-tuning run starts from its base run's trained weights."""
         # Outside the mesh context, like the trainer's own abstract state (nnx.eval_shape).
         base = load_base_params(self.cfg, self.mesh, self.rules_by_role) if self.cfg.finetune.method != "none" else None
         with self.context():
             if not uses_comm(self.cfg):
                 return init_state(self.cfg, self.tx, self.shardings, base)
-            plain = {k: v for k, v in self.shardings.items() if k != "comm"}
-            state = init_state(self.cfg, self.tx, plain, base)
+            state = init_state(self.cfg, self.tx, self.shardings.replace(comm=None), base)
             init_comm = lambda params: init_comm_state(self.cfg, params, self.mesh.shape["data"], self.inner_tx)  # noqa: E731
-            return {**state, "comm": jax.jit(init_comm, out_shardings=self.shardings["comm"])(state["params"])}
+            return state.replace(comm=jax.jit(init_comm, out_shardings=self.shardings.comm)(state.params))
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global host batch -> sharded global arrays; each process puts only the rows its devices hold."""
@@ -237,12 +236,12 @@ class Trainer:
             k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape) for k, v in batch.items()
         }
 
-    def evaluate(self, state: dict[str, Any], batches: list[dict[str, np.ndarray]]) -> float:
+    def evaluate(self, state: TrainState, batches: list[dict[str, np.ndarray]]) -> float:
         with self.context():
-            losses = [self.eval_fn(state["params"], state["buffers"], self.to_device(b)) for b in batches]
+            losses = [self.eval_fn(state.params, state.buffers, self.to_device(b)) for b in batches]
         return float(np.mean([to_host(x) for x in losses]))
 
-    def write_samples(self, state: dict[str, Any], path: pathlib.Path, num: int | None = None, steps: int = 25) -> None:
+    def write_samples(self, state: TrainState, path: pathlib.Path, num: int | None = None, steps: int = 25) -> None:
         """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA): one row per
         class, 2 samples each (16 samples without classes), tiles scaled up to 48 px."""
         from flax import nnx
@@ -251,14 +250,16 @@ class Trainer:
 
         classes = self.cfg.model.unet.num_class_embeds
         num = num or (2 * (classes - 1) if classes is not None else 16)  # the last class is guidance's null one
-        model = nnx.merge(self.graphdef, state.get("ema", state["params"]), state["buffers"])
+        model = nnx.merge(self.graphdef, state.ema if state.ema is not None else state.params, state.buffers)
         with self.context():
             images, labels = sample_images(model, self.cfg, num=num, steps=steps)
         save_class_grid(images, labels, path)
 
     def report_dict(self) -> dict[str, Any]:
         """Per-device state bytes, temp memory, FLOPs and collectives of the compiled step."""
-        return compiled_report(self.step_fn, state_bytes(self.abstract, self.shardings, self.grad_shardings))
+        return compiled_report(
+            self.step_fn, state_bytes(self.abstract.parts(), self.shardings.parts(), self.grad_shardings)
+        )
 
     def report(self) -> str:
         return format_report(self.report_dict(), self.cfg, self.mesh)
@@ -284,20 +285,22 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
     # place the logical names on the mesh itself.
     graphdef, abstract = abstract_state(cfg, tx)
     if uses_comm(cfg):
-        abstract["comm"] = jax.eval_shape(
-            lambda params: init_comm_state(cfg, params, mesh.shape["data"], inner_tx), abstract["params"]
+        abstract = abstract.replace(
+            comm=jax.eval_shape(
+                lambda params: init_comm_state(cfg, params, mesh.shape["data"], inner_tx), abstract.params
+            )
         )
     parallel = ParallelContext(rules, collective_matmul=cfg.comm.collective_matmul)
     with jax.set_mesh(mesh), use_parallel(parallel):
         shardings = state_shardings(abstract, mesh, rules_by_role, cfg.train.offload)
         if uses_comm(cfg):
-            shardings["comm"] = comm_shardings(abstract["comm"], mesh)
+            shardings = shardings.replace(comm=comm_shardings(abstract.comm, mesh))
         _check_divisible(cfg, abstract_with_shardings(abstract, shardings))
         # Gradients get their own layout only when it differs from the
         # parameters' (ZeRO-2: reduce-scattered instead of all-reduced).
         grad_shardings = None
         if rules_by_role["grads"] != rules:
-            grad_shardings = tree_shardings(logical_specs(abstract["params"]), mesh, rules_by_role["grads"])
+            grad_shardings = tree_shardings(logical_specs(abstract.params), mesh, rules_by_role["grads"])
         batch_sharding = logical_to_sharding(task.batch_axes, mesh, rules)
     return Trainer(
         cfg,
@@ -317,10 +320,11 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
     )
 
 
-def _check_divisible(cfg: Config, placed: dict[str, Any]) -> None:
+def _check_divisible(cfg: Config, placed: TrainState) -> None:
     # Parameters first: the message should name a weight, not one of its Adam moments.
-    for part in sorted(placed, key=lambda k: (k != "params", k != "buffers", k)):
-        if problem := indivisible(placed[part]):
+    parts = placed.parts()
+    for part in sorted(parts, key=lambda k: (k != "params", k != "buffers", k)):
+        if problem := indivisible(parts[part]):
             raise ConfigError(
                 f"{part}.{problem} (rules.preset={cfg.rules.preset}); choose model sizes "
                 f"the mesh divides, a smaller mesh axis, or another rules.preset"

@@ -37,5 +37,5 @@ def test_resume_on_4_devices_follows_the_8_device_run(tmp_path):
     # After it only the reduction order differs (4 devices, two accumulated halves): float noise.
     np.testing.assert_allclose([r["loss"] for r in b[STOP:]], [r["loss"] for r in a[STOP:]], rtol=2e-5)
     np.testing.assert_allclose(elastic["val_loss"][STEPS], straight["val_loss"][STEPS], rtol=2e-5)
-    for x, y in zip(jax.tree.leaves(elastic["state"]["params"]), jax.tree.leaves(straight["state"]["params"])):
+    for x, y in zip(jax.tree.leaves(elastic["state"].params), jax.tree.leaves(straight["state"].params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-5)

@@ -32,7 +32,7 @@ def test_skip_drops_the_update_and_goes_on(skipped):
     rows = {r["step"]: r for r in read_metrics(skipped["run_dir"]) if "loss" in r}
     assert math.isnan(rows[BAD]["loss"]) and rows[BAD]["nonfinite"]
     assert not any(r["nonfinite"] for s, r in rows.items() if s != BAD)
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(skipped["state"]["params"]))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(skipped["state"].params))
 
 
 @pytest.mark.slow
