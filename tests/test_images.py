@@ -109,11 +109,13 @@ def test_training_samples_have_one_row_per_class(tmp_path, monkeypatch):
     from flax import nnx
 
     import meshwork.diffusion.images as images_module
+    from meshwork.train.state import TrainState
     from meshwork.train.trainer import Trainer
 
     cfg = load_config(ROOT / "configs/unet_digits.yaml", [f"run.dir={tmp_path}"])
     monkeypatch.setattr(images_module, "sample_images", _fake_samples)
     monkeypatch.setattr(nnx, "merge", lambda *a: None)
     trainer = types.SimpleNamespace(cfg=cfg, graphdef=None, context=contextlib.nullcontext)
-    Trainer.write_samples(trainer, {"params": None, "buffers": None}, tmp_path / "samples" / "step_000010.png")
+    state = TrainState(step=None, params=None, buffers=None, opt_state=None)
+    Trainer.write_samples(trainer, state, tmp_path / "samples" / "step_000010.png")
     _rows_of_classes(tmp_path / "samples" / "step_000010.png", rows=10, per_row=2)
