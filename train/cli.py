@@ -120,17 +120,15 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if cfg.finetune.base:  # a Hugging Face base decides the model (imported here: it loads jax)
-            from meshwork.train.finetune import with_base_model
-
-            cfg = with_base_model(cfg)
         init_distributed(args)
         if args.graph or args.dry_run:  # no guard on these paths: Ctrl-C stops them at once
             interrupts.release()
         if args.graph:
             if not args.dry_run:
                 raise ConfigError("--graph goes with --dry-run: python -m train --config FILE --dry-run --graph")
-            graph(cfg, args.json)
+            from meshwork.train.finetune import with_base_model  # train() applies it on the other paths
+
+            graph(with_base_model(cfg), args.json)
             return 0
         from meshwork.train.loop import train  # jax loads only once the config is known to be good
         from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
