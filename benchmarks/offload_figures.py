@@ -61,10 +61,7 @@ def gpu_placements(trainer: Trainer) -> dict[str, int]:
         out_shardings=(trainer.shardings, None),
         donate_argnums=0,
     )
-    batch = {
-        k: jax.ShapeDtypeStruct((trainer.cfg.train.global_batch, *shape), dtype, sharding=trainer.batch_sharding)
-        for k, (shape, dtype) in trainer.task.batch_shapes().items()
-    }
+    batch = trainer.batch_abstract()
     with trainer.context():
         text = (
             step.trace(abstract_with_shardings(trainer.abstract, trainer.shardings), batch)

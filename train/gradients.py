@@ -105,11 +105,13 @@ class Reduced:
     """A replica's gradient (by `replica`) reduced across `data` by hand: compressed, or one step stale."""
 
     replica: Plain | Microbatched
-    reduce: Callable  # (params, buffers, batch, noise_key, comm) -> (metrics, grads, comm)
+    cfg: Config  # comm.compression / comm.stale_gradients and their settings
+    mesh: Any
     stateful: ClassVar[bool] = True
 
     def __call__(self, params, buffers, batch, noise_key, comm=None):
-        return self.reduce(params, buffers, batch, noise_key, comm)
+        reduce = make_comm_gradients(replica_gradient(self.replica), self.cfg, self.mesh)
+        return reduce(params, buffers, batch, noise_key, comm)
 
 
 def replica_gradient(strategy: Plain | Microbatched) -> Callable:
@@ -133,5 +135,5 @@ def gradient_strategy(cfg: Config, graphdef: nnx.GraphDef, objective: Objective,
         )
     local = local_strategy(cfg, objective)
     if cfg.comm.compression != "none" or cfg.comm.stale_gradients:
-        return Reduced(local, make_comm_gradients(replica_gradient(local), cfg, mesh))
+        return Reduced(local, cfg, mesh)
     return local

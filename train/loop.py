@@ -261,8 +261,9 @@ def _loop(
         if (back := nonfinite.check(done, trainer)) is not None:
             step, state = back.step, back.state
             continue
+        seen = StepEnd(step, state, trainer)
         for hook in observers:
-            hook.after_step(StepEnd(step, state, trainer))
+            hook.after_step(seen)
         preempted = guard.should_stop(step)
         end = StepEnd(step, state, trainer, ending=step == last or preempted, preempted=preempted)
         for hook in keepers:

@@ -79,8 +79,8 @@ def make_train_step(
         )
 
         def update(_):
-            new = _updated(graphdef, tx, ema_decay, state, grads, metrics)
-            return {k: comm if k == "comm" else getattr(new, k) for k in changed}
+            new = _updated(graphdef, tx, ema_decay, state, grads, metrics).replace(comm=comm)
+            return {k: getattr(new, k) for k in changed}
 
         def keep(_):
             return {k: getattr(state, k) for k in changed}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -220,7 +221,7 @@ class Trainer:
             if not uses_comm(self.cfg):
                 return init_state(self.cfg, self.tx, self.shardings, base)
             state = init_state(self.cfg, self.tx, self.shardings.replace(comm=None), base)
-            init_comm = lambda params: init_comm_state(self.cfg, params, self.mesh.shape["data"], self.inner_tx)  # noqa: E731
+            init_comm = _comm_initializer(self.cfg, self.mesh, self.inner_tx)
             return state.replace(comm=jax.jit(init_comm, out_shardings=self.shardings.comm)(state.params))
 
     def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -285,11 +286,7 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
     # place the logical names on the mesh itself.
     graphdef, abstract = abstract_state(cfg, tx)
     if uses_comm(cfg):
-        abstract = abstract.replace(
-            comm=jax.eval_shape(
-                lambda params: init_comm_state(cfg, params, mesh.shape["data"], inner_tx), abstract.params
-            )
-        )
+        abstract = abstract.replace(comm=jax.eval_shape(_comm_initializer(cfg, mesh, inner_tx), abstract.params))
     parallel = ParallelContext(rules, collective_matmul=cfg.comm.collective_matmul)
     with jax.set_mesh(mesh), use_parallel(parallel):
         shardings = state_shardings(abstract, mesh, rules_by_role, cfg.train.offload)
@@ -318,6 +315,11 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
         grad_shardings,
         batch_sharding,
     )
+
+
+def _comm_initializer(cfg: Config, mesh: Mesh, inner_tx: optax.GradientTransformation | None) -> Callable:
+    """params -> the comm part of the state (per-replica buffers, one replica per `data` device)."""
+    return functools.partial(init_comm_state, cfg, n_replicas=mesh.shape["data"], inner_tx=inner_tx)
 
 
 def _check_divisible(cfg: Config, placed: TrainState) -> None:
