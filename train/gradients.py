@@ -100,7 +100,7 @@ class Pipelined:
         return metrics, grads, comm
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: the config is not hashable
 class Reduced:
     """A replica's gradient (by `replica`) reduced across `data` by hand: compressed, or one step stale."""
 
