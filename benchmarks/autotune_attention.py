@@ -157,7 +157,7 @@ def main(argv: list[str]) -> None:
     results = []
     if args.quick:
         # One tiny causal shape timed in interpret mode, then the GPU path (cuda lowering, warps/stages
-        # injection, the GPU model) exercised statically, so a GPU session meets no surprise there.
+        # injection, the GPU model) exercised statically, so a first run on a GPU meets no surprise there.
         # L = 384 is no power of two (padding) and H/G = 2 (GQA); not a shape the CPU model was fitted on.
         args.seq, args.head_dims, args.causal, args.d_model, args.batch_tokens = [384], [32], "true", 64, 384
         args.gqa = 2

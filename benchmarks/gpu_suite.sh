@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU figures of benchmarks/RESULTS.md in one call of a lent device machine.
+# The GPU figures of benchmarks/RESULTS.md in one call on a GPU machine (about 8 minutes).
 #
 #   bash benchmarks/gpu_suite.sh                 # on the GPU machine, from the repo root; logs under $OUT
 #   SMOKE=1 OUT=/tmp/o bash benchmarks/gpu_suite.sh   # CPU dry run: tiny shapes, checks the script itself
 #
-# Missing Python packages travel as wheels in .whl/ (ignored by git; see
-# /work/.library/device/README.md), and so does the project itself: a
+# On a machine that cannot download, missing Python packages travel as wheels in .whl/
+# (ignored by git), and so does the project itself: a
 # meshwork wheel built from the last commit (`git archive HEAD`, then `pip wheel
 # --no-deps`), which /tmp/site puts ahead of the working tree's namespace
 # (laid out under /tmp/mw below), so uncommitted edits travelling with the tree do not enter the
@@ -320,7 +320,7 @@ else
 fi
 step generate 100 python3 benchmarks/generate.py "${GEN[@]}" train.compute_dtype=bfloat16 train.param_dtype=bfloat16
 # The serving engine's decode (several steps per dispatch, the paged cache by gather and by the
-# paged-attention kernel) against the same roofline: issue #25's target is >= 60% at batch 1.
+# paged-attention kernel) against the same roofline, at batch 1, 16 and 64.
 if [ -n "${SMOKE:-}" ]; then SR=(--batches 1 --steps 8 --repeats 1 --bandwidth-mib 64)
 else SR=(--batches 1 16 64 --prompt-len 128 --steps 64 --repeats 3 --bandwidth-mib 4096
          model.d_model=2048 model.n_layers=16 model.n_heads=16 model.n_kv_heads=8 model.d_ff=5632); fi
@@ -355,15 +355,15 @@ step quantize 60 env JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" python3 benchmarks/q
 if [ -n "${SMOKE:-}" ]; then AT=(--quick --no-write)
 else AT=(--seq 1024 4096 16384 --head-dims 64 128 --causal true --block-q 64 128 --block-kv 32 64 128
          --num-warps 4 8 --num-stages 2 3 --repeats 5 --cache "$OUT/attention_tuning.json" --json "$OUT/autotune.json"); fi
-# Issue #27: the tuning over S in {1k, 4k, 16k} x head dims {64, 128} that DEFAULT_BLOCKS["gpu"] should come from.
+# The tuning over S in {1k, 4k, 16k} x head dims {64, 128} that DEFAULT_BLOCKS["gpu"] should come from.
 step autotune 150 python3 benchmarks/autotune_attention.py "${AT[@]}"
 if [ -z "${SMOKE:-}" ] && [ -s "$OUT/attention_tuning.json" ]; then
   step attention_tuned 45 python3 benchmarks/attention.py --tuned --cache "$OUT/attention_tuning.json" \
     --seq 4096 16384 --head-dims 128 --causal true --passes fwd+bwd --impls pallas cudnn
 fi
 
-# ---------------------------------------------------------------- 10. issue #27 leftovers
-# The test that never finished on the GPU (2026-11-30), alone and time-boxed; then where the
+# ---------------------------------------------------------------- 10. one kernel test alone, the step profile
+# The kernel test that did not finish within its time box on the H200 (2026-11-30), alone; then where the
 # training step's time goes on the GPU (XLA's trace by model part, benchmarks/train_step.py).
 if [ -z "${SMOKE:-}" ]; then
   step masked_blocks_alone 60 timeout 50 python3 -m pytest --noconftest -o addopts= -q -p no:cacheprovider \

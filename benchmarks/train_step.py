@@ -100,7 +100,7 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-# MaxText's tiny Llama as the issue measured it side by side (bf16 compute, full remat), and
+# MaxText's tiny Llama as benchmarks/maxtext_side_by_side.py runs it (bf16 compute, full remat), and
 # the larger CPU model of the MFU target (d 512 x 8 layers, seq 512).
 MATCHED = [
     "model.vocab_size=32000",

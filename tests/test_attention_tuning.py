@@ -1,7 +1,7 @@
 """The attention tuning cache, the autotuner's static measure, and both attention benchmarks end to end.
 
 The benchmarks run as subprocesses in their --quick CPU mode (Pallas interpret
-mode, tiny shapes): that proves the scripts a GPU session will run get through
+mode, tiny shapes): that proves the scripts a GPU machine will run get through
 every step here, not that their GPU numbers are right.
 """
 

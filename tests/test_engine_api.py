@@ -1,4 +1,4 @@
-"""The engine API (issue #44): the server and the HTTP layer reach the model only through
+"""The engine API: the server and the HTTP layer reach the model only through
 Generator's public methods; prefill + decode steps give `forward`'s logits and `generate`'s tokens;
 one validator refuses each bad request with a RequestError naming the OpenAI field, in Generator,
 Server and the HTTP layer alike; the HTTP bodies' pydantic models refuse a bad field the same way;

@@ -194,7 +194,7 @@ def test_roofline_plot_writes_png(tmp_path):
 
 
 def test_cluster_mttf_10k_gpus():
-    # the example: 10,000 GPUs that each fail once in 100 days
+    # an example: 10,000 GPUs that each fail once in 100 days
     assert reliability.cluster_mttf(100 * DAY, 10_000) == pytest.approx(14.4 * MINUTE)
     assert reliability.expected_failures(30 * DAY, 100 * DAY, 10_000) == pytest.approx(3000)
     with pytest.raises(ConfigError, match="n_devices"):

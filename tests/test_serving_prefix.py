@@ -74,7 +74,7 @@ def test_page_allocator_shares_counts_and_evicts_least_recently_released():
 
 
 def test_prefix_cache_16_requests_sharing_256_tokens(model, gen):
-    """The issue's case: 16 requests, one 256-token prefix, 8 tokens of their own each."""
+    """A shared-prefix load: 16 requests, one 256-token prefix, 8 tokens of their own each."""
     T, prefix = 16, list(TEXT[:256])
     requests = [
         Request(

@@ -1,4 +1,4 @@
-"""Input hardening (issue #10): every user-facing entry point answers bad input with one
+"""Input hardening: every user-facing entry point answers bad input with one
 line on stderr that names the culprit (dotted key, file or flag) and the fix, exit
 status 2, no traceback, and leaves existing run directories exactly as they were.
 

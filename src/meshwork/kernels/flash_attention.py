@@ -23,8 +23,8 @@ from meshwork.kernels.pallas_backend import F32, MASKED, fit_block, resolve_back
 
 # Starting points. GPU: from the one autotuning run on an H200 (benchmarks/RESULTS.md,
 # 2026-11-30: causal S=4096, K=128, fwd+bwd): 64x64 tiles with 4 warps took 3.90 ms
-# where the earlier 128x64 / 8-warp defaults took 7.11 ms; other S and head dims
-# wait for the next lent device (gpu_suite.sh's autotune step). TPU: the key block is the lane dim of the score tile
+# where 128x64 tiles with 8 warps took 7.11 ms; other lengths and head dims are not tuned
+# on a GPU yet (benchmarks/gpu_suite.sh's autotune step tunes them). TPU: the key block is the lane dim of the score tile
 # (multiple of 128); bigger tiles amortize the ~0.35 us per-step overhead.
 # CPU: the interpreter pays per grid step, so few large blocks are fastest.
 DEFAULT_BLOCKS = {
