@@ -8,6 +8,7 @@ device (a bug once fixed without a test) would log an eighth of the right figure
 """
 
 import pathlib
+import types
 
 import jax
 import pytest
@@ -40,3 +41,17 @@ def test_logged_mfu_is_model_flops_over_the_runs_devices_peak(lm_tiny_runs):
     assert max(peaks) == pytest.approx(min(peaks), rel=1e-9)
     here = measure_cpu_peak(cfg.train.compute_dtype) / jax.local_device_count()
     assert here / 3 < peaks[0] < here * 3, (peaks[0], here)
+
+
+def test_a_device_kind_without_a_peak_logs_no_mfu_and_trains(capsys):
+    """A GPU or TPU that src/meshwork/perf/hardware.py has no row for (Colab's T4, a TPU v2) gets
+    mfu null and one line saying why, not a KeyError at the first logged step."""
+    from meshwork.train.logger import _peak_flops
+
+    t4 = types.SimpleNamespace(platform="gpu", device_kind="Tesla T4")
+    assert _peak_flops("bfloat16", True, t4) is None
+    assert capsys.readouterr().out.strip() == (
+        "mfu: not logged (no peak FLOP/s for device kind 'Tesla T4'; add it to meshwork/perf/hardware.py)"
+    )
+    h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    assert _peak_flops("bfloat16", True, h100) > 1e14

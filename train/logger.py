@@ -24,6 +24,17 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data)
 
 
+def _peak_flops(dtype: str, announce: bool, device=None) -> float | None:
+    """The device's peak FLOP/s for MFU, or None (mfu logged as null) for a device kind that
+    src/meshwork/perf/hardware.py has no row for: training does not depend on it."""
+    try:
+        return peak_flops_per_device(dtype, device)[0]
+    except KeyError as e:
+        if announce:
+            say(f"mfu: not logged ({e.args[0]})")
+        return None
+
+
 class StepLogger:
     """Reads each step's metrics one step late (the next step is already queued,
     so the host never stalls the device) and writes every `log.every`-th
@@ -51,7 +62,7 @@ class StepLogger:
     ):
         self.cfg, self.writer, self.last, self.live, self.n_devices = cfg, writer, last, live, n_devices
         self.unit, self.items_per_step, self.flops_per_step = unit, items_per_step, flops_per_step
-        self.peak, _ = peak_flops_per_device(cfg.train.compute_dtype)
+        self.peak = _peak_flops(cfg.train.compute_dtype, enabled)
         bar = enabled and cfg.log.progress and interactive()
         self.pbar = tqdm(total=cfg.train.steps, initial=start, disable=not bar, desc=cfg.run.name, dynamic_ncols=True)
         self.lines = enabled and not bar
@@ -111,7 +122,7 @@ class StepLogger:
                 "step_time_s": step_time,
                 f"{self.unit}_per_s": self.items_per_step / step_time,
                 "tflops_per_device": tflops,
-                "mfu": tflops * 1e12 / self.peak,
+                "mfu": tflops * 1e12 / self.peak if self.peak else None,
                 **self.live(),
                 **host,
                 **extra,

@@ -299,11 +299,12 @@ def measure_cpu_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5, ac
     return 2 * n**3 / best
 
 
-def peak_flops_per_device(dtype: str = "float32") -> tuple[float, str]:
-    """(peak FLOP/s of one local device, where the figure came from); dtype is a jax name."""
+def peak_flops_per_device(dtype: str = "float32", device=None) -> tuple[float, str]:
+    """(peak FLOP/s of one local device, where the figure came from); dtype is a jax name.
+    KeyError for an accelerator whose device kind the table has no row for."""
     import jax
 
-    dev = jax.local_devices()[0]
+    dev = device or jax.local_devices()[0]
     if dev.platform == "cpu":
         return measure_cpu_peak(dtype) / jax.local_device_count(), "cpu (measured matmul / local devices)"
     acc = accelerator_for_device_kind(dev.device_kind)
