@@ -1,1 +1,2 @@
-"""Inference (KV-cache generation, batching, quantization): built by issue #7."""
+"""Inference: KV-cache generation, continuous batching over a paged cache, the OpenAI-compatible
+HTTP server, quantized weights, and Hugging Face / PEFT export (`python3 -m inference --help`)."""

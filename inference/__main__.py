@@ -1,4 +1,4 @@
-"""python3 -m meshwork.inference {lm,diffusion,export} ... (python3 -m inference in a checkout)."""
+"""python3 -m meshwork.inference {diffusion,lm,export-hf,export-peft,serve} ... (python3 -m inference in a checkout)."""
 
 from meshwork.inference.cli import run
 

@@ -19,7 +19,10 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m inference", description="Generate from a trained run.")
+    p = argparse.ArgumentParser(
+        prog="python3 -m inference",
+        description="Generate from, serve or export a trained run or a Hugging Face checkpoint.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "diffusion",

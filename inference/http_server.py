@@ -1,12 +1,12 @@
 """OpenAI-compatible HTTP serving over the continuous-batching `Server` (`python3 -m inference serve`).
 
     engine = Engine(Server(model, slots=8, max_len=512), max_queue=64)
-    app = create_app(engine, Served("lm_tiny", tokenizer, stops=[2], chat_template=None), max_tokens=256)
+    app = create_app(engine, Served("lm_tiny", tokenizer, stops=[2]), Limits(max_tokens=256))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream: true` as server-sent events), `GET /v1/models`, `GET /health` (the
-pool's state: live slots, free pages, queued requests).
+pool's state: live slots, pages held, free and cached, queued, completed and cancelled requests).
 
 The batching loop runs on its own thread (`Engine`, inference/serve_engine.py),
 fed by a queue of commands (submit, cancel, stop); between two decode steps it

@@ -1,4 +1,4 @@
-"""`python -m inference lm`: text generation from a meshwork run or a Hugging Face checkpoint.
+"""`python3 -m inference lm`: text generation from a meshwork run or a Hugging Face checkpoint.
 
 One prompt streams its tokens to stdout as they are sampled (Generator);
 several (`--prompts-file`, or `--prompt` repeated) go through the
@@ -24,7 +24,11 @@ at --temperature 0)."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="the run.dir of a meshwork LM training run")
-    src.add_argument("--hf", help="a Hugging Face Llama/Mixtral directory (config.json + *.safetensors)")
+    src.add_argument(
+        "--hf",
+        help="a Hugging Face checkpoint directory (config.json + *.safetensors): Llama, Mistral, Qwen2, Qwen3, "
+        "Mixtral, Qwen2-MoE or Qwen3-MoE",
+    )
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
     p.add_argument("--prompts-file", help="a text file, one prompt per line")
     p.add_argument(
