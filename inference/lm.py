@@ -66,16 +66,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weight-only int8/int4, or int8 weights and activations in the MLPs",
     )
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: what the prompts need)")
+    add_attention_argument(p)
     p.add_argument("--slots", type=int, default=8, help="batch slots of the serving loop (several prompts)")
 
 
-def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
-    """(model, tokenizer or None, default stop ids) from a run dir or a Hugging Face directory."""
+def add_attention_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--attention",
+        choices=("xla", "pallas", "cudnn", "reference"),
+        default=None,
+        help="attention implementation (model.attention; default: the run's, xla for a Hugging Face folder); "
+        "pallas reads the paged cache with the paged-attention kernel",
+    )
+
+
+def load_lm(checkpoint: str | None, hf: str | None, attention: str | None = None) -> tuple[Any, Any, Any]:
+    """(model, tokenizer or None, default stop ids) from a run dir or a Hugging Face directory;
+    `attention` replaces the model's attention implementation (it changes no weight)."""
     if checkpoint is not None:
         from meshwork.data.text import ByteTokenizer
         from meshwork.inference.runs import load_run
 
-        cfg, model, _ = load_run(checkpoint)
+        cfg, model, _ = load_run(checkpoint, attention=attention)
         if cfg.model.kind not in ("transformer", "moe"):
             raise ConfigError(f"--checkpoint: {checkpoint} trained a {cfg.model.kind}; `lm` needs a language model")
         tokenizer, stops = ByteTokenizer() if cfg.data.source in ("stdlib", "stdlib_docs") else None, []
@@ -101,7 +113,7 @@ def load_lm(checkpoint: str | None, hf: str | None) -> tuple[Any, Any, Any]:
     from meshwork.models.hf import model_from_hf
 
     try:
-        _, model = model_from_hf(path)
+        _, model = model_from_hf(path, attention=attention)
     except ValueError as e:
         raise ConfigError(f"--hf: {e}") from None
     return model, _hf_tokenizer(path), _hf_eos(path)
@@ -191,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.slots < 1:
         raise ConfigError(f"--slots: {args.slots}; the serving loop needs at least 1 slot")
-    model, tokenizer, eos = load_lm(args.checkpoint, args.hf)
+    model, tokenizer, eos = load_lm(args.checkpoint, args.hf, args.attention)
     prompts = encode_prompts(args, tokenizer, model.cfg.vocab_size)
     params = SamplingParams(
         temperature=args.temperature,

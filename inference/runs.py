@@ -3,41 +3,45 @@
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import jax
 from flax import nnx
 
-from meshwork.config import Config, ConfigError, load_config
+from meshwork.config import Config, ConfigError, validate
 from meshwork.models.build import build_model, ema_decay, split_model
 from meshwork.run.checkpoint import Checkpointer
+from meshwork.run.saved_config import how_the_copy_differs
 
 
-def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
-    """(config, model with the trained weights, step) from `run_dir` (config.yaml + checkpoints/).
+def load_run(run_dir: str | pathlib.Path, *, ema: bool = True, attention: str | None = None) -> tuple:
+    """(config, model with the trained weights, step) from `run_dir`'s latest checkpoint.
 
-    `ema`: use the exponential moving average of the weights when the run kept one.
-    The checkpoint is restored onto the default device, whatever mesh trained it.
+    The config is the one saved inside that checkpoint: the run dir's config.yaml is a copy a user
+    may have edited or deleted, and where it differs from the checkpoint's (or cannot be read) a
+    warning on stderr says so and it is not used. `ema`: use the exponential moving average of the
+    weights when the run kept one. `attention` replaces `model.attention` (xla, pallas, cudnn,
+    reference), which changes no weight. The checkpoint is restored onto the default device,
+    whatever mesh trained it.
     """
     run_dir = pathlib.Path(run_dir).expanduser()
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"--checkpoint: {run_dir} has no config.yaml; pass the run.dir of a training run")
-    cfg = load_config(run_dir / "config.yaml")
     # Orbax creates the folder it opens: look first, since reading a run must not change it.
-    ckpt = None
-    if (run_dir / "checkpoints").is_dir():
-        ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=cfg.checkpoint.keep, use_async=False)
-    step = ckpt.latest_step() if ckpt is not None else None
-    if step is None:
-        raise ConfigError(f"--checkpoint: {run_dir}/checkpoints holds no complete checkpoint; train first")
-    # Only the weights are read (Orbax partial restore): no optimizer state is built or loaded.
-    graphdef, params, buffers = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)
-    weights = "ema" if ema and ema_decay(cfg) else "params"
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), {weights: params, "buffers": buffers}
-    )
+    if not (run_dir / "checkpoints").is_dir():
+        has = "config.yaml but no checkpoints/" if (run_dir / "config.yaml").is_file() else "no config.yaml"
+        raise ConfigError(f"--checkpoint: {run_dir} has {has}; pass the run.dir of a training run that saved one")
+    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=1, use_async=False)
     try:
-        _check_model(cfg, ckpt.saved_config(step), run_dir, step)
+        step = ckpt.latest_step()
+        if step is None:
+            raise ConfigError(f"--checkpoint: {run_dir}/checkpoints holds no complete checkpoint; train first")
+        cfg = _saved_config(ckpt, step, run_dir, attention)
+        # Only the weights are read (Orbax partial restore): no optimizer state is built or loaded.
+        graphdef, params, buffers = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)
+        weights = "ema" if ema and ema_decay(cfg) else "params"
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), {weights: params, "buffers": buffers}
+        )
         state = ckpt.restore_parts(step, target)
     except ConfigError:
         raise
@@ -52,12 +56,16 @@ def load_run(run_dir: str | pathlib.Path, *, ema: bool = True) -> tuple:
     return cfg, nnx.merge(graphdef, state[weights], state["buffers"]), step
 
 
-def _check_model(cfg: Config, saved: dict, run_dir: pathlib.Path, step: int) -> None:
-    """An edited config.yaml would fail deep inside Orbax on the first mis-shaped array; say which key instead."""
-    now = cfg.to_dict()["model"]
-    key = next((k for k in now if saved.get("model", {}).get(k) != now[k]), None)
-    if key is not None:
-        raise ConfigError(
-            f"model.{key}: {run_dir}/config.yaml has model.{key}={now[key]!r} but checkpoint {step} was "
-            f"trained with {saved.get('model', {}).get(key)!r}; put the original value back"
+def _saved_config(ckpt: Checkpointer, step: int, run_dir: pathlib.Path, attention: str | None) -> Config:
+    """Checkpoint `step`'s own config (with `attention` put in), after a warning if config.yaml says otherwise."""
+    saved = ckpt.saved_config(step)
+    differs = how_the_copy_differs(run_dir / "config.yaml", saved, step)
+    if differs is not None:
+        print(
+            f"warning: {run_dir / 'config.yaml'} {differs}; loading with the checkpoint's config",
+            file=sys.stderr,
+            flush=True,
         )
+    if attention is not None:
+        saved = {**saved, "model": {**saved["model"], "attention": attention}}
+    return validate(saved, f"checkpoint {step} in {run_dir}")

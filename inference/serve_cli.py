@@ -19,7 +19,7 @@ from meshwork.inference.serve_engine import Engine
 from meshwork.inference.serving import Server
 
 
-def load_served(checkpoint: str, name: str | None = None):
+def load_served(checkpoint: str, name: str | None = None, attention: str | None = None):
     """(model, Served) from a meshwork run dir (config.yaml) or a Hugging Face folder (config.json)."""
     import pathlib
 
@@ -27,14 +27,14 @@ def load_served(checkpoint: str, name: str | None = None):
 
     path = pathlib.Path(checkpoint).expanduser()
     if (path / "config.yaml").is_file():
-        model, tokenizer, stops = load_lm(str(path), None)
+        model, tokenizer, stops = load_lm(str(path), None, attention)
         from meshwork.config import load_config
 
         spec = load_config(path / "config.yaml").data.tokenizer
         folder = None if not spec else pathlib.Path(spec).expanduser()
         folder = folder.parent if folder is not None and folder.suffix == ".json" else folder
     elif (path / "config.json").is_file():
-        model, tokenizer, stops = load_lm(None, str(path))
+        model, tokenizer, stops = load_lm(None, str(path), attention)
         folder = path
     else:
         raise ConfigError(
@@ -108,7 +108,7 @@ def serve(args) -> int:
             f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); pick another "
             "port (0: any free one)"
         ) from None
-    model, served = load_served(args.checkpoint, args.model_name)
+    model, served = load_served(args.checkpoint, args.model_name, args.attention)
     engine = Engine(
         Server(
             model,

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from flax import nnx
 from conftest import ROOT
 
 from meshwork.inference.cli import main
@@ -34,6 +35,25 @@ def test_cli_generates_from_an_hf_directory(capsys):
     argv = ["lm", "--hf", str(LLAMA), "--temperature", "0", "--max-new-tokens", str(n)]
     assert main(argv + ["--prompt-ids", ",".join(map(str, prompts[1]))]) == 0
     # No tokenizer ships with the fixture, so the ids are printed.
+    assert capsys.readouterr().out.split() == [str(t) for t in prompts[1] + expected[1]]
+
+
+def test_attention_switch_runs_an_hf_directory_on_the_pallas_kernels(capsys):
+    """`--attention pallas` builds the folder's model with Pallas attention: one prompt decodes with
+    flash-decoding, the serving loop reads its paged cache with the paged-attention kernel; both
+    generate what transformers does."""
+    from meshwork.inference.lm import load_lm
+    from meshwork.inference.serving import Request, Server
+    from meshwork.models.layers.attention import Attention
+
+    model, _, _ = load_lm(None, str(LLAMA), "pallas")
+    assert {m.impl for _, m in nnx.iter_graph(model) if isinstance(m, Attention)} == {"pallas"}
+    prompts, expected, n = golden()
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, stop_tokens=(2,))
+    results = Server(model, slots=2, max_len=64).run(Request(i, p, params) for i, p in enumerate(prompts[:2]))
+    assert [results[i].tokens for i in range(2)] == expected[:2]
+    argv = ["lm", "--hf", str(LLAMA), "--temperature", "0", "--max-new-tokens", str(n), "--attention", "pallas"]
+    assert main(argv + ["--prompt-ids", ",".join(map(str, prompts[1]))]) == 0
     assert capsys.readouterr().out.split() == [str(t) for t in prompts[1] + expected[1]]
 
 

@@ -25,8 +25,8 @@ Where: a fresh temporary folder that links to every top-level entry of the repos
 checkout is untouched. `XLA_FLAGS` is removed from the environment: a command that needs N
 simulated devices must say so in its own text.
 
-Small mode (the default) caps the work without editing the text: `python3` is a shell function
-that appends overrides to what the command already says (the last override wins):
+Small mode (the default) caps the work without editing the text: `python3` is a script first on
+PATH that appends overrides to what the command already says (the last override wins):
 `python3 -m train ...` gets `train.steps=4` (or fewer if asked) with evaluation and checkpoints
 at that step, `python3 -m inference lm ...` gets `--max-new-tokens 4`, and
 `python3 -m inference diffusion ...` gets `--num 10 --steps 2`. A `--dry-run` is not capped.
@@ -136,16 +136,23 @@ def cap_args(args: list[str]) -> list[str]:
 
 
 def _prelude(capped: bool) -> str:
-    if not capped:
-        return "set -eo pipefail\n"
-    me = pathlib.Path(__file__).resolve()
-    return (
-        "set -eo pipefail\n"
-        "python3() {\n"
-        f'  local extra; extra=$(command python3 {me} --cap-args "$@") || return 2\n'
-        '  command python3 "$@" $extra\n'
-        "}\n"
+    return "set -eo pipefail\n"
+
+
+def install_capping_python(bin_dir: pathlib.Path) -> None:
+    """Writes `bin_dir/python3`, a script that appends small mode's caps and then `exec`s the real
+    python3; with `bin_dir` first on PATH every block's `python3` is it. A script rather than a
+    shell function, so that `python3 ... &` puts the server itself behind `$!`, and a block's
+    SIGTERM reaches the process it started."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    real, me = shutil.which("python3") or sys.executable, pathlib.Path(__file__).resolve()
+    wrapper = bin_dir / "python3"
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        f'extra=$("{real}" "{me}" --cap-args "$@") || exit 2\n'
+        f'exec "{real}" "$@" $extra\n'
     )
+    wrapper.chmod(0o755)
 
 
 def console_commands(text: str) -> list[tuple[str, list[str]]]:
@@ -217,7 +224,7 @@ def make_workdir(keep: bool) -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--cap-args"]:  # called by the python3 shell function of small mode
+    if argv[:1] == ["--cap-args"]:  # called by small mode's python3 script
         print(" ".join(cap_args(argv[1:])))
         return 0
     p = argparse.ArgumentParser(prog="python3 tools/check_doc_commands.py", description=__doc__.split("\n")[0])
@@ -240,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.full:  # blocks that compile the same step share one compile (a cache, not a change)
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir / ".jax-cache"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        install_capping_python(workdir / ".doc-check-bin")
+        env["PATH"] = f"{workdir / '.doc-check-bin'}{os.pathsep}{env.get('PATH', '')}"
     mode = "full" if args.full else f"small (train.steps<={TRAIN_STEPS})"
     print(f"{len(blocks)} shell blocks in {len(files)} files; working folder {workdir}; mode {mode}", flush=True)
     failures, skipped, started = [], [], time.monotonic()

@@ -15,18 +15,20 @@ its own checkpoints like any run; the base is read only at step 0.
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.config import Config, ConfigError, load_config, validate
+from meshwork.config import Config, ConfigError, validate
 from meshwork.config_sections import FinetuneConfig, Section
 from meshwork.models.build import DTYPES, build_model, split_model
 from meshwork.models.hf import load_hf_config, load_hf_model
 from meshwork.partitioning import abstract_with_shardings, variable_shardings
 from meshwork.perf.flops import param_counts
 from meshwork.run.checkpoint import Checkpointer
+from meshwork.run.saved_config import how_the_copy_differs
 from meshwork.sharding.rules import Rules
 from meshwork.train.state import TrainState
 
@@ -36,11 +38,11 @@ _RUNTIME_KEYS = ("attention", "init_std")
 
 
 def is_hf_base(cfg: Config) -> bool:
-    """Whether `finetune.base` is a Hugging Face checkpoint folder (config.json, no config.yaml)."""
+    """Whether `finetune.base` is a Hugging Face checkpoint folder (config.json, no checkpoints/ of a meshwork run)."""
     if cfg.finetune.method == "none" or not cfg.finetune.base:
         return False
     base_dir = pathlib.Path(cfg.finetune.base).expanduser()
-    return (base_dir / "config.json").is_file() and not (base_dir / "config.yaml").is_file()
+    return (base_dir / "config.json").is_file() and not (base_dir / "checkpoints").is_dir()
 
 
 def with_base_model(cfg: Config) -> Config:
@@ -98,12 +100,7 @@ def check_base(cfg: Config) -> Config | None:
     if is_hf_base(cfg):
         with_base_model(cfg)  # the checkpoint's own checks, and the model keys against it
         return None
-    if not (base_dir / "config.yaml").is_file():
-        raise ConfigError(
-            f"finetune.base: {base_dir} has no config.yaml; point it to a trained run's run.dir "
-            "or a Hugging Face checkpoint folder (config.json and *.safetensors)"
-        )
-    base = load_config(base_dir / "config.yaml")
+    base, _ = base_run(base_dir, warn=True)
     if base.finetune.method != "none":
         raise ConfigError(f"finetune.base: {base_dir} is itself a fine-tuning run; start from the run it tuned")
     if base.model != cfg.model:
@@ -112,9 +109,30 @@ def check_base(cfg: Config) -> Config | None:
             f"model.{key}: the base run {base_dir} has model.{key}={getattr(base.model, key)!r}, "
             f"not {getattr(cfg.model, key)!r}; fine-tuning keeps the base architecture"
         )
-    if Checkpointer(base_dir / "checkpoints", every=1, keep=1, use_async=False).latest_step() is None:
-        raise ConfigError(f"finetune.base: {base_dir}/checkpoints holds no checkpoint; train the base run first")
     return base
+
+
+def base_run(base_dir: pathlib.Path, *, warn: bool = False) -> tuple[Config, int]:
+    """(the base run's config as saved in its latest checkpoint, that step). Its config.yaml is a
+    copy: with `warn`, a line on stderr says where it differs from the checkpoint's or is unreadable."""
+    if not (base_dir / "checkpoints").is_dir():
+        has = "no checkpoints/" if (base_dir / "config.yaml").is_file() else "no config.yaml and no checkpoints/"
+        raise ConfigError(
+            f"finetune.base: {base_dir} has {has}; point it to a trained run's run.dir "
+            "or a Hugging Face checkpoint folder (config.json and *.safetensors)"
+        )
+    ckpt = Checkpointer(base_dir / "checkpoints", every=1, keep=1, use_async=False)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise ConfigError(f"finetune.base: {base_dir}/checkpoints holds no checkpoint; train the base run first")
+        saved = ckpt.saved_config(step)
+    finally:
+        ckpt.close()
+    differs = how_the_copy_differs(base_dir / "config.yaml", saved, step) if warn else None
+    if differs is not None:
+        print(f"warning: {base_dir / 'config.yaml'} {differs}; the base is what its checkpoint holds", file=sys.stderr)
+    return validate(saved, f"finetune.base: checkpoint {step} in {base_dir}"), step
 
 
 def load_base_params(cfg: Config, mesh: Mesh, rules_by_role: dict[str, Rules]) -> nnx.State:
@@ -133,12 +151,12 @@ def load_base_params(cfg: Config, mesh: Mesh, rules_by_role: dict[str, Rules]) -
             param_dtype=DTYPES[cfg.train.param_dtype],
         )
         return nnx.state(model, nnx.Param)
-    base = load_config(base_dir / "config.yaml")
+    base, step = base_run(base_dir)
     ckpt = Checkpointer(base_dir / "checkpoints", every=1, keep=base.checkpoint.keep, use_async=False)
     _, params, _ = split_model(nnx.eval_shape(lambda: build_model(base)), base)
     target = abstract_with_shardings(params, variable_shardings(params, mesh, rules_by_role["params"]))
     # Only the weights are read (Orbax partial restore): the base's Adam moments stay on disk.
-    state = ckpt.restore_parts(ckpt.latest_step(), {"params": target})
+    state = ckpt.restore_parts(step, {"params": target})
     ckpt.close()
     return state["params"]
 
@@ -167,5 +185,5 @@ def base_data_config(cfg: Config) -> Config | None:
     or None when not fine-tuning or the data is the same. `check_base` has vetted the base."""
     if cfg.finetune.method == "none" or is_hf_base(cfg):  # a Hugging Face base brings no data of ours
         return None
-    base = load_config(pathlib.Path(cfg.finetune.base).expanduser() / "config.yaml")
+    base, _ = base_run(pathlib.Path(cfg.finetune.base).expanduser())
     return None if base.data == cfg.data else cfg.model_copy(update={"data": base.data})

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+import sys
 from typing import Any
 
 import jax
@@ -104,7 +105,7 @@ def _train(
         if run_dir.is_dir():
             take_run_dir(lock, is_main, say)
             taken = True
-        start, changes = check_checkpoints(cfg, run_dir)
+        start, changes = check_checkpoints(cfg, run_dir, _warn if is_main else lambda msg: None)
         if start is not None and start >= cfg.train.steps:
             say(
                 f"already at step {start} of train.steps={cfg.train.steps}; nothing to train (raise train.steps "
@@ -135,6 +136,12 @@ def _train(
             record_changes(run_dir, start or 0, changes)
             say(f"changed from step {start}: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
     return _run(cfg, trainer, elastic, clock, run_dir, is_main, say, guard)
+
+
+def _warn(msg: str) -> None:
+    """A line on stderr before the compile (no progress bar yet): what the user should know but
+    what does not stop the run, such as an edited config.yaml that the checkpoint overrules."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _nothing_run(run_dir: pathlib.Path, start: int | None, clock: GoodputClock, preempted: bool) -> dict[str, Any]:

@@ -263,6 +263,7 @@ def load_hf_model(
     dtype: jnp.dtype = jnp.float32,
     param_dtype: jnp.dtype | None = None,
     remat: str = "none",
+    attention: str | None = None,
 ) -> tuple[ModelConfig, nnx.Module]:
     """(ModelConfig, model) from a checkpoint directory, read straight onto the devices.
 
@@ -276,7 +277,9 @@ def load_hf_model(
     shaped like `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (a pure dict
     or an nnx.State; `hf_param_shardings` makes them from the rules table).
     `dtype` is the compute dtype, `param_dtype` (default: `dtype`) the
-    parameters'; a bf16 file is cast on the devices, not on the host.
+    parameters'; a bf16 file is cast on the devices, not on the host. `attention`: the
+    implementation the model runs (`model.attention`: xla, pallas, cudnn, reference; default
+    xla); it changes no weight, and with pallas a paged cache is read by the paged kernel.
 
     >>> from meshwork.sharding.mesh import make_mesh
     >>> from meshwork.sharding.rules import rules_for
@@ -288,6 +291,8 @@ def load_hf_model(
     P(None, None, 'tensor', None)
     """
     cfg, model_type, files = _checkpoint(path)
+    if attention is not None:
+        cfg = cfg.model_copy(update={"attention": attention})
     make = functools.partial(_make_model, cfg, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, seed=0)
     graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     target = nnx.to_pure_dict(abstract)
@@ -382,7 +387,7 @@ def build_hf_model(
 
 def model_from_hf(path: str | pathlib.Path, **kw: Any) -> tuple[ModelConfig, nnx.Module]:
     """(ModelConfig, model) from a Hugging Face checkpoint directory: `load_hf_model(path, **kw)`
-    (`shardings`, `dtype`, `param_dtype`, `remat`).
+    (`shardings`, `dtype`, `param_dtype`, `remat`, `attention`).
 
     >>> cfg, model = model_from_hf("tests/fixtures/hf/llama")
     >>> model(jnp.zeros((1, 4), jnp.int32)).shape

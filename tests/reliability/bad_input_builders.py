@@ -301,15 +301,6 @@ def checkpoint_without_checkpoints(c):
     return ["lm", "--checkpoint", str(d), "--prompt", "x"]
 
 
-def checkpoint_config_mismatch(c):
-    # A run dir whose config.yaml no longer describes its checkpoint (an edited config).
-    run = c.copy_run()
-    text = (run / "config.yaml").read_text()
-    (run / "config.yaml").write_text(text.replace("d_ff: 128", "d_ff: 256"))
-    assert "d_ff: 256" in (run / "config.yaml").read_text()
-    return ["lm", "--checkpoint", str(run), "--prompt", "x"]
-
-
 def checkpoint_all_corrupt(c):
     return ["lm", "--checkpoint", str(_corrupt_checkpoints(c.copy_run())), "--prompt", "x"]
 

@@ -1,7 +1,8 @@
 """Owning a run dir: one room for what decides whose it is and what it holds.
 
-- identity.py  which run a run.dir belongs to (its config's identity keys), what may change
-               between invocations, config.yaml and the record of changes.
+- identity.py  which run a run.dir belongs to (the identity keys of the config saved in its newest
+               verified checkpoint), what may change between invocations, config.yaml (a copy
+               for people) and the record of changes.
 - lock.py      one trainer per run.dir: the lock file, taken by process 0 for all processes.
 - resume.py    what it holds to resume from: verified checkpoints, the fast tier, the newest of them.
 

@@ -8,6 +8,11 @@ anything. What may change between invocations of one run: its length,
 stop_after, the mesh, the sharding rules, gradient accumulation, remat,
 logging and checkpoint cadence (an elastic resume changes exactly those).
 
+What the run is, is what its newest verified checkpoint holds: the resolved config saved inside
+it, beside the state a resume restores. The run dir's config.yaml is a copy of the config of the
+last start, for people to read; edited, emptied, damaged or deleted it decides nothing (a warning
+says so) and is written again at the next start.
+
 A run dir that holds no committed checkpoint is fresh, whatever else it holds
 (a config.yaml, metrics, an empty checkpoints/ left by a kill during the first
 compile): the same command, or another config, starts it over.
@@ -20,15 +25,15 @@ import json
 import os
 import pathlib
 import shutil
+from collections.abc import Callable
 
-import yaml
+import orbax.checkpoint as ocp
 
 from meshwork.config import Config, ConfigError, dump_config
 from meshwork.run.checkpoint import committed_steps
 from meshwork.run.durable import replace_file
+from meshwork.run.saved_config import differences, how_the_copy_differs, read_copy
 
-# The keys that define a run: change any and it is another run.
-IDENTITY = ("model", "data", "optimizer", "finetune", "run.seed", "train.global_batch")
 RUN_FILES = (
     "config.yaml",
     "metrics.jsonl",
@@ -42,30 +47,23 @@ RUN_FILES = (
 HISTORY = "config_history.jsonl"
 
 
-def differences(saved: dict, now: dict) -> list[tuple[str, object, object]]:
-    """(dotted key, saved value, new value) of every identity leaf that differs, in IDENTITY order."""
-    out = []
-    for path in IDENTITY:
-        a, b = saved, now
-        for part in path.split("."):
-            a, b = (a or {}).get(part), (b or {}).get(part)
-        out += _leaves_that_differ(path, a, b)
-    return out
-
-
-def _leaves_that_differ(path: str, a: object, b: object) -> list[tuple[str, object, object]]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _leaves_that_differ(f"{path}.{k}", a.get(k), b.get(k))]
-    return [(path, a, b)] if a != b else []
-
-
-def claim(cfg: Config, run_dir: pathlib.Path, *, is_main: bool = True) -> dict[str, list]:
+def claim(
+    cfg: Config,
+    run_dir: pathlib.Path,
+    newest: tuple[int, pathlib.Path] | None = None,
+    *,
+    is_main: bool = True,
+    warn: Callable[[str], None] = lambda msg: None,
+) -> dict[str, list]:
     """Raises ConfigError unless `run_dir` is new, empty, or a run of `cfg`; replaces it when asked.
 
     Returns the changes `run.allow_changes` lets through ({dotted key: [stored, new]}, to be
-    recorded once the run is written to), {} when there are none. The run's own record of
-    what it is: its config.yaml (written atomically at every start, and identical in the
-    identity keys to the config saved inside each of its checkpoints).
+    recorded once the run is written to), {} when there are none. `newest` is (step, folder) of
+    the run's newest verified checkpoint: the config saved inside it is what the run is, since
+    that checkpoint is what a resume restores. config.yaml is only a copy for people (written at
+    every start); where it disagrees with the checkpoint's, or cannot be read, `warn` says so and
+    it decides nothing. Only a run dir with committed but no verified checkpoint has nothing
+    else: there config.yaml is compared, and one that cannot be read is refused in one line.
     """
     if not run_dir.exists():
         _check_creatable(run_dir)
@@ -85,24 +83,22 @@ def claim(cfg: Config, run_dir: pathlib.Path, *, is_main: bool = True) -> dict[s
         )
     if not committed_steps(run_dir / "checkpoints"):
         return {}  # nothing was committed: a fresh run, whatever its first start left behind
-    hint = ""
-    try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    saved, where, problem = _stored_config(run_dir, newest)
+    if saved is not None:
         diffs = differences(saved, cfg.to_dict())
-    except (OSError, yaml.YAMLError, AttributeError):
-        diffs, problem = None, f"run.dir: {run_dir} holds a run whose config.yaml is missing or unreadable"
-    if diffs is not None:
         refused = [d for d in diffs if d[0] not in cfg.run.allow_changes]
         if not refused:
+            if newest is not None and (note := _copy_note(run_dir, saved, newest[0])):
+                warn(note)
             return {key: [a, b] for key, a, b in diffs}
         key, a, b = refused[0]
-        problem = f"{key}: run.dir {run_dir} holds a run with {key}={a!r}, not {b!r}"
-        if key.startswith("optimizer."):
-            hint = f"run.allow_changes=[{key}] to change it from the resumed step on, "
-    if not cfg.run.overwrite:
-        raise ConfigError(
-            f"{problem}; use {hint}a new run.dir, the original value, or run.overwrite=true to replace that run"
+        problem = f"{key}: run.dir {run_dir} holds a run with {key}={a!r}, not {b!r}{where}"
+        hint = (
+            f"run.allow_changes=[{key}] to change it from the resumed step on, " if key.startswith("optimizer.") else ""
         )
+        problem += f"; use {hint}a new run.dir, the original value, or run.overwrite=true to replace that run"
+    if not cfg.run.overwrite:
+        raise ConfigError(problem)
     for name in RUN_FILES if is_main else ():
         path = run_dir / name
         if path.is_dir():
@@ -110,6 +106,46 @@ def claim(cfg: Config, run_dir: pathlib.Path, *, is_main: bool = True) -> dict[s
         elif path.exists():
             path.unlink()
     return {}
+
+
+def _stored_config(run_dir: pathlib.Path, newest: tuple[int, pathlib.Path] | None) -> tuple[dict | None, str, str]:
+    """(the run's stored config or None, where it came from as a suffix of a message, why it is None).
+
+    The newest verified checkpoint's own config first; config.yaml when there is no such checkpoint
+    (or, from a checkpoint written without one, no readable config in it).
+    """
+    if newest is not None:
+        try:
+            saved = ocp.JsonCheckpointHandler().restore(newest[1] / "config")
+        except (OSError, ValueError):
+            saved = None
+        if isinstance(saved, dict):
+            # No step number in the refusal: the line stays the same however far the run got.
+            return saved, " (the config saved in its newest checkpoint)", ""
+    copy = run_dir / "config.yaml"
+    saved, what = read_copy(copy)
+    if newest is None:
+        fix = (
+            f"no checkpoint in {run_dir / 'checkpoints'} is verified to read the run's config from; move the "
+            f"checkpoints away to start over, or set run.overwrite=true to replace the run"
+        )
+    else:
+        fix = (
+            f"checkpoint {newest[0]} holds no readable config either; put back this run's config.yaml, or set "
+            f"run.overwrite=true to replace the run"
+        )
+    return saved, "", f"run.dir: {copy} {what}, and {fix}"
+
+
+def _copy_note(run_dir: pathlib.Path, saved: dict, step: int) -> str | None:
+    """The warning line when config.yaml is not what checkpoint `step` says the run is, else None."""
+    what = how_the_copy_differs(run_dir / "config.yaml", saved, step)
+    if what is None:
+        return None
+    return (
+        f"warning: {run_dir / 'config.yaml'} {what}; the checkpoint's config is the run's, and config.yaml is "
+        f"written again from this command's config as the run starts"
+    )
 
 
 def _check_creatable(run_dir: pathlib.Path) -> None:

@@ -11,30 +11,39 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+from collections.abc import Callable
 
 import jax
 
 from meshwork.config import Config, ConfigError
 from meshwork.run.checkpoint import Checkpointer, committed_steps, leftovers, manifest_problem
 from meshwork.run.fast_tier import FastTier, Snapshot
-from meshwork.train.run_dir.identity import claim, differences
+from meshwork.run.saved_config import differences
+from meshwork.train.run_dir.identity import claim
 
 
-def check_checkpoints(cfg: Config, run_dir: pathlib.Path) -> tuple[int | None, dict[str, list]]:
+def check_checkpoints(
+    cfg: Config, run_dir: pathlib.Path, warn: Callable[[str], None] = lambda msg: None
+) -> tuple[int | None, dict[str, list]]:
     """(the newest verified step of the run or None for a fresh run, the changes run.allow_changes let
-    through); refuses, before the compile and without writing anything, a run dir of another config or
-    one whose checkpoints are all unreadable."""
-    changes = claim(cfg, run_dir, is_main=jax.process_index() == 0)
+    through); refuses, before the compile and without writing anything, a run dir of another config
+    (compared with the config saved in that newest checkpoint) or one whose checkpoints are all
+    unreadable. `warn` gets the line saying that config.yaml disagrees with that checkpoint."""
     directory = run_dir / "checkpoints"
     steps = committed_steps(directory)
-    good = [s for s in steps if manifest_problem(steps[s]) is None]
+    problems = {s: manifest_problem(path) for s, path in steps.items()}
+    good = [s for s, why in problems.items() if why is None]
+    newest = (max(good), steps[max(good)]) if good else None
+    changes = claim(cfg, run_dir, newest, is_main=jax.process_index() == 0, warn=warn)
+    if not committed_steps(directory):  # a fresh run, or one run.overwrite=true has just replaced
+        return None, changes
     if steps and not good and not cfg.run.overwrite:
-        problems = "; ".join(f"step {s}: {manifest_problem(steps[s])}" for s in sorted(steps, reverse=True)[:3])
+        worst = "; ".join(f"step {s}: {problems[s]}" for s in sorted(steps, reverse=True)[:3])
         raise ConfigError(
-            f"run.dir: no readable checkpoint in {directory} ({problems}); move "
+            f"run.dir: no readable checkpoint in {directory} ({worst}); move "
             f"them away to start over, or set run.overwrite=true to replace the run"
         )
-    return (max(good) if good else None), changes
+    return (newest[0] if newest else None), changes
 
 
 def open_checkpoints(cfg: Config, run_dir: pathlib.Path, say) -> Checkpointer:
