@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from flax import nnx
 from conftest import ROOT
+from flax import nnx
 
 from meshwork.inference.cli import main
 from meshwork.inference.generate import Generator

@@ -148,9 +148,7 @@ def install_capping_python(bin_dir: pathlib.Path) -> None:
     real, me = shutil.which("python3") or sys.executable, pathlib.Path(__file__).resolve()
     wrapper = bin_dir / "python3"
     wrapper.write_text(
-        "#!/usr/bin/env bash\n"
-        f'extra=$("{real}" "{me}" --cap-args "$@") || exit 2\n'
-        f'exec "{real}" "$@" $extra\n'
+        f'#!/usr/bin/env bash\nextra=$("{real}" "{me}" --cap-args "$@") || exit 2\nexec "{real}" "$@" $extra\n'
     )
     wrapper.chmod(0o755)
 
