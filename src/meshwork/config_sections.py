@@ -46,7 +46,7 @@ class RunConfig(Section):
     allow_changes: tuple[str, ...] = ()
     """Optimizer settings (dotted keys under `optimizer.`, e.g. [optimizer.lr]) that may differ
     from the run stored in `dir` when it resumes: the change applies from the resumed step on
-    and is recorded in `dir`/config_history.jsonl. Any other difference from the stored run is
+    and is recorded in `dir`/config_history.jsonl. Any other difference from the config saved in the newest checkpoint is
     refused (the checkpoints hold its shapes, data order and batch)."""
     mttf_hours: float | None = pydantic.Field(None, gt=0)
     """Mean time to failure of the whole job, in hours: what checkpoint.every=auto trades the
@@ -411,7 +411,7 @@ class MeshConfig(Section):
 
 class RulesConfig(Section):
     preset: str = pydantic.Field("dp", pattern=r"^[a-z0-9]+(\+[a-z0-9]+)*$")
-    """A preset of sharding/rules.py (dp, zero1, zero2, fsdp, tp, sp, cp) or several joined by `+`."""
+    """A preset of sharding/rules.py (dp, zero1, zero2, fsdp, tp, sp, cp, pp, ep) or several joined by `+`."""
     overrides: dict[str, str | list[str] | None] = {}
     """logical axis -> mesh axis (or list of them, or null), applied over the preset."""
 
