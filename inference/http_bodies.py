@@ -7,9 +7,12 @@ The models check each field's type and range (strictly: `max_tokens: 4.5`,
 `temperature: "hot"` or `stream: "yes"` are errors, not coerced); whether the
 request fits the engine (prompt length, vocabulary, pages) is
 `validation.check_request`'s question, asked after the prompt is tokenized.
-Fields OpenAI defines that this server does not implement (`n` > 1,
-logprobs, echo, best_of, presence and frequency penalties) are refused by
-name; fields nobody defines are ignored, as OpenAI's clients send their own.
+`n` choices (1 or more; the server bounds it by its slots) and log-probabilities
+(completions: `logprobs` 0..5, the legacy API's; chat: `logprobs: true` and
+`top_logprobs` 0..20) are OpenAI's. Fields OpenAI defines that this server
+does not implement (echo, best_of, presence and frequency penalties) are
+refused by name; fields nobody defines are ignored, as OpenAI's clients send
+their own.
 Beyond OpenAI's fields a body may give vLLM's `top_k`, `repetition_penalty`,
 `stop_token_ids` and `ignore_eos`.
 """
@@ -21,8 +24,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from meshwork.inference.sampling import SamplingParams
+from meshwork.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from meshwork.inference.validation import RequestError
+
+COMPLETION_MAX_LOGPROBS = 5  # the legacy completions API's bound on `logprobs`
 
 
 class _Body(BaseModel):
@@ -62,12 +67,11 @@ class _Sampling(_Body):
     """Token ids that end the sequence, besides the model's own (unless ignore_eos)."""
     ignore_eos: bool | None = None
     """Do not stop at the model's end-of-sequence tokens."""
-    # OpenAI's fields this server does not implement: accepted only at their do-nothing values.
     n: int | None = None
+    """Choices for this prompt (default 1): each sampled with seed + i (a fresh seed when none is given)."""
+    # OpenAI's fields this server does not implement: accepted only at their do-nothing values.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
 
@@ -82,8 +86,8 @@ class _Sampling(_Body):
     @field_validator("n")
     @classmethod
     def _n(cls, n):
-        if n not in (None, 1):
-            raise ValueError(f"n={n}: one choice per request; send n requests")
+        if n is not None and n < 1:
+            raise ValueError(f"n={n}: ask for at least 1 choice")
         return n
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -91,13 +95,6 @@ class _Sampling(_Body):
     def _penalty(cls, value, info):
         if value not in (None, 0):
             raise ValueError(f"{info.field_name} is not supported; use repetition_penalty (> 1 discourages repeats)")
-        return value
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _logprobs(cls, value, info):
-        if value not in (None, False, 0):
-            raise ValueError(f"{info.field_name}={value!r}: logprobs are not returned yet; leave it out")
         return value
 
     @field_validator("echo")
@@ -126,6 +123,14 @@ class _Sampling(_Body):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) and self.stop else tuple(self.stop or ())
 
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def alternatives(self) -> int | None:
+        """How many top alternatives per token to return with the log-probabilities; None: no logprobs."""
+        raise NotImplementedError
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -142,6 +147,7 @@ class _Sampling(_Body):
             seed=seed,
             max_new_tokens=default_max_tokens if asked is None else asked,
             stop_tokens=tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else tuple(stops)),
+            logprobs=self.alternatives() or 0,
         )
 
 
@@ -163,6 +169,20 @@ class CompletionRequest(_Sampling):
                 raise ValueError(f"a batch of {len(prompt)} prompts: send one prompt per request")
             return prompt[0]
         return prompt
+
+    logprobs: int | None = None
+    """The legacy API's: return each token's log-probability and the `logprobs` (0..5) most likely
+    alternatives (the sampled token's is added to them)."""
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        if value is not None and not 0 <= value <= COMPLETION_MAX_LOGPROBS:
+            raise ValueError(f"logprobs={value}: ask for 0 to {COMPLETION_MAX_LOGPROBS} alternatives per token")
+        return value
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(_Body):
@@ -187,6 +207,24 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     """OpenAI's newer name of max_tokens (it wins when both are given)."""
+    logprobs: bool | None = None
+    """Return each content token's log-probability (and `top_logprobs` alternatives)."""
+    top_logprobs: int | None = None
+    """0..20 most likely alternatives per token; needs `logprobs: true`."""
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value):
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={value}: ask for 0 to {MAX_TOP_LOGPROBS} alternatives per token")
+        return value
+
+    def alternatives(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise RequestError(f"top_logprobs={self.top_logprobs} needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     @property
     def max_tokens_field(self) -> str:

@@ -28,7 +28,12 @@ the server's limits and --max-tokens); a RequestError becomes the 400, its
 Beyond OpenAI's fields a request may give `top_k`, `repetition_penalty`,
 `stop_token_ids` and `ignore_eos` (vLLM's names), and every choice carries
 `token_ids`, the ids it generated (the stop token included), so a client can
-compare them with a solo run. Stop strings (`stop`) are matched in the text
+compare them with a solo run. `n` choices are n engine requests of the prompt (choice i with seed + i;
+with prefix caching they share its full pages), their events tagged with the choice's index on one
+queue; a client that leaves cancels all of them. Log-probabilities come with every token from the
+engine (`sink("token", (id, logprob, alternatives))`) and are answered in OpenAI's shapes: the
+completions API's {tokens, token_logprobs, top_logprobs, text_offset}, chat's {"content": [{token,
+logprob, bytes, top_logprobs}]}, streamed per chunk. Stop strings (`stop`) are matched in the text
 here: the text ends before the first one and the request is cancelled.
 """
 
@@ -46,16 +51,13 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from meshwork.data.chat_template import ChatTemplate, ChatTemplateError, render_chat
+from meshwork.data.chat_template import chat_template_of as data_chat_template_of
 from meshwork.inference.http_bodies import ChatCompletionRequest, CompletionRequest, parse_body
 from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_engine import Engine, QueueFull
 from meshwork.inference.serving import Request, Result
 from meshwork.inference.validation import RequestError, check_request
-
-# Without a chat template in the checkpoint's tokenizer files, messages are rendered as
-# "role: content" lines and the prompt ends with "assistant:", the model to continue from there.
-FALLBACK_CHAT_TEMPLATE = "{role}: {content}\n"
-
 
 # ----------------------------------------------------------------------------- text in, text out
 
@@ -84,46 +86,26 @@ class Served:
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
+    def token_text(self, token: int) -> str:
+        """One token's text for the logprobs (its decoding alone; `token_id:N` without a tokenizer)."""
+        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
+
     def render_chat(self, messages: list[dict]) -> tuple[str, bool]:
-        """(prompt text, whether it came from the checkpoint's template)."""
-        if self.chat_template is None:
-            return "".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in messages) + "assistant:", False
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
+        """(prompt text, whether it came from the checkpoint's template): the renderer
+        `data.source: chat` trains with (meshwork.data.chat_template), so a model is prompted
+        with the text it was tuned on."""
+        template = ChatTemplate(self.chat_template, self.special_tokens)
         try:
-            text = env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, **self.special_tokens
-            )
-        except jinja2.exceptions.TemplateError as e:
-            raise RequestError(f"the checkpoint's chat template refused these messages: {e}", "messages") from None
-        return text, True
+            return render_chat(messages, template), template.templated
+        except ChatTemplateError as e:
+            raise RequestError(f"the checkpoint's {e}", "messages") from None
 
 
 def chat_template_of(folder) -> tuple[str | None, dict]:
     """(chat template, {bos_token, eos_token}) from a tokenizer folder's files, as transformers reads them:
     chat_template.jinja, else tokenizer_config.json's "chat_template" (a string, or a list with "default")."""
-    import pathlib
-
-    folder = pathlib.Path(folder)
-    config = {}
-    if (folder / "tokenizer_config.json").is_file():
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    special = {}
-    for key in ("bos_token", "eos_token"):
-        token = config.get(key)
-        special[key] = token.get("content", "") if isinstance(token, dict) else (token or "")
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(), special
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template, special
+    template = data_chat_template_of(folder)
+    return template.source, template.special_tokens
 
 
 class TextStream:
@@ -333,63 +315,88 @@ async def _read_body(request: HTTPRequest, chat: bool, served: Served) -> Comple
     return parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
 
 
+def choice_params(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams, slots: int):
+    """The SamplingParams of each of the body's `n` choices: choice i samples with seed + i (mod 2**32),
+    so sampled choices differ and greedy ones agree. RequestError when n exceeds the server's slots."""
+    n = body.choices
+    if n > slots:
+        raise RequestError(f"n={n}: this server runs at most {slots} choices of one prompt (its slots); ask fewer", "n")
+    return [dataclasses.replace(params, seed=(params.seed + i) % 2**32) for i in range(n)]
+
+
 async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Served, limits: Limits, request_limits):
-    """One completion request: validated, submitted to the engine, then streamed or answered whole."""
-    body = None
+    """One completion request: validated, its n choices submitted to the engine, then streamed or answered
+    whole."""
+    body, submitted = None, []
     try:
         body = await _read_body(request, chat, served)
         prompt = prompt_ids(body, served)
         params = sampling_params(body, served, limits, len(prompt), engine.server.max_len)
         stops = stop_strings(body, served)
         check_request(prompt, params, request_limits)  # a 400 now, not a stream that ends in an error
+        choices = choice_params(body, params, len(engine.server.slots))
         if not engine.alive:
             raise _Refused(
                 f"the engine is not running ({engine.failure or 'shutting down'})", None, 503, kind="server_error"
             )
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        engine.submit(
-            Request(rid, prompt, params), lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (kind, x))
-        )
+        for i, p in enumerate(choices):  # equal prompts: with prefix caching, the later ones share its full pages
+            engine.submit(Request(f"{rid}-{i}", prompt, p), _sink(loop, events, i))
+            submitted.append(f"{rid}-{i}")
     except RequestError as e:
         return _bad(e, openai_param(e, body) if body is not None else None)
     except _Refused as e:
         return _bad(e)
     except QueueFull as e:
+        for sub in submitted:
+            engine.cancel(sub)
         return _bad(_Refused(str(e), None, 429, "queue_full", "rate_limit_error"))
-    reply = _Reply(rid, served.name, chat, TextStream(served, params.stop_tokens, stops), len(prompt))
+    reply = _Reply(
+        rid,
+        served,
+        chat,
+        [_Choice(i, sub, TextStream(served, params.stop_tokens, stops)) for i, sub in enumerate(submitted)],
+        len(prompt),
+        params.logprobs if body.alternatives() is not None else None,
+    )
     if body.stream:
         return StreamingResponse(
-            _sse(request, engine, rid, events, reply, body.include_usage()), media_type="text/event-stream"
+            _sse(request, engine, events, reply, body.include_usage()), media_type="text/event-stream"
         )
-    return await _whole(request, engine, rid, events, reply)
+    return await _whole(request, engine, events, reply)
 
 
-async def _whole(request: HTTPRequest, engine: Engine, rid: str, events: asyncio.Queue, reply: _Reply):
-    """A non-streamed request's answer, once its last token (or a stop string) arrives."""
+def _sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    """The engine's sink of choice `index`: its events, tagged with the index, onto the handler's queue."""
+    return lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (index, kind, x))
+
+
+async def _whole(request: HTTPRequest, engine: Engine, events: asyncio.Queue, reply: _Reply):
+    """A non-streamed request's answer, once each choice's last token (or a stop string) arrives."""
     try:
-        while True:
-            kind, x = await _next(request, events)
-            if kind == "done":
-                break
-            reply.stream.push(x)
-            if reply.stream.stopped:  # a stop string: the request ends here
-                engine.cancel(rid)
-                x = Result(rid, list(reply.stream.ids), "stop")
-                break
+        while not reply.done:
+            _, c, kind, x = reply.take(await _next(request, events))
+            if c is not None and kind == "token":
+                c.push(x)
+                if c.stream.stopped:  # a stop string: this choice ends here
+                    engine.cancel(c.rid)
+                    c.result = Result(c.rid, list(c.tokens), "stop")
     except _Gone:
-        engine.cancel(rid)
+        reply.cancel(engine)
         return JSONResponse(error_body("client disconnected"), 499)
-    if x.finish == "error":
-        return _bad(RequestError(x.error or "the request failed"))
-    return reply.whole(x)
+    failed = reply.failed()
+    if failed is not None:
+        reply.cancel(engine)
+        return _bad(RequestError(failed.error or "the request failed"))
+    return reply.whole()
 
 
 class _Gone(Exception):
     pass
 
 
-async def _next(request, events: asyncio.Queue) -> tuple[str, Any]:
+async def _next(request, events: asyncio.Queue) -> tuple[int, str, Any]:
     """The request's next event; _Gone when its client has disconnected meanwhile.
 
     `asyncio.wait_for(events.get(), t)` could drop an event (a get that completes as the timeout
@@ -413,83 +420,166 @@ async def _next(request, events: asyncio.Queue) -> tuple[str, Any]:
 
 
 @dataclass
+class _Choice:
+    """One of a request's n choices: its engine request, text and the tokens (with log-probabilities) so far."""
+
+    index: int
+    rid: str
+    stream: TextStream
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    result: Result | None = None
+    offset: int = 0  # the text offset of the next token (the completions API's logprobs.text_offset)
+
+    def push(self, event: tuple[int, float, list[tuple[int, float]]]) -> str:
+        """Records a (token, log p, alternatives) event; the text it adds."""
+        token, logprob, top = event
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.top.append(top)
+        return self.stream.push(token)
+
+
+@dataclass
 class _Reply:
     rid: str
-    model: str
+    served: Served
     chat: bool
-    stream: TextStream
+    choices: list[_Choice]
     prompt_tokens: int
+    alternatives: int | None  # top alternatives per token in the logprobs; None: no logprobs asked
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def usage(self, n: int) -> dict:
+    @property
+    def done(self) -> bool:
+        return all(c.result is not None for c in self.choices)
+
+    def take(self, event: tuple[int, str, Any]) -> tuple[int, _Choice | None, str, Any]:
+        """(index, its choice, kind, payload) of an engine event; the choice is None when it has ended
+        already (a stop string cancelled it while its events were on the way). A "done" ends it."""
+        i, kind, x = event
+        c = self.choices[i]
+        if c.result is not None:
+            return i, None, kind, x
+        if kind == "done":
+            c.result = x
+        return i, c, kind, x
+
+    def failed(self) -> Result | None:
+        return next((c.result for c in self.choices if c.result is not None and c.result.finish == "error"), None)
+
+    def cancel(self, engine: Engine) -> None:
+        """Cancels every choice still running (the client left, or another choice failed)."""
+        for c in self.choices:
+            if c.result is None:
+                engine.cancel(c.rid)
+
+    def usage(self) -> dict:
+        """The prompt counted once, the completion tokens summed over the choices (as OpenAI does)."""
+        n = sum(len(c.tokens) for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
 
-    def whole(self, result: Result) -> dict:
-        text = self.stream.sent + self.stream.flush()
-        choice = {"index": 0, "finish_reason": result.finish, "logprobs": None, "token_ids": result.tokens}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+    def logprobs(self, c: _Choice, start: int) -> dict | None:
+        """The logprobs object of c's tokens from `start` on in OpenAI's shape (None when not asked):
+        chat's {"content": [{token, logprob, bytes, top_logprobs}]}; the completions API's {tokens,
+        token_logprobs, top_logprobs (dicts, with the sampled token's added), text_offset}."""
+        if self.alternatives is None:
+            return None
+        text = self.served.token_text
+        picked = list(zip(c.tokens[start:], c.logprobs[start:], c.top[start:]))
+        if self.chat:
+            return {
+                "content": [
+                    {**_token_entry(text(t), lp), "top_logprobs": [_token_entry(text(a), alp) for a, alp in top]}
+                    for t, lp, top in picked
+                ]
+            }
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in picked:
+            out["tokens"].append(text(t))
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({**{text(a): alp for a, alp in top}, text(t): lp})
+            out["text_offset"].append(c.offset)
+            c.offset += len(text(t))
+        return out
+
+    def whole(self) -> dict:
+        choices = []
+        for c in self.choices:
+            text = c.stream.sent + c.stream.flush()
+            choice = {
+                "index": c.index,
+                "finish_reason": c.result.finish,
+                "logprobs": self.logprobs(c, 0),
+                "token_ids": c.tokens,
+            }
+            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            choices.append(choice)
         return {
             "id": self.rid,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(len(result.tokens)),
+            "model": self.served.name,
+            "choices": choices,
+            "usage": self.usage(),
         }
 
-    def chunk(self, text: str | None, ids: list[int], finish: str | None, first: bool = False) -> str:
-        choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
+    def chunk(self, c: _Choice, text: str | None, new: int, finish: str | None, first: bool = False) -> str:
+        """A server-sent event of choice c: its text delta and its last `new` tokens (with their logprobs)."""
+        start = len(c.tokens) - new
+        logprobs = self.logprobs(c, start) if new else None
+        choice: dict = {"index": c.index, "finish_reason": finish, "logprobs": logprobs, "token_ids": c.tokens[start:]}
         if self.chat:
             choice["delta"] = (
                 {"role": "assistant", "content": text or ""} if first else {} if text is None else {"content": text}
             )
         else:
             choice["text"] = text or ""
+        return self.event([choice])
+
+    def event(self, choices: list[dict], **extra) -> str:
         body = {
             "id": self.rid,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.model,
-            "choices": [choice],
+            "model": self.served.name,
+            "choices": choices,
+            **extra,
         }
         return f"data: {json.dumps(body)}\n\n"
 
 
-async def _sse(request, engine: Engine, rid: str, events: asyncio.Queue, reply: _Reply, usage: bool):
-    """Server-sent events: one chunk per token, a last one with the finish reason, then [DONE]."""
-    done, n = False, 0
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+async def _sse(request, engine: Engine, events: asyncio.Queue, reply: _Reply, usage: bool):
+    """Server-sent events: one chunk per token (each of one choice, with its index), a last one per
+    choice with its finish reason, then the usage (if asked) and [DONE]."""
     try:
         if reply.chat:
-            yield reply.chunk("", [], None, first=True)
-        while True:
-            kind, x = await _next(request, events)
-            if kind == "done":
-                done = True
-                break
-            n += 1
-            yield reply.chunk(reply.stream.push(x), [x], None)
-            if reply.stream.stopped:  # a stop string: the request ends here
-                engine.cancel(rid)
-                done, x = True, Result(rid, list(reply.stream.ids), "stop")
-                break
-        if x.finish == "error":
-            yield f"data: {json.dumps(error_body(x.error or 'the request failed', 'server_error'))}\n\n"
-            return
-        tail = reply.stream.flush()
-        yield reply.chunk(tail if tail or not reply.chat else None, [], x.finish)
+            for c in reply.choices:
+                yield reply.chunk(c, "", 0, None, first=True)
+        while not reply.done:
+            _, c, kind, x = reply.take(await _next(request, events))
+            if c is None:
+                continue
+            if kind == "token":
+                yield reply.chunk(c, c.push(x), 1, None)
+                if not c.stream.stopped:
+                    continue
+                engine.cancel(c.rid)  # a stop string: this choice ends here
+                c.result = Result(c.rid, list(c.tokens), "stop")
+            if c.result.finish == "error":
+                yield f"data: {json.dumps(error_body(c.result.error or 'the request failed', 'server_error'))}\n\n"
+                return
+            tail = c.stream.flush()
+            yield reply.chunk(c, tail if tail or not reply.chat else None, 0, c.result.finish)
         if usage:
-            body = {
-                "id": reply.rid,
-                "object": "chat.completion.chunk" if reply.chat else "text_completion",
-                "created": reply.created,
-                "model": reply.model,
-                "choices": [],
-                "usage": reply.usage(n),
-            }
-            yield f"data: {json.dumps(body)}\n\n"
+            yield reply.event([], usage=reply.usage())
         yield "data: [DONE]\n\n"
     except _Gone:
         pass
-    finally:  # the client left (or the server is being shut down): free the slot and pages
-        if not done:
-            engine.cancel(rid)
+    finally:  # the client left, a choice failed, or the server is shutting down: free the slots and pages
+        reply.cancel(engine)

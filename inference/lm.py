@@ -91,7 +91,7 @@ def load_lm(checkpoint: str | None, hf: str | None, attention: str | None = None
         if cfg.model.kind not in ("transformer", "moe"):
             raise ConfigError(f"--checkpoint: {checkpoint} trained a {cfg.model.kind}; `lm` needs a language model")
         tokenizer, stops = ByteTokenizer() if cfg.data.source in ("stdlib", "stdlib_docs") else None, []
-        if cfg.data.source == "text":  # the tokenizer the run's text was tokenized with, and its EOS
+        if cfg.data.source in ("text", "chat"):  # the tokenizer the run's text was tokenized with, and its EOS
             from meshwork.data.user_text import load_tokenizer
 
             used = load_tokenizer(cfg.data.tokenizer)

@@ -36,6 +36,7 @@ any batch, and after a restart, and a given token can be reproduced from
     arrays = SamplingArrays.stack([SamplingParams(temperature=0.7, top_p=0.9, seed=1)])
     next_B = sample(logits_BV, positions_B, arrays, seen_BV)
     logp_BV = log_probs(logits_BV)          # log-softmax of the same logits (`log_probs` says which)
+    lp_B, top_BK, ids_BK = token_log_probs(logits_BV, next_B, 5)   # what the server returns per token
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ class SamplingParams:
     """Stop after generating any of these token ids (the stop token is emitted)."""
     seed: int = 0
     """Seed of this request's random draws, in [0, 2**32)."""
+    logprobs: int = 0
+    """How many most likely alternatives (top_logprobs) to return with each token's log-probability,
+    0 to MAX_TOP_LOGPROBS; the sampled token's own log-probability is always returned. No effect on
+    which tokens are sampled."""
 
     def check(self, vocab_size: int) -> None:
         """Raise RequestError (one line naming the field and the fix; `param`: OpenAI's name) on a bad setting."""
@@ -85,6 +90,11 @@ class SamplingParams:
             ),
             (self.max_new_tokens < 1, "max_tokens", f"max_new_tokens={self.max_new_tokens}: use at least 1"),
             (not 0 <= self.seed < 2**32, "seed", f"seed={self.seed}: use an integer in [0, 2**32)"),
+            (
+                not 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                "top_logprobs",
+                f"logprobs={self.logprobs}: ask for 0 to {MAX_TOP_LOGPROBS} alternatives per token",
+            ),
         ]
         bad_stops = [t for t in self.stop_tokens if not 0 <= t < vocab_size]
         problems.append(
@@ -122,6 +132,7 @@ class SamplingArrays:
         )
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 TOP_K_BOUND = 64  # ranks read by lax.top_k; top-k and nuclei within them need no threshold search
 
 
@@ -238,6 +249,25 @@ def log_probs(
     logits_BV = _penalize(logits_BV, arrays, seen_BV)
     t_B = arrays.temperature
     return jax.nn.log_softmax(logits_BV / jnp.where(t_B > 0, t_B, 1.0)[:, None], axis=-1)
+
+
+def token_log_probs(logits_BV: jax.Array, tokens_B: jax.Array, top: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(lp_B, top_BK, ids_BK): each row's log-probability of tokens_B[b] under the model's own
+    distribution, log_softmax(logits) in float32 (`log_probs` without arrays: before the repetition
+    penalty, temperature, top-k and top-p, as vLLM's default "raw" logprobs), and its `top` most likely
+    tokens' log-probabilities (descending; ties: the lower id first) and ids. Jittable; `top` is static
+    (0: empty (B, 0) arrays, nothing computed beyond one logsumexp per row).
+
+        lp_B, top_BK, ids_BK = token_log_probs(logits_BV, sample(logits_BV, ...), 5)
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
+    lp_B = jnp.take_along_axis(logits_BV, tokens_B[:, None].astype(jnp.int32), axis=-1)[:, 0] - lse_B
+    if top == 0:
+        B = logits_BV.shape[0]
+        return lp_B, jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
+    top_BK, ids_BK = jax.lax.top_k(logits_BV, top)
+    return lp_B, top_BK - lse_B[:, None], ids_BK.astype(jnp.int32)
 
 
 def sample_reference(

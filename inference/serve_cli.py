@@ -20,17 +20,17 @@ from meshwork.inference.serving import Server
 
 
 def load_served(checkpoint: str, name: str | None = None, attention: str | None = None):
-    """(model, Served) from a meshwork run dir (config.yaml) or a Hugging Face folder (config.json)."""
+    """(model, Served) from a meshwork run dir (checkpoints/) or a Hugging Face folder (config.json)."""
     import pathlib
 
     from meshwork.inference.lm import load_lm
 
     path = pathlib.Path(checkpoint).expanduser()
-    if (path / "config.yaml").is_file():
+    if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
         model, tokenizer, stops = load_lm(str(path), None, attention)
-        from meshwork.config import load_config
+        from meshwork.inference.runs import saved_run_config
 
-        spec = load_config(path / "config.yaml").data.tokenizer
+        spec = saved_run_config(path).data.tokenizer
         folder = None if not spec else pathlib.Path(spec).expanduser()
         folder = folder.parent if folder is not None and folder.suffix == ".json" else folder
     elif (path / "config.json").is_file():

@@ -4,7 +4,7 @@ requests join and leave the running batch as in `serving.py` while HTTP handlers
 event loop (inference/http_server.py).
 
     engine = Engine(Server(model, slots=8, max_len=512), max_queue=64); engine.start()
-    engine.submit(Request("a", prompt_ids), sink)   # sink("token", id) ..., then sink("done", Result)
+    engine.submit(Request("a", prompt_ids), sink)   # sink("token", (id, logprob, top)) ..., then sink("done", Result)
     engine.cancel("a"); engine.stop()
 """
 
@@ -18,7 +18,9 @@ from typing import Any
 
 from meshwork.inference.serving import Request, Result, Server
 
-Sink = Callable[[str, Any], None]  # ("token", id) ... then ("done", Result); called on the engine thread
+# ("token", (id, log p, [(alternative id, log p), ...])) ... then ("done", Result); called on the engine thread.
+# The alternatives are the request's params.logprobs most likely tokens ([] when it asked for none).
+Sink = Callable[[str, Any], None]
 
 
 class QueueFull(Exception):
@@ -109,11 +111,11 @@ class Engine:
                     # A step may give a request several tokens (decode steps per dispatch), the last of
                     # which finished it: deliver them all, then the results.
                     events = s.step()
-                    for rid, token in events:
+                    for (rid, token), (logprob, top) in zip(events, s.last_scores, strict=True):
                         sink = self._sinks.get(rid)
                         if sink is not None:
                             self._dequeue(rid)
-                            sink("token", token)
+                            sink("token", (token, logprob, top))
                     for rid in dict.fromkeys(rid for rid, _ in events):
                         if rid in self._sinks:
                             self._finish_if_done(rid)

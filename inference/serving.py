@@ -48,6 +48,17 @@ the call; when the pool cannot cover them, the server falls back to one step
 per call with preemption. So the host sees one call and one copy of tokens
 per dispatch, not per token. The sampler does not sort (sampling.py).
 
+Log-probabilities: every Result carries `logprobs`, the log-probability of each of its tokens under
+the model's own distribution, log_softmax of the logits the sampler was given, in float32, before
+the repetition penalty, temperature, top-k and top-p (vLLM's default "raw" logprobs; what a trainer's
+forward pass over the same tokens gives). They are computed on the device, in the prefill chunk and
+inside the decode loop (a (N, B) float32 output beside the tokens, copied with them once per
+dispatch), so they cost one logsumexp per row per step and no host round trip. A request whose
+`params.logprobs` is k > 0 also gets, per token, the k most likely (token id, log p) alternatives
+(`top_logprobs`): `lax.top_k` with a static K, MAX_TOP_LOGPROBS when a running request asks for any
+and 0 otherwise, so the loop and the chunk compile in two variants each and a batch that asks for
+none runs no top_k (its only extra work is that logsumexp). Sampled tokens do not depend on either.
+
 The engine API: `submit` queues a request (`check_request` is what it asks
 first), `admit` gives waiting requests slots and pages, `step` admits,
 prefills and decodes, `cancel` and `release` free a request's slot and pages,
@@ -79,7 +90,14 @@ from meshwork.config import ConfigError
 from meshwork.inference.generate import PROMPT_BUCKET, Generator
 from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.inference.page_pool import PageAllocator, page_digests
-from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample
+from meshwork.inference.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingArrays,
+    SamplingParams,
+    mark_seen,
+    sample,
+    token_log_probs,
+)
 from meshwork.inference.validation import RequestError, RequestLimits, check_request
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules
@@ -98,6 +116,19 @@ class Result:
     tokens: list[int]
     finish: str  # "stop" (a stop token, included), "length" (max_new_tokens), "error" or "cancelled"
     error: str | None = None
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    """log p of each of `tokens` under the model's own distribution (log_softmax of its logits, before
+    temperature, penalty, top-k and top-p), in float32."""
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    """Per token, the params.logprobs most likely (token id, log p), descending; [] when none asked."""
+
+
+@dataclasses.dataclass
+class _Scores:
+    """A request's per-token log-probabilities so far (kept across preemption)."""
+
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -191,10 +222,15 @@ class Server:
         # those found in the prefix cache instead.
         self.dispatches = self.prefill_tokens = self.cached_tokens = 0
         self._admitted = 0
+        self._scores: dict[Hashable, _Scores] = {}  # per queued or running request
+        # (log p, top alternatives) of each (id, token) pair the last `step` returned, in the same order.
+        self.last_scores: list[tuple[float, list[tuple[int, float]]]] = []
         self._arrays: tuple[SamplingArrays, jax.Array] | None = None
         self._set_seen = jax.jit(lambda seen, row, slot: seen.at[slot].set(row), donate_argnums=0)
-        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5))
-        self._loop = jax.jit(self._loop_fn, donate_argnums=(3, 4, 6))
+        # The last argument, `top`, is static: 0, or MAX_TOP_LOGPROBS when a request in the call asks for
+        # alternatives (two compiled variants each; the common path never runs lax.top_k).
+        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5), static_argnums=(9,))
+        self._loop = jax.jit(self._loop_fn, donate_argnums=(3, 4, 6), static_argnums=(9,))
         self._table: tuple[np.ndarray, jax.Array] | None = None  # the last page table sent, on the device
 
     # -- requests ---------------------------------------------------------------
@@ -221,6 +257,7 @@ class Server:
             self.results[request.id] = Result(request.id, [], "error", str(e))
             return
         self.waiting.append((request, []))
+        self._scores[request.id] = _Scores()
 
     def release(self, request_id: Hashable) -> list[int] | None:
         """Takes a request out of the queue, or frees its slot and pages, without recording a Result: the
@@ -228,20 +265,23 @@ class Server:
         for entry in self.waiting:
             if entry[0].id == request_id:
                 self.waiting.remove(entry)
+                self._scores.pop(request_id, None)
                 return list(entry[1])
         for i, s in enumerate(self.slots):
             if s is not None and s.request.id == request_id:
                 self._free(i)
+                self._scores.pop(request_id, None)
                 return s.produced
         return None
 
     def cancel(self, request_id: Hashable) -> bool:
         """Stops a waiting or running request now: its slot and pages are freed and its Result (the
         tokens produced so far, finish "cancelled") recorded. False when it is not waiting or running."""
+        scores = self._scores.get(request_id, _Scores())
         produced = self.release(request_id)
         if produced is None:
             return False
-        self.results[request_id] = Result(request_id, produced, "cancelled")
+        self.results[request_id] = Result(request_id, produced, "cancelled", None, scores.logprobs, scores.top)
         return True
 
     def take_result(self, request_id: Hashable) -> Result | None:
@@ -286,38 +326,43 @@ class Server:
 
     # -- the jitted pieces ------------------------------------------------------------
 
-    def _chunk_fn(self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V):
+    def _chunk_fn(self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V, top):
         """Prefills tokens at positions start.. (the first n_real are real) over the cached ones before
-        them; samples the token after the last real one (used when this chunk ends the prompt)."""
+        them; samples the token after the last real one (used when this chunk ends the prompt) and
+        returns it with its log-probability and the `top` (static) alternatives (`token_log_probs`)."""
         C = tokens_1C.shape[1]
         positions_1C = start + jnp.arange(C, dtype=jnp.int32)[None]
         logits_1CV, cache = self.gen.apply(state, tokens_1C, positions_1C, PagedKVCache(k, v, table_1P))
         last_1V = jax.lax.dynamic_index_in_dim(logits_1CV, n_real - 1, axis=1, keepdims=False)
-        return sample(last_1V, (start + n_real)[None], arrays, seen_1V), cache.k, cache.v
+        token_1 = sample(last_1V, (start + n_real)[None], arrays, seen_1V)
+        return (token_1, *token_log_probs(last_1V, token_1, top)), cache.k, cache.v
 
-    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BN):
+    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BN, top):
         """Up to n_steps decode steps on the device. Row b feeds tokens_B[b] at positions_B[b] and is
         done after remaining_B[b] tokens or a stop token; a done row writes to the null page from then
         on. The loop ends when every row is done, or (halt_on_finish) after a step in which one finished.
         rows_3B = (tokens, positions, remaining) and control_2 = (n_steps, halt_on_finish) travel as one
         array each (a transfer per argument is a cost per dispatch). Returns the (N, B) tokens (-1 where a
-        row was done; a step ran iff its row has a token), the pool and seen."""
+        row was done; a step ran iff its row has a token), their (N, B) float32 log-probabilities and the
+        (N, B, top) alternatives' log-probabilities and ids (`token_log_probs`; top static), the pool
+        and seen."""
         (tokens_B, positions_B, remaining_B), n_steps, halt_on_finish = rows_3B, control_2[0], control_2[1] != 0
         B, N = tokens_B.shape[0], self.steps_per_dispatch
         beyond = table_BP.shape[1] * self.page_size  # past the page table: writes go to the null page
 
         def cond(carry):
-            i, _, _, remaining_B, _, _, _, _, halted = carry
+            i, _, _, remaining_B, _, _, _, _, _, halted = carry
             return (i < n_steps) & jnp.any(remaining_B > 0) & ~halted
 
         def body(carry):
-            i, tokens_B, positions_B, remaining_B, k, v, seen_BV, out_NB, _ = carry
+            i, tokens_B, positions_B, remaining_B, k, v, seen_BV, out_NB, scores, _ = carry
             active_B = remaining_B > 0
             at_B = jnp.where(active_B, positions_B, beyond)
             seen_BV = mark_seen(seen_BV, tokens_B)
             logits_B1V, cache = self.gen.apply(state, tokens_B[:, None], at_B[:, None], PagedKVCache(k, v, table_BP))
             new_B = sample(logits_B1V[:, 0], at_B + 1, arrays, seen_BV)
             out_NB = out_NB.at[i].set(jnp.where(active_B, new_B, -1))
+            scores = tuple(x.at[i].set(y) for x, y in zip(scores, token_log_probs(logits_B1V[:, 0], new_B, top)))
             stopped_B = active_B & jnp.any(new_B[:, None] == stop_BN, axis=-1)
             remaining_B = jnp.where(stopped_B, 0, remaining_B - active_B)
             finished = jnp.any(active_B & (remaining_B == 0))
@@ -330,6 +375,7 @@ class Server:
                 cache.v,
                 seen_BV,
                 out_NB,
+                scores,
                 halt_on_finish & finished,
             )
 
@@ -342,16 +388,19 @@ class Server:
             v,
             seen_BV,
             jnp.full((N, B), -1, jnp.int32),
+            (jnp.zeros((N, B), jnp.float32), jnp.zeros((N, B, top), jnp.float32), jnp.zeros((N, B, top), jnp.int32)),
             jnp.bool_(False),
         )
-        _, _, _, _, k, v, seen_BV, out_NB, _ = jax.lax.while_loop(cond, body, carry)
-        return out_NB, k, v, seen_BV
+        _, _, _, _, k, v, seen_BV, out_NB, scores, _ = jax.lax.while_loop(cond, body, carry)
+        return (out_NB, *scores), k, v, seen_BV
 
     # -- one iteration ------------------------------------------------------------
 
     def step(self) -> list[tuple[Hashable, int]]:
         """Admits what fits, prefills (a chunk of) the waiting prompts, then decodes every prefilled
-        slot for up to `steps_per_dispatch` steps: the (request id, token) pairs sampled, in order."""
+        slot for up to `steps_per_dispatch` steps: the (request id, token) pairs sampled, in order
+        (`last_scores` holds their log-probabilities and alternatives, in the same order)."""
+        self.last_scores = []
         events = self.admit()
         events += self._prefill()
         return events + self._decode()
@@ -433,7 +482,8 @@ class Server:
         tokens[0, :n] = s.tokens()[s.length : s.length + n]
         table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
         table[0, : len(s.pages)] = s.pages
-        token, self.k, self.v = self.gen.run_in_context(
+        top = MAX_TOP_LOGPROBS if s.request.params.logprobs else 0
+        scored, self.k, self.v = self.gen.run_in_context(
             self._chunk,
             self.gen.state,
             jnp.asarray(tokens),
@@ -444,12 +494,14 @@ class Server:
             jnp.asarray(table),
             SamplingArrays.stack([s.request.params]),
             self.seen[i : i + 1],
+            top,
         )
         s.length += n
         self.prefill_tokens += n
         self._register(s)
         if not s.prefilling and not s.produced:  # a fresh request: its prefill sampled its first token
-            return self._emit(i, int(np.asarray(token)[0]))
+            token, lp, top_1K, ids_1K = jax.device_get(scored)
+            return self._emit(i, int(token[0]), float(lp[0]), top_1K[0], ids_1K[0])
         return []
 
     def _decode(self) -> list[tuple[Hashable, int]]:
@@ -489,7 +541,8 @@ class Server:
         if self._table is None or not np.array_equal(self._table[0], table):
             self._table = table, jnp.asarray(table)
         arrays, stops = self._sampling_arrays()
-        out, self.k, self.v, self.seen = self.gen.run_in_context(
+        top = MAX_TOP_LOGPROBS if any(self.slots[i].request.params.logprobs for i in live) else 0
+        scored, self.k, self.v, self.seen = self.gen.run_in_context(
             self._loop,
             self.gen.state,
             jnp.asarray(rows),
@@ -500,8 +553,9 @@ class Server:
             self.seen,
             arrays,
             stops,
+            top,
         )
-        out = np.asarray(out)
+        out, lp, top_NBK, ids_NBK = jax.device_get(scored)  # one copy per dispatch
         count = int((out >= 0).any(axis=1).sum())
         self.steps += count
         self.dispatches += 1
@@ -512,7 +566,7 @@ class Server:
                 if s is None or out[j, i] < 0:
                     continue
                 s.length += 1
-                events += self._emit(i, int(out[j, i]))
+                events += self._emit(i, int(out[j, i]), float(lp[j, i]), top_NBK[j, i], ids_NBK[j, i])
         for i in live:
             if self.slots[i] is not None:
                 self._register(self.slots[i])
@@ -560,14 +614,24 @@ class Server:
         self.slots[slot] = None
         self._arrays = None
 
-    def _emit(self, slot: int, token: int) -> list[tuple[Hashable, int]]:
-        """Records a sampled token; frees the slot when its request is done."""
+    def _emit(
+        self, slot: int, token: int, logprob: float, top_K: np.ndarray, ids_K: np.ndarray
+    ) -> list[tuple[Hashable, int]]:
+        """Records a sampled token, its log-probability and the alternatives its request asked for (of
+        the top_K / ids_K computed); frees the slot when its request is done."""
         s = self.slots[slot]
         s.produced.append(token)
         p = s.request.params
+        scores = self._scores[s.request.id]
+        alternatives = [(int(t), float(x)) for t, x in zip(ids_K[: p.logprobs], top_K[: p.logprobs])]
+        scores.logprobs.append(logprob)
+        if p.logprobs:
+            scores.top.append(alternatives)
+        self.last_scores.append((logprob, alternatives))
         finish = "stop" if token in p.stop_tokens else "length" if len(s.produced) >= p.max_new_tokens else None
         if finish:
-            self.results[s.request.id] = Result(s.request.id, s.produced, finish)
+            del self._scores[s.request.id]
+            self.results[s.request.id] = Result(s.request.id, s.produced, finish, None, scores.logprobs, scores.top)
             self._free(slot)
         return [(s.request.id, token)]
 

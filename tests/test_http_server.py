@@ -112,7 +112,7 @@ def bad_requests(s: Served, chat_model: str):
     return [
         lambda: c.completions.create(model=chat_model, prompt="a", max_tokens=s.max_tokens + 1),
         lambda: c.completions.create(model="not-this-one", prompt="a", max_tokens=4),
-        lambda: c.completions.create(model=chat_model, prompt="a", max_tokens=4, n=2),
+        lambda: c.completions.create(model=chat_model, prompt="a", max_tokens=4, n=0),
         lambda: c.completions.create(model=chat_model, prompt=[], max_tokens=4),
         lambda: c.completions.create(model=chat_model, prompt=too_long, max_tokens=4),
         lambda: c.completions.create(model=chat_model, prompt="a", max_tokens=4, temperature=-1),

@@ -50,8 +50,9 @@ def with_base_model(cfg: Config) -> Config:
 
     The checkpoint's config.json decides the architecture; a model key the config
     sets (in its file or as an override) must agree with it, else a one-line
-    ConfigError names the key, both values and the fix. With `data.source: text`
-    and no `data.tokenizer`, the folder's tokenizer.json tokenizes the text.
+    ConfigError names the key, both values and the fix. With `data.source: text` (or
+    chat) and no `data.tokenizer`, the folder's tokenizer.json tokenizes the text (and its
+    chat template renders the conversations).
     """
     if not is_hf_base(cfg):
         return cfg
@@ -69,7 +70,7 @@ def with_base_model(cfg: Config) -> Config:
         )
     raw = {**cfg.to_dict(), "model": derived.model_dump(mode="json", by_alias=True)}
     if (
-        cfg.data.source == "text"
+        cfg.data.source in ("text", "chat")
         and getattr(cfg.data, "tokenizer", None) is None
         and (base_dir / "tokenizer.json").is_file()
     ):

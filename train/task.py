@@ -136,11 +136,12 @@ def _lm_task(cfg: Config) -> LMTask:
         train, val = corpus(cfg.data.val_fraction, cfg.data.cache_dir)
         _check_eval_windows(cfg, val, "log.eval_batches")
         return LMTask(cfg, train, val)
-    if cfg.data.source == "text":
+    if cfg.data.source in ("text", "chat"):
         return _text_task(cfg)
     if cfg.data.source != "tokens":
         raise ConfigError(
-            f"data.source: {cfg.data.source} is image data; a language model reads stdlib, stdlib_docs, tokens or text"
+            f"data.source: {cfg.data.source} is image data; a language model reads stdlib, stdlib_docs, "
+            "tokens, text or chat"
         )
     files = {}
     for key in ("train_path", "val_path"):
@@ -169,10 +170,26 @@ def _lm_task(cfg: Config) -> LMTask:
 
 
 def _text_task(cfg: Config) -> PackedLMTask:
+    """data.source text or chat: the corpus tokenized (or read from its cache) and checked."""
     d, L = cfg.data, cfg.data.seq_len
-    corpus = user_text.text_corpus(
-        d.text_files, tokenizer=d.tokenizer, text_field=d.text_field, val_fraction=d.val_fraction, cache_dir=d.cache_dir
-    )
+    if d.source == "chat":  # conversations: only the assistant's tokens are targets
+        from meshwork.data.chat import chat_corpus
+
+        corpus = chat_corpus(
+            d.text_files,
+            tokenizer=d.tokenizer,
+            messages_field=d.messages_field,
+            val_fraction=d.val_fraction,
+            cache_dir=d.cache_dir,
+        )
+    else:
+        corpus = user_text.text_corpus(
+            d.text_files,
+            tokenizer=d.tokenizer,
+            text_field=d.text_field,
+            val_fraction=d.val_fraction,
+            cache_dir=d.cache_dir,
+        )
     if corpus.max_id >= cfg.model.vocab_size:
         raise ConfigError(
             f"data.tokenizer: token id {corpus.max_id} of the text ({corpus.tokenizer}) is out of "

@@ -107,6 +107,8 @@ def next_commands(cfg: Config, run_dir: Any, *, last_step: int) -> list[str]:
     out.append(f"{plot} {d}   (loss curves -> {run_dir}/loss.png)")
     if cfg.model.kind == "unet":
         out.append(f"{infer} diffusion --checkpoint {d} --out grid.png   (one row per class)")
+    elif cfg.data.source == "chat":  # its prompts are conversations: the chat endpoint renders them
+        out.append(f"{infer} serve --checkpoint {d}   (OpenAI's /v1/chat/completions on 127.0.0.1:8000)")
     elif cfg.finetune.method != "prefix":
         prompt = {"stdlib": '--prompt "def "', "stdlib_docs": '--prompt "The "', "text": '--prompt "The "'}.get(
             cfg.data.source, "--prompt-ids 1,2,3"

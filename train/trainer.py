@@ -85,10 +85,10 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
         )
     if len(seq_axes) > 1:
         raise ConfigError(f"rules.preset: the sequence is split over {seq_axes}; context parallelism uses one axis")
-    if seq_axes and cfg.data.source == "text":
+    if seq_axes and cfg.data.source in ("text", "chat"):
         raise ConfigError(
             f"rules.preset: context parallelism (ring attention over {seq_axes[0]}) takes no packed "
-            "documents, which data.source=text makes; drop cp from rules.preset"
+            f"documents, which data.source={cfg.data.source} makes; drop cp from rules.preset"
         )
     if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
         raise ConfigError(

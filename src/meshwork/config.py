@@ -170,7 +170,7 @@ class Config(Section):
         _check_tiers_and_elasticity(self)
         if self.data.source == "tokens" and not (self.data.train_path and self.data.val_path):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
-        if self.data.source == "text":
+        if self.data.source in ("text", "chat"):
             _check_packed_documents(self)
         return self
 
@@ -281,30 +281,36 @@ def _check_moe_pipeline(m, stage: int, virtual_stages: int) -> None:
 
 
 def _check_packed_documents(cfg: Config) -> None:
-    """data.source=text packs documents into rows with segment ids; the paths that cannot keep
-    documents apart (the pipeline's stages, cuDNN attention, prefix tuning) refuse it here."""
+    """data.source=text (and chat) packs documents into rows with segment ids; the paths that cannot
+    keep documents apart (the pipeline's stages, cuDNN attention, prefix tuning) refuse it here."""
+    source = cfg.data.source
     if not cfg.data.text_files:
         raise _KeyError(
             "data.text_files",
-            "data.source=text needs data.text_files: files or globs "
+            "data.source=chat needs data.text_files: .jsonl files or globs, one conversation "
+            "(a messages list) per line, e.g. data.text_files=[chats/*.jsonl]"
+            if source == "chat"
+            else "data.source=text needs data.text_files: files or globs "
             "(.txt, .jsonl, .parquet), e.g. data.text_files=[notes/*.txt]",
         )
     if cfg.train.pipeline != "none":
         raise _KeyError(
             "data.source",
-            f"text (packed documents) is not supported with train.pipeline="
+            f"{source} (packed documents) is not supported with train.pipeline="
             f"{cfg.train.pipeline}; set train.pipeline=none and mesh.stage=1",
         )
     if cfg.model.attention == "cudnn":
         raise _KeyError(
             "model.attention",
-            "cudnn takes no segment ids, which data.source=text's packed documents need; use xla or pallas",
+            f"cudnn takes no segment ids, which data.source={source}'s packed documents need; use xla or pallas",
         )
     if cfg.finetune.method == "prefix":
         raise _KeyError(
             "finetune.method",
-            "prefix tuning over packed documents (data.source=text) is not implemented; use lora, adapter or full",
+            f"prefix tuning over packed documents (data.source={source}) is not implemented; use lora, adapter or full",
         )
+    if source == "chat" and not cfg.data.messages_field:
+        raise _KeyError("data.messages_field", "is empty; name the JSON field holding the messages (e.g. messages)")
 
 
 # ---------------------------------------------------------------- loading

@@ -251,12 +251,15 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["stdlib", "stdlib_docs", "tokens", "text", "digits", "images"] = "stdlib"
+    source: Literal["stdlib", "stdlib_docs", "tokens", "text", "chat", "digits", "images"] = "stdlib"
     """`stdlib`: this Python's own standard-library sources, byte-tokenized.
     `stdlib_docs`: English prose, the reference-manual topics pydoc ships (pydoc_data), byte-tokenized.
     `tokens`: nanoGPT-style uint16 files `train_path` and `val_path`.
     `text`: your own documents (`text_files`), tokenized once by `tokenizer` and packed into
     windows whose attention and loss stay inside each document (meshwork/data/user_text.py).
+    `chat`: your conversations (`.jsonl` `text_files`, OpenAI-style `messages`), rendered with the
+    chat template of `tokenizer`'s folder and packed like `text`; the loss counts only the
+    assistant's tokens (meshwork/data/chat.py).
     `digits`: scikit-learn's handwritten digits (for model.kind=unet).
     `images`: the PNG/JPEG files under `image_dir` (subfolders are classes)."""
     image_dir: str | None = None
@@ -269,10 +272,14 @@ class DataConfig(Section):
     `.md`, ...) is one UTF-8 document."""
     text_field: str = "text"
     """source=text: the JSON field or Parquet column that holds a document's text."""
+    messages_field: str = "messages"
+    """source=chat: the JSON field that holds a conversation's list of `{"role", "content"}` messages."""
     tokenizer: str | None = None
-    """source=text: a `tokenizer.json` file, or a folder holding one (a Hugging Face checkpoint);
-    its post-processor adds BOS, and the EOS its `tokenizer_config.json` names ends every
-    document. null: the byte tokenizer (ids 0..255, no special tokens)."""
+    """source=text or chat: a `tokenizer.json` file, or a folder holding one (a Hugging Face
+    checkpoint); its post-processor adds BOS, and the EOS its `tokenizer_config.json` names ends
+    every document. null: the byte tokenizer (ids 0..255, no special tokens). source=chat renders
+    with the folder's chat template (`chat_template.jinja` or `tokenizer_config.json`'s), or,
+    with none or the byte tokenizer, one `role: content` line per message."""
     val_fraction: float = pydantic.Field(0.02, gt=0, lt=1)
     """Share of stdlib files, or of text documents (both chosen by a hash of their path, and line or
     row), held out for validation."""

@@ -14,7 +14,9 @@ the text field, the tokenizer's bytes and the split; a run whose inputs match re
 Batches are windows of `seq_len + 1` tokens over the concatenated stream (as data/text.py's),
 each with the document of every input token (`segment_ids`, renumbered from 1 in each row:
 attention stays inside a document) and `loss_mask` (0 where the target opens the next
-document, which nothing in the row before it can predict).
+document, which nothing in the row before it can predict). `data.source: chat` (data/chat.py)
+reuses the cache and the windows through `DocumentFormat` and `cached_corpus`: its format also
+stores which tokens are targets, and `loss_mask` is 0 on the others.
 
     corpus = text_corpus(["~/notes/**/*.md"], tokenizer="~/Llama-3.2-1B", val_fraction=0.02)
     batch = next(train_iterator(corpus.train, seq_len=128, global_batch=8, seed=0))
@@ -23,6 +25,7 @@ document, which nothing in the row before it can predict).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -34,7 +37,7 @@ import tempfile
 import time
 import zlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +181,19 @@ def read_documents(path: pathlib.Path, text_field: str = "text") -> Iterator[tup
 
 
 def _jsonl_documents(path: pathlib.Path, field: str):
+    for i, value, nbytes in jsonl_records(path, field, "data.text_field", "the text"):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(
+                f"data.text_field: {path}:{i + 1}: field {field!r} holds a "
+                f"{type(value).__name__}, not a string; point data.text_field to the text"
+            )
+        yield i, value, nbytes
+
+
+def jsonl_records(path: pathlib.Path, field: str, key: str, what: str) -> Iterator[tuple[int, Any, int]]:
+    """(index, the value of `field`, bytes read) for each line of a .jsonl file; the value is None
+    for a blank line. ConfigError naming the file and line for a line that is not a JSON object
+    holding `field` (`key` is the config key that names the field, `what` what it holds)."""
     with open(path, "rb") as f:
         for i, line in enumerate(f):
             if not line.strip():
@@ -194,21 +210,15 @@ def _jsonl_documents(path: pathlib.Path, field: str):
             if not isinstance(record, dict):
                 raise ConfigError(
                     f"data.text_files: {path}:{i + 1}: a JSON {type(record).__name__}, not an object; "
-                    f"write one object per line, with the text in field {field!r}"
+                    f"write one object per line, with {what} in field {field!r}"
                 )
             if field not in record:
                 raise ConfigError(
-                    f"data.text_field: {path}:{i + 1} has no field {field!r} (its fields: "
-                    f"{', '.join(map(repr, record)) or 'none'}); set data.text_field to the one "
-                    "holding the text"
+                    f"{key}: {path}:{i + 1} has no field {field!r} (its fields: "
+                    f"{', '.join(map(repr, record)) or 'none'}); set {key} to the one "
+                    f"holding {what}"
                 )
-            text = record[field]
-            if text is not None and not isinstance(text, str):
-                raise ConfigError(
-                    f"data.text_field: {path}:{i + 1}: field {field!r} holds a "
-                    f"{type(text).__name__}, not a string; point data.text_field to the text"
-                )
-            yield i, text, len(line)
+            yield i, record[field], len(line)
 
 
 def _parquet_documents(path: pathlib.Path, field: str):
@@ -254,6 +264,19 @@ class TokenSplit:
     dtype: str
     n_tokens: int
     n_documents: int
+    mask: str | None = None  # uint8, 1 where a token is a target (data.source: chat); None: every token is
+
+
+@dataclass(frozen=True)
+class DocumentFormat:
+    """How a corpus's files become token streams: `read(path)` yields (index, document or None,
+    bytes read) per document of one file; `encode(documents)` gives each document's ids and, for a
+    masked format, which of them are targets (uint8 0/1; None: all). A document's `len` is its size
+    in characters, which paces the tokenizer's batches."""
+
+    read: Callable[[pathlib.Path], Iterator[tuple[int, Any, int]]]
+    encode: Callable[[list[Any]], list[tuple[np.ndarray, np.ndarray | None]]]
+    masked: bool = False
 
 
 @dataclass(frozen=True)
@@ -290,15 +313,28 @@ def text_corpus(
     """
     files = find_text_files(text_files)
     tok = load_tokenizer(tokenizer)
+    same_inputs = {"text_field": text_field, "tokenizer": tok.fingerprint, "val_fraction": val_fraction}
+    fmt = DocumentFormat(
+        read=lambda path: read_documents(path, text_field),
+        encode=lambda texts: [(ids, None) for ids in tok.encode(texts)],
+    )
+    return cached_corpus(files, tok, fmt, same_inputs, val_fraction, cache_dir, progress)
+
+
+def cached_corpus(
+    files: list[pathlib.Path],
+    tok: TextTokenizer,
+    fmt: DocumentFormat,
+    same_inputs: dict[str, Any],
+    val_fraction: float,
+    cache_dir: str | None,
+    progress: bool | None,
+) -> TextCorpus:
+    """The corpus of `files` in `fmt`, from the cache keyed by `same_inputs` (what the tokens depend
+    on besides the files) and the files' paths, sizes and times; else tokenized now and cached."""
     root = pathlib.Path(os.path.commonpath([str(p.parent) for p in files]))
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    same_inputs = {
-        "format": FORMAT,
-        "files": [s[0] for s in stats],
-        "text_field": text_field,
-        "tokenizer": tok.fingerprint,
-        "val_fraction": val_fraction,
-    }
+    same_inputs = {"format": FORMAT, "files": [s[0] for s in stats], **same_inputs}
     identity = _digest(same_inputs)  # what the cache is of; `key` adds the files' sizes and times
     key = _digest({**same_inputs, "stats": stats})
     default = pathlib.Path(os.environ.get("MESHWORK_CACHE", "~/.cache/meshwork")).expanduser()
@@ -318,7 +354,7 @@ def text_corpus(
             files,
             root,
             tok,
-            text_field,
+            fmt,
             val_fraction,
             tmp,
             base / f"{CACHE_PREFIX}{key}",
@@ -335,14 +371,14 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _build(files, root, tok, text_field, val_fraction, tmp, final, meta, progress) -> TextCorpus:
+def _build(files, root, tok, fmt: DocumentFormat, val_fraction, tmp, final, meta, progress) -> TextCorpus:
     from tqdm import tqdm
 
     total = sum(p.stat().st_size for p in files)
     _say(f"tokenizing {len(files)} file(s), {total / 2**20:.1f} MiB, with {tok.name} into {final}")
     t0, dtype = time.perf_counter(), tok.dtype
     n, starts, top = {"train": 0, "val": 0}, {"train": array("q"), "val": array("q")}, -1
-    pending: list[tuple[str, str]] = []
+    pending: list[tuple[str, Any]] = []
     bar = tqdm(
         total=total,
         unit="B",
@@ -354,23 +390,26 @@ def _build(files, root, tok, text_field, val_fraction, tmp, final, meta, progres
         dynamic_ncols=True,
     )
     try:
-        with open(tmp / "train.bin", "wb") as out_train, open(tmp / "val.bin", "wb") as out_val:
-            outs = {"train": out_train, "val": out_val}
+        with contextlib.ExitStack() as stack:
+            outs = {s: stack.enter_context(open(tmp / f"{s}.bin", "wb")) for s in ("train", "val")}
+            masks = {s: stack.enter_context(open(tmp / f"{s}.mask.bin", "wb")) for s in ("train", "val") if fmt.masked}
 
             def flush():
                 nonlocal top
-                for split, ids in zip((s for s, _ in pending), tok.encode([t for _, t in pending])):
+                for split, (ids, mask) in zip((s for s, _ in pending), fmt.encode([t for _, t in pending])):
                     if len(ids):  # an empty document has nothing to learn, and no place in `starts`
                         starts[split].append(n[split])
                         n[split] += len(ids)
                         outs[split].write(ids.tobytes())
+                        if fmt.masked:
+                            masks[split].write(np.asarray(mask, np.uint8).tobytes())
                         top = max(top, int(ids.max()))
                 pending.clear()
 
             chars = 0
             for path in files:
                 rel = path.relative_to(root).as_posix()
-                for index, text, nbytes in read_documents(path, text_field):
+                for index, text, nbytes in fmt.read(path):
                     bar.update(nbytes)
                     if text:
                         pending.append(("val" if _in_validation(f"{rel}:{index}", val_fraction) else "train", text))
@@ -390,6 +429,8 @@ def _build(files, root, tok, text_field, val_fraction, tmp, final, meta, progres
             "documents": {s: len(v) for s, v in starts.items()},
             "n_files": len(files),
         }
+        if fmt.masked:
+            meta["masked"] = True
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared data folder's cache from its other users
         try:
@@ -443,6 +484,7 @@ def _load(folder: pathlib.Path, built: bool) -> TextCorpus:
             meta["dtype"],
             meta["tokens"][s],
             meta["documents"][s],
+            str(folder / f"{s}.mask.bin") if meta.get("masked") else None,
         )
         for s in ("train", "val")
     }
@@ -474,17 +516,25 @@ class PackedWindows:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if self._files is None:
-            self._files = (np.memmap(self.split.tokens, dtype=self.split.dtype, mode="r"), np.load(self.split.starts))
-        all_tokens, starts = self._files
+            mask = None if self.split.mask is None else np.memmap(self.split.mask, dtype=np.uint8, mode="r")
+            self._files = (
+                np.memmap(self.split.tokens, dtype=self.split.dtype, mode="r"),
+                np.load(self.split.starts),
+                mask,
+            )
+        all_tokens, starts, all_mask = self._files
         start, L = int(i) * self.seq_len, self.seq_len
         tokens = np.asarray(all_tokens[start : start + L + 1], dtype=np.int32)
         doc = np.searchsorted(starts, np.arange(start, start + L + 1), side="right")
         segment = (doc - doc[0] + 1).astype(np.int32)
+        loss_mask = segment[1:] == segment[:-1]
+        if all_mask is not None:  # only the targets the format marks (a chat's assistant tokens)
+            loss_mask &= all_mask[start + 1 : start + L + 1].astype(bool)
         return {
             "inputs": tokens[:-1],
             "targets": tokens[1:],
             "segment_ids": segment[:-1],
-            "loss_mask": (segment[1:] == segment[:-1]).astype(np.int32),
+            "loss_mask": loss_mask.astype(np.int32),
         }
 
     def __getstate__(self):
