@@ -89,6 +89,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("1e-6", "plain loss's within 1e-6", "tests/test_fused_ce.py"),
     ("1e-5", "(rtol 1e-5)", "tests/test_fused_ce.py"),
     ("1e-5", "over the same tokens gives, within 1e-5", "tests/test_logprobs.py"),
+    ("1e-5", "logits (within 1e-5 relative)", "tests/test_dpo.py"),
 ]
 
 # Longest spellings first, so that "ms/step" wins over "ms" and "MiB" over "B".

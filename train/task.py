@@ -80,6 +80,51 @@ class PackedLMTask(LMTask):
 
 
 @dataclass
+class DPOTask:
+    """Direct Preference Optimization on preference pairs (`train.objective: dpo`): each batch holds
+    B pairs, chosen and rejected rows (data/preference_pairs.py), and the objective compares the
+    policy's log-probabilities of the two replies with the reference's (objectives/preference.py)."""
+
+    cfg: Config
+    pairs: Any  # data.preference_pairs.PreferencePairs
+    name = "dpo"
+    unit = "tokens"
+    batch_axes = ("act_batch", "act_seq")
+
+    def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        L = self.cfg.data.seq_len
+        return {
+            f"{s}_{k}": ((L,), np.int32) for s in ("chosen", "rejected") for k in ("inputs", "targets", "loss_mask")
+        }
+
+    def objective(self, graphdef: Any) -> Objective:
+        """The DPO loss with train.dpo's beta and label smoothing; metrics loss, reward margin, accuracy."""
+        from meshwork.objectives.preference import dpo_objective
+
+        d = self.cfg.train.dpo
+        return dpo_objective(graphdef, beta=d.beta, label_smoothing=d.label_smoothing)
+
+    def train_iterator(self):
+        from meshwork.data import preference_pairs
+
+        c = self.cfg
+        return preference_pairs.train_iterator(self.pairs.train, c.train.global_batch, c.run.seed)
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        from meshwork.data import preference_pairs
+
+        c = self.cfg
+        return preference_pairs.eval_batches(self.pairs.val, c.train.global_batch, c.log.eval_batches)
+
+    def items_per_step(self) -> int:
+        return 2 * self.cfg.train.global_batch * self.cfg.data.seq_len  # chosen and rejected rows
+
+    def flops_per_step(self, compiled_step: Any, n_devices: int) -> float:
+        del compiled_step, n_devices  # the policy's forward and backward (6N), the reference's forward (2N)
+        return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step() * 4 / 3
+
+
+@dataclass
 class DiffusionTask:
     """Denoising images (scikit-learn's digits, or a folder of the user's images)."""
 
@@ -121,11 +166,39 @@ class DiffusionTask:
         return float((cost or {}).get("flops", 0.0)) * n_devices  # per device, times the run's devices
 
 
-def make_task(cfg: Config) -> LMTask | PackedLMTask | DiffusionTask:
+def make_task(cfg: Config) -> LMTask | PackedLMTask | DPOTask | DiffusionTask:
     """The task of `cfg`, with its data located and checked (raises ConfigError)."""
     if cfg.model.kind == "unet":
         return _diffusion_task(cfg)
+    if cfg.train.objective == "dpo":
+        return _dpo_task(cfg)
     return _lm_task(cfg)
+
+
+def _dpo_task(cfg: Config) -> DPOTask:
+    """train.objective dpo: the preference pairs of data.text_files, tokenized and checked."""
+    from meshwork.data.preference_pairs import preference_pairs
+
+    d = cfg.data
+    pairs = preference_pairs(d.text_files, seq_len=d.seq_len, tokenizer=d.tokenizer, val_fraction=d.val_fraction)
+    if pairs.max_id >= cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer: token id {pairs.max_id} of the pairs ({pairs.tokenizer}) is out of range for "
+            f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to the tokenizer's vocabulary"
+        )
+    if len(pairs.train) < cfg.train.global_batch:
+        raise ConfigError(
+            f"data.text_files: {len(pairs.train)} training pairs, fewer than train.global_batch="
+            f"{cfg.train.global_batch}; add pairs or lower train.global_batch or data.val_fraction"
+        )
+    need = cfg.train.global_batch * cfg.log.eval_batches
+    if len(pairs.val) < need:
+        raise ConfigError(
+            f"data.val_fraction: {d.val_fraction} of the pairs is {len(pairs.val)} pairs, but evaluation takes "
+            f"train.global_batch x log.eval_batches = {need}; raise data.val_fraction, add pairs, "
+            "or lower log.eval_batches"
+        )
+    return DPOTask(cfg, pairs)
 
 
 def _lm_task(cfg: Config) -> LMTask:

@@ -74,6 +74,11 @@ def startup_lines(trainer, model_line: str, *, start: int | None, run_dir: Any) 
             f"batch: {batch} sequences x {cfg.data.seq_len} tokens = {trainer.task.items_per_step():,} "
             f"tokens per step{micro}"
         )
+    elif trainer.task.name == "dpo":
+        per_step = (
+            f"batch: {batch} preference pairs, chosen and rejected rows of {cfg.data.seq_len} tokens = "
+            f"{trainer.task.items_per_step():,} tokens per step{micro}"
+        )
     else:
         size = cfg.model.unet.sample_size
         per_step = f"batch: {batch} images of {size}x{size} per step{micro}"

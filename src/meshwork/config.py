@@ -172,6 +172,8 @@ class Config(Section):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
         if self.data.source in ("text", "chat"):
             _check_packed_documents(self)
+        if t.objective == "dpo":
+            _check_dpo(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -311,6 +313,27 @@ def _check_packed_documents(cfg: Config) -> None:
         )
     if source == "chat" and not cfg.data.messages_field:
         raise _KeyError("data.messages_field", "is empty; name the JSON field holding the messages (e.g. messages)")
+
+
+def _check_dpo(cfg: Config) -> None:
+    """train.objective=dpo: preference pairs (data.source=chat) and a reference the run can compute."""
+    if cfg.data.source != "chat":
+        raise _KeyError(
+            "train.objective",
+            f"dpo reads preference pairs rendered like chat data; set data.source=chat, not {cfg.data.source}, "
+            "and data.text_files to .jsonl files of pairs (prompt or messages, chosen, rejected)",
+        )
+    if cfg.finetune.method not in ("lora", "qlora"):
+        raise _KeyError(
+            "train.objective",
+            f"dpo's reference (train.dpo.reference=adapters_off) is the base model under LoRA adapters, "
+            f"not available with finetune.method={cfg.finetune.method}; use finetune.method lora or qlora "
+            "(a frozen copy for full fine-tuning is not implemented yet)",
+        )
+    if cfg.mesh.sequence != 1 or cfg.train.pipeline != "none":
+        raise _KeyError(
+            "train.objective", "dpo is not supported with context parallelism (mesh.sequence) or train.pipeline"
+        )
 
 
 # ---------------------------------------------------------------- loading

@@ -325,6 +325,20 @@ class OffloadConfig(Section):
     transformer, no pipeline; embedding and head stay on the device)."""
 
 
+class DPOConfig(Section):
+    """Direct Preference Optimization (train.objective=dpo; objectives/preference.py `dpo_loss`)."""
+
+    beta: float = pydantic.Field(0.1, gt=0)
+    """How far the policy may move from the reference: the rewards are beta x the log-probability
+    ratios, and the loss is -log sigmoid of their difference."""
+    label_smoothing: float = pydantic.Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO's eps: the chance a pair's labels are flipped (0: plain DPO)."""
+    reference: Literal["adapters_off"] = "adapters_off"
+    """Where the reference model's log-probabilities come from. adapters_off: the same forward
+    pass with the LoRA/QLoRA factors zeroed (the base model exactly, B = 0 at the start), so no
+    second copy of the weights; needs finetune.method lora or qlora."""
+
+
 class TrainConfig(Section):
     steps: int = pydantic.Field(300, gt=0, lt=2**31)
     """Length of the run; the learning-rate schedule spans exactly this many steps (the step
@@ -377,6 +391,12 @@ class TrainConfig(Section):
     """A step whose loss or gradient norm is not finite never changes the weights; then
     skip: go on with the next batch; rollback: reload the last checkpoint and replay without
     the offending batch; stop: end the run with status 3, naming the step."""
+    objective: Literal["next_token", "dpo"] = "next_token"
+    """What a language model trains for. next_token: the cross-entropy of each next token (of the
+    assistant's tokens with data.source=chat); dpo: Direct Preference Optimization on preference
+    pairs (data.source=chat, data.text_files of pairs: data/preference_pairs.py), with `dpo`."""
+    dpo: DPOConfig = DPOConfig()
+    """train.objective=dpo's beta, label smoothing and reference."""
     inject_nan_at: list[int] = []
     """Fault injection for testing on_nan: these steps' loss and gradients become NaN."""
     elastic: bool = False

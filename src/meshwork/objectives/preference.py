@@ -2,7 +2,9 @@
 
 Pure functions of arrays, with no model in them: the post-training task that uses them computes the
 policy's and the reference's logits, turns them into log-probabilities here, and hands those to
-`dpo_loss` (or, per token, to `objectives.grpo.grpo_loss`). Each returns (loss, metrics) like every
+`dpo_loss` (or, per token, to `objectives.grpo.grpo_loss`). `dpo_objective`, at the end, is that
+task's objective for `train.objective: dpo` (train/task.py `DPOTask`): the model's two forward
+passes (policy, and reference with the LoRA adapters off) around `dpo_loss`. Each returns (loss, metrics) like every
 objective of the package, `metrics["loss"]` the loss itself.
 
 Log-probabilities are computed the way next_token.py computes its cross-entropy
@@ -75,3 +77,39 @@ def dpo_loss(
         "accuracy": (reward_c_B > reward_r_B).astype(f32).mean(),
     }
     return loss, metrics
+
+
+def adapters_off(params):
+    """The reference's trainable parameters under LoRA/QLoRA: every factor zero, so each wrapped
+    projection computes x W0 + 0 exactly, the base model (train.dpo.reference=adapters_off). Only
+    for LoRA's factors: zeroing another method's parameters is not its base model."""
+    return jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(params))
+
+
+def dpo_objective(graphdef, *, beta: float, label_smoothing: float = 0.0, reference=adapters_off):
+    """loss_fn(params, buffers, batch, noise_key=None) -> (DPO loss, metrics) for train.objective=dpo.
+
+    `batch` holds B pairs (data/preference_pairs.py): `chosen_inputs`, `chosen_targets`,
+    `chosen_loss_mask` and the three `rejected_*`, each (B, L). Chosen and rejected rows go through
+    the model together as one batch of 2B rows (chosen first), once with the policy's parameters
+    (training noise such as LoRA dropout from `noise_key`) and once with `reference(params)` and no
+    noise, under stop_gradient: with `adapters_off` the same weights, no second copy. Both give
+    sequence log-probabilities over the reply tokens, and `dpo_loss` the loss and its metrics.
+    The model's auxiliary losses (MoE) are not added; the logits are the plain head's (2B, L, V).
+    """
+    from flax import nnx
+
+    sides = ("chosen", "rejected")
+
+    def loss_fn(params, buffers, batch, noise_key=None):
+        inputs_BL, targets_BL, mask_BL = (
+            jnp.concatenate([batch[f"{s}_{k}"] for s in sides]) for k in ("inputs", "targets", "loss_mask")
+        )
+        B = batch["chosen_inputs"].shape[0]
+        policy_logits_BLV, _ = nnx.merge(graphdef, params, buffers).apply(inputs_BL, None, noise_key=noise_key)
+        policy_B = sequence_log_probs(policy_logits_BLV, targets_BL, mask_BL)
+        ref_logits_BLV, _ = nnx.merge(graphdef, reference(params), buffers).apply(inputs_BL, None)
+        ref_B = jax.lax.stop_gradient(sequence_log_probs(ref_logits_BLV, targets_BL, mask_BL))
+        return dpo_loss(policy_B[:B], policy_B[B:], ref_B[:B], ref_B[B:], beta=beta, label_smoothing=label_smoothing)
+
+    return loss_fn
