@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from meshwork.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.validation import RequestError
 
 COMPLETION_MAX_LOGPROBS = 5  # the legacy completions API's bound on `logprobs`
@@ -210,14 +210,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     """Return each content token's log-probability (and `top_logprobs` alternatives)."""
     top_logprobs: int | None = None
-    """0..20 most likely alternatives per token; needs `logprobs: true`."""
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value):
-        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs={value}: ask for 0 to {MAX_TOP_LOGPROBS} alternatives per token")
-        return value
+    """0..20 most likely alternatives per token; needs `logprobs: true` (the range is
+    SamplingParams.check's, as for every sampling setting)."""
 
     def alternatives(self) -> int | None:
         if not self.logprobs:

@@ -125,6 +125,7 @@ class _HFTokenizer:
     def __init__(self, path: pathlib.Path):
         from tokenizers import Tokenizer
 
+        self.path = pathlib.Path(path)  # its folder may hold the chat template (serve_cli.load_served)
         self.tok = Tokenizer.from_file(str(path))
         self.vocab_size = self.tok.get_vocab_size()
 

@@ -69,14 +69,3 @@ def _saved_config(ckpt: Checkpointer, step: int, run_dir: pathlib.Path, attentio
     if attention is not None:
         saved = {**saved, "model": {**saved["model"], "attention": attention}}
     return validate(saved, f"checkpoint {step} in {run_dir}")
-
-
-def saved_run_config(run_dir: str | pathlib.Path) -> Config:
-    """The config saved in `run_dir`'s latest checkpoint (what `load_run` builds from), without the weights."""
-    run_dir = pathlib.Path(run_dir).expanduser()
-    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=1, use_async=False)
-    try:
-        step = ckpt.latest_step()
-        return validate(ckpt.saved_config(step), f"checkpoint {step} in {run_dir}")
-    finally:
-        ckpt.close()

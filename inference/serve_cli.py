@@ -28,11 +28,8 @@ def load_served(checkpoint: str, name: str | None = None, attention: str | None 
     path = pathlib.Path(checkpoint).expanduser()
     if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
         model, tokenizer, stops = load_lm(str(path), None, attention)
-        from meshwork.inference.runs import saved_run_config
-
-        spec = saved_run_config(path).data.tokenizer
-        folder = None if not spec else pathlib.Path(spec).expanduser()
-        folder = folder.parent if folder is not None and folder.suffix == ".json" else folder
+        folder = getattr(tokenizer, "path", None)  # the run's tokenizer.json: its folder has the template
+        folder = folder.parent if folder is not None else None
     elif (path / "config.json").is_file():
         model, tokenizer, stops = load_lm(None, str(path), attention)
         folder = path

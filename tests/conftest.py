@@ -91,6 +91,20 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if in_tier[id(item)]]
 
 
+def hf_folder(folder: pathlib.Path, chat_template: str) -> pathlib.Path:
+    """The Llama fixture with the tests' tokenizer and `chat_template`, as a downloaded checkpoint has them."""
+    import json
+    import shutil
+
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "tests/fixtures/hf/llama" / name, folder / name)
+    shutil.copy(ROOT / "tests/fixtures/text_tokenizer/tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((ROOT / "tests/fixtures/text_tokenizer/tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    return folder
+
+
 def tiny_overrides(run_dir) -> list[str]:
     """A model small enough that a compile plus a few dozen steps take seconds."""
     return [

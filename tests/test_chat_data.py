@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, hf_folder, tiny_overrides
 from flax import nnx
 from tokenizers import Tokenizer
 
@@ -265,26 +264,20 @@ def test_a_template_that_refuses_or_a_missing_file_list_is_one_line(tmp_path, ca
 
 
 def test_the_shipped_data_is_the_generators(tmp_path):
-    """configs/data/chat_arithmetic.jsonl is what tools/make_chat_arithmetic.py writes, byte for byte."""
+    """configs/data/chat_arithmetic.jsonl is what tools/make_arithmetic_data.py writes, byte for byte."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_chat", ROOT / "tools/make_chat_arithmetic.py")
+    spec = importlib.util.spec_from_file_location("make_data", ROOT / "tools/make_arithmetic_data.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(["--out", str(tmp_path / "x.jsonl")])
+    module.main(["--kind", "chat", "--out", str(tmp_path / "x.jsonl")])
     assert (tmp_path / "x.jsonl").read_bytes() == (ROOT / "configs/data/chat_arithmetic.jsonl").read_bytes()
 
 
 def test_lora_on_a_hugging_face_folder_renders_with_its_tokenizer_and_template(tmp_path, capsys):
     """finetune.base a Hugging Face folder (the Llama fixture plus the tests' tokenizer and a ChatML
     template), data.tokenizer unset: the folder's tokenizer.json and chat template make the tokens."""
-    base = tmp_path / "base"
-    base.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(ROOT / "tests/fixtures/hf/llama" / name, base / name)
-    shutil.copy(FIXTURE_TOKENIZER / "tokenizer.json", base / "tokenizer.json")
-    config = json.loads((FIXTURE_TOKENIZER / "tokenizer_config.json").read_text())
-    (base / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN2}))
+    base = hf_folder(tmp_path / "base", QWEN2)
     run = tmp_path / "run"
     argv = [
         *("--config", str(ROOT / "configs/lora_hf_text.yaml"), f"run.dir={run}", f"finetune.base={base}"),

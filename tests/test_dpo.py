@@ -102,10 +102,10 @@ def test_dpo_needs_lora_and_chat_data(capsys):
 
 
 def test_the_shipped_pairs_are_the_generators(tmp_path):
-    spec = importlib.util.spec_from_file_location("make_pairs", ROOT / "tools/make_preference_arithmetic.py")
+    spec = importlib.util.spec_from_file_location("make_data", ROOT / "tools/make_arithmetic_data.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(["--out", str(tmp_path / "x.jsonl")])
+    module.main(["--kind", "pairs", "--out", str(tmp_path / "x.jsonl")])
     shipped = ROOT / "configs/data/preference_arithmetic.jsonl"
     assert (tmp_path / "x.jsonl").read_bytes() == shipped.read_bytes() and shipped.stat().st_size < 200_000
 

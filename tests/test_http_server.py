@@ -7,8 +7,6 @@ running stream finish and exits 0."""
 import concurrent.futures
 import http.client
 import json
-import pathlib
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +18,7 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import ROOT
+from conftest import ROOT, hf_folder
 
 from meshwork.inference.cli import main
 from meshwork.inference.generate import Generator
@@ -35,17 +33,6 @@ TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-def hf_folder(folder: pathlib.Path) -> pathlib.Path:
-    """The Llama fixture with a tokenizer and a chat template, as a downloaded checkpoint has them."""
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(ROOT / "tests/fixtures/hf/llama" / name, folder / name)
-    shutil.copy(ROOT / "tests/fixtures/text_tokenizer/tokenizer.json", folder / "tokenizer.json")
-    config = json.loads((ROOT / "tests/fixtures/text_tokenizer/tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return folder
 
 
 def fetch(url: str, body: bytes | dict | None = None, timeout: float = 30) -> tuple[int, dict]:
@@ -91,7 +78,9 @@ def servers(lm_tiny_runs, tmp_path_factory):
             if name == "lm_tiny":
                 made[name] = Served(name, run_dir, max_len=128, page_size=8)
             else:
-                made[name] = Served(name, hf_folder(tmp_path_factory.mktemp("hf") / "llama"), max_len=64, page_size=4)
+                made[name] = Served(
+                    name, hf_folder(tmp_path_factory.mktemp("hf") / "llama", TEMPLATE), max_len=64, page_size=4
+                )
         return made[name]
 
     yield get
