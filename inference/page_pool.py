@@ -123,6 +123,19 @@ class PageAllocator:
             cached[digest] = page
             self.digest[page] = digest
 
+    def forget_cached(self) -> int:
+        """Drops the prefix cache: every cached page no sequence holds is free again, and the free
+        pages are handed out in their first order. For when the keys/values no longer match the
+        model (new weights after a sync: inference/weight_sync.py). Returns how many were dropped
+        (held pages stay with their holders but are no longer found by `lookup`)."""
+        dropped = len(self.digest)
+        for r in range(self.replicas):
+            self._free[r] = collections.deque(sorted([*self._free[r], *self._lru[r]]))
+            self._lru[r].clear()
+            self._cached[r].clear()
+        self.digest.clear()  # held pages too: released later, they are freed, not cached
+        return dropped
+
     def release(self, owner: Hashable, pages: Iterable[int]) -> None:
         for p in pages:
             holders = self.owners.get(p, [])

@@ -29,7 +29,8 @@ With `lora_only` only the `LoRAParam` leaves move; the engine keeps base and ada
 
 The new arrays replace the engine's through its public `state` attribute (a new nnx.State: the
 programs the engine compiled take the state as an argument, so nothing recompiles). Swap between
-engine steps: from the thread that steps the Server, or while no request runs.
+engine steps: from the thread that steps the Server, or while no request runs. A Server's prefix
+cache is dropped with the swap (its pages hold the old weights' keys and values).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class WeightSync:
     """
 
     def __init__(self, engine: Any, trainer_shardings: Any, *, lora_only: bool = False):
-        self.gen = getattr(engine, "gen", engine)
+        self.engine, self.gen = engine, getattr(engine, "gen", engine)
         self.kind = LoRAParam if lora_only else nnx.Param
         target = nnx.filter_state(self.gen.state, self.kind)
         arrays, self.treedef = jax.tree.flatten(target)
@@ -210,6 +211,8 @@ class WeightSync:
             moved = jax.device_put(moved, self.dst)  # shard for shard: the indices already match
         moved = jax.block_until_ready(moved)
         self.gen.state = nnx.merge_state(self.gen.state, jax.tree.unflatten(self.treedef, moved))
+        if (pages := getattr(self.engine, "pages", None)) is not None:
+            pages.forget_cached()  # a Server's prefix cache holds the old weights' keys and values
         return SyncStats(
             self.placement,
             len(moved),

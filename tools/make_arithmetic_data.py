@@ -2,17 +2,20 @@
 are the same on every machine:
 
 - chat_arithmetic.jsonl, conversations for `data.source: chat` (configs/sft_chat_tiny.yaml):
-  sometimes a system prompt, then one to three user questions on two-digit numbers ("What is
-  37 + 48?"), each answered by the assistant with the number alone ("85");
+  sometimes a system prompt, then one to three user questions on one-digit numbers ("What is
+  7 + 8?"), each answered by the assistant with the number alone ("15");
 - preference_arithmetic.jsonl, pairs for DPO (configs/dpo_tiny.yaml, data/preference_pairs.py):
   `messages` (sometimes a system prompt, zero to two earlier questions answered, then the user's
   question), `chosen` the right answer and `rejected` a wrong one: half the time the other
-  operation's result (the slip of reading + as -), else the right one off by 1 or 10.
+  operation's result (the slip of reading + as -), else the right one off by 1 or 10;
+- arithmetic_prompts.jsonl, prompts for GRPO (configs/grpo_arith.yaml, data/prompts.py):
+  `messages` (sometimes a system prompt, mostly no earlier question, then the user's question) and
+  `answer`, the right number, which the `exact_answer` reward reads.
 
-Each file's validation split is chosen by a hash of each line; tests/test_chat_data.py and
-tests/test_dpo.py check the shipped files are what this script writes.
+Each file's validation split is chosen by a hash of each line; tests/test_chat_data.py,
+tests/test_dpo.py and tests/test_grpo.py check the shipped files are what this script writes.
 
-    python3 tools/make_arithmetic_data.py                 # rewrites both shipped files
+    python3 tools/make_arithmetic_data.py                 # rewrites the three shipped files
     python3 tools/make_arithmetic_data.py --kind pairs --out x.jsonl --n 100 --seed 1
 """
 
@@ -30,7 +33,7 @@ QUESTIONS = ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?
 
 def question(rng: random.Random) -> tuple[str, int, int]:
     """A question's text, its answer, and the other operation's result."""
-    a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+    a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+-")
     right, other = (a + b, a - b) if op == "+" else (a - b, a + b)
     return rng.choice(QUESTIONS).format(a=a, op=op, b=b), right, other
 
@@ -56,10 +59,17 @@ def pair(rng: random.Random) -> dict:
     return {"messages": messages, "chosen": str(right), "rejected": str(wrong)}
 
 
+def prompt(rng: random.Random) -> dict:
+    messages = _turns(rng, (0, 0, 0, 1))
+    text, right, _ = question(rng)
+    return {"messages": [*messages, {"role": "user", "content": text}], "answer": str(right)}
+
+
 # kind: (one example, default file, default count, what a line is)
 KINDS = {
     "chat": (conversation, DATA / "chat_arithmetic.jsonl", 800, "conversations"),
     "pairs": (pair, DATA / "preference_arithmetic.jsonl", 600, "pairs"),
+    "prompts": (prompt, DATA / "arithmetic_prompts.jsonl", 1000, "prompts"),
 }
 
 
@@ -70,7 +80,7 @@ def lines(kind: str, n: int, seed: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=sorted(KINDS), default=None, help="one file (default: both)")
+    parser.add_argument("--kind", choices=sorted(KINDS), default=None, help="one file (default: all three)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="with --kind: where to write")
     parser.add_argument("--n", type=int, default=None, help="with --kind: how many lines")
     parser.add_argument("--seed", type=int, default=0)

@@ -184,10 +184,10 @@ def describe(cfg: Config, abstract: TrainState) -> str:
 def base_data_config(cfg: Config) -> Config | None:
     """`cfg` reading its base run's data instead (to report the loss on what the base learned),
     or None when not fine-tuning or the data is the same. `check_base` has vetted the base.
-    None under train.objective=dpo: the base's data holds no preference pairs to score."""
+    None under train.objective dpo or grpo: the base's data holds no pairs or prompts to score."""
     if cfg.finetune.method == "none" or is_hf_base(cfg):  # a Hugging Face base brings no data of ours
         return None
-    if cfg.train.objective == "dpo":
+    if cfg.train.objective in ("dpo", "grpo"):
         return None
     base, _ = base_run(pathlib.Path(cfg.finetune.base).expanduser())
     return None if base.data == cfg.data else cfg.model_copy(update={"data": base.data})

@@ -145,6 +145,9 @@ class StepLogger:
         parts = [f"loss {m['loss']:.4f}"] if "loss" in m else []
         if "val_loss" in extra:
             parts.append(f"validation loss {extra['val_loss']:.4f}")
+        for key, label in (("reward", "reward"), ("val_reward", "held-out reward")):
+            if key in extra:
+                parts.append(f"{label} {extra[key]:.3f}")
         parts += [f"{step_time * 1e3:.1f} ms/step", f"{self.items_per_step / step_time:,.0f} {self.unit}/s"]
         if step < self.last:
             eta = (now - self.t_start) / max(step - self.start, 1) * (self.last - step)

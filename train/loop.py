@@ -36,6 +36,7 @@ from meshwork.train.hooks.run import Run
 from meshwork.train.hooks.samples import Samples
 from meshwork.train.logger import StepLogger
 from meshwork.train.preemption import PreemptionGuard
+from meshwork.train.rollouts import placement_devices
 from meshwork.train.run_dir import (
     RunDirLock,
     check_checkpoints,
@@ -64,6 +65,7 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     """
     clock = GoodputClock()
     cfg = with_base_model(cfg)  # a Hugging Face finetune.base decides the model
+    devices = placement_devices(cfg, devices)  # grpo split: the serving engine takes the other half
     task = check_runtime(cfg, devices)
     is_main = jax.process_index() == 0
     say = say_through_bar if is_main else (lambda msg: None)
@@ -211,7 +213,11 @@ def _run(
     run.writer = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=is_main)
     schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.run.mttf_hours, start or 0, clock.totals["productive"])
     if start is None:
-        say(f"evaluating step 0 ({len(val_set)} validation batches)...")
+        say(
+            f"evaluating step 0 ({len(val_set)} validation batches)..."
+            if val_set or not getattr(trainer.task, "on_policy", False)
+            else f"evaluating step 0 (greedy answers to {cfg.train.grpo.eval_prompts} held-out prompts)..."
+        )
         run.writer.write(0, evaluation.evaluate(trainer, state, 0))
     last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     run.logger = StepLogger(
@@ -293,10 +299,21 @@ def _step(run: Run, trainer: Trainer, state: Any, step: int) -> tuple[Any, tuple
     run.ckpt.poll()
     position = run.data_iter.get_state().get("next_index")
     with run.clock.phase("productive"):
-        batch = next(run.data_iter)
+        batch = _next_batch(run, trainer, state, step)
         if step in run.skipped:  # a rollback threw this batch out: never train on it
             state = trainer.skip_fn(state)
             run.logger.add(step, skipped_batch=1)
             return state, run.logger.step_dispatched(step, {}, data_index=position)
         state, metrics = trainer.step_fn(state, trainer.to_device(batch))
         return state, run.logger.step_dispatched(step, metrics, data_index=position)
+
+
+def _next_batch(run: Run, trainer: Trainer, state: Any, step: int) -> dict:
+    """The step's batch: the next of the data, or for an on-policy task (grpo) the source's next,
+    made from the current weights; what making it measured goes into the step's row."""
+    if not getattr(trainer.task, "on_policy", False):
+        return next(run.data_iter)
+    batch = run.data_iter.next_from(trainer, state)
+    if run.data_iter.host:
+        run.logger.add(step, **run.data_iter.host)
+    return batch

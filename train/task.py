@@ -125,6 +125,52 @@ class DPOTask:
 
 
 @dataclass
+class GRPOTask:
+    """Group Relative Policy Optimization (`train.objective: grpo`): batches are completions the
+    serving engine samples from the policy itself (train/rollouts.py), scored by the config's
+    rewards; the objective is the clipped policy gradient with a KL to the reference
+    (objectives/grpo.py). Evaluation scores greedy answers to held-out prompts (val_reward)."""
+
+    cfg: Config
+    prompts: Any  # data.prompts.PromptSet
+    rewards: Any  # train.rewards.Rewards
+    name = "grpo"
+    unit = "tokens"
+    batch_axes = ("act_batch", "act_seq")
+    on_policy = True  # the loop asks the source for each batch with the current state
+
+    def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        L = self.cfg.data.seq_len
+        shapes = {k: ((L,), np.int32) for k in ("inputs", "targets", "loss_mask")}
+        # A completion's advantage is repeated along its row: every key shares the (batch, seq) layout.
+        return {**shapes, **{k: ((L,), np.float32) for k in ("old_logp", "ref_logp", "advantages")}}
+
+    def objective(self, graphdef: Any) -> Objective:
+        from meshwork.objectives.grpo import grpo_objective
+
+        g = self.cfg.train.grpo
+        return grpo_objective(
+            graphdef, clip_eps=g.clip_eps, clip_eps_high=g.clip_eps_high, kl_coef=g.kl_coef, aggregation=g.aggregation
+        )
+
+    def train_iterator(self):
+        """The rollout source: batches saved under run.dir/rollouts/ (a resume mid-batch reads them)."""
+        from meshwork.train.rollouts import Rollouts
+
+        return Rollouts(self.cfg, self.prompts, self.rewards, pathlib.Path(self.cfg.run.dir).expanduser())
+
+    def eval_batches(self) -> list[dict[str, np.ndarray]]:
+        return []  # the source's `evaluate` samples and scores held-out prompts instead
+
+    def items_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.data.seq_len
+
+    def flops_per_step(self, compiled_step: Any, n_devices: int) -> float:
+        del compiled_step, n_devices  # the update's forward and backward (6N); sampling is not counted
+        return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step()
+
+
+@dataclass
 class DiffusionTask:
     """Denoising images (scikit-learn's digits, or a folder of the user's images)."""
 
@@ -166,13 +212,49 @@ class DiffusionTask:
         return float((cost or {}).get("flops", 0.0)) * n_devices  # per device, times the run's devices
 
 
-def make_task(cfg: Config) -> LMTask | PackedLMTask | DPOTask | DiffusionTask:
+def make_task(cfg: Config) -> LMTask | PackedLMTask | DPOTask | GRPOTask | DiffusionTask:
     """The task of `cfg`, with its data located and checked (raises ConfigError)."""
     if cfg.model.kind == "unet":
         return _diffusion_task(cfg)
     if cfg.train.objective == "dpo":
         return _dpo_task(cfg)
+    if cfg.train.objective == "grpo":
+        return _grpo_task(cfg)
     return _lm_task(cfg)
+
+
+def _grpo_task(cfg: Config) -> GRPOTask:
+    """train.objective grpo: the prompts of data.text_files and the rewards, loaded and checked."""
+    from meshwork.data.prompts import prompt_set
+    from meshwork.train.rewards import Rewards
+
+    d, g = cfg.data, cfg.train.grpo
+    rewards = Rewards(g.rewards, g.reward_weights)
+    prompts = prompt_set(d.text_files, tokenizer=d.tokenizer, val_fraction=d.val_fraction, fields=rewards.fields)
+    if prompts.max_id >= cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer: token id {prompts.max_id} of the prompts ({prompts.tokenizer.name}) is out of range "
+            f"for model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to the tokenizer's vocabulary"
+        )
+    if not prompts.train or not prompts.val:
+        raise ConfigError(
+            f"data.val_fraction: {d.val_fraction} of the prompts leaves {len(prompts.train)} for training and "
+            f"{len(prompts.val)} held out; both need prompts: add prompts or change data.val_fraction"
+        )
+    longest = max(len(p.ids) for p in prompts.train + prompts.val)
+    if longest + g.max_new_tokens > d.seq_len + 1:
+        raise ConfigError(
+            f"data.seq_len: the longest prompt ({longest} tokens) and train.grpo.max_new_tokens={g.max_new_tokens} "
+            f"need {longest + g.max_new_tokens - 1} positions, more than data.seq_len={d.seq_len}; raise "
+            "data.seq_len or lower max_new_tokens"
+        )
+    if not prompts.stop_ids:
+        raise ConfigError(
+            "data.tokenizer: neither the chat template nor the tokenizer names a token that ends a reply, so "
+            "completions never stop; use a tokenizer with an eos_token"
+        )
+    rewards.check(prompts.train[0].text, prompts.train[0].fields)
+    return GRPOTask(cfg, prompts, rewards)
 
 
 def _dpo_task(cfg: Config) -> DPOTask:

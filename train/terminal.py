@@ -79,6 +79,13 @@ def startup_lines(trainer, model_line: str, *, start: int | None, run_dir: Any) 
             f"batch: {batch} preference pairs, chosen and rejected rows of {cfg.data.seq_len} tokens = "
             f"{trainer.task.items_per_step():,} tokens per step{micro}"
         )
+    elif trainer.task.name == "grpo":
+        g = cfg.train.grpo
+        per_step = (
+            f"batch: {batch // g.group_size} prompts x {g.group_size} completions (rows of {cfg.data.seq_len} tokens) "
+            f"per step; a rollout batch every {g.updates_per_rollout} step(s), sampled by the serving engine "
+            f"({g.placement}, tensor {g.engine_tensor})"
+        )
     else:
         size = cfg.model.unet.sample_size
         per_step = f"batch: {batch} images of {size}x{size} per step{micro}"

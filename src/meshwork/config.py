@@ -174,6 +174,8 @@ class Config(Section):
             _check_packed_documents(self)
         if t.objective == "dpo":
             _check_dpo(self)
+        if t.objective == "grpo":
+            _check_grpo(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -334,6 +336,36 @@ def _check_dpo(cfg: Config) -> None:
         raise _KeyError(
             "train.objective", "dpo is not supported with context parallelism (mesh.sequence) or train.pipeline"
         )
+
+
+def _check_grpo(cfg: Config) -> None:
+    """train.objective=grpo: prompts (data.source=chat), whole groups per step, a reference to hand."""
+    g, t = cfg.train.grpo, cfg.train
+    if cfg.data.source != "chat":
+        raise _KeyError(
+            "train.objective",
+            f"grpo reads prompts rendered like chat data; set data.source=chat, not {cfg.data.source}, "
+            "and data.text_files to .jsonl files of prompts (prompt or messages, and the reward's fields)",
+        )
+    if t.global_batch % g.group_size:
+        raise _KeyError(
+            "train.grpo.group_size",
+            f"{g.group_size} completions per prompt do not divide train.global_batch={t.global_batch}; "
+            "a step trains on whole groups: use a divisor of it",
+        )
+    if g.kl_coef > 0 and cfg.finetune.method not in ("lora", "qlora", "full"):
+        raise _KeyError(
+            "train.grpo.kl_coef",
+            f"{g.kl_coef}: the KL's reference is the fine-tuning base, and finetune.method is "
+            f"{cfg.finetune.method}; set finetune.method (lora, qlora or full) and finetune.base, or kl_coef 0",
+        )
+    if cfg.mesh.sequence != 1 or t.pipeline != "none" or t.microbatches != 1:
+        raise _KeyError(
+            "train.objective",
+            "grpo is not supported with context parallelism (mesh.sequence), train.pipeline or train.microbatches > 1",
+        )
+    if cfg.comm.local_steps > 1:
+        raise _KeyError("train.objective", "grpo syncs the engine after every step; set comm.local_steps 1")
 
 
 # ---------------------------------------------------------------- loading

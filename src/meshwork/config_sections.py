@@ -339,6 +339,54 @@ class DPOConfig(Section):
     second copy of the weights; needs finetune.method lora or qlora."""
 
 
+class GRPOConfig(Section):
+    """Group Relative Policy Optimization (train.objective=grpo; train/rollouts.py, objectives/grpo.py):
+    prompts from data.text_files, completions sampled by meshwork's paged serving engine, scored by
+    `rewards`, and the clipped policy-gradient objective with a KL penalty to the reference."""
+
+    rewards: list[str] = ["exact_answer"]
+    """Reward functions, summed: built-ins (exact_answer, number_only: train/rewards.py) or
+    `module:function` names of your own, each called as f(prompt, completion, fields) -> float."""
+    reward_weights: list[float] | None = None
+    """One weight per reward (null: all 1)."""
+    group_size: int = pydantic.Field(8, ge=2)
+    """G: completions sampled per prompt; advantages are normalized within each group."""
+    max_new_tokens: int = pydantic.Field(32, gt=0)
+    """The longest completion; a prompt plus this must fit data.seq_len + 1 tokens."""
+    temperature: float = pydantic.Field(1.0, gt=0)
+    """The engine's sampling temperature for rollouts (evaluation samples greedily)."""
+    updates_per_rollout: int = pydantic.Field(1, gt=0)
+    """Optimizer steps per rollout batch: each batch holds updates_per_rollout x train.global_batch
+    completions, and each step trains on the next train.global_batch of them (the policy moves
+    away from the one that sampled, so the ratio and its clipping matter from the second step on)."""
+    clip_eps: float = pydantic.Field(0.2, gt=0, lt=1)
+    """The importance ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = pydantic.Field(None, gt=0)
+    """The upper clip (DAPO's clip-higher); null: clip_eps."""
+    kl_coef: float = pydantic.Field(0.0, ge=0)
+    """Weight of the k3 KL estimate to the reference (the fine-tuning base: the LoRA adapters off,
+    or for full fine-tuning a frozen copy of the base weights); 0: no reference is computed."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """token: the loss is the mean over every completion token of the batch (DAPO, TRL's bnpo);
+    sequence: the mean over completions of each one's token mean (the GRPO paper)."""
+    scale_rewards: bool = True
+    """Divide the group-centred rewards by the group's standard deviation (false: Dr. GRPO)."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """colocated: the engine runs on the trainer's devices, time-shared; split: the trainer takes
+    the first half of the devices and the engine the second half."""
+    engine_tensor: int = pydantic.Field(1, gt=0)
+    """The engine's tensor-parallel size; its data-parallel replicas are its devices / this."""
+    engine_slots: int = pydantic.Field(64, gt=0)
+    """Sequences the engine decodes at once (a multiple of its data replicas)."""
+    page_size: int = pydantic.Field(16, gt=0)
+    """Tokens per KV page; the G completions of a prompt share the prompt's full pages."""
+    off_policy: bool = False
+    """One-step off-policy: the rollouts for the next batch are generated from the weights before
+    this batch's updates, while those updates run (staleness 1 batch, logged as `staleness`)."""
+    eval_prompts: int = pydantic.Field(64, gt=0)
+    """Held-out prompts that evaluation answers greedily and scores (val_reward)."""
+
+
 class TrainConfig(Section):
     steps: int = pydantic.Field(300, gt=0, lt=2**31)
     """Length of the run; the learning-rate schedule spans exactly this many steps (the step
@@ -391,12 +439,16 @@ class TrainConfig(Section):
     """A step whose loss or gradient norm is not finite never changes the weights; then
     skip: go on with the next batch; rollback: reload the last checkpoint and replay without
     the offending batch; stop: end the run with status 3, naming the step."""
-    objective: Literal["next_token", "dpo"] = "next_token"
+    objective: Literal["next_token", "dpo", "grpo"] = "next_token"
     """What a language model trains for. next_token: the cross-entropy of each next token (of the
     assistant's tokens with data.source=chat); dpo: Direct Preference Optimization on preference
-    pairs (data.source=chat, data.text_files of pairs: data/preference_pairs.py), with `dpo`."""
+    pairs (data.source=chat, data.text_files of pairs: data/preference_pairs.py), with `dpo`;
+    grpo: reinforcement learning from rewards on rollouts of the serving engine (data.source=chat,
+    data.text_files of prompts: data/prompts.py), with `grpo`."""
     dpo: DPOConfig = DPOConfig()
     """train.objective=dpo's beta, label smoothing and reference."""
+    grpo: GRPOConfig = GRPOConfig()
+    """train.objective=grpo's rewards, group size, sampling, clipping, KL and engine placement."""
     inject_nan_at: list[int] = []
     """Fault injection for testing on_nan: these steps' loss and gradients become NaN."""
     elastic: bool = False

@@ -1,4 +1,4 @@
-"""Validation losses: at step 0, every log.eval_every steps and at train.steps."""
+"""Validation losses (grpo: held-out rewards): at step 0, every log.eval_every steps and at train.steps."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ class Evaluation:
 
     def evaluate(self, trainer, state, step: int) -> dict[str, float]:
         with self.run.clock.phase("eval"):
-            row = {"val_loss": trainer.evaluate(state, self.val_set)}
+            if (score_policy := getattr(self.run.data_iter, "evaluate", None)) is not None:
+                row = score_policy(trainer, state)  # grpo: the held-out prompts' reward, not a loss
+            else:
+                row = {"val_loss": trainer.evaluate(state, self.val_set)}
             if self.base_val_set is not None:
                 row["val_loss_base_data"] = trainer.evaluate(state, self.base_val_set)
         for k, v in row.items():

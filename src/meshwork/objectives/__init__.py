@@ -11,7 +11,8 @@ trainer's gradient strategies (train/gradients.py) differentiate whatever object
 - next_token.py: next-token prediction (language models), plain or with the fused head.
 - denoising.py: denoising (diffusion UNets).
 - preference.py: sequence log-probabilities and the DPO loss (preference pairs against a reference).
-- grpo.py: group-normalized advantages and the clipped GRPO objective with a k3 KL to a reference.
+- grpo.py: group-normalized advantages and the clipped GRPO objective with a k3 KL to a reference
+  (`grpo_objective`: the task of train.objective=grpo, on rollouts of the serving engine).
 """
 
 from __future__ import annotations

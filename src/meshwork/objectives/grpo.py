@@ -116,3 +116,41 @@ def grpo_loss(
     if kl_BL is not None:
         metrics["kl"] = masked_mean(kl_BL)
     return loss, metrics
+
+
+def grpo_objective(
+    graphdef,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_coef: float = 0.0,
+    aggregation: str = "token",
+):
+    """loss_fn(params, buffers, batch, noise_key=None) -> (GRPO loss, metrics) for train.objective=grpo.
+
+    `batch` holds B completions (train/rollouts.py), each one row of L positions: `inputs`,
+    `targets`, `loss_mask` (1 where the target is a completion token), `old_logp` (the sampling
+    policy's log-probability of each target, the engine's), `ref_logp` (the reference's; zeros
+    with kl_coef 0) and `advantages` (each completion's, repeated along its row). The policy's per-token log-probabilities come from one
+    forward pass (training noise such as LoRA dropout from `noise_key`), then `grpo_loss`.
+    """
+    from flax import nnx
+
+    from meshwork.objectives.preference import token_log_probs
+
+    def loss_fn(params, buffers, batch, noise_key=None):
+        logits_BLV, _ = nnx.merge(graphdef, params, buffers).apply(batch["inputs"], None, noise_key=noise_key)
+        logp_BL = token_log_probs(logits_BLV, batch["targets"])
+        return grpo_loss(
+            logp_BL,
+            batch["old_logp"],
+            batch["ref_logp"] if kl_coef else None,
+            batch["advantages"][:, 0],
+            batch["loss_mask"],
+            clip_eps=clip_eps,
+            clip_eps_high=clip_eps_high,
+            kl_coef=kl_coef,
+            aggregation=aggregation,
+        )
+
+    return loss_fn

@@ -1,0 +1,287 @@
+"""GRPO's batches: completions sampled by meshwork's own paged engine from the policy being trained.
+
+The training loop reads batches from this source as from any data iterator, but through
+`next_from(trainer, state)`: a rollout batch is made from the current weights. Making one:
+
+1. **Sync**: the trainer's parameters go into the engine's layout on device
+   (inference/weight_sync.py): colocated (the engine on the trainer's devices) or split (the
+   trainer on the first half of the devices, the engine on the second); with LoRA only the
+   adapters move. The engine's prefix cache is dropped with the old weights.
+2. **Sample**: `updates_per_rollout x global_batch / G` prompts, in a seeded order, each asked G
+   times of the continuous-batching Server with prefix caching (so the G completions of a prompt
+   share its full KV pages); request (r, u, j) samples with a seed of (run.seed, r, u, j), and the
+   engine returns each token's log-probability under the sampling weights (`old_logp`).
+3. **Score**: each completion's text goes to the rewards (train/rewards.py); advantages are
+   normalized within each group of G (objectives/grpo.py `group_advantages`). With a KL term the
+   reference's per-token log-probabilities are computed once here, on the trainer's mesh: the
+   base with the LoRA adapters off, or a frozen copy of the base weights for full fine-tuning.
+4. **Rows**: one row of data.seq_len positions per completion (prompt then completion, padded),
+   `loss_mask` 1 on the completion's tokens; the batch is written to run.dir/rollouts/ and the
+   next updates_per_rollout steps train on its successive slices of global_batch rows.
+
+The source's position (`get_state`: prompts used, batches made, steps taken from the batch in
+hand) is saved in every checkpoint with the data position, and everything it samples depends
+only on that position, the seed and the weights; so a run killed anywhere resumes bit-exact: a
+checkpoint taken in the middle of a batch reads that batch back from run.dir/rollouts/.
+Evaluation answers `eval_prompts` held-out prompts greedily and reports their mean reward.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshwork.config import Config, ConfigError
+from meshwork.data.prompts import PromptSet
+from meshwork.inference.sampling import SamplingParams
+from meshwork.inference.serving import Request, Server
+from meshwork.inference.weight_sync import WeightSync
+from meshwork.objectives.grpo import group_advantages
+from meshwork.objectives.preference import token_log_probs
+from meshwork.sharding.mesh import make_mesh
+from meshwork.sharding.rules import rules_for
+from meshwork.train.rewards import Rewards
+
+ROW_KEYS = ("inputs", "targets", "loss_mask", "old_logp", "ref_logp")
+
+
+def placement_devices(cfg: Config, devices: list | None) -> list | None:
+    """The trainer's devices: all of them, or under grpo placement=split the first half (the engine
+    takes the second: `engine_devices`). ConfigError for an odd count."""
+    if cfg.train.objective != "grpo" or cfg.train.grpo.placement != "split":
+        return devices
+    devices = list(devices or jax.devices())
+    if len(devices) < 2 or len(devices) % 2:
+        raise ConfigError(
+            f"train.grpo.placement: split puts the trainer and the engine on halves of the devices, and "
+            f"there are {len(devices)}; use an even count, or placement colocated"
+        )
+    return devices[: len(devices) // 2]
+
+
+def engine_devices(cfg: Config, trainer_devices: list) -> list:
+    if cfg.train.grpo.placement == "colocated":
+        return trainer_devices
+    others = [d for d in jax.devices() if d not in set(trainer_devices)]
+    return others[: len(trainer_devices)]
+
+
+def rows(prompt_ids: list, completions: list, logprobs: list, seq_len: int) -> dict[str, np.ndarray]:
+    """One row per completion: inputs/targets of prompt + completion, `loss_mask` 1 where the target
+    is a completion token, `old_logp` the engine's log p there; zeros after the end."""
+    n = len(completions)
+    out = {k: np.zeros((n, seq_len), np.float32 if k.endswith("logp") else np.int32) for k in ROW_KEYS}
+    for i, (prompt, tokens, logp) in enumerate(zip(prompt_ids, completions, logprobs)):
+        ids = list(prompt) + list(tokens)
+        m, p = len(ids) - 1, len(prompt)
+        out["inputs"][i, :m], out["targets"][i, :m] = ids[:-1], ids[1:]
+        out["loss_mask"][i, p - 1 : m] = 1
+        out["old_logp"][i, p - 1 : m] = logp
+    return out
+
+
+class Rollouts:
+    """The grpo data source: see the module docstring. `run_dir` None keeps batches in memory only."""
+
+    def __init__(self, cfg: Config, prompts: PromptSet, rewards: Rewards, run_dir: pathlib.Path | None = None):
+        self.cfg, self.g, self.prompts, self.rewards = cfg, cfg.train.grpo, prompts, rewards
+        self.folder = None if run_dir is None else pathlib.Path(run_dir) / "rollouts"
+        self.rows_per_batch = self.g.updates_per_rollout * cfg.train.global_batch
+        self.position = {"next_index": 0, "rollout": 0, "within": 0}
+        self.batch: dict[str, np.ndarray] | None = None  # the batch in hand, made as rollout - 1
+        self.host: dict[str, float] = {}  # what the last batch's making measured, for the step's row
+        self.server = self.sync = self.logp_fn = self.ref_params = None
+
+    # -- the data iterator's protocol (train/loop.py) -------------------------------------------
+
+    def get_state(self) -> dict[str, int]:
+        return dict(self.position)
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.position, self.batch = dict(state), None
+
+    def next_from(self, trainer, state) -> dict[str, np.ndarray]:
+        """The next step's global batch: a slice of the batch in hand, or of a new one made from `state`."""
+        self.bind(trainer, state)
+        pos, self.host = self.position, {}
+        if pos["rollout"] == 0 or pos["within"] == self.g.updates_per_rollout:
+            self.batch = self._make(trainer, state, pos["rollout"])
+            pos.update(rollout=pos["rollout"] + 1, within=0)
+        elif self.batch is None:  # resumed in the middle of a batch: the one saved when it was made
+            self.batch = self._read(pos["rollout"] - 1)
+        B, k = self.cfg.train.global_batch, pos["within"]
+        pos["within"] += 1
+        return {key: v[k * B : (k + 1) * B] for key, v in self.batch.items()}
+
+    # -- the engine ------------------------------------------------------------------------
+
+    def bind(self, trainer, state) -> None:
+        """Builds the engine (once) beside `trainer`, from host copies of `state`'s weights (the
+        trainer donates its arrays each step, so the engine must not hold them), and its sync."""
+        if self.server is not None:
+            return
+        g, cfg = self.g, self.cfg
+        devices = engine_devices(cfg, list(trainer.mesh.devices.flat))
+        if len(devices) % g.engine_tensor:
+            raise ConfigError(
+                f"train.grpo.engine_tensor: {g.engine_tensor} does not divide the engine's {len(devices)} devices"
+            )
+        mesh = make_mesh({"data": len(devices) // g.engine_tensor, "tensor": g.engine_tensor}, devices)
+        model = nnx.merge(trainer.graphdef, jax.device_get(state.params), jax.device_get(state.buffers))
+        page = g.page_size
+        max_len = -(-(cfg.data.seq_len + 1) // page) * page
+        replicas = len(devices) // g.engine_tensor
+        self.server = Server(
+            model,
+            slots=-(-g.engine_slots // replicas) * replicas,
+            page_size=page,
+            max_len=max_len,
+            n_pages=(-(-g.engine_slots // replicas) * max_len // page + 1) * replicas,  # every slot at full length
+            mesh=mesh,
+            rules=rules_for("tp"),
+            prefix_caching=True,
+        )
+        lora = cfg.finetune.method in ("lora", "qlora")
+        self.sync = WeightSync(self.server, trainer.shardings.params, lora_only=lora)
+        with trainer.context():
+
+            def logp(params, buffers, batch):
+                logits_BLV, _ = nnx.merge(trainer.graphdef, params, buffers).apply(batch["inputs"], None)
+                return token_log_probs(logits_BLV, batch["targets"])
+
+            s = trainer.shardings
+            self.logp_fn = jax.jit(logp, in_shardings=(s.params, s.buffers, trainer.batch_sharding))
+        if g.kl_coef:
+            self.ref_params = self._reference(trainer, state, lora)
+
+    def _reference(self, trainer, state, lora: bool):
+        """The reference's parameters: the LoRA factors zeroed (the base exactly), or for full
+        fine-tuning a frozen copy of the base's weights in the trainer's layout."""
+        if lora:
+            return jax.tree.map(jnp.zeros_like, state.params)
+        from meshwork.train.finetune import load_base_params
+
+        return load_base_params(self.cfg, trainer.mesh, trainer.rules_by_role)
+
+    def token_log_probs(self, trainer, params, buffers, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """log p of each target of `batch`'s rows under `params`, on the trainer's mesh, in slices of
+        global_batch rows (the trainer's batch layout)."""
+        B, out = self.cfg.train.global_batch, []
+        with trainer.context():
+            for k in range(0, len(batch["inputs"]), B):
+                part = trainer.to_device({key: batch[key][k : k + B] for key in ("inputs", "targets")})
+                out.append(np.asarray(self.logp_fn(params, buffers, part)))
+        return np.concatenate(out)
+
+    # -- making a batch ----------------------------------------------------------------------
+
+    def _prompts(self, start: int, n: int) -> list:
+        """Prompts start..start+n-1 of the stream: epoch e visits the training prompts in a seeded order."""
+        train, out = self.prompts.train, []
+        for k in range(start, start + n):
+            epoch, i = divmod(k, len(train))
+            order = np.random.default_rng([self.cfg.run.seed, epoch]).permutation(len(train))
+            out.append(train[order[i]])
+        return out
+
+    def sample(self, prompts: list, tag: Any, *, greedy: bool = False, group: int | None = None):
+        """(per prompt, `group` completions: each (tokens, logprobs)) from the engine; seeds from `tag`."""
+        G = 1 if greedy else group or self.g.group_size
+        ids = {}
+        for u, p in enumerate(prompts):
+            for j in range(G):
+                seed = int(np.random.SeedSequence([self.cfg.run.seed, *tag, u, j]).generate_state(1)[0])
+                params = SamplingParams(
+                    temperature=0.0 if greedy else self.g.temperature,
+                    max_new_tokens=self.g.max_new_tokens,
+                    stop_tokens=self.prompts.stop_ids,
+                    seed=seed,
+                )
+                ids[(*tag, u, j)] = (u, j)
+                self.server.submit(Request((*tag, u, j), list(p.ids), params))
+        while self.server.busy:
+            self.server.step()
+        out = [[None] * G for _ in prompts]
+        for rid, (u, j) in ids.items():
+            result = self.server.take_result(rid)
+            if result.finish == "error":
+                raise ConfigError(f"train.grpo: the engine refused a rollout ({result.error})")
+            out[u][j] = (result.tokens, result.logprobs)
+        return out
+
+    def _make(self, trainer, state, r: int) -> dict[str, np.ndarray]:
+        start, G = time.perf_counter(), self.g.group_size
+        jax.block_until_ready(state.params)  # the update in flight is not the sync's time
+        synced = self.sync(state.params)
+        n_prompts = self.rows_per_batch // G
+        prompts = self._prompts(self.position["next_index"], n_prompts)
+        self.position["next_index"] += n_prompts
+        before = self.server.prefill_tokens, self.server.cached_tokens
+        groups = self.sample(prompts, (r,))
+        flat = [(p, c) for p, group in zip(prompts, groups) for c in group]
+        texts = [self.prompts.decode(c[0]) for _, c in flat]
+        scores = np.asarray([self.rewards(p.text, t, p.fields) for (p, _), t in zip(flat, texts)], np.float32)
+        batch = rows([p.ids for p, _ in flat], [c[0] for _, c in flat], [c[1] for _, c in flat], self.cfg.data.seq_len)
+        advantages = np.asarray(group_advantages(scores.reshape(n_prompts, G), scale=self.g.scale_rewards))
+        batch["advantages"] = np.repeat(advantages.reshape(-1, 1), self.cfg.data.seq_len, axis=1)  # along each row
+        if self.ref_params is not None:
+            batch["ref_logp"] = self.token_log_probs(trainer, self.ref_params, state.buffers, batch)
+        self._write(r, batch)
+        prefilled, cached = (
+            now - was for now, was in zip((self.server.prefill_tokens, self.server.cached_tokens), before)
+        )
+        self.host = {
+            "reward": float(scores.mean()),
+            "reward_std": float(scores.std()),
+            "completion_tokens": float(np.mean([len(c[0]) for _, c in flat])),
+            "prompt_tokens_shared": cached / max(prefilled + cached, 1),
+            "sync_bytes": synced.engine_bytes,
+            "sync_seconds": synced.seconds,
+            "rollout_seconds": time.perf_counter() - start,
+        }
+        return batch
+
+    def _write(self, r: int, batch: dict[str, np.ndarray]) -> None:
+        """Saves batch `r` (atomically) and drops those older than any checkpoint kept could resume into."""
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{r:08d}.npz.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, **batch)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / f"{r:08d}.npz")
+        c = self.cfg.checkpoint
+        keep = -(-c.every * (c.keep + 1) // self.g.updates_per_rollout) + 2
+        for old in self.folder.glob("*.npz"):
+            if old.stem.isdigit() and int(old.stem) < r - keep:
+                old.unlink()
+
+    def _read(self, r: int) -> dict[str, np.ndarray]:
+        path = None if self.folder is None else self.folder / f"{r:08d}.npz"
+        if path is None or not path.is_file():
+            raise ConfigError(
+                f"run.dir: the checkpoint resumes in the middle of rollout batch {r}, and {path} is missing; "
+                "restore it, or remove the run's checkpoints newer than that batch's first step"
+            )
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def evaluate(self, trainer, state) -> dict[str, float]:
+        """The mean reward of greedy completions of the first eval_prompts held-out prompts."""
+        self.bind(trainer, state)
+        self.sync(state.params)
+        prompts = self.prompts.val[: self.g.eval_prompts]
+        groups = self.sample(prompts, (1 << 31,), greedy=True)  # a tag no rollout batch has
+        scores = [self.rewards(p.text, self.prompts.decode(g[0][0]), p.fields) for p, g in zip(prompts, groups)]
+        return {"val_reward": float(np.mean(scores))}
