@@ -22,7 +22,7 @@ from meshwork.models.lora import LoRAParam
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main
 from meshwork.train.rewards import Rewards, exact_answer, number_only
-from meshwork.train.rollouts import placement_devices
+from meshwork.train.rollouts import engine_plan_of, placement_devices
 from meshwork.train.trainer import build_trainer, check_runtime
 
 CONFIG = ROOT / "configs/grpo_arith.yaml"
@@ -176,6 +176,11 @@ def test_the_engine_samples_what_the_trainer_scores(tmp_path, placement):
     assert mask.sum() >= 8 * 1 and diff.max() <= 1e-5, diff.max()
     # Prompts of 16 bytes in pages of 4: the later completions of a group reuse its first 3 pages.
     assert source.host["prompt_tokens_shared"] > 0.4, source.host
+    # The planner's engine (perf/planner_engine.py) is the one built: its pages, KV bytes, sync bytes.
+    plan, server = engine_plan_of(trainer), source.server
+    assert (plan.pages, plan.slots) == (server.pages.n_pages, len(server.slots))
+    assert plan.kv_bytes_per_device == 2 * server.k.addressable_shards[0].data.nbytes
+    assert 0 <= source.host["sync_bytes"] - plan.sync_bytes < 0.02 * plan.sync_bytes  # replicated norms aside
     state, metrics = trainer.step_fn(state, trainer.to_device(batch))
     assert abs(float(metrics["ratio"]) - 1.0) <= 1e-5, float(metrics["ratio"])
     # The next rollout batch syncs the updated weights: the engine scores like the trainer again.

@@ -36,7 +36,7 @@ from meshwork.train.hooks.run import Run
 from meshwork.train.hooks.samples import Samples
 from meshwork.train.logger import StepLogger
 from meshwork.train.preemption import PreemptionGuard
-from meshwork.train.rollouts import placement_devices
+from meshwork.train.rollouts import engine_plan_of, placement_devices
 from meshwork.train.run_dir import (
     RunDirLock,
     check_checkpoints,
@@ -121,7 +121,11 @@ def _train(
         _announce(trainer, cfg, dry_run, start, run_dir, say)  # the start-up block, before the compile's silence
         trainer = trainer.compile()
     if dry_run:  # True: human-readable; "json": one JSON object
-        print(json.dumps(trainer.report_dict()) if dry_run == "json" else trainer.report())
+        engine = engine_plan_of(trainer)  # grpo: the serving engine's pages and sync traffic beside it
+        if dry_run == "json":
+            print(json.dumps({**trainer.report_dict(), **({"engine": engine.to_dict()} if engine else {})}))
+        else:
+            print("\n".join([trainer.report(), *(engine.lines() if engine else [])]))
         return {"dry_run": True}
     check_fits(trainer)
     if guard.signal is not None:  # asked to stop while starting: nothing new exists yet, so nothing to save

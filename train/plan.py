@@ -85,6 +85,8 @@ def main(argv: list[str]) -> int:
             hw = get_hardware(args.hardware)
         except ConfigError as e:  # name the flag, as every other error here does
             raise ConfigError(f"--hardware: {e}") from None
+        if cfg.train.objective == "grpo" and cfg.train.grpo.placement == "split":
+            args.devices //= 2  # the trainer's half; the serving engine takes the other
         dpn = args.devices // args.nodes if args.nodes else None
         options = PlanOptions(
             efficiency=args.efficiency,
@@ -107,8 +109,24 @@ def _plan_one(cfg, hw, args, dpn, options) -> int:
     if problem:
         raise ConfigError(f"{layout.describe()}: {problem}")
     p = plan(cfg, layout, hw, dpn, options)
-    print(json.dumps(p.to_dict()) if args.json else format_plan(p))
+    engine = _engine(cfg, args.devices)
+    if args.json:
+        print(json.dumps({**p.to_dict(), **({"engine": engine.to_dict()} if engine else {})}))
+    else:
+        print("\n".join([format_plan(p), *(engine.lines() if engine else [])]))
     return 0
+
+
+def _engine(cfg, trainer_devices: int):
+    """grpo: the serving engine beside the trainer (perf/planner_engine.py); None otherwise."""
+    if cfg.train.objective != "grpo":
+        return None
+    from meshwork.perf.flops import param_counts
+    from meshwork.perf.peft_counts import finetune_params
+    from meshwork.perf.planner_engine import engine_plan
+
+    trainable = finetune_params(cfg.model, cfg.finetune) or param_counts(cfg.model)["total"]
+    return engine_plan(cfg, trainer_devices, trainable)
 
 
 def _search(cfg, hw, args, dpn, options) -> int:

@@ -1,4 +1,4 @@
-"""python -m train.plot RUN_DIR [--out FILE]: loss curves from metrics.jsonl as a PNG."""
+"""python -m train.plot RUN_DIR [--out FILE]: loss curves from metrics.jsonl as a PNG (and, for GRPO, reward.png)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,29 @@ def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+    if any("reward" in r or "val_reward" in r for r in rows):
+        plot_rewards(rows, out.with_name("reward.png"), plt, pathlib.Path(run_dir).name)
     loads = [(r["step"], r["load"], r.get("load_cv")) for r in rows if "load" in r]
     if loads:
         plot_expert_load(loads, out.with_name("expert_load.png"), plt)
+    return out
+
+
+def plot_rewards(rows: list[dict], out: pathlib.Path, plt, title: str) -> pathlib.Path:
+    """GRPO: each rollout batch's mean reward and the held-out greedy answers' (val_reward)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("reward", "rollout batch (sampled)"), ("val_reward", "held-out (greedy)")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "val_reward" else None, markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
 
 

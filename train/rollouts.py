@@ -73,6 +73,16 @@ def engine_devices(cfg: Config, trainer_devices: list) -> list:
     return others[: len(trainer_devices)]
 
 
+def engine_plan_of(trainer):
+    """The serving engine beside `trainer` (perf/planner_engine.py), or None when it samples nothing."""
+    if not getattr(trainer.task, "on_policy", False):
+        return None
+    from meshwork.perf.planner_engine import engine_plan
+
+    trainable = sum(x.size for x in jax.tree.leaves(trainer.abstract.params))
+    return engine_plan(trainer.cfg, trainer.mesh.size, trainable)
+
+
 def rows(prompt_ids: list, completions: list, logprobs: list, seq_len: int) -> dict[str, np.ndarray]:
     """One row per completion: inputs/targets of prompt + completion, `loss_mask` 1 where the target
     is a completion token, `old_logp` the engine's log p there; zeros after the end."""

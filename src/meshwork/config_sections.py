@@ -380,9 +380,6 @@ class GRPOConfig(Section):
     """Sequences the engine decodes at once (a multiple of its data replicas)."""
     page_size: int = pydantic.Field(16, gt=0)
     """Tokens per KV page; the G completions of a prompt share the prompt's full pages."""
-    off_policy: bool = False
-    """One-step off-policy: the rollouts for the next batch are generated from the weights before
-    this batch's updates, while those updates run (staleness 1 batch, logged as `staleness`)."""
     eval_prompts: int = pydantic.Field(64, gt=0)
     """Held-out prompts that evaluation answers greedily and scores (val_reward)."""
 
