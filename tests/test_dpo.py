@@ -94,11 +94,19 @@ def test_a_bad_pair_is_refused_in_one_line(tmp_path, line, error):
     assert err.startswith("data.text_files: ") and re.search(error, err), err
 
 
-def test_dpo_needs_lora_and_chat_data(capsys):
-    for extra, what in [("finetune.method=full", "finetune.method=full"), ("data.source=text", "set data.source=chat")]:
+def test_dpo_needs_a_reference_it_can_compute_and_chat_data(capsys):
+    cases = [
+        ("finetune.method=full", "train.dpo.reference: adapters_off is the base model under LoRA adapters"),
+        ("finetune.method=none", "train.dpo.reference: adapters_off"),
+        ("data.source=text", "train.objective: dpo reads preference pairs rendered like chat data"),
+    ]
+    for extra, what in cases:
         assert main(["--config", str(CONFIG), "finetune.base=nowhere", extra, "--dry-run"]) == 2
         (err,) = capsys.readouterr().err.strip().splitlines()
-        assert "train.objective" in err and what in err, err
+        assert what in err, err
+    precomputed = ["train.dpo.reference=precomputed", "finetune.method=none"]
+    assert main(["--config", str(CONFIG), "finetune.base=nowhere", *precomputed, "--dry-run"]) == 2
+    assert "precomputed is the fine-tuning base's log-probabilities" in capsys.readouterr().err
 
 
 def test_the_shipped_pairs_are_the_generators(tmp_path):
@@ -269,3 +277,24 @@ def test_a_dpo_run_learns_the_held_out_pairs_and_resumes_bit_exactly(tmp_path, s
         "margin",
         rows[-1]["reward_margin"],
     )
+
+
+def test_full_fine_tuning_dpo_reads_a_reference_computed_once(tmp_path, sft_base, capsys):
+    """train.dpo.reference=precomputed: the base's log-probabilities of every pair, computed before the
+    first step and cached beside the data; the first loss is log 2 (the policy is the base), and a
+    second run reads the cache and trains exactly as the first."""
+    pairs = _short_pairs(tmp_path / "p.jsonl")
+    full = ["finetune.method=full", "train.dpo.reference=precomputed", f"data.cache_dir={tmp_path / 'cache'}"]
+    short = ["train.steps=3", "checkpoint.every=3", "log.eval_every=3"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main([*_argv(first, sft_base, pairs, *full), *short]) == 0, capsys.readouterr().err[-2000:]
+    assert "computing them once with the base model" in capsys.readouterr().out
+    (cached,) = (tmp_path / "cache").glob("dpo-reference-*.npz")
+    assert main([*_argv(second, sft_base, pairs, *full), *short]) == 0
+    assert f"read from {cached}" in capsys.readouterr().out
+    rows = [r for r in read_metrics(first) if "accuracy" in r]
+    assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-5) and rows[-1]["reward_margin"] != 0
+    keys = ("step", "loss", "reward_margin", "accuracy", "val_loss")
+    assert [tuple(r.get(k) for k in keys) for r in read_metrics(second)] == [
+        tuple(r.get(k) for k in keys) for r in read_metrics(first)
+    ]

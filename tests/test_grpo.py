@@ -220,39 +220,43 @@ def test_the_engine_samples_what_the_trainer_scores_under_lora(tmp_path, lm_tiny
 # ---------------------------------------------------------------- a run
 
 
-@pytest.mark.over_budget(
-    "three trainer invocations (straight, stopped mid-batch, resumed) for the bit-exact resume", seconds=60
-)
-def test_a_run_stopped_inside_a_rollout_batch_resumes_bit_exactly(tmp_path, capsys, monkeypatch):
+RESUMES = {
+    # On-policy: step 3 is the first of the second batch's two updates, so the checkpoint at 3 is mid-batch.
+    "on_policy": ([], 3, 0),
+    # Off-policy: after step 1 was dispatched batch 1 was sampled ahead (by step 1's weights, before
+    # its update), so the checkpoint at 2 holds a batch that no step has started: resumed, it is read back.
+    "off_policy": (["train.grpo.off_policy=true"], 2, 2),
+}
+
+
+@pytest.mark.over_budget("three trainer invocations (straight, stopped, resumed) for the bit-exact resume", seconds=60)
+@pytest.mark.parametrize("mode", sorted(RESUMES))
+def test_a_run_stopped_between_updates_resumes_bit_exactly(tmp_path, capsys, monkeypatch, mode):
+    extra, stop, staleness = RESUMES[mode]
     prompts = _prompts(tmp_path / "p.jsonl")
     # An untrained model's completions never hold the answer: a reward that varies among them.
     (tmp_path / "spread_reward.py").write_text(
         "def distinct(prompt, completion, fields):\n    return len(set(completion))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    steps = [
-        "train.steps=4",
-        "train.grpo.updates_per_rollout=2",
-        "checkpoint.every=3",
-        "log.every=1",
-        "log.eval_every=4",
-    ]
-    steps += ["optimizer.warmup_steps=0", "optimizer.lr=1e-2", "train.grpo.rewards=[spread_reward:distinct]"]
+    steps = ["train.steps=4", "train.grpo.updates_per_rollout=2", f"checkpoint.every={stop}", "log.every=1"]
+    steps += ["log.eval_every=4", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", *extra]
+    steps += ["train.grpo.rewards=[spread_reward:distinct]"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert main(["--config", str(CONFIG), *_overrides(straight, prompts, *steps)]) == 0, capsys.readouterr().err
-    # Step 3 is the first of the second rollout batch's two: the checkpoint at 3 is taken mid-batch.
-    assert main(["--config", str(CONFIG), *_overrides(stopped, prompts, *steps, "train.stop_after=3")]) == 0
+    assert main(["--config", str(CONFIG), *_overrides(stopped, prompts, *steps, f"train.stop_after={stop}")]) == 0
     assert sorted(p.name for p in (stopped / "rollouts").iterdir()) == ["00000000.npz", "00000001.npz"]
     assert main(["--config", str(CONFIG), *_overrides(stopped, prompts, *steps)]) == 0
-    keys = ("step", "loss", "ratio", "clip_fraction", "grad_norm", "reward", "val_reward")
+    keys = ("step", "loss", "ratio", "clip_fraction", "grad_norm", "reward", "staleness", "val_reward")
     logged = lambda run: [tuple(r.get(k) for k in keys) for r in read_metrics(run)]  # noqa: E731
     assert logged(stopped) == logged(straight) and len(logged(straight)) == 5
     rows = read_metrics(straight)
-    assert [r["step"] for r in rows if "reward" in r] == [1, 3]  # a rollout batch every 2 steps
+    assert [(r["step"], r["staleness"]) for r in rows if "reward" in r] == [(1, 0), (3, staleness)]
     assert rows[1]["ratio"] == pytest.approx(1.0, abs=1e-5) and rows[2]["ratio"] != 1.0  # step 2: the policy moved
-    for a, b in zip((straight / "rollouts").iterdir(), sorted((stopped / "rollouts").iterdir())):
-        with np.load(a) as x, np.load(b) as y:
-            assert all(np.array_equal(x[k], y[k]) for k in x.files)
+    assert (rows[3]["ratio"] == pytest.approx(1.0, abs=1e-5)) == (staleness == 0)  # a stale batch's first ratio
+    for a, b in zip(sorted((straight / "rollouts").iterdir()), sorted((stopped / "rollouts").iterdir())):
+        with np.load(a) as x, np.load(b) as y:  # `host` holds what sampling measured: seconds differ
+            assert all(np.array_equal(x[k], y[k]) for k in x.files if k != "host")
 
 
 def test_the_shipped_prompts_are_what_the_generator_writes(tmp_path):

@@ -194,6 +194,8 @@ def _run(
     ckpt = open_checkpoints(cfg, run_dir, say)
     fast = open_fast_tier(cfg)
     start, snapshot = newest_tier(cfg, ckpt, fast, say)
+    if (prepare := getattr(trainer.task, "prepare", None)) is not None:
+        prepare(trainer, say)  # dpo with a precomputed reference: computed (or read) before any batch
     data_iter = trainer.task.train_iterator()
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -309,6 +311,8 @@ def _step(run: Run, trainer: Trainer, state: Any, step: int) -> tuple[Any, tuple
             run.logger.add(step, skipped_batch=1)
             return state, run.logger.step_dispatched(step, {}, data_index=position)
         state, metrics = trainer.step_fn(state, trainer.to_device(batch))
+        if getattr(trainer.task, "on_policy", False):
+            run.data_iter.after_dispatch(trainer, state)  # off-policy: the next batch samples meanwhile
         return state, run.logger.step_dispatched(step, metrics, data_index=position)
 
 

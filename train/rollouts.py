@@ -19,17 +19,26 @@ The training loop reads batches from this source as from any data iterator, but 
    `loss_mask` 1 on the completion's tokens; the batch is written to run.dir/rollouts/ and the
    next updates_per_rollout steps train on its successive slices of global_batch rows.
 
-The source's position (`get_state`: prompts used, batches made, steps taken from the batch in
-hand) is saved in every checkpoint with the data position, and everything it samples depends
+Off-policy (`train.grpo.off_policy`, one step of asynchrony): at the start of batch r the engine
+is synced and batch r, sampled earlier, is trained on, while batch r+1 is sampled by the synced
+weights once the first update is dispatched (`after_dispatch`): the host's work and the engine's
+calls overlap the device's update, and each batch is `updates_per_rollout` updates stale
+(`staleness`). Batch 0 is sampled on-policy.
+
+The source's position (`get_state`: prompts used, batches started and sampled, steps taken from
+the batch in hand) is saved in every checkpoint with the data position, and everything it samples depends
 only on that position, the seed and the weights; so a run killed anywhere resumes bit-exact: a
-checkpoint taken in the middle of a batch reads that batch back from run.dir/rollouts/.
+checkpoint taken in the middle of a batch, or after the next was sampled ahead, reads that batch
+back from run.dir/rollouts/.
 Evaluation answers `eval_prompts` held-out prompts greedily and reports their mean reward.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import signal
 import time
 from typing import Any
 
@@ -50,6 +59,15 @@ from meshwork.sharding.rules import rules_for
 from meshwork.train.rewards import Rewards
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "old_logp", "ref_logp")
+
+
+def _fault(phase: str, index: int) -> None:
+    """Fault injection for tests/reliability/test_grpo_kill.py: `MESHWORK_KILL_GRPO=phase:index` sends
+    this process SIGKILL while sampling rollout batch `index` ("rollout"), at the sync before batch
+    `index` ("sync": the engine just swapped to the new weights), or while update `index` runs on the
+    device ("update": just after it was dispatched)."""
+    if os.environ.get("MESHWORK_KILL_GRPO") == f"{phase}:{index}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def placement_devices(cfg: Config, devices: list | None) -> list | None:
@@ -104,8 +122,12 @@ class Rollouts:
         self.cfg, self.g, self.prompts, self.rewards = cfg, cfg.train.grpo, prompts, rewards
         self.folder = None if run_dir is None else pathlib.Path(run_dir) / "rollouts"
         self.rows_per_batch = self.g.updates_per_rollout * cfg.train.global_batch
-        self.position = {"next_index": 0, "rollout": 0, "within": 0}
+        # Prompts used, batches started, steps taken from the batch in hand, batches sampled (one
+        # more than started when off-policy sampled the next ahead).
+        self.position = {"next_index": 0, "rollout": 0, "within": 0, "made": 0}
         self.batch: dict[str, np.ndarray] | None = None  # the batch in hand, made as rollout - 1
+        self._ahead: dict[int, tuple] = {}  # off-policy: the next batch and its measures, sampled ahead
+        self._pending: int | None = None  # off-policy: the batch to sample once the step is dispatched
         self.host: dict[str, float] = {}  # what the last batch's making measured, for the step's row
         self.server = self.sync = self.logp_fn = self.ref_params = None
 
@@ -115,20 +137,43 @@ class Rollouts:
         return dict(self.position)
 
     def set_state(self, state: dict[str, int]) -> None:
-        self.position, self.batch = dict(state), None
+        self.position, self.batch, self._ahead, self._pending = dict(state), None, {}, None
 
     def next_from(self, trainer, state) -> dict[str, np.ndarray]:
-        """The next step's global batch: a slice of the batch in hand, or of a new one made from `state`."""
+        """The next step's global batch: a slice of the batch in hand, or of the next one, which is
+        sampled now from `state`'s weights, or (off-policy) was sampled before the last batch's updates."""
         self.bind(trainer, state)
         pos, self.host = self.position, {}
-        if pos["rollout"] == 0 or pos["within"] == self.g.updates_per_rollout:
-            self.batch = self._make(trainer, state, pos["rollout"])
-            pos.update(rollout=pos["rollout"] + 1, within=0)
+        if pos["rollout"] == 0 or pos["within"] == self.g.updates_per_rollout:  # a new batch starts
+            r = pos["rollout"]
+            synced = self._sync(state)
+            _fault("sync", r)
+            if pos["made"] > r:  # sampled ahead, by the weights before the last batch's updates
+                self.batch, self.host = self._ahead.pop(r, None) or self._read(r)
+                staleness = self.g.updates_per_rollout
+            else:
+                self.batch, self.host = self._sample_batch(trainer, state.buffers, r)
+                pos["made"], staleness = r + 1, 0
+            if self.g.off_policy:
+                self._pending = r + 1  # sampled by these weights while this batch's first update runs
+            self.host.update(staleness=staleness, sync_bytes=synced.engine_bytes, sync_seconds=synced.seconds)
+            pos.update(rollout=r + 1, within=0)
         elif self.batch is None:  # resumed in the middle of a batch: the one saved when it was made
-            self.batch = self._read(pos["rollout"] - 1)
+            self.batch, _ = self._read(pos["rollout"] - 1)
         B, k = self.cfg.train.global_batch, pos["within"]
         pos["within"] += 1
         return {key: v[k * B : (k + 1) * B] for key, v in self.batch.items()}
+
+    def after_dispatch(self, trainer, state) -> None:
+        """Off-policy: samples the next batch with the weights synced before the step just dispatched,
+        while the device runs it (the host's sampling, scoring and the engine's calls overlap it; with
+        placement split the engine's devices are others)."""
+        _fault("update", (self.position["rollout"] - 1) * self.g.updates_per_rollout + self.position["within"])
+        if self._pending is None:
+            return
+        r, self._pending = self._pending, None
+        self._ahead[r] = self._sample_batch(trainer, state.buffers, r)
+        self.position["made"] = r + 1
 
     # -- the engine ------------------------------------------------------------------------
 
@@ -218,6 +263,7 @@ class Rollouts:
                 self.server.submit(Request((*tag, u, j), list(p.ids), params))
         while self.server.busy:
             self.server.step()
+            _fault("rollout", tag[0])  # a test's kill lands with completions half sampled
         out = [[None] * G for _ in prompts]
         for rid, (u, j) in ids.items():
             result = self.server.take_result(rid)
@@ -226,10 +272,13 @@ class Rollouts:
             out[u][j] = (result.tokens, result.logprobs)
         return out
 
-    def _make(self, trainer, state, r: int) -> dict[str, np.ndarray]:
-        start, G = time.perf_counter(), self.g.group_size
+    def _sync(self, state):
         jax.block_until_ready(state.params)  # the update in flight is not the sync's time
-        synced = self.sync(state.params)
+        return self.sync(state.params)
+
+    def _sample_batch(self, trainer, buffers, r: int) -> tuple[dict[str, np.ndarray], dict]:
+        """Rollout batch `r` from the engine's current weights, scored and saved; and what making it measured."""
+        start, G = time.perf_counter(), self.g.group_size
         n_prompts = self.rows_per_batch // G
         prompts = self._prompts(self.position["next_index"], n_prompts)
         self.position["next_index"] += n_prompts
@@ -242,30 +291,29 @@ class Rollouts:
         advantages = np.asarray(group_advantages(scores.reshape(n_prompts, G), scale=self.g.scale_rewards))
         batch["advantages"] = np.repeat(advantages.reshape(-1, 1), self.cfg.data.seq_len, axis=1)  # along each row
         if self.ref_params is not None:
-            batch["ref_logp"] = self.token_log_probs(trainer, self.ref_params, state.buffers, batch)
-        self._write(r, batch)
+            batch["ref_logp"] = self.token_log_probs(trainer, self.ref_params, buffers, batch)
         prefilled, cached = (
             now - was for now, was in zip((self.server.prefill_tokens, self.server.cached_tokens), before)
         )
-        self.host = {
+        host = {
             "reward": float(scores.mean()),
             "reward_std": float(scores.std()),
             "completion_tokens": float(np.mean([len(c[0]) for _, c in flat])),
             "prompt_tokens_shared": cached / max(prefilled + cached, 1),
-            "sync_bytes": synced.engine_bytes,
-            "sync_seconds": synced.seconds,
             "rollout_seconds": time.perf_counter() - start,
         }
-        return batch
+        self._write(r, batch, host)
+        return batch, host
 
-    def _write(self, r: int, batch: dict[str, np.ndarray]) -> None:
-        """Saves batch `r` (atomically) and drops those older than any checkpoint kept could resume into."""
+    def _write(self, r: int, batch: dict[str, np.ndarray], host: dict) -> None:
+        """Saves batch `r` and what making it measured (atomically), and drops batches older than any
+        checkpoint kept could resume into."""
         if self.folder is None:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / f".{r:08d}.npz.tmp"
         with open(tmp, "wb") as f:
-            np.savez(f, **batch)
+            np.savez(f, **batch, host=np.asarray(json.dumps(host)))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.folder / f"{r:08d}.npz")
@@ -275,7 +323,7 @@ class Rollouts:
             if old.stem.isdigit() and int(old.stem) < r - keep:
                 old.unlink()
 
-    def _read(self, r: int) -> dict[str, np.ndarray]:
+    def _read(self, r: int) -> tuple[dict[str, np.ndarray], dict]:
         path = None if self.folder is None else self.folder / f"{r:08d}.npz"
         if path is None or not path.is_file():
             raise ConfigError(
@@ -283,7 +331,7 @@ class Rollouts:
                 "restore it, or remove the run's checkpoints newer than that batch's first step"
             )
         with np.load(path) as f:
-            return {k: f[k] for k in f.files}
+            return {k: f[k] for k in f.files if k != "host"}, json.loads(str(f["host"]))
 
     # -- evaluation --------------------------------------------------------------------------
 

@@ -93,9 +93,20 @@ class DPOTask:
 
     def batch_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         L = self.cfg.data.seq_len
-        return {
+        rows = {
             f"{s}_{k}": ((L,), np.int32) for s in ("chosen", "rejected") for k in ("inputs", "targets", "loss_mask")
         }
+        if self.cfg.train.dpo.reference == "precomputed":  # each pair's reference log p, along its row
+            rows.update({f"{s}_ref_logp": ((L,), np.float32) for s in ("chosen", "rejected")})
+        return rows
+
+    def prepare(self, trainer: Any, say=print) -> None:
+        """train.dpo.reference=precomputed: the base's log-probabilities of the pairs, from the cache or
+        computed once (train/dpo_reference.py), before any batch is read."""
+        if self.cfg.train.dpo.reference == "precomputed" and "chosen_ref_logp" not in self.pairs.train.arrays:
+            from meshwork.train.dpo_reference import attach_reference
+
+            attach_reference(self.cfg, trainer, self.pairs, say)
 
     def objective(self, graphdef: Any) -> Objective:
         """The DPO loss with train.dpo's beta and label smoothing; metrics loss, reward margin, accuracy."""
@@ -121,7 +132,8 @@ class DPOTask:
 
     def flops_per_step(self, compiled_step: Any, n_devices: int) -> float:
         del compiled_step, n_devices  # the policy's forward and backward (6N), the reference's forward (2N)
-        return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step() * 4 / 3
+        reference = 1 if self.cfg.train.dpo.reference == "precomputed" else 4 / 3  # computed once, before
+        return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step() * reference
 
 
 @dataclass

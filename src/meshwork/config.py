@@ -325,12 +325,18 @@ def _check_dpo(cfg: Config) -> None:
             f"dpo reads preference pairs rendered like chat data; set data.source=chat, not {cfg.data.source}, "
             "and data.text_files to .jsonl files of pairs (prompt or messages, chosen, rejected)",
         )
-    if cfg.finetune.method not in ("lora", "qlora"):
+    reference = cfg.train.dpo.reference
+    if reference == "adapters_off" and cfg.finetune.method not in ("lora", "qlora"):
         raise _KeyError(
-            "train.objective",
-            f"dpo's reference (train.dpo.reference=adapters_off) is the base model under LoRA adapters, "
-            f"not available with finetune.method={cfg.finetune.method}; use finetune.method lora or qlora "
-            "(a frozen copy for full fine-tuning is not implemented yet)",
+            "train.dpo.reference",
+            f"adapters_off is the base model under LoRA adapters, not available with finetune.method="
+            f"{cfg.finetune.method}; use finetune.method lora or qlora, or train.dpo.reference precomputed",
+        )
+    if reference == "precomputed" and cfg.finetune.method == "none":
+        raise _KeyError(
+            "train.dpo.reference",
+            "precomputed is the fine-tuning base's log-probabilities, and finetune.method is none; set "
+            "finetune.method (full, lora, ...) and finetune.base",
         )
     if cfg.mesh.sequence != 1 or cfg.train.pipeline != "none":
         raise _KeyError(

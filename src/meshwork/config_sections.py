@@ -333,10 +333,12 @@ class DPOConfig(Section):
     ratios, and the loss is -log sigmoid of their difference."""
     label_smoothing: float = pydantic.Field(0.0, ge=0, lt=0.5)
     """Conservative DPO's eps: the chance a pair's labels are flipped (0: plain DPO)."""
-    reference: Literal["adapters_off"] = "adapters_off"
+    reference: Literal["adapters_off", "precomputed"] = "adapters_off"
     """Where the reference model's log-probabilities come from. adapters_off: the same forward
     pass with the LoRA/QLoRA factors zeroed (the base model exactly, B = 0 at the start), so no
-    second copy of the weights; needs finetune.method lora or qlora."""
+    second copy of the weights; needs finetune.method lora or qlora. precomputed: the base's
+    log-probability of every pair computed once before training and cached beside the data
+    (train/dpo_reference.py), so full fine-tuning needs no second copy either; any finetune.method."""
 
 
 class GRPOConfig(Section):
@@ -380,6 +382,11 @@ class GRPOConfig(Section):
     """Sequences the engine decodes at once (a multiple of its data replicas)."""
     page_size: int = pydantic.Field(16, gt=0)
     """Tokens per KV page; the G completions of a prompt share the prompt's full pages."""
+    off_policy: bool = False
+    """One-step off-policy (asynchronous GRPO): each rollout batch is sampled by the weights from
+    before the previous batch's updates, on the host and the engine while those updates run on the
+    device; `staleness` logs the updates between sampling and the first update on a batch
+    (updates_per_rollout here, 0 on-policy)."""
     eval_prompts: int = pydantic.Field(64, gt=0)
     """Held-out prompts that evaluation answers greedily and scores (val_reward)."""
 

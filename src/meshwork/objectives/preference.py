@@ -93,7 +93,8 @@ def dpo_objective(graphdef, *, beta: float, label_smoothing: float = 0.0, refere
     `chosen_loss_mask` and the three `rejected_*`, each (B, L). Chosen and rejected rows go through
     the model together as one batch of 2B rows (chosen first), once with the policy's parameters
     (training noise such as LoRA dropout from `noise_key`) and once with `reference(params)` and no
-    noise, under stop_gradient: with `adapters_off` the same weights, no second copy. Both give
+    noise, under stop_gradient: with `adapters_off` the same weights, no second copy; or, when the
+    batch carries `chosen_ref_logp`/`rejected_ref_logp` (train.dpo.reference=precomputed), those. Both give
     sequence log-probabilities over the reply tokens, and `dpo_loss` the loss and its metrics.
     The model's auxiliary losses (MoE) are not added; the logits are the plain head's (2B, L, V).
     """
@@ -108,8 +109,11 @@ def dpo_objective(graphdef, *, beta: float, label_smoothing: float = 0.0, refere
         B = batch["chosen_inputs"].shape[0]
         policy_logits_BLV, _ = nnx.merge(graphdef, params, buffers).apply(inputs_BL, None, noise_key=noise_key)
         policy_B = sequence_log_probs(policy_logits_BLV, targets_BL, mask_BL)
-        ref_logits_BLV, _ = nnx.merge(graphdef, reference(params), buffers).apply(inputs_BL, None)
-        ref_B = jax.lax.stop_gradient(sequence_log_probs(ref_logits_BLV, targets_BL, mask_BL))
+        if "chosen_ref_logp" in batch:  # precomputed once (train/dpo_reference.py): no reference pass
+            ref_B = jnp.concatenate([batch[f"{s}_ref_logp"][:, 0] for s in sides])
+        else:
+            ref_logits_BLV, _ = nnx.merge(graphdef, reference(params), buffers).apply(inputs_BL, None)
+            ref_B = jax.lax.stop_gradient(sequence_log_probs(ref_logits_BLV, targets_BL, mask_BL))
         return dpo_loss(policy_B[:B], policy_B[B:], ref_B[:B], ref_B[B:], beta=beta, label_smoothing=label_smoothing)
 
     return loss_fn

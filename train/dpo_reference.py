@@ -1,0 +1,104 @@
+"""DPO's reference log-probabilities computed once, before training, and cached beside the data
+(`train.dpo.reference: precomputed`): the way to run DPO with full fine-tuning without holding a
+second copy of the weights through the run.
+
+The reference is the policy at step 0, the fine-tuning base (`Trainer.init_state()`, built once
+here and dropped). Its sequence log-probability of every pair's chosen and rejected reply, train
+and validation splits, is computed on the trainer's mesh in batches of train.global_batch pairs
+and added to the pairs as `chosen_ref_logp` and `rejected_ref_logp` (each pair's value repeated
+along its row, so every batch key shares the (batch, seq) layout); `dpo_objective` then reads them
+instead of running the reference's forward pass.
+
+The cache is one `.npz` per (pairs, base, model) in `data.cache_dir`, else in a
+`.meshwork-dpo-reference` folder beside the first pairs file: a second run on the same pairs and
+base reads it instead of computing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+from flax import nnx
+
+from meshwork.data.user_text import find_text_files
+from meshwork.objectives.preference import sequence_log_probs
+
+SIDES = ("chosen", "rejected")
+
+
+def cache_path(cfg, pairs) -> pathlib.Path:
+    """Where the reference of these pairs under this base and model is cached."""
+    h = hashlib.sha256()
+    for split in (pairs.train, pairs.val):
+        for key in sorted(split.arrays):
+            if not key.endswith("ref_logp"):
+                h.update(key.encode() + np.ascontiguousarray(split.arrays[key]).tobytes())
+    base = pathlib.Path(cfg.finetune.base).expanduser().resolve()
+    steps = sorted(p.name for p in (base / "checkpoints").iterdir()) if (base / "checkpoints").is_dir() else []
+    identity = {
+        "base": str(base),
+        "steps": steps,
+        "model": cfg.model.model_dump(mode="json"),
+        "dtype": cfg.train.compute_dtype,
+    }
+    h.update(json.dumps(identity, sort_keys=True).encode())
+    folder = (
+        pathlib.Path(cfg.data.cache_dir).expanduser()
+        if cfg.data.cache_dir
+        else find_text_files(cfg.data.text_files)[0].parent / ".meshwork-dpo-reference"
+    )
+    return folder / f"dpo-reference-{h.hexdigest()[:16]}.npz"
+
+
+def attach_reference(cfg, trainer, pairs, say=print) -> None:
+    """Adds `chosen_ref_logp` and `rejected_ref_logp` to both splits of `pairs`, from the cache or computed."""
+    path = cache_path(cfg, pairs)
+    if path.is_file():
+        with np.load(path) as f:
+            found = {k: f[k] for k in f.files}
+        say(f"DPO reference log-probabilities: read from {path}")
+    else:
+        say("DPO reference log-probabilities: computing them once with the base model...")
+        found = _compute(trainer, pairs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **found)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    L = cfg.data.seq_len
+    for name, split in (("train", pairs.train), ("val", pairs.val)):
+        for side in SIDES:
+            split.arrays[f"{side}_ref_logp"] = np.repeat(found[f"{name}_{side}"][:, None], L, axis=1)
+
+
+def _compute(trainer, pairs) -> dict[str, np.ndarray]:
+    state = trainer.init_state()  # the policy at step 0: the reference
+    graphdef, B = trainer.graphdef, trainer.cfg.train.global_batch
+    with trainer.context():
+
+        def logp(params, buffers, batch):
+            logits_BLV, _ = nnx.merge(graphdef, params, buffers).apply(batch["inputs"], None)
+            return sequence_log_probs(logits_BLV, batch["targets"], batch["loss_mask"])
+
+        s = trainer.shardings
+        fn = jax.jit(logp, in_shardings=(s.params, s.buffers, trainer.batch_sharding))
+        out = {}
+        for name, split in (("train", pairs.train), ("val", pairs.val)):
+            for side in SIDES:
+                rows = {k: split.arrays[f"{side}_{k}"] for k in ("inputs", "targets", "loss_mask")}
+                n, values = len(rows["inputs"]), []
+                for k in range(0, n, B):
+                    part = {key: v[k : k + B] for key, v in rows.items()}
+                    short = B - len(part["inputs"])
+                    part = {key: np.pad(v, ((0, short), (0, 0))) for key, v in part.items()}  # the last, padded
+                    values.append(np.asarray(fn(state.params, state.buffers, trainer.to_device(part)))[: B - short])
+                out[f"{name}_{side}"] = np.concatenate(values) if values else np.zeros((0,), np.float32)
+    del state
+    return out
