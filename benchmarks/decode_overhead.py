@@ -5,7 +5,7 @@
 
 Random weights (the cost of a step does not depend on them); every figure comes
 from one process, so the ratios compare like with like. Per model and batch B,
-`Server` (inference/serving.py) serves B greedy requests of --prompt-len
+`Server` (src/meshwork/engine/serving.py) serves B greedy requests of --prompt-len
 random tokens for --steps new tokens each, all admitted at once; the decode
 time per step is (time of that run - time of the same run with 1 new token,
 i.e. the prefill alone) / (steps - 1), the best of --repeats runs after one
@@ -13,7 +13,7 @@ that compiles (the machine is shared: the best run is the least disturbed;
 the modes take turns, so a disturbance hits them alike).
 The modes:
 
-- before: the server as it was (inference/serving.py at --before-commit, read
+- before: the server as it was (src/meshwork/engine/serving.py at --before-commit, read
   with git): one decode step per dispatch with the host reading the tokens after
   every step, and the full-vocabulary stable sort sampler
   (`sampling.sample_reference`, what `sample` was).
@@ -45,9 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshwork.config import load_config
-from meshwork.inference import generate, sampling, serving
-from meshwork.inference.sampling import SamplingArrays, SamplingParams
-from meshwork.inference.serving import Request, Server
+from meshwork.engine import generate, sampling, serving
+from meshwork.engine.sampling import SamplingArrays, SamplingParams
+from meshwork.engine.serving import Request, Server
 from meshwork.models.build import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,9 +73,12 @@ def build(name: str):
 
 
 def old_server_class(commit: str):
-    """`Server` as inference/serving.py defined it at `commit` (the before of this benchmark)."""
+    """`Server` as src/meshwork/engine/serving.py defined it at `commit` (the before of this benchmark)."""
     source = subprocess.run(
-        ["git", "-C", ROOT, "show", f"{commit}:inference/serving.py"], check=True, capture_output=True, text=True
+        ["git", "-C", ROOT, "show", f"{commit}:src/meshwork/engine/serving.py"],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     path = os.path.join(tempfile.mkdtemp(), "serving_before.py")
     with open(path, "w") as f:

@@ -9,7 +9,7 @@
 Random weights unless --checkpoint: throughput does not depend on them. Every
 figure comes from one process, so the ratios compare like with like.
 
-What is timed, per batch size B (`inference/generate.py`: `Generator.prefill`
+What is timed, per batch size B (`src/meshwork/engine/generate.py`: `Generator.prefill`
 and `Generator.decode_step`, what `Generator.stream` calls): one prefill of B prompts of --prompt-len tokens
 into a fresh cache of length prompt + steps, then --decode-steps one-token
 decode steps (sampling included), each feeding the token the previous step
@@ -54,9 +54,9 @@ import numpy as np
 from flax import nnx
 
 from meshwork.config import ConfigError, load_config
-from meshwork.inference.generate import Generator
-from meshwork.inference.kv_cache import cache_bytes_per_token
-from meshwork.inference.sampling import SamplingArrays, SamplingParams
+from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import cache_bytes_per_token
+from meshwork.engine.sampling import SamplingArrays, SamplingParams
 from meshwork.models.quantize import MODES, quantize_model, weight_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

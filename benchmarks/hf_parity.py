@@ -19,8 +19,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from meshwork.inference.generate import Generator  # noqa: E402
-from meshwork.inference.sampling import SamplingParams  # noqa: E402
+from meshwork.engine.generate import Generator  # noqa: E402
+from meshwork.engine.sampling import SamplingParams  # noqa: E402
 from meshwork.models.hf import model_from_hf  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/hf"

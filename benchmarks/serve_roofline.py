@@ -8,7 +8,7 @@
 A decode step must read every weight once and each sequence's cached keys and
 values; at the device's read bandwidth that bounds it from below
 (benchmarks/generate.py's `roofline`, the bandwidth measured in this process).
-Here the step is the one `Server` (inference/serving.py) runs: greedy rows,
+Here the step is the one `Server` (src/meshwork/engine/serving.py) runs: greedy rows,
 `--dispatch` decode steps per device call, the paged KV cache read by the
 gather (`attention=xla`) or by the paged-attention kernel (`attention=pallas`).
 The decode time per step is the run with --steps new tokens minus the same run
@@ -32,8 +32,8 @@ from decode_overhead import decode_step_s, serve_once  # noqa: E402
 from generate import measure_bandwidth, roofline, weights_read_per_step  # noqa: E402
 
 from meshwork.config import ConfigError, load_config  # noqa: E402
-from meshwork.inference.kv_cache import cache_bytes_per_token  # noqa: E402
-from meshwork.inference.serving import Server  # noqa: E402
+from meshwork.engine.kv_cache import cache_bytes_per_token  # noqa: E402
+from meshwork.engine.serving import Server  # noqa: E402
 from meshwork.models.build import build_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from meshwork.config import ConfigError
-from meshwork.inference.validation import RequestError
+from meshwork.engine.validation import RequestError
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):

@@ -24,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from meshwork.inference.sampling import SamplingParams
-from meshwork.inference.validation import RequestError
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.validation import RequestError
 
 COMPLETION_MAX_LOGPROBS = 5  # the legacy completions API's bound on `logprobs`
 

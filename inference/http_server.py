@@ -53,11 +53,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshwork.data.chat_template import ChatTemplate, ChatTemplateError, render_chat
 from meshwork.data.chat_template import chat_template_of as data_chat_template_of
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Result
+from meshwork.engine.validation import RequestError, check_request
 from meshwork.inference.http_bodies import ChatCompletionRequest, CompletionRequest, parse_body
-from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_engine import Engine, QueueFull
-from meshwork.inference.serving import Request, Result
-from meshwork.inference.validation import RequestError, check_request
 
 # ----------------------------------------------------------------------------- text in, text out
 

@@ -200,7 +200,7 @@ def _decode(tokenizer, ids: list[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Loads, generates, prints. ConfigError (the command line) or RequestError (a prompt or sampling
     setting) for anything the user can fix."""
-    from meshwork.inference.sampling import SamplingParams
+    from meshwork.engine.sampling import SamplingParams
 
     if args.slots < 1:
         raise ConfigError(f"--slots: {args.slots}; the serving loop needs at least 1 slot")
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
 
         quantize_model(model, args.quantize)
     if len(prompts) == 1:
-        from meshwork.inference.generate import Generator
+        from meshwork.engine.generate import Generator
 
         gen = Generator(model)
         gen.check_request(prompts[0], per_prompt[0], args.max_len)  # before the prompt is printed
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
 
-    from meshwork.inference.serving import Request, Server
+    from meshwork.engine.serving import Request, Server
 
     max_len = args.max_len or max(len(p) for p in prompts) + params.max_new_tokens + 1
     server = Server(model, slots=args.slots, max_len=max_len)

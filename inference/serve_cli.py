@@ -4,7 +4,7 @@
 
 With `--data`/`--tensor` the model and the KV page pool are split over a mesh of this host's
 devices: the pool's pages over `data` (each data-parallel replica serves its own slots from its own
-pages) and heads over `tensor` (inference/kv_cache.py, serving.py).
+pages) and heads over `tensor` (src/meshwork/engine/kv_cache.py, serving.py).
 `ThreadedServer` runs an app on a background thread, for tests and benchmarks in one process.
 """
 
@@ -14,9 +14,9 @@ import threading
 import time
 
 from meshwork.config import ConfigError
+from meshwork.engine.serving import Server
 from meshwork.inference.http_server import Limits, Served, chat_template_of, create_app
 from meshwork.inference.serve_engine import Engine
-from meshwork.inference.serving import Server
 
 
 def load_served(checkpoint: str, name: str | None = None, attention: str | None = None):

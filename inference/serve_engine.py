@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from meshwork.inference.serving import Request, Result, Server
+from meshwork.engine.serving import Request, Result, Server
 
 # ("token", (id, log p, [(alternative id, log p), ...])) ... then ("done", Result); called on the engine thread.
 # The alternatives are the request's params.logprobs most likely tokens ([] when it asked for none).

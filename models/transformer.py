@@ -174,7 +174,7 @@ def apply_layers(
 def decode_layers(
     graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array, positions_BL: jax.Array, cache, first_layer: int = 0
 ) -> tuple[jax.Array, object]:
-    """`apply_layers` for inference with a KV cache (inference/kv_cache.py).
+    """`apply_layers` for inference with a KV cache (src/meshwork/engine/kv_cache.py).
 
     The whole cache rides in the scan's carry and layer i writes only its own
     slice, so with the cache donated XLA updates it in place; scanning the

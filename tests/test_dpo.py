@@ -257,6 +257,10 @@ def test_a_dpo_run_learns_the_held_out_pairs_and_resumes_bit_exactly(tmp_path, s
     assert logged(stopped) == logged(straight) and len(logged(straight)) == 16
     resumed = {r["step"]: r["val_loss"] for r in read_metrics(stopped) if "val_loss" in r}
     assert resumed[16] == val[16]
+    held_out = {
+        r["step"]: (r["val_accuracy"], r["val_reward_margin"]) for r in read_metrics(straight) if "val_loss" in r
+    }
+    assert held_out[0] == (0.0, 0.0) and held_out[16][0] > 0.5 and held_out[16][1] > 0, held_out  # the held-out pairs
     # A bad pair through the CLI: one line, exit 2, nothing written.
     bad, refused = tmp_path / "bad.jsonl", tmp_path / "refused"
     bad.write_text(pairs.read_text().splitlines()[0] + '\n{"prompt": "x", "chosen": "a"}\n')

@@ -53,10 +53,10 @@ NAMES = [
     ("meshwork.train.loop", "train"),
     ("meshwork.train.optim", "make_optimizer"),
     ("meshwork.train.state", "init_state"),
-    ("meshwork.inference.generate", "Generator"),
-    ("meshwork.inference.serving", "Server"),
-    ("meshwork.inference.kv_cache", "KVCache"),
-    ("meshwork.inference.validation", "RequestError"),
+    ("meshwork.engine.generate", "Generator"),
+    ("meshwork.engine.serving", "Server"),
+    ("meshwork.engine.kv_cache", "KVCache"),
+    ("meshwork.engine.validation", "RequestError"),
 ]
 
 

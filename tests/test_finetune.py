@@ -192,10 +192,10 @@ def test_bad_finetune_configs_exit_2(base, tmp_path, capsys, override, message):
 def test_a_lora_run_generates_merged(tuned, capsys):
     """`python -m inference lm` on a LoRA run merges the deltas into W0 (the base's cost) and
     generates what the unmerged model generates."""
+    from meshwork.engine.generate import Generator
+    from meshwork.engine.sampling import SamplingParams
     from meshwork.inference.cli import main as inference_main
-    from meshwork.inference.generate import Generator
     from meshwork.inference.runs import load_run
-    from meshwork.inference.sampling import SamplingParams
 
     run_dir = str(tuned["lora"]["run_dir"])
     prompt = [int(b) for b in b"The return statement"]

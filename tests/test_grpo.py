@@ -17,7 +17,7 @@ from flax import nnx
 
 from meshwork.config import ConfigError, load_config
 from meshwork.data.prompts import prompt_set
-from meshwork.inference.page_pool import PageAllocator
+from meshwork.engine.page_pool import PageAllocator
 from meshwork.models.lora import LoRAParam
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main

@@ -10,9 +10,9 @@ import pytest
 from conftest import ROOT
 from flax import nnx
 
+from meshwork.engine.generate import Generator
+from meshwork.engine.sampling import SamplingParams
 from meshwork.inference.cli import main
-from meshwork.inference.generate import Generator
-from meshwork.inference.sampling import SamplingParams
 from meshwork.models.hf import model_from_hf
 
 LLAMA = ROOT / "tests/fixtures/hf/llama"
@@ -42,8 +42,8 @@ def test_attention_switch_runs_an_hf_directory_on_the_pallas_kernels(capsys):
     """`--attention pallas` builds the folder's model with Pallas attention: one prompt decodes with
     flash-decoding, the serving loop reads its paged cache with the paged-attention kernel; both
     generate what transformers does."""
+    from meshwork.engine.serving import Request, Server
     from meshwork.inference.lm import load_lm
-    from meshwork.inference.serving import Request, Server
     from meshwork.models.layers.attention import Attention
 
     model, _, _ = load_lm(None, str(LLAMA), "pallas")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from meshwork.inference.generate import Generator
-from meshwork.inference.sampling import SamplingParams
+from meshwork.engine.generate import Generator
+from meshwork.engine.sampling import SamplingParams
 from meshwork.models.hf import model_from_hf
 
 FIXTURES = ROOT / "tests/fixtures/hf/llama_rope"

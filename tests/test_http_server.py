@@ -20,13 +20,13 @@ import openai
 import pytest
 from conftest import ROOT, hf_folder
 
+from meshwork.engine.generate import Generator
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
 from meshwork.inference.cli import main
-from meshwork.inference.generate import Generator
 from meshwork.inference.http_server import Limits, create_app
-from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_cli import ThreadedServer, load_served
 from meshwork.inference.serve_engine import Engine, QueueFull
-from meshwork.inference.serving import Request, Server
 
 MAX_TOKENS = {"lm_tiny": 100, "hf_llama": 48}  # the servers' --max-tokens
 TEMPLATE = (

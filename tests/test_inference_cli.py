@@ -7,11 +7,11 @@ import re
 import pytest
 
 from meshwork.data.text import ByteTokenizer
+from meshwork.engine.generate import Generator
+from meshwork.engine.sampling import SamplingParams
 from meshwork.inference.cli import main, parse_args
-from meshwork.inference.generate import Generator
 from meshwork.inference.lm import per_request_seeds
 from meshwork.inference.runs import load_run
-from meshwork.inference.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from conftest import ROOT
 from flax import nnx
 
 from meshwork.config import load_config
-from meshwork.inference.generate import Generator
-from meshwork.inference.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
+from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
+from meshwork.engine.sampling import SamplingArrays, SamplingParams
 from meshwork.inference.runs import load_run
-from meshwork.inference.sampling import SamplingArrays, SamplingParams
 from meshwork.models.build import build_model
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import rules_for

@@ -20,11 +20,11 @@ import pytest
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 from openai.types.completion_choice import Logprobs
 
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
 from meshwork.inference.http_server import Limits, create_app
-from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_cli import ThreadedServer, load_served
 from meshwork.inference.serve_engine import Engine
-from meshwork.inference.serving import Request, Server
 
 TEXT = (
     "import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n    return 0\n\n"

@@ -171,7 +171,7 @@ def _model(dense_layers=(1,), **moe):
 def test_dense_layers_anywhere_run_in_layer_order():
     """MoE, dense, MoE: three runs, each scanned; the model equals its layers applied one by one,
     the KV-cache path gives the same logits, and the statistics have one row per MoE layer."""
-    from meshwork.inference.kv_cache import KVCache
+    from meshwork.engine.kv_cache import KVCache
 
     model = _model()
     assert [(r.name, r.moe, r.start, r.count) for r in model.runs] == [

@@ -23,9 +23,9 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from meshwork.config import load_config
-from meshwork.inference import kv_cache
-from meshwork.inference.generate import Generator
-from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
+from meshwork.engine import kv_cache
+from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.kernels import paged_attention as pa
 from meshwork.kernels.paged_attention import paged_attention, paged_attention_reference
 from meshwork.kernels.pallas_backend import lowering_target

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
-from meshwork.inference.validation import RequestError
+from meshwork.engine.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
+from meshwork.engine.validation import RequestError
 
 sample_jit = jax.jit(sample)
 

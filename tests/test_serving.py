@@ -3,11 +3,11 @@ always come back, and bad requests are answered with an error while the rest are
 
 import pytest
 
-from meshwork.inference.generate import Generator
-from meshwork.inference.kv_cache import NULL_PAGE
+from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import NULL_PAGE
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
 from meshwork.inference.runs import load_run
-from meshwork.inference.sampling import SamplingParams
-from meshwork.inference.serving import Request, Server
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 

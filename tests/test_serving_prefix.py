@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshwork.inference.generate import Generator
-from meshwork.inference.kv_cache import NULL_PAGE
+from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import NULL_PAGE
+from meshwork.engine.sampling import TOP_K_BOUND, SamplingArrays, SamplingParams, sample, sample_reference
+from meshwork.engine.serving import PageAllocator, Request, Server, page_digests
 from meshwork.inference.runs import load_run
-from meshwork.inference.sampling import TOP_K_BOUND, SamplingArrays, SamplingParams, sample, sample_reference
-from meshwork.inference.serving import PageAllocator, Request, Server, page_digests
 
 TEXT = (
     b"import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n"

@@ -13,11 +13,11 @@ import pytest
 from conftest import ROOT
 
 from meshwork.config import ConfigError, load_config
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
 from meshwork.inference.http_server import Limits, Served, create_app
-from meshwork.inference.sampling import SamplingParams
 from meshwork.inference.serve_cli import ThreadedServer
 from meshwork.inference.serve_engine import Engine
-from meshwork.inference.serving import Request, Server
 from meshwork.models.build import build_model
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import rules_for

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from meshwork.config_sections import ModelConfig, MoEConfig
-from meshwork.inference.generate import Generator
+from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import KVCache, PagedKVCache
+from meshwork.engine.sampling import SamplingParams
 from meshwork.inference.hf_export import export_hf, hf_config
-from meshwork.inference.kv_cache import KVCache, PagedKVCache
-from meshwork.inference.sampling import SamplingParams
 from meshwork.kernels.decode_attention import decode_attention, decode_attention_reference
 from meshwork.models.hf import model_from_hf
 from meshwork.models.hf.config import config_from_hf

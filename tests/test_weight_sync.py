@@ -13,10 +13,10 @@ from conftest import ROOT
 from flax import nnx
 
 from meshwork.config import load_config
-from meshwork.inference.generate import Generator
-from meshwork.inference.sampling import SamplingParams
-from meshwork.inference.serving import Request, Server
-from meshwork.inference.weight_sync import WeightSync, missing_bytes, shard_bytes
+from meshwork.engine.generate import Generator
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
+from meshwork.engine.weight_sync import WeightSync, missing_bytes, shard_bytes
 from meshwork.models.build import build_model
 from meshwork.models.lora import LoRAParam, add_lora
 from meshwork.partitioning import variable_shardings
@@ -191,7 +191,7 @@ def test_lora_moves_only_the_adapters():
     adapters, rest = nnx.split_state(state, LoRAParam, ...)
     params, shardings = trainer_side(noisy(adapters, 3), devices)
 
-    sync = WeightSync(engine, shardings, lora_only=True)
+    sync = WeightSync(engine, shardings, kind=LoRAParam)
     stats = run_sync(sync, params)
     lora = jax.tree.leaves(nnx.filter_state(engine.state, LoRAParam))
     everything = jax.tree.leaves(engine.state)

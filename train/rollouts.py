@@ -4,7 +4,7 @@ The training loop reads batches from this source as from any data iterator, but 
 `next_from(trainer, state)`: a rollout batch is made from the current weights. Making one:
 
 1. **Sync**: the trainer's parameters go into the engine's layout on device
-   (inference/weight_sync.py): colocated (the engine on the trainer's devices) or split (the
+   (src/meshwork/engine/weight_sync.py): colocated (the engine on the trainer's devices) or split (the
    trainer on the first half of the devices, the engine on the second); with LoRA only the
    adapters move. The engine's prefix cache is dropped with the old weights.
 2. **Sample**: `updates_per_rollout x global_batch / G` prompts, in a seeded order, each asked G
@@ -49,9 +49,10 @@ from flax import nnx
 
 from meshwork.config import Config, ConfigError
 from meshwork.data.prompts import PromptSet
-from meshwork.inference.sampling import SamplingParams
-from meshwork.inference.serving import Request, Server
-from meshwork.inference.weight_sync import WeightSync
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
+from meshwork.engine.weight_sync import WeightSync
+from meshwork.models.lora import LoRAParam
 from meshwork.objectives.grpo import group_advantages
 from meshwork.objectives.preference import token_log_probs
 from meshwork.sharding.mesh import make_mesh
@@ -204,7 +205,7 @@ class Rollouts:
             prefix_caching=True,
         )
         lora = cfg.finetune.method in ("lora", "qlora")
-        self.sync = WeightSync(self.server, trainer.shardings.params, lora_only=lora)
+        self.sync = WeightSync(self.server, trainer.shardings.params, kind=LoRAParam if lora else nnx.Param)
         with trainer.context():
 
             def logp(params, buffers, batch):

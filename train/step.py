@@ -97,10 +97,16 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(objective: Objective) -> Callable[[Any, Any, Batch], jax.Array]:
-    """(params, buffers, batch) -> the task's loss (for an LM the cross-entropy alone),
-    without training noise: fixed timesteps and noise for diffusion, no router noise."""
-    return lambda params, buffers, batch: objective(params, buffers, batch)[1]["loss"]
+def make_eval_step(objective: Objective, metrics: tuple[str, ...] = ()) -> Callable[[Any, Any, Batch], dict]:
+    """(params, buffers, batch) -> {"loss": the task's loss (for an LM the cross-entropy alone), and
+    the objective's `metrics` named (DPO's accuracy and reward margin)}, without training noise:
+    fixed timesteps and noise for diffusion, no router noise."""
+
+    def evaluate(params, buffers, batch):
+        m = objective(params, buffers, batch)[1]
+        return {k: m[k] for k in ("loss", *metrics)}
+
+    return evaluate
 
 
 def _updated(

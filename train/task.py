@@ -88,6 +88,7 @@ class DPOTask:
     cfg: Config
     pairs: Any  # data.preference_pairs.PreferencePairs
     name = "dpo"
+    eval_metrics = ("accuracy", "reward_margin")  # held out as val_accuracy, val_reward_margin
     unit = "tokens"
     batch_axes = ("act_batch", "act_seq")
 

@@ -128,7 +128,7 @@ class Trainer:
     batch_sharding: NamedSharding
     step_fn: Callable | None = None  # (state, batch) -> (state, metrics), donating the state
     skip_fn: Callable | None = None  # state -> state with only the step counter moved
-    eval_fn: Callable | None = None  # (params, buffers, batch) -> the task's loss
+    eval_fn: Callable | None = None  # (params, buffers, batch) -> {"loss": the task's loss, its eval_metrics}
 
     @property
     def rules(self) -> Rules:
@@ -163,7 +163,7 @@ class Trainer:
                 lambda state: state.replace(step=state.step + 1), out_shardings=self.shardings, donate_argnums=0
             )
             eval_fn = jax.jit(
-                make_eval_step(self.task.objective(self.graphdef)),
+                make_eval_step(self.task.objective(self.graphdef), getattr(self.task, "eval_metrics", ())),
                 in_shardings=(self.shardings.params, self.shardings.buffers, self.batch_sharding),
                 out_shardings=replicated,
             )
@@ -237,10 +237,11 @@ class Trainer:
             k: jax.make_array_from_process_local_data(self.batch_sharding, v[rows], v.shape) for k, v in batch.items()
         }
 
-    def evaluate(self, state: TrainState, batches: list[dict[str, np.ndarray]]) -> float:
+    def evaluate(self, state: TrainState, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
+        """The means over `batches` of the eval step's loss and the task's `eval_metrics`."""
         with self.context():
-            losses = [self.eval_fn(state.params, state.buffers, self.to_device(b)) for b in batches]
-        return float(np.mean([to_host(x) for x in losses]))
+            rows = [self.eval_fn(state.params, state.buffers, self.to_device(b)) for b in batches]
+        return {k: float(np.mean([to_host(r[k]) for r in rows])) for k in rows[0]}
 
     def write_samples(self, state: TrainState, path: pathlib.Path, num: int | None = None, steps: int = 25) -> None:
         """A grid of DDIM samples from the EMA weights (the raw ones if there is no EMA): one row per

@@ -287,7 +287,7 @@ class Attention(nnx.Module):
     def cached(self, x_BLD: jax.Array, positions_BL: jax.Array, kv):
         """Attention of new tokens at `positions_BL` over a KV cache: (output, updated cache).
 
-        `kv` is one layer's view of a cache (inference/kv_cache.py): it stores
+        `kv` is one layer's view of a cache (src/meshwork/engine/kv_cache.py): it stores
         this call's keys and values at their positions and attends the queries
         over every key cached for the sequence so far, causally (within the
         layer's sliding window, when it has one).

@@ -18,9 +18,9 @@ class Evaluation:
             if (score_policy := getattr(self.run.data_iter, "evaluate", None)) is not None:
                 row = score_policy(trainer, state)  # grpo: the held-out prompts' reward, not a loss
             else:
-                row = {"val_loss": trainer.evaluate(state, self.val_set)}
+                row = {f"val_{k}": v for k, v in trainer.evaluate(state, self.val_set).items()}  # val_loss, ...
             if self.base_val_set is not None:
-                row["val_loss_base_data"] = trainer.evaluate(state, self.base_val_set)
+                row["val_loss_base_data"] = trainer.evaluate(state, self.base_val_set)["loss"]
         for k, v in row.items():
             self.run.summary.setdefault(k, {})[step] = v
         return row

@@ -1,6 +1,6 @@
 """Paged attention: queries attend to K/V pages read in place through a per-sequence block table.
 
-A paged KV cache (vLLM's PagedAttention layout, inference/kv_cache.py) keeps
+A paged KV cache (vLLM's PagedAttention layout, src/meshwork/engine/kv_cache.py) keeps
 keys and values in a pool of fixed-size pages, (layers, N, T, G, K), and each
 sequence's page table names the pool page that holds its positions
 j*T .. j*T + T - 1. Gathering every sequence's pages into a contiguous

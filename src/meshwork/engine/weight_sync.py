@@ -3,7 +3,7 @@
     sync = WeightSync(server, trainer_shardings)             # a Generator or a Server; compiles once
     stats = sync(trainer_params)                             # after each update: move, then swap in
     print(stats.line())                                      # bytes and seconds of this sync
-    sync = WeightSync(server, lora_shardings, lora_only=True)  # LoRA: only the adapters move
+    sync = WeightSync(server, lora_shardings, kind=LoRAParam)  # LoRA: only the adapters move
 
 `trainer_params` is an nnx.State (or the matching tree) of the engine's parameters as the trainer
 holds them, e.g. FSDP over 8 devices; `trainer_shardings` says how (a tree prefix, as
@@ -24,7 +24,7 @@ device sets:
   index: a device-to-device copy of exactly the engine's shard bytes. A direct `device_put` from
   the trainer's layout would take jax's slow path, which reads the whole array to the host.
 
-With `lora_only` only the `LoRAParam` leaves move; the engine keeps base and adapters unmerged
+With `kind=LoRAParam` (models/lora.py) only the adapters move; the engine keeps base and adapters unmerged
 (models/lora.py's `LoRA` modules), so the frozen base never moves and nothing is re-merged.
 
 The new arrays replace the engine's through its public `state` attribute (a new nnx.State: the
@@ -45,7 +45,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshwork.models.lora import LoRAParam
 from meshwork.partitioning import per_leaf
 from meshwork.sharding.hlo import collective_summary
 
@@ -163,13 +162,13 @@ class WeightSync:
     device, in the engine's layout, then swaps them in. Compiles its reshard program once, here.
 
     `trainer_shardings`: how the trainer holds the parameters it will pass (a tree prefix of the
-    engine's `nnx.Param` state, or of its `LoRAParam` state with `lora_only`). The placement is
+    engine's `kind` state: `nnx.Param`, or `LoRAParam` for the adapters alone). The placement is
     colocated when both sides use the same devices, split when the device sets are disjoint.
     """
 
-    def __init__(self, engine: Any, trainer_shardings: Any, *, lora_only: bool = False):
+    def __init__(self, engine: Any, trainer_shardings: Any, *, kind: type = nnx.Param):
         self.engine, self.gen = engine, getattr(engine, "gen", engine)
-        self.kind = LoRAParam if lora_only else nnx.Param
+        self.kind = kind  # the nnx.Variable type that moves
         target = nnx.filter_state(self.gen.state, self.kind)
         arrays, self.treedef = jax.tree.flatten(target)
         if not arrays:
@@ -200,7 +199,7 @@ class WeightSync:
         self.copied_bytes = self.engine_bytes if self.placement == "split" else 0
 
     def __call__(self, params: Any) -> SyncStats:
-        """Moves `params` (the trainer's arrays; with `lora_only`, extra non-adapter leaves are
+        """Moves `params` (the trainer's arrays; of another `kind`, extra leaves are
         dropped) into the engine's layout and swaps them into the engine. Returns the sync's stats."""
         start = time.perf_counter()
         leaves = jax.tree.leaves(nnx.filter_state(params, self.kind) if isinstance(params, nnx.State) else params)

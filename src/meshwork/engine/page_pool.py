@@ -1,5 +1,5 @@
 """The serving engine's page pool: which KV-cache pages each live sequence holds, and the prefix
-cache that lets sequences share the full pages of a common prefix (inference/serving.py explains
+cache that lets sequences share the full pages of a common prefix (src/meshwork/engine/serving.py explains
 how the engine uses them).
 
     pages = PageAllocator(n_pages=64)
@@ -126,7 +126,7 @@ class PageAllocator:
     def forget_cached(self) -> int:
         """Drops the prefix cache: every cached page no sequence holds is free again, and the free
         pages are handed out in their first order. For when the keys/values no longer match the
-        model (new weights after a sync: inference/weight_sync.py). Returns how many were dropped
+        model (new weights after a sync: src/meshwork/engine/weight_sync.py). Returns how many were dropped
         (held pages stay with their holders but are no longer found by `lookup`)."""
         dropped = len(self.digest)
         for r in range(self.replicas):

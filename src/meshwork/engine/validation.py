@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # sampling.py raises RequestError, so it is imported from there, not here
-    from meshwork.inference.sampling import SamplingParams
+    from meshwork.engine.sampling import SamplingParams
 
 
 class RequestError(ValueError):

@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshwork.inference.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
-from meshwork.inference.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
-from meshwork.inference.validation import RequestError, RequestLimits, check_request
+from meshwork.engine.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
+from meshwork.engine.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
+from meshwork.engine.validation import RequestError, RequestLimits, check_request
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.perf.hardware import device_memory_bytes
 from meshwork.rope_scaling import rope_type_of

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from meshwork.inference.validation import RequestError
+from meshwork.engine.validation import RequestError
 
 
 @dataclasses.dataclass(frozen=True)

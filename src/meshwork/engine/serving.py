@@ -87,10 +87,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshwork.config import ConfigError
-from meshwork.inference.generate import PROMPT_BUCKET, Generator
-from meshwork.inference.kv_cache import NULL_PAGE, PagedKVCache
-from meshwork.inference.page_pool import PageAllocator, page_digests
-from meshwork.inference.sampling import (
+from meshwork.engine.generate import PROMPT_BUCKET, Generator
+from meshwork.engine.kv_cache import NULL_PAGE, PagedKVCache
+from meshwork.engine.page_pool import PageAllocator, page_digests
+from meshwork.engine.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingArrays,
     SamplingParams,
@@ -98,7 +98,7 @@ from meshwork.inference.sampling import (
     sample,
     token_log_probs,
 )
-from meshwork.inference.validation import RequestError, RequestLimits, check_request
+from meshwork.engine.validation import RequestError, RequestLimits, check_request
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules
 
