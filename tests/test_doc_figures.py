@@ -82,6 +82,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("5%", "within 5%, that the fusion bytes", "tests/test_graph_report.py's bound on the counts"),
     ("10%", "10% of cuDNN", "a bound the measured ratios are compared with (0.28-0.56x of cuDNN)"),
     ("1e-5", "merged equals unmerged to 1e-5", "tests/test_lora.py"),
+    ("1e-5", "within 1e-5 in float32 under each placement", "tests/test_grpo.py's engine-trainer bound"),
     ("1e-5", "full forward pass to 1e-5", "tests/test_kv_cache.py"),
     ("1e-5", "for step, to 1e-5", "tests/test_multiprocess.py"),
     ("1e-5", "absolute difference of 1e-5", "tests/test_hf_parity.py"),

@@ -283,10 +283,11 @@ def test_a_dpo_run_learns_the_held_out_pairs_and_resumes_bit_exactly(tmp_path, s
     )
 
 
-def test_full_fine_tuning_dpo_reads_a_reference_computed_once(tmp_path, sft_base, capsys):
+def test_full_fine_tuning_dpo_reads_a_reference_computed_once_or_a_frozen_copy(tmp_path, sft_base, capsys):
     """train.dpo.reference=precomputed: the base's log-probabilities of every pair, computed before the
     first step and cached beside the data; the first loss is log 2 (the policy is the base), and a
-    second run reads the cache and trains exactly as the first."""
+    second run reads the cache and trains exactly as the first; frozen_copy (the base's weights
+    scoring each batch) trains as they do, to float rounding."""
     pairs = _short_pairs(tmp_path / "p.jsonl")
     full = ["finetune.method=full", "train.dpo.reference=precomputed", f"data.cache_dir={tmp_path / 'cache'}"]
     short = ["train.steps=3", "checkpoint.every=3", "log.eval_every=3"]
@@ -302,3 +303,8 @@ def test_full_fine_tuning_dpo_reads_a_reference_computed_once(tmp_path, sft_base
     assert [tuple(r.get(k) for k in keys) for r in read_metrics(second)] == [
         tuple(r.get(k) for k in keys) for r in read_metrics(first)
     ]
+    # A frozen copy of the base scoring each batch as it comes: the same reference, so the same run.
+    frozen = tmp_path / "frozen"
+    assert main([*_argv(frozen, sft_base, pairs, *full, "train.dpo.reference=frozen_copy"), *short]) == 0
+    for a, b in zip(read_metrics(frozen), read_metrics(first), strict=True):
+        assert all(a.get(k) == pytest.approx(b.get(k), rel=1e-5, abs=1e-6) for k in keys), (a, b)

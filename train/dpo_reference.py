@@ -1,6 +1,8 @@
-"""DPO's reference log-probabilities computed once, before training, and cached beside the data
-(`train.dpo.reference: precomputed`): the way to run DPO with full fine-tuning without holding a
-second copy of the weights through the run.
+"""DPO's reference log-probabilities when the reference is not the policy's own weights with LoRA's
+adapters off: for full fine-tuning, computed once before training and cached beside the data
+(`train.dpo.reference: precomputed`, no second copy of the weights during the run), or computed
+for each batch from a frozen copy of the base's weights held beside the policy
+(`train.dpo.reference: frozen_copy`, no pass over the data before the first step, no cache).
 
 The reference is the policy at step 0, the fine-tuning base (`Trainer.init_state()`, built once
 here and dropped). Its sequence log-probability of every pair's chosen and rejected reply, train
@@ -8,6 +10,10 @@ and validation splits, is computed on the trainer's mesh in batches of train.glo
 and added to the pairs as `chosen_ref_logp` and `rejected_ref_logp` (each pair's value repeated
 along its row, so every batch key shares the (batch, seq) layout); `dpo_objective` then reads them
 instead of running the reference's forward pass.
+
+`frozen_copy`: `FrozenReference` keeps the base (`Trainer.init_state()`'s weights, the policy at step
+0) on the trainer's mesh, and `WithReference` wraps the pairs' iterator and evaluation batches so
+each batch gets the same two keys, computed on the devices just before the step takes it.
 
 The cache is one `.npz` per (pairs, base, model) in `data.cache_dir`, else in a
 `.meshwork-dpo-reference` folder beside the first pairs file: a second run on the same pairs and
@@ -78,9 +84,9 @@ def attach_reference(cfg, trainer, pairs, say=print) -> None:
             split.arrays[f"{side}_ref_logp"] = np.repeat(found[f"{name}_{side}"][:, None], L, axis=1)
 
 
-def _compute(trainer, pairs) -> dict[str, np.ndarray]:
-    state = trainer.init_state()  # the policy at step 0: the reference
-    graphdef, B = trainer.graphdef, trainer.cfg.train.global_batch
+def _sequence_log_probs_fn(trainer):
+    """(params, buffers, rows) -> each row's sequence log-probability, jitted on the trainer's mesh."""
+    graphdef = trainer.graphdef
     with trainer.context():
 
         def logp(params, buffers, batch):
@@ -88,7 +94,50 @@ def _compute(trainer, pairs) -> dict[str, np.ndarray]:
             return sequence_log_probs(logits_BLV, batch["targets"], batch["loss_mask"])
 
         s = trainer.shardings
-        fn = jax.jit(logp, in_shardings=(s.params, s.buffers, trainer.batch_sharding))
+        return jax.jit(logp, in_shardings=(s.params, s.buffers, trainer.batch_sharding))
+
+
+class FrozenReference:
+    """The base's weights, frozen, on the trainer's mesh; `__call__` adds a batch's reference keys."""
+
+    def __init__(self, trainer):
+        self.trainer, self.state = trainer, trainer.init_state()  # the policy at step 0: the reference
+        self.fn = _sequence_log_probs_fn(trainer)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        L, out = batch["chosen_inputs"].shape[1], dict(batch)
+        with self.trainer.context():
+            for side in SIDES:
+                rows = self.trainer.to_device({k: batch[f"{side}_{k}"] for k in ("inputs", "targets", "loss_mask")})
+                logp = np.asarray(self.fn(self.state.params, self.state.buffers, rows))
+                out[f"{side}_ref_logp"] = np.repeat(logp[:, None], L, axis=1)
+        return out
+
+
+class WithReference:
+    """`iterator`'s batches with the reference keys added (checkpointable as `iterator` is)."""
+
+    def __init__(self, iterator, reference: FrozenReference):
+        self.iterator, self.reference = iterator, reference
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.reference(next(self.iterator))
+
+    def get_state(self):
+        return self.iterator.get_state()
+
+    def set_state(self, state) -> None:
+        self.iterator.set_state(state)
+
+
+def _compute(trainer, pairs) -> dict[str, np.ndarray]:
+    state = trainer.init_state()  # the policy at step 0: the reference
+    B = trainer.cfg.train.global_batch
+    fn = _sequence_log_probs_fn(trainer)
+    with trainer.context():
         out = {}
         for name, split in (("train", pairs.train), ("val", pairs.val)):
             for side in SIDES:

@@ -87,6 +87,7 @@ class DPOTask:
 
     cfg: Config
     pairs: Any  # data.preference_pairs.PreferencePairs
+    frozen: Any = None  # train.dpo.reference=frozen_copy: train.dpo_reference.FrozenReference, after prepare
     name = "dpo"
     eval_metrics = ("accuracy", "reward_margin")  # held out as val_accuracy, val_reward_margin
     unit = "tokens"
@@ -97,17 +98,21 @@ class DPOTask:
         rows = {
             f"{s}_{k}": ((L,), np.int32) for s in ("chosen", "rejected") for k in ("inputs", "targets", "loss_mask")
         }
-        if self.cfg.train.dpo.reference == "precomputed":  # each pair's reference log p, along its row
+        if self.cfg.train.dpo.reference != "adapters_off":  # each pair's reference log p, along its row
             rows.update({f"{s}_ref_logp": ((L,), np.float32) for s in ("chosen", "rejected")})
         return rows
 
     def prepare(self, trainer: Any, say=print) -> None:
-        """train.dpo.reference=precomputed: the base's log-probabilities of the pairs, from the cache or
-        computed once (train/dpo_reference.py), before any batch is read."""
-        if self.cfg.train.dpo.reference == "precomputed" and "chosen_ref_logp" not in self.pairs.train.arrays:
-            from meshwork.train.dpo_reference import attach_reference
+        """The reference of train.dpo.reference, before any batch is read (train/dpo_reference.py):
+        precomputed, the base's log-probabilities of the pairs from the cache or computed once;
+        frozen_copy, the base's weights held to score each batch."""
+        from meshwork.train import dpo_reference
 
-            attach_reference(self.cfg, trainer, self.pairs, say)
+        reference = self.cfg.train.dpo.reference
+        if reference == "precomputed" and "chosen_ref_logp" not in self.pairs.train.arrays:
+            dpo_reference.attach_reference(self.cfg, trainer, self.pairs, say)
+        elif reference == "frozen_copy" and self.frozen is None:
+            self.frozen = dpo_reference.FrozenReference(trainer)
 
     def objective(self, graphdef: Any) -> Objective:
         """The DPO loss with train.dpo's beta and label smoothing; metrics loss, reward margin, accuracy."""
@@ -120,20 +125,26 @@ class DPOTask:
         from meshwork.data import preference_pairs
 
         c = self.cfg
-        return preference_pairs.train_iterator(self.pairs.train, c.train.global_batch, c.run.seed)
+        batches = preference_pairs.train_iterator(self.pairs.train, c.train.global_batch, c.run.seed)
+        if self.frozen is None:
+            return batches
+        from meshwork.train.dpo_reference import WithReference
+
+        return WithReference(batches, self.frozen)
 
     def eval_batches(self) -> list[dict[str, np.ndarray]]:
         from meshwork.data import preference_pairs
 
         c = self.cfg
-        return preference_pairs.eval_batches(self.pairs.val, c.train.global_batch, c.log.eval_batches)
+        batches = preference_pairs.eval_batches(self.pairs.val, c.train.global_batch, c.log.eval_batches)
+        return [self.frozen(b) for b in batches] if self.frozen is not None else batches
 
     def items_per_step(self) -> int:
         return 2 * self.cfg.train.global_batch * self.cfg.data.seq_len  # chosen and rejected rows
 
     def flops_per_step(self, compiled_step: Any, n_devices: int) -> float:
         del compiled_step, n_devices  # the policy's forward and backward (6N), the reference's forward (2N)
-        reference = 1 if self.cfg.train.dpo.reference == "precomputed" else 4 / 3  # computed once, before
+        reference = 1 if self.cfg.train.dpo.reference == "precomputed" else 4 / 3  # precomputed: once, before
         return train_flops_per_token(self.cfg.model, self.cfg.data.seq_len) * self.items_per_step() * reference
 
 

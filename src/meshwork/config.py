@@ -332,10 +332,10 @@ def _check_dpo(cfg: Config) -> None:
             f"adapters_off is the base model under LoRA adapters, not available with finetune.method="
             f"{cfg.finetune.method}; use finetune.method lora or qlora, or train.dpo.reference precomputed",
         )
-    if reference == "precomputed" and cfg.finetune.method == "none":
+    if reference != "adapters_off" and cfg.finetune.method == "none":
         raise _KeyError(
             "train.dpo.reference",
-            "precomputed is the fine-tuning base's log-probabilities, and finetune.method is none; set "
+            f"{reference} is the fine-tuning base's log-probabilities, and finetune.method is none; set "
             "finetune.method (full, lora, ...) and finetune.base",
         )
     if cfg.mesh.sequence != 1 or cfg.train.pipeline != "none":
@@ -372,6 +372,8 @@ def _check_grpo(cfg: Config) -> None:
         )
     if cfg.comm.local_steps > 1:
         raise _KeyError("train.objective", "grpo syncs the engine after every step; set comm.local_steps 1")
+    if t.elastic:
+        raise _KeyError("train.elastic", "grpo's serving engine stays on the devices it started on; set false")
 
 
 # ---------------------------------------------------------------- loading

@@ -333,12 +333,14 @@ class DPOConfig(Section):
     ratios, and the loss is -log sigmoid of their difference."""
     label_smoothing: float = pydantic.Field(0.0, ge=0, lt=0.5)
     """Conservative DPO's eps: the chance a pair's labels are flipped (0: plain DPO)."""
-    reference: Literal["adapters_off", "precomputed"] = "adapters_off"
+    reference: Literal["adapters_off", "precomputed", "frozen_copy"] = "adapters_off"
     """Where the reference model's log-probabilities come from. adapters_off: the same forward
     pass with the LoRA/QLoRA factors zeroed (the base model exactly, B = 0 at the start), so no
     second copy of the weights; needs finetune.method lora or qlora. precomputed: the base's
     log-probability of every pair computed once before training and cached beside the data
-    (train/dpo_reference.py), so full fine-tuning needs no second copy either; any finetune.method."""
+    (train/dpo_reference.py), so full fine-tuning needs no second copy either; frozen_copy: the
+    base's weights held frozen beside the policy, each batch's reference computed just before its
+    step (a second copy of the weights, no pass before training). Both: any finetune.method."""
 
 
 class GRPOConfig(Section):
