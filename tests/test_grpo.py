@@ -21,7 +21,7 @@ from meshwork.engine.page_pool import PageAllocator
 from meshwork.models.lora import LoRAParam
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main
-from meshwork.train.rewards import Rewards, exact_answer, number_only
+from meshwork.train.rewards import Rewards, exact_answer, exact_match, number_only
 from meshwork.train.rollouts import engine_plan_of, placement_devices
 from meshwork.train.trainer import build_trainer, check_runtime
 
@@ -56,6 +56,9 @@ def _overrides(run_dir, prompts, *extra, tiny_model=True):
 
 
 def test_built_in_rewards_and_ones_of_your_own(tmp_path, monkeypatch):
+    assert (
+        exact_match("", " 12 ", {"answer": "12"}) == 1.0 and exact_match("", "The answer is 12.", {"answer": "12"}) == 0
+    )
     assert exact_answer("", " 12\n", {"answer": "12"}) == 1.0
     assert exact_answer("", "it is 3, no, 12.0", {"answer": 12}) == 1.0  # the last number counts
     assert exact_answer("", "121", {"answer": "12"}) == 0.0 and exact_answer("", "none", {"answer": "1"}) == 0.0

@@ -3,14 +3,15 @@ are the same on every machine:
 
 - chat_arithmetic.jsonl, conversations for `data.source: chat` (configs/sft_chat_tiny.yaml):
   sometimes a system prompt, then one to three user questions on one-digit numbers ("What is
-  7 + 8?"), each answered by the assistant with the number alone ("15");
+  7 + 8?"), each answered by the assistant with the number, alone ("15") or, a third of the
+  time, in words ("The answer is 15.");
 - preference_arithmetic.jsonl, pairs for DPO (configs/dpo_tiny.yaml, data/preference_pairs.py):
   `messages` (sometimes a system prompt, zero to two earlier questions answered, then the user's
   question), `chosen` the right answer and `rejected` a wrong one: half the time the other
   operation's result (the slip of reading + as -), else the right one off by 1 or 10;
 - arithmetic_prompts.jsonl, prompts for GRPO (configs/grpo_arith.yaml, data/prompts.py):
   `messages` (sometimes a system prompt, mostly no earlier question, then the user's question) and
-  `answer`, the right number, which the `exact_answer` reward reads.
+  `answer`, the right number, which the `exact_match` and `exact_answer` rewards read.
 
 Each file's validation split is chosen by a hash of each line; tests/test_chat_data.py,
 tests/test_dpo.py and tests/test_grpo.py check the shipped files are what this script writes.
@@ -47,8 +48,18 @@ def _turns(rng: random.Random, counts: tuple[int, ...]) -> list[dict]:
     return messages
 
 
+VERBOSE = ["The answer is {n}.", "It is {n}.", "{n}, I think."]
+
+
 def conversation(rng: random.Random) -> dict:
-    return {"messages": _turns(rng, (1, 1, 2, 3))}
+    """A third of the answers in a wordier form ("The answer is 15."), as demonstrations gathered
+    from many people come: SFT imitates the mix, and GRPO's exact-match reward
+    (configs/grpo_arith.yaml) asks for the number alone."""
+    messages = _turns(rng, (1, 1, 2, 3))
+    for m in messages:
+        if m["role"] == "assistant" and rng.random() < 1 / 3:
+            m["content"] = rng.choice(VERBOSE).format(n=m["content"])
+    return {"messages": messages}
 
 
 def pair(rng: random.Random) -> dict:

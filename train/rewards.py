@@ -10,6 +10,8 @@ fields from the prompts file (data/prompts.py: `answer`, say). A completion's re
 weighted sum of the listed rewards (`train.grpo.reward_weights`, default all 1).
 
 Built in, for the demos, by bare name:
+- `exact_match`: 1.0 when the completion, stripped of surrounding whitespace, is the example's
+  `answer` exactly ("12" matches "12"; "The answer is 12." does not), else 0.0;
 - `exact_answer`: 1.0 when the completion's last number equals the example's `answer`
   numerically ("12", "12.0" and "so it is 12" all match 12), else 0.0;
 - `number_only`: 1.0 when the completion is a number and nothing else (a format check: the regex
@@ -29,6 +31,13 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 NUMBER_ONLY = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
 
 
+def exact_match(prompt: str, completion: str, fields: dict) -> float:
+    return float(completion.strip() == str(fields["answer"]).strip())
+
+
+exact_match.fields = ("answer",)
+
+
 def exact_answer(prompt: str, completion: str, fields: dict) -> float:
     numbers = NUMBER.findall(completion)
     if not numbers:
@@ -46,7 +55,7 @@ def number_only(prompt: str, completion: str, fields: dict) -> float:
     return float(NUMBER_ONLY.fullmatch(completion) is not None)
 
 
-BUILT_IN: dict[str, Reward] = {"exact_answer": exact_answer, "number_only": number_only}
+BUILT_IN: dict[str, Reward] = {"exact_match": exact_match, "exact_answer": exact_answer, "number_only": number_only}
 
 
 def load_reward(name: str) -> Reward:
