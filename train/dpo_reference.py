@@ -23,16 +23,16 @@ base reads it instead of computing.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-import os
 import pathlib
 
 import jax
 import numpy as np
-from flax import nnx
 
 from meshwork.data.user_text import find_text_files
-from meshwork.objectives.preference import sequence_log_probs
+from meshwork.run.durable import replace_file
+from meshwork.train.scoring import log_probs_fn, score_rows
 
 SIDES = ("chosen", "rejected")
 
@@ -45,12 +45,17 @@ def cache_path(cfg, pairs) -> pathlib.Path:
             if not key.endswith("ref_logp"):
                 h.update(key.encode() + np.ascontiguousarray(split.arrays[key]).tobytes())
     base = pathlib.Path(cfg.finetune.base).expanduser().resolve()
-    steps = sorted(p.name for p in (base / "checkpoints").iterdir()) if (base / "checkpoints").is_dir() else []
+    # The base's checkpoints (a run) or weight files (a Hugging Face folder), with their sizes and times.
+    files = (
+        sorted((base / "checkpoints").glob("*"))
+        if (base / "checkpoints").is_dir()
+        else sorted(base.glob("*.safetensors*"))
+    )
     identity = {
         "base": str(base),
-        "steps": steps,
+        "weights": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files],
         "model": cfg.model.model_dump(mode="json"),
-        "dtype": cfg.train.compute_dtype,
+        "dtypes": (cfg.train.compute_dtype, cfg.train.param_dtype),
     }
     h.update(json.dumps(identity, sort_keys=True).encode())
     folder = (
@@ -71,46 +76,32 @@ def attach_reference(cfg, trainer, pairs, say=print) -> None:
     else:
         say("DPO reference log-probabilities: computing them once with the base model...")
         found = _compute(trainer, pairs)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, **found)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if jax.process_index() == 0:  # every process computed them; one writes
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = io.BytesIO()
+            np.savez(data, **found)
+            replace_file(path, data.getvalue())
     L = cfg.data.seq_len
     for name, split in (("train", pairs.train), ("val", pairs.val)):
         for side in SIDES:
             split.arrays[f"{side}_ref_logp"] = np.repeat(found[f"{name}_{side}"][:, None], L, axis=1)
 
 
-def _sequence_log_probs_fn(trainer):
-    """(params, buffers, rows) -> each row's sequence log-probability, jitted on the trainer's mesh."""
-    graphdef = trainer.graphdef
-    with trainer.context():
-
-        def logp(params, buffers, batch):
-            logits_BLV, _ = nnx.merge(graphdef, params, buffers).apply(batch["inputs"], None)
-            return sequence_log_probs(logits_BLV, batch["targets"], batch["loss_mask"])
-
-        s = trainer.shardings
-        return jax.jit(logp, in_shardings=(s.params, s.buffers, trainer.batch_sharding))
-
-
 class FrozenReference:
-    """The base's weights, frozen, on the trainer's mesh; `__call__` adds a batch's reference keys."""
+    """The base's weights (the policy's at step 0), frozen, on the trainer's mesh; `__call__` adds a
+    batch's reference keys."""
 
     def __init__(self, trainer):
-        self.trainer, self.state = trainer, trainer.init_state()  # the policy at step 0: the reference
-        self.fn = _sequence_log_probs_fn(trainer)
+        state = trainer.init_state()
+        self.trainer, self.params, self.buffers = trainer, state.params, state.buffers  # not the optimizer's state
+        self.fn = log_probs_fn(trainer, per_sequence=True)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         L, out = batch["chosen_inputs"].shape[1], dict(batch)
-        with self.trainer.context():
-            for side in SIDES:
-                rows = self.trainer.to_device({k: batch[f"{side}_{k}"] for k in ("inputs", "targets", "loss_mask")})
-                logp = np.asarray(self.fn(self.state.params, self.state.buffers, rows))
-                out[f"{side}_ref_logp"] = np.repeat(logp[:, None], L, axis=1)
+        for side in SIDES:
+            rows = {k: batch[f"{side}_{k}"] for k in ("inputs", "targets", "loss_mask")}
+            logp = score_rows(self.trainer, self.fn, self.params, self.buffers, rows)
+            out[f"{side}_ref_logp"] = np.repeat(logp[:, None], L, axis=1)
         return out
 
 
@@ -135,19 +126,10 @@ class WithReference:
 
 def _compute(trainer, pairs) -> dict[str, np.ndarray]:
     state = trainer.init_state()  # the policy at step 0: the reference
-    B = trainer.cfg.train.global_batch
-    fn = _sequence_log_probs_fn(trainer)
-    with trainer.context():
-        out = {}
-        for name, split in (("train", pairs.train), ("val", pairs.val)):
-            for side in SIDES:
-                rows = {k: split.arrays[f"{side}_{k}"] for k in ("inputs", "targets", "loss_mask")}
-                n, values = len(rows["inputs"]), []
-                for k in range(0, n, B):
-                    part = {key: v[k : k + B] for key, v in rows.items()}
-                    short = B - len(part["inputs"])
-                    part = {key: np.pad(v, ((0, short), (0, 0))) for key, v in part.items()}  # the last, padded
-                    values.append(np.asarray(fn(state.params, state.buffers, trainer.to_device(part)))[: B - short])
-                out[f"{name}_{side}"] = np.concatenate(values) if values else np.zeros((0,), np.float32)
-    del state
+    fn = log_probs_fn(trainer, per_sequence=True)
+    out = {}
+    for name, split in (("train", pairs.train), ("val", pairs.val)):
+        for side in SIDES:
+            rows = {k: split.arrays[f"{side}_{k}"] for k in ("inputs", "targets", "loss_mask")}
+            out[f"{name}_{side}"] = score_rows(trainer, fn, state.params, state.buffers, rows)
     return out

@@ -195,7 +195,7 @@ def _run(
     fast = open_fast_tier(cfg)
     start, snapshot = newest_tier(cfg, ckpt, fast, say)
     if (prepare := getattr(trainer.task, "prepare", None)) is not None:
-        prepare(trainer, say)  # dpo with a precomputed reference: computed (or read) before any batch
+        prepare(trainer, say)  # dpo's reference, precomputed (or read) or a frozen copy, before any batch
     data_iter = trainer.task.train_iterator()
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -308,6 +308,8 @@ def _step(run: Run, trainer: Trainer, state: Any, step: int) -> tuple[Any, tuple
         batch = _next_batch(run, trainer, state, step)
         if step in run.skipped:  # a rollback threw this batch out: never train on it
             state = trainer.skip_fn(state)
+            if getattr(trainer.task, "on_policy", False):
+                run.data_iter.after_dispatch(trainer, state)  # off-policy samples ahead all the same
             run.logger.add(step, skipped_batch=1)
             return state, run.logger.step_dispatched(step, {}, data_index=position)
         state, metrics = trainer.step_fn(state, trainer.to_device(batch))

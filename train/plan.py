@@ -86,6 +86,11 @@ def main(argv: list[str]) -> int:
         except ConfigError as e:  # name the flag, as every other error here does
             raise ConfigError(f"--hardware: {e}") from None
         if cfg.train.objective == "grpo" and cfg.train.grpo.placement == "split":
+            if args.devices % 2:
+                raise ConfigError(
+                    f"--devices {args.devices}: train.grpo.placement split gives the trainer and the engine "
+                    "half each; give an even count"
+                )
             args.devices //= 2  # the trainer's half; the serving engine takes the other
         dpn = args.devices // args.nodes if args.nodes else None
         options = PlanOptions(

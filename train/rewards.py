@@ -110,6 +110,7 @@ class Rewards:
                 float(value)
             except Exception as e:
                 raise ConfigError(
-                    f"train.grpo.rewards: {name} failed on the first example ({type(e).__name__}: {e}); "
+                    f"train.grpo.rewards: {name} failed on the first example ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); "
                     "a reward takes (prompt, completion, fields) and returns a number"
                 ) from None

@@ -10,7 +10,8 @@ The training loop reads batches from this source as from any data iterator, but 
 2. **Sample**: `updates_per_rollout x global_batch / G` prompts, in a seeded order, each asked G
    times of the continuous-batching Server with prefix caching (so the G completions of a prompt
    share its full KV pages); request (r, u, j) samples with a seed of (run.seed, r, u, j), and the
-   engine returns each token's log-probability under the sampling weights (`old_logp`).
+   engine returns each token's log-probability under the sampling weights (`old_logp`: the
+   untempered model's, as the trainer's are; see train.grpo.temperature).
 3. **Score**: each completion's text goes to the rewards (train/rewards.py); advantages are
    normalized within each group of G (objectives/grpo.py `group_advantages`). With a KL term the
    reference's per-token log-probabilities are computed once here, on the trainer's mesh: the
@@ -35,6 +36,7 @@ Evaluation answers `eval_prompts` held-out prompts greedily and reports their me
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -43,7 +45,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -52,12 +53,15 @@ from meshwork.data.prompts import PromptSet
 from meshwork.engine.sampling import SamplingParams
 from meshwork.engine.serving import Request, Server
 from meshwork.engine.weight_sync import WeightSync
-from meshwork.models.lora import LoRAParam
+from meshwork.models.lora import trainable
 from meshwork.objectives.grpo import group_advantages
-from meshwork.objectives.preference import token_log_probs
+from meshwork.objectives.preference import adapters_off
+from meshwork.perf.planner_engine import engine_geometry
+from meshwork.run.durable import replace_file
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.rules import rules_for
 from meshwork.train.rewards import Rewards
+from meshwork.train.scoring import log_probs_fn, score_rows
 
 ROW_KEYS = ("inputs", "targets", "loss_mask", "old_logp", "ref_logp")
 
@@ -73,16 +77,25 @@ def _fault(phase: str, index: int) -> None:
 
 def placement_devices(cfg: Config, devices: list | None) -> list | None:
     """The trainer's devices: all of them, or under grpo placement=split the first half (the engine
-    takes the second: `engine_devices`). ConfigError for an odd count."""
-    if cfg.train.objective != "grpo" or cfg.train.grpo.placement != "split":
+    takes the second: `engine_devices`). ConfigError, before anything is written, for an odd count
+    under split, an engine_tensor that cannot split the engine, or more than one process."""
+    if cfg.train.objective != "grpo":
         return devices
-    devices = list(devices or jax.devices())
-    if len(devices) < 2 or len(devices) % 2:
+    if jax.process_count() > 1:
         raise ConfigError(
-            f"train.grpo.placement: split puts the trainer and the engine on halves of the devices, and "
-            f"there are {len(devices)}; use an even count, or placement colocated"
+            f"train.objective: grpo runs its serving engine in one process, and there are {jax.process_count()}; "
+            "run it on one host"
         )
-    return devices[: len(devices) // 2]
+    devices = list(devices or jax.devices())
+    if cfg.train.grpo.placement == "split":
+        if len(devices) < 2 or len(devices) % 2:
+            raise ConfigError(
+                f"train.grpo.placement: split puts the trainer and the engine on halves of the devices, and "
+                f"there are {len(devices)}; use an even count, or placement colocated"
+            )
+        devices = devices[: len(devices) // 2]
+    engine_geometry(cfg, len(devices))  # refuses an engine_tensor that cannot split it, before anything is written
+    return devices
 
 
 def engine_devices(cfg: Config, trainer_devices: list) -> list:
@@ -129,6 +142,7 @@ class Rollouts:
         self.batch: dict[str, np.ndarray] | None = None  # the batch in hand, made as rollout - 1
         self._ahead: dict[int, tuple] = {}  # off-policy: the next batch and its measures, sampled ahead
         self._pending: int | None = None  # off-policy: the batch to sample once the step is dispatched
+        self._order: tuple[int, np.ndarray | None] = (-1, None)  # (epoch, its order of the prompts)
         self.host: dict[str, float] = {}  # what the last batch's making measured, for the step's row
         self.server = self.sync = self.logp_fn = self.ref_params = None
 
@@ -167,8 +181,8 @@ class Rollouts:
 
     def after_dispatch(self, trainer, state) -> None:
         """Off-policy: samples the next batch with the weights synced before the step just dispatched,
-        while the device runs it (the host's sampling, scoring and the engine's calls overlap it; with
-        placement split the engine's devices are others)."""
+        while the device runs it (the host's sampling and scoring and the engine's calls overlap it;
+        with placement split the engine's devices are others; a KL reference pass waits for it)."""
         _fault("update", (self.position["rollout"] - 1) * self.g.updates_per_rollout + self.position["within"])
         if self._pending is None:
             return
@@ -185,56 +199,37 @@ class Rollouts:
             return
         g, cfg = self.g, self.cfg
         devices = engine_devices(cfg, list(trainer.mesh.devices.flat))
-        if len(devices) % g.engine_tensor:
-            raise ConfigError(
-                f"train.grpo.engine_tensor: {g.engine_tensor} does not divide the engine's {len(devices)} devices"
-            )
-        mesh = make_mesh({"data": len(devices) // g.engine_tensor, "tensor": g.engine_tensor}, devices)
+        shape = engine_geometry(cfg, len(devices))
+        mesh = make_mesh({"data": shape.replicas, "tensor": g.engine_tensor}, devices)
         model = nnx.merge(trainer.graphdef, jax.device_get(state.params), jax.device_get(state.buffers))
-        page = g.page_size
-        max_len = -(-(cfg.data.seq_len + 1) // page) * page
-        replicas = len(devices) // g.engine_tensor
         self.server = Server(
             model,
-            slots=-(-g.engine_slots // replicas) * replicas,
-            page_size=page,
-            max_len=max_len,
-            n_pages=(-(-g.engine_slots // replicas) * max_len // page + 1) * replicas,  # every slot at full length
+            slots=shape.slots,
+            page_size=g.page_size,
+            max_len=shape.max_len,
+            n_pages=shape.pages,
             mesh=mesh,
             rules=rules_for("tp"),
             prefix_caching=True,
         )
-        lora = cfg.finetune.method in ("lora", "qlora")
-        self.sync = WeightSync(self.server, trainer.shardings.params, kind=LoRAParam if lora else nnx.Param)
-        with trainer.context():
-
-            def logp(params, buffers, batch):
-                logits_BLV, _ = nnx.merge(trainer.graphdef, params, buffers).apply(batch["inputs"], None)
-                return token_log_probs(logits_BLV, batch["targets"])
-
-            s = trainer.shardings
-            self.logp_fn = jax.jit(logp, in_shardings=(s.params, s.buffers, trainer.batch_sharding))
+        # What the trainer trains is what moves: every weight, or a method's own (LoRA's adapters).
+        self.sync = WeightSync(self.server, trainer.shardings.params, kind=trainable(cfg.finetune))
+        self.logp_fn = log_probs_fn(trainer, per_sequence=False)
         if g.kl_coef:
-            self.ref_params = self._reference(trainer, state, lora)
+            self.ref_params = self._reference(trainer, state)
 
-    def _reference(self, trainer, state, lora: bool):
+    def _reference(self, trainer, state):
         """The reference's parameters: the LoRA factors zeroed (the base exactly), or for full
         fine-tuning a frozen copy of the base's weights in the trainer's layout."""
-        if lora:
-            return jax.tree.map(jnp.zeros_like, state.params)
+        if self.cfg.finetune.method in ("lora", "qlora"):
+            return adapters_off(state.params)
         from meshwork.train.finetune import load_base_params
 
         return load_base_params(self.cfg, trainer.mesh, trainer.rules_by_role)
 
     def token_log_probs(self, trainer, params, buffers, batch: dict[str, np.ndarray]) -> np.ndarray:
-        """log p of each target of `batch`'s rows under `params`, on the trainer's mesh, in slices of
-        global_batch rows (the trainer's batch layout)."""
-        B, out = self.cfg.train.global_batch, []
-        with trainer.context():
-            for k in range(0, len(batch["inputs"]), B):
-                part = trainer.to_device({key: batch[key][k : k + B] for key in ("inputs", "targets")})
-                out.append(np.asarray(self.logp_fn(params, buffers, part)))
-        return np.concatenate(out)
+        """log p of each target of `batch`'s rows under `params`, on the trainer's mesh."""
+        return score_rows(trainer, self.logp_fn, params, buffers, {k: batch[k] for k in ("inputs", "targets")})
 
     # -- making a batch ----------------------------------------------------------------------
 
@@ -243,8 +238,9 @@ class Rollouts:
         train, out = self.prompts.train, []
         for k in range(start, start + n):
             epoch, i = divmod(k, len(train))
-            order = np.random.default_rng([self.cfg.run.seed, epoch]).permutation(len(train))
-            out.append(train[order[i]])
+            if self._order[0] != epoch:
+                self._order = (epoch, np.random.default_rng([self.cfg.run.seed, epoch]).permutation(len(train)))
+            out.append(train[self._order[1][i]])
         return out
 
     def sample(self, prompts: list, tag: Any, *, greedy: bool = False, group: int | None = None):
@@ -307,22 +303,21 @@ class Rollouts:
         return batch, host
 
     def _write(self, r: int, batch: dict[str, np.ndarray], host: dict) -> None:
-        """Saves batch `r` and what making it measured (atomically), and drops batches older than any
-        checkpoint kept could resume into."""
+        """Saves batch `r` and what making it measured (atomically and durably), and drops the batches
+        no checkpoint kept can resume into: a checkpoint at step s needs batch (s - 1) // U, in
+        whose middle it may be, and the one after it (off-policy's, sampled ahead)."""
         if self.folder is None:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{r:08d}.npz.tmp"
-        with open(tmp, "wb") as f:
-            np.savez(f, **batch, host=np.asarray(json.dumps(host)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.folder / f"{r:08d}.npz")
-        c = self.cfg.checkpoint
-        keep = -(-c.every * (c.keep + 1) // self.g.updates_per_rollout) + 2
-        for old in self.folder.glob("*.npz"):
-            if old.stem.isdigit() and int(old.stem) < r - keep:
-                old.unlink()
+        data = io.BytesIO()
+        np.savez(data, **batch, host=np.asarray(json.dumps(host)))
+        replace_file(self.folder / f"{r:08d}.npz", data.getvalue())
+        kept = [int(p.name) for p in (self.folder.parent / "checkpoints").glob("*") if p.name.isdigit()]
+        if kept:
+            oldest_needed = (min(kept) - 1) // self.g.updates_per_rollout
+            for old in self.folder.glob("*.npz"):
+                if old.stem.isdigit() and int(old.stem) < min(oldest_needed, r):
+                    old.unlink(missing_ok=True)
 
     def _read(self, r: int) -> tuple[dict[str, np.ndarray], dict]:
         path = None if self.folder is None else self.folder / f"{r:08d}.npz"

@@ -181,7 +181,7 @@ class GRPOTask:
         """The rollout source: batches saved under run.dir/rollouts/ (a resume mid-batch reads them)."""
         from meshwork.train.rollouts import Rollouts
 
-        return Rollouts(self.cfg, self.prompts, self.rewards, pathlib.Path(self.cfg.run.dir).expanduser())
+        return Rollouts(self.cfg, self.prompts, self.rewards, pathlib.Path(self.cfg.run.dir))  # as the loop opens it
 
     def eval_batches(self) -> list[dict[str, np.ndarray]]:
         return []  # the source's `evaluate` samples and scores held-out prompts instead

@@ -332,6 +332,10 @@ def _check_dpo(cfg: Config) -> None:
             f"adapters_off is the base model under LoRA adapters, not available with finetune.method="
             f"{cfg.finetune.method}; use finetune.method lora or qlora, or train.dpo.reference precomputed",
         )
+    if reference == "frozen_copy" and cfg.train.elastic:
+        raise _KeyError(
+            "train.dpo.reference", "frozen_copy stays on the devices it started on; use precomputed with train.elastic"
+        )
     if reference != "adapters_off" and cfg.finetune.method == "none":
         raise _KeyError(
             "train.dpo.reference",
@@ -362,8 +366,9 @@ def _check_grpo(cfg: Config) -> None:
     if g.kl_coef > 0 and cfg.finetune.method not in ("lora", "qlora", "full"):
         raise _KeyError(
             "train.grpo.kl_coef",
-            f"{g.kl_coef}: the KL's reference is the fine-tuning base, and finetune.method is "
-            f"{cfg.finetune.method}; set finetune.method (lora, qlora or full) and finetune.base, or kl_coef 0",
+            f"{g.kl_coef}: the KL's reference is the fine-tuning base (LoRA's adapters off, or a frozen copy for "
+            f"full fine-tuning), and finetune.method is {cfg.finetune.method}; use lora, qlora or full with "
+            "finetune.base, or kl_coef 0",
         )
     if cfg.mesh.sequence != 1 or t.pipeline != "none" or t.microbatches != 1:
         raise _KeyError(

@@ -340,7 +340,7 @@ class DPOConfig(Section):
     log-probability of every pair computed once before training and cached beside the data
     (train/dpo_reference.py), so full fine-tuning needs no second copy either; frozen_copy: the
     base's weights held frozen beside the policy, each batch's reference computed just before its
-    step (a second copy of the weights, no pass before training). Both: any finetune.method."""
+    step (a second copy of the weights, no pass before training). Both: any finetune.method but none."""
 
 
 class GRPOConfig(Section):
@@ -349,7 +349,7 @@ class GRPOConfig(Section):
     `rewards`, and the clipped policy-gradient objective with a KL penalty to the reference."""
 
     rewards: list[str] = ["exact_answer"]
-    """Reward functions, summed: built-ins (exact_answer, number_only: train/rewards.py) or
+    """Reward functions, summed: built-ins (exact_match, exact_answer, number_only: train/rewards.py) or
     `module:function` names of your own, each called as f(prompt, completion, fields) -> float."""
     reward_weights: list[float] | None = None
     """One weight per reward (null: all 1)."""
@@ -358,7 +358,10 @@ class GRPOConfig(Section):
     max_new_tokens: int = pydantic.Field(32, gt=0)
     """The longest completion; a prompt plus this must fit data.seq_len + 1 tokens."""
     temperature: float = pydantic.Field(1.0, gt=0)
-    """The engine's sampling temperature for rollouts (evaluation samples greedily)."""
+    """The engine's sampling temperature for rollouts (evaluation samples greedily). The
+    log-probabilities of the ratio and the KL are the untempered model's (the engine's raw
+    logprobs, as vLLM returns them), so at 1 they are the sampling policy's; TRL divides the
+    logits by the temperature instead."""
     updates_per_rollout: int = pydantic.Field(1, gt=0)
     """Optimizer steps per rollout batch: each batch holds updates_per_rollout x train.global_batch
     completions, and each step trains on the next train.global_batch of them (the policy moves

@@ -54,12 +54,18 @@ class PromptSet:
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
         tok = self.tokenizer._tok
-        return bytes(ids).decode("utf-8", "replace") if tok is None else tok.decode(ids, skip_special_tokens=True)
+        if tok is None:  # bytes; a model with a larger vocabulary may sample ids no byte has
+            return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+        return tok.decode(ids, skip_special_tokens=True)
 
 
 def _prompt_text(record: dict, template: ChatTemplate, where: str) -> str:
     if "messages" in record:
         messages = record["messages"]
+        if messages == []:
+            raise ConfigError(
+                f"data.text_files: {where}: the messages are an empty list; a prompt ends with the user's turn"
+            )
         _check_messages(
             messages + [{"role": "assistant", "content": "x"}] if isinstance(messages, list) else messages, where
         )
@@ -141,7 +147,8 @@ def prompt_set(
             text = _prompt_text(record, template, where)
             rest = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
             val = user_text._in_validation(line.decode("utf-8", "replace"), val_fraction)
-            splits[val].append(Prompt(text, _encode(tok, text, special=not template.templated), rest))
+            special = not (template.templated and "messages" in record)  # a template writes BOS itself
+            splits[val].append(Prompt(text, _encode(tok, text, special=special), rest))
     every = splits[False] + splits[True]
     top = max((max(p.ids, default=0) for p in every), default=0)
     return PromptSet(splits[False], splits[True], stop_ids(tok, template), top, tok)

@@ -3,9 +3,10 @@
 Pure functions of arrays, with no model in them: the post-training task that uses them computes the
 policy's and the reference's logits, turns them into log-probabilities here, and hands those to
 `dpo_loss` (or, per token, to `objectives.grpo.grpo_loss`). `dpo_objective`, at the end, is that
-task's objective for `train.objective: dpo` (train/task.py `DPOTask`): the model's two forward
-passes (policy, and reference with the LoRA adapters off) around `dpo_loss`. Each returns (loss, metrics) like every
-objective of the package, `metrics["loss"]` the loss itself.
+task's objective for `train.objective: dpo` (train/task.py `DPOTask`): the policy's forward pass
+and the reference's (the LoRA adapters off), or the reference's log-probabilities the batch
+carries (precomputed, or from a frozen copy: train/dpo_reference.py), around `dpo_loss`. Each
+returns (loss, metrics) like every objective of the package, `metrics["loss"]` the loss itself.
 
 Log-probabilities are computed the way next_token.py computes its cross-entropy
 (`optax.softmax_cross_entropy_with_integer_labels`, log p(target) = -cross-entropy) and always in
@@ -94,7 +95,8 @@ def dpo_objective(graphdef, *, beta: float, label_smoothing: float = 0.0, refere
     the model together as one batch of 2B rows (chosen first), once with the policy's parameters
     (training noise such as LoRA dropout from `noise_key`) and once with `reference(params)` and no
     noise, under stop_gradient: with `adapters_off` the same weights, no second copy; or, when the
-    batch carries `chosen_ref_logp`/`rejected_ref_logp` (train.dpo.reference=precomputed), those. Both give
+    batch carries `chosen_ref_logp`/`rejected_ref_logp` (train.dpo.reference precomputed or
+    frozen_copy), those. Both give
     sequence log-probabilities over the reply tokens, and `dpo_loss` the loss and its metrics.
     The model's auxiliary losses (MoE) are not added; the logits are the plain head's (2B, L, V).
     """

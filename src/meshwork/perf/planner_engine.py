@@ -51,18 +51,43 @@ def _size(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
+@dataclass(frozen=True)
+class EngineGeometry:
+    """The engine train/rollouts.py builds: its replicas, slots, longest sequence and pool."""
+
+    replicas: int
+    slots: int
+    max_len: int
+    pages: int
+
+
+def engine_geometry(cfg: Config, devices: int) -> EngineGeometry:
+    """The engine of `cfg` on `devices` devices; ConfigError when `engine_tensor` cannot split them
+    or the model's heads (the same refusal as the run's, before anything is written)."""
+    from meshwork.config import ConfigError
+
+    g, m = cfg.train.grpo, cfg.model
+    if devices % g.engine_tensor or m.n_heads % g.engine_tensor or m.n_kv_heads % g.engine_tensor:
+        raise ConfigError(
+            f"train.grpo.engine_tensor: {g.engine_tensor} must divide the engine's {devices} devices and the "
+            f"model's {m.n_heads} heads and {m.n_kv_heads} kv heads; choose a divisor of all three"
+        )
+    replicas = devices // g.engine_tensor
+    per_replica_slots = -(-g.engine_slots // replicas)
+    max_len = -(-(cfg.data.seq_len + 1) // g.page_size) * g.page_size
+    pages_per_replica = per_replica_slots * max_len // g.page_size + 1  # every slot at full length, a null page
+    return EngineGeometry(replicas, per_replica_slots * replicas, max_len, pages_per_replica * replicas)
+
+
 def engine_plan(cfg: Config, trainer_devices: int, trainable_params: int) -> EnginePlan:
     """The engine of `cfg` beside a trainer on `trainer_devices` devices that trains
     `trainable_params` parameters (all of them, or LoRA's adapters)."""
     from meshwork.perf.flops import param_counts
 
     g, m = cfg.train.grpo, cfg.model
-    devices = trainer_devices
-    tensor = g.engine_tensor
-    replicas = max(devices // tensor, 1)
-    per_replica_slots = -(-g.engine_slots // replicas)
-    max_len = -(-(cfg.data.seq_len + 1) // g.page_size) * g.page_size
-    pages_per_replica = per_replica_slots * max_len // g.page_size + 1
+    devices, tensor = trainer_devices, g.engine_tensor
+    shape = engine_geometry(cfg, devices)
+    pages_per_replica = shape.pages // shape.replicas
     itemsize = DTYPE_BYTES[cfg.train.param_dtype]
     kv_heads_split = tensor if m.n_kv_heads % tensor == 0 else 1
     kv_item = DTYPE_BYTES[cfg.train.compute_dtype]  # the cache holds what the layers compute in
@@ -70,13 +95,13 @@ def engine_plan(cfg: Config, trainer_devices: int, trainable_params: int) -> Eng
     weights = param_counts(m)["total"] * itemsize
     return EnginePlan(
         devices=devices,
-        replicas=replicas,
+        replicas=shape.replicas,
         tensor=tensor,
-        slots=per_replica_slots * replicas,
+        slots=shape.slots,
         page_size=g.page_size,
-        pages=pages_per_replica * replicas,
+        pages=shape.pages,
         kv_bytes_per_device=kv // kv_heads_split,
         weight_bytes_per_device=weights // tensor,
-        sync_bytes=trainable_params * itemsize * replicas,
+        sync_bytes=trainable_params * itemsize * shape.replicas,
         placement=g.placement,
     )

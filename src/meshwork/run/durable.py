@@ -25,10 +25,10 @@ def fsync_dir(folder: pathlib.Path) -> None:
         os.close(fd)
 
 
-def replace_file(path: pathlib.Path, text: str) -> None:
-    """`path` now holds `text`, atomically and durably (see the module docstring)."""
+def replace_file(path: pathlib.Path, text: str | bytes) -> None:
+    """`path` now holds `text` (or bytes), atomically and durably (see the module docstring)."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
+    with tmp.open("wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
