@@ -18,6 +18,7 @@ from flax import nnx
 from meshwork.config import ConfigError, load_config
 from meshwork.data.prompts import prompt_set
 from meshwork.engine.page_pool import PageAllocator
+from meshwork.models.adapters import AdapterParam
 from meshwork.models.lora import LoRAParam
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main
@@ -194,14 +195,22 @@ def test_the_engine_samples_what_the_trainer_scores(tmp_path, placement):
     print(f"{placement}: max |engine - trainer| log p {diff.max():.2e}, sync {source.host['sync_bytes']:,} B")
 
 
-def test_the_engine_samples_what_the_trainer_scores_under_lora(tmp_path, lm_tiny_runs):
-    """LoRA on a trained base: only the adapters move at a sync, and the engine and the trainer
-    still agree on every token; the KL's reference is the base (adapters off), so the first
-    step's KL is 0."""
+PEFT = {
+    # method: (its overrides, the variable type the sync moves, the KL's coefficient)
+    "lora": (["finetune.method=lora", "finetune.rank=4"], LoRAParam, 0.05),
+    "adapter": (["finetune.method=adapter", "finetune.rank=4"], AdapterParam, 0.0),
+}
+
+
+@pytest.mark.parametrize("method", sorted(PEFT))
+def test_the_engine_samples_what_the_trainer_scores_under_a_fine_tuning_method(tmp_path, lm_tiny_runs, method):
+    """LoRA or adapters on a trained base: only what the method trains moves at a sync, and the
+    engine and the trainer still agree on every token; with LoRA the KL's reference is the base
+    (adapters off), so the first step's KL is 0."""
+    extra, kind, kl = PEFT[method]
     base = lm_tiny_runs["1dev"]["run_dir"]
     overrides = _overrides(tmp_path / "run", _prompts(tmp_path / "p.jsonl"), *PLACEMENTS["colocated"], tiny_model=False)
-    lora = ["finetune.method=lora", f"finetune.base={base}", "finetune.rank=4", "train.grpo.kl_coef=0.05"]
-    cfg = load_config(CONFIG, [*overrides, *lora])
+    cfg = load_config(CONFIG, [*overrides, *extra, f"finetune.base={base}", f"train.grpo.kl_coef={kl}"])
     task, trainer, state = _trainer(cfg)
     source = task.train_iterator()
     batch = source.next_from(trainer, state)
@@ -210,14 +219,16 @@ def test_the_engine_samples_what_the_trainer_scores_under_lora(tmp_path, lm_tiny
         arrays = jax.tree.leaves(nnx.filter_state(source.server.gen.state, kind))
         return sum(x.addressable_shards[0].data.nbytes * len(x.sharding.device_set) for x in arrays)
 
-    assert source.sync.treedef.num_leaves == len(jax.tree.leaves(state.params))  # the trainer's adapters
-    assert source.host["sync_bytes"] == engine_bytes(LoRAParam) < engine_bytes(nnx.Param) / 10
+    assert source.sync.treedef.num_leaves == len(jax.tree.leaves(state.params))  # the trainer's own variables
+    assert source.host["sync_bytes"] == engine_bytes(kind) < engine_bytes(nnx.Param) / 10
     mask = batch["loss_mask"] > 0
     ours = source.token_log_probs(trainer, state.params, state.buffers, batch)
     assert np.abs(ours - batch["old_logp"])[mask].max() <= 1e-5
-    np.testing.assert_allclose(batch["ref_logp"][mask], batch["old_logp"][mask], atol=1e-5)  # B = 0: the base
     _, metrics = trainer.step_fn(state, trainer.to_device(batch))
-    assert abs(float(metrics["ratio"]) - 1) <= 1e-5 and abs(float(metrics["kl"])) <= 1e-6
+    assert abs(float(metrics["ratio"]) - 1) <= 1e-5
+    if kl:  # B = 0: the policy is the base
+        np.testing.assert_allclose(batch["ref_logp"][mask], batch["old_logp"][mask], atol=1e-5)
+        assert abs(float(metrics["kl"])) <= 1e-6
 
 
 # ---------------------------------------------------------------- a run
