@@ -22,6 +22,7 @@ from meshwork.models.adapters import AdapterParam
 from meshwork.models.lora import LoRAParam
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main
+from meshwork.train.plot import plot_run
 from meshwork.train.rewards import Rewards, exact_answer, exact_match, number_only
 from meshwork.train.rollouts import engine_plan_of, placement_devices
 from meshwork.train.trainer import build_trainer, check_runtime
@@ -268,6 +269,8 @@ def test_a_run_stopped_between_updates_resumes_bit_exactly(tmp_path, capsys, mon
     assert [(r["step"], r["staleness"]) for r in rows if "reward" in r] == [(1, 0), (3, staleness)]
     assert rows[1]["ratio"] == pytest.approx(1.0, abs=1e-5) and rows[2]["ratio"] != 1.0  # step 2: the policy moved
     assert (rows[3]["ratio"] == pytest.approx(1.0, abs=1e-5)) == (staleness == 0)  # a stale batch's first ratio
+    if mode == "on_policy":  # the reward curve beside the loss curves
+        assert plot_run(straight).name == "loss.png" and (straight / "reward.png").stat().st_size > 0
     for a, b in zip(sorted((straight / "rollouts").iterdir()), sorted((stopped / "rollouts").iterdir())):
         with np.load(a) as x, np.load(b) as y:  # `host` holds what sampling measured: seconds differ
             assert all(np.array_equal(x[k], y[k]) for k in x.files if k != "host")

@@ -15,38 +15,28 @@ def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
+    rows, title = read_metrics(run_dir), pathlib.Path(run_dir).name
     out = pathlib.Path(out or pathlib.Path(run_dir) / "loss.png")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("loss", "train loss"), ("val_loss", "validation loss")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if key == "val_loss" else None, markersize=3, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(pathlib.Path(run_dir).name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    if any("reward" in r or "val_reward" in r for r in rows):
-        plot_rewards(rows, out.with_name("reward.png"), plt, pathlib.Path(run_dir).name)
+    curves = (("loss", "train loss", False), ("val_loss", "validation loss", True))
+    plot_curves(rows, curves, "cross-entropy (nats/token)", title, out, plt)
+    if any("reward" in r or "val_reward" in r for r in rows):  # GRPO: sampled batches and held-out greedy answers
+        curves = (("reward", "rollout batch (sampled)", False), ("val_reward", "held-out (greedy)", True))
+        plot_curves(rows, curves, "mean reward", title, out.with_name("reward.png"), plt)
     loads = [(r["step"], r["load"], r.get("load_cv")) for r in rows if "load" in r]
     if loads:
         plot_expert_load(loads, out.with_name("expert_load.png"), plt)
     return out
 
 
-def plot_rewards(rows: list[dict], out: pathlib.Path, plt, title: str) -> pathlib.Path:
-    """GRPO: each rollout batch's mean reward and the held-out greedy answers' (val_reward)."""
+def plot_curves(rows: list[dict], curves, ylabel: str, title: str, out: pathlib.Path, plt) -> pathlib.Path:
+    """One line per (metrics key, label, marked) of `curves` over the steps that logged it."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("reward", "rollout batch (sampled)"), ("val_reward", "held-out (greedy)")):
+    for key, label, marked in curves:
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o" if key == "val_reward" else None, markersize=3, label=label)
+            ax.plot(*zip(*pts), marker="o" if marked else None, markersize=3, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

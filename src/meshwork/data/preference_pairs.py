@@ -92,8 +92,9 @@ def _reply_text(record: dict, reply: str, template: ChatTemplate, where: str) ->
     return Conversation(prompt + reply, ((len(prompt), len(prompt) + len(reply)),))
 
 
-def _parse(line: bytes, where: str) -> dict | None:
-    """The pair of one line (None for a blank line); ConfigError naming `where` for a bad one."""
+def json_object(line: bytes, where: str) -> dict | None:
+    """The JSON object of one `.jsonl` line (None for a blank line); ConfigError naming `where` (file:line)
+    for text that is not JSON or JSON that is not an object. Pairs and GRPO's prompts read lines so."""
     if not line.strip():
         return None
     try:
@@ -103,6 +104,13 @@ def _parse(line: bytes, where: str) -> dict | None:
         raise ConfigError(f"data.text_files: {where}: not valid JSON ({why}); fix the line or remove it") from None
     if not isinstance(record, dict):
         raise ConfigError(f"data.text_files: {where}: a JSON {type(record).__name__}, not an object")
+    return record
+
+
+def _parse(line: bytes, where: str) -> dict | None:
+    """The pair of one line (None for a blank line); ConfigError naming `where` for a bad one."""
+    if (record := json_object(line, where)) is None:
+        return None
     if ("prompt" in record) == ("messages" in record):
         raise ConfigError(
             f"data.text_files: {where}: a pair needs exactly one of 'prompt' (text) or 'messages' (a conversation) "

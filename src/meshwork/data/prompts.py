@@ -23,13 +23,13 @@ are what evaluation samples greedily and scores with the reward.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from meshwork.config import ConfigError
 from meshwork.data import user_text
 from meshwork.data.chat import _check_messages, template_for
 from meshwork.data.chat_template import ChatTemplate, render_chat
+from meshwork.data.preference_pairs import json_object
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,10 @@ def _prompt_text(record: dict, template: ChatTemplate, where: str) -> str:
 
 
 def _parse(line: bytes, where: str) -> dict | None:
-    if not line.strip():
+    if (record := json_object(line, where)) is None:
         return None
-    try:
-        record = json.loads(line.strip())
-    except ValueError as e:
-        why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-        raise ConfigError(f"data.text_files: {where}: not valid JSON ({why}); fix the line or remove it") from None
-    if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
-        fields = ", ".join(map(repr, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+    if ("prompt" in record) == ("messages" in record):
+        fields = ", ".join(map(repr, record))
         raise ConfigError(
             f"data.text_files: {where}: an example needs exactly one of 'prompt' (text) or 'messages' "
             f"(a conversation ending with the user's turn) (it has: {fields or 'no field'})"
