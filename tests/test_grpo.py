@@ -114,6 +114,9 @@ def test_prompts_render_with_the_template_and_keep_their_fields(tmp_path):
         ("train.grpo.kl_coef=0.1", "train.grpo.kl_coef: 0.1: the KL's reference is the fine-tuning base"),
         ("train.grpo.max_new_tokens=40", "data.seq_len: the longest prompt"),
         ("train.grpo.group_size=1", "train.grpo.group_size"),
+        ("train.grpo.engine_tensor=3", "train.grpo.engine_tensor: 3 must divide the engine's 8 devices"),
+        # A KV pool of 4M slots: ~9 GB per device beside the step, refused once the step is compiled.
+        ("train.grpo.engine_slots=4000000", "and the serving engine beside it"),
     ],
 )
 def test_a_bad_grpo_config_is_one_line_and_writes_nothing(tmp_path, capsys, override, message):

@@ -345,10 +345,18 @@ def check_fits(trainer) -> None:
     if mem is None:
         return
     need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    from meshwork.train.rollouts import engine_plan_of
+
+    engine = engine_plan_of(trainer)  # grpo colocated: the serving engine shares the devices
+    beside = (
+        engine.kv_bytes_per_device + engine.weight_bytes_per_device if engine and engine.placement == "colocated" else 0
+    )
     have = device_memory_bytes(trainer.mesh.local_devices[0])  # another process's devices do not answer
-    if need > have:
+    if need + beside > have:
+        also = f" and the serving engine beside it {beside / 2**30:,.1f} GiB" if beside else ""
         raise ConfigError(
-            f"the compiled step needs {need / 2**30:,.1f} GiB per device, more than the "
+            f"the compiled step needs {need / 2**30:,.1f} GiB per device{also}, more than the "
             f"{have / 2**30:,.1f} GiB one device has; lower train.global_batch or data.seq_len, "
             f"raise train.microbatches, set train.remat=full, or shard more (rules.preset=fsdp)"
+            + ("; or lower train.grpo.engine_slots or use placement split" if beside else "")
         )
