@@ -24,7 +24,7 @@ from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main
 from meshwork.train.plot import plot_run
 from meshwork.train.rewards import Rewards, exact_answer, exact_match, number_only
-from meshwork.train.rollouts import engine_plan_of, placement_devices
+from meshwork.train.rollouts import engine_plan_of, placement_devices, split_placement
 from meshwork.train.trainer import build_trainer, check_runtime
 
 CONFIG = ROOT / "configs/grpo_arith.yaml"
@@ -124,6 +124,16 @@ def test_a_bad_grpo_config_is_one_line_and_writes_nothing(tmp_path, capsys, over
     assert main(["--config", str(CONFIG), *_overrides(run, _prompts(tmp_path / "p.jsonl")), override]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert message in line and not run.exists(), line
+
+
+def test_split_placement_halves_the_devices_it_is_given(tmp_path):
+    cfg = load_config(
+        CONFIG, _overrides(tmp_path / "run", _prompts(tmp_path / "p.jsonl"), "train.grpo.placement=split")
+    )
+    devices = jax.devices()
+    assert split_placement(cfg, devices[4:8]) == (devices[4:6], devices[6:8])
+    colocated = load_config(CONFIG, _overrides(tmp_path / "run", _prompts(tmp_path / "p.jsonl")))
+    assert split_placement(colocated, devices[:4]) == (devices[:4], devices[:4])
 
 
 def test_dropping_the_prefix_cache_frees_its_pages_in_their_first_order():

@@ -36,7 +36,7 @@ from meshwork.train.hooks.run import Run
 from meshwork.train.hooks.samples import Samples
 from meshwork.train.logger import StepLogger
 from meshwork.train.preemption import PreemptionGuard
-from meshwork.train.rollouts import engine_plan_of, placement_devices
+from meshwork.train.rollouts import engine_plan_of, split_placement
 from meshwork.train.run_dir import (
     RunDirLock,
     check_checkpoints,
@@ -65,8 +65,10 @@ def train(cfg: Config, *, devices: list | None = None, dry_run: bool | str = Fal
     """
     clock = GoodputClock()
     cfg = with_base_model(cfg)  # a Hugging Face finetune.base decides the model
-    devices = placement_devices(cfg, devices)  # grpo split: the serving engine takes the other half
+    devices, engine_devices = split_placement(cfg, devices)  # grpo split: the serving engine takes the other half
     task = check_runtime(cfg, devices)
+    if engine_devices is not None:
+        task.engine_devices = engine_devices
     is_main = jax.process_index() == 0
     say = say_through_bar if is_main else (lambda msg: None)
     run_dir = pathlib.Path(cfg.run.dir)

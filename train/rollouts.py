@@ -76,29 +76,38 @@ def _fault(phase: str, index: int) -> None:
 
 
 def placement_devices(cfg: Config, devices: list | None) -> list | None:
-    """The trainer's devices: all of them, or under grpo placement=split the first half (the engine
-    takes the second: `engine_devices`). ConfigError, before anything is written, for an odd count
-    under split, an engine_tensor that cannot split the engine, or more than one process."""
+    """The trainer's devices of `split_placement`."""
+    return split_placement(cfg, devices)[0]
+
+
+def split_placement(cfg: Config, devices: list | None) -> tuple[list | None, list | None]:
+    """(the trainer's devices, the serving engine's) of `devices` (default: all): for grpo colocated
+    the same, for split the first half and the second; for other objectives (devices, None).
+    ConfigError, before anything is written, for an odd count under split, an engine_tensor that
+    cannot split the engine, or more than one process."""
     if cfg.train.objective != "grpo":
-        return devices
+        return devices, None
     if jax.process_count() > 1:
         raise ConfigError(
             f"train.objective: grpo runs its serving engine in one process, and there are {jax.process_count()}; "
             "run it on one host"
         )
     devices = list(devices or jax.devices())
+    engine = devices
     if cfg.train.grpo.placement == "split":
         if len(devices) < 2 or len(devices) % 2:
             raise ConfigError(
                 f"train.grpo.placement: split puts the trainer and the engine on halves of the devices, and "
                 f"there are {len(devices)}; use an even count, or placement colocated"
             )
-        devices = devices[: len(devices) // 2]
-    engine_geometry(cfg, len(devices))  # refuses an engine_tensor that cannot split it, before anything is written
-    return devices
+        devices, engine = devices[: len(devices) // 2], devices[len(devices) // 2 :]
+    engine_geometry(cfg, len(engine))  # refuses an engine_tensor that cannot split it, before anything is written
+    return devices, engine
 
 
 def engine_devices(cfg: Config, trainer_devices: list) -> list:
+    """The engine's devices when no placement named them: the trainer's (colocated), or as many of
+    the others of `jax.devices()` (split)."""
     if cfg.train.grpo.placement == "colocated":
         return trainer_devices
     others = [d for d in jax.devices() if d not in set(trainer_devices)]
@@ -130,10 +139,19 @@ def rows(prompt_ids: list, completions: list, logprobs: list, seq_len: int) -> d
 
 
 class Rollouts:
-    """The grpo data source: see the module docstring. `run_dir` None keeps batches in memory only."""
+    """The grpo data source: see the module docstring. `run_dir` None keeps batches in memory only;
+    `devices` are the engine's (None: the trainer's, or under split the other devices)."""
 
-    def __init__(self, cfg: Config, prompts: PromptSet, rewards: Rewards, run_dir: pathlib.Path | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        prompts: PromptSet,
+        rewards: Rewards,
+        run_dir: pathlib.Path | None = None,
+        devices: list | None = None,
+    ):
         self.cfg, self.g, self.prompts, self.rewards = cfg, cfg.train.grpo, prompts, rewards
+        self.devices = devices  # the engine's (split_placement), or None: found from the trainer's
         self.folder = None if run_dir is None else pathlib.Path(run_dir) / "rollouts"
         self.rows_per_batch = self.g.updates_per_rollout * cfg.train.global_batch
         # Prompts used, batches started, steps taken from the batch in hand, batches sampled (one
@@ -198,7 +216,7 @@ class Rollouts:
         if self.server is not None:
             return
         g, cfg = self.g, self.cfg
-        devices = engine_devices(cfg, list(trainer.mesh.devices.flat))
+        devices = self.devices or engine_devices(cfg, list(trainer.mesh.devices.flat))
         shape = engine_geometry(cfg, len(devices))
         mesh = make_mesh({"data": shape.replicas, "tensor": g.engine_tensor}, devices)
         model = nnx.merge(trainer.graphdef, jax.device_get(state.params), jax.device_get(state.buffers))

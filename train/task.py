@@ -158,6 +158,7 @@ class GRPOTask:
     cfg: Config
     prompts: Any  # data.prompts.PromptSet
     rewards: Any  # train.rewards.Rewards
+    engine_devices: list | None = None  # the serving engine's (train/rollouts.py split_placement)
     name = "grpo"
     unit = "tokens"
     batch_axes = ("act_batch", "act_seq")
@@ -181,7 +182,8 @@ class GRPOTask:
         """The rollout source: batches saved under run.dir/rollouts/ (a resume mid-batch reads them)."""
         from meshwork.train.rollouts import Rollouts
 
-        return Rollouts(self.cfg, self.prompts, self.rewards, pathlib.Path(self.cfg.run.dir))  # as the loop opens it
+        run_dir = pathlib.Path(self.cfg.run.dir)  # as the loop opens it
+        return Rollouts(self.cfg, self.prompts, self.rewards, run_dir, self.engine_devices)
 
     def eval_batches(self) -> list[dict[str, np.ndarray]]:
         return []  # the source's `evaluate` samples and scores held-out prompts instead
