@@ -213,6 +213,12 @@ PEFT = {
     # method: (its overrides, the variable type the sync moves, the KL's coefficient)
     "lora": (["finetune.method=lora", "finetune.rank=4"], LoRAParam, 0.05),
     "adapter": (["finetune.method=adapter", "finetune.rank=4"], AdapterParam, 0.0),
+    # int4 groups of 32 cannot be split 8 ways by fsdp: data parallel over the 8 devices instead
+    "qlora": (
+        ["finetune.method=qlora", "finetune.rank=4", "mesh.fsdp=1", "mesh.data=8", "rules.preset=dp"],
+        LoRAParam,
+        0.05,
+    ),
 }
 
 
