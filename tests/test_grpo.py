@@ -222,7 +222,10 @@ PEFT = {
 }
 
 
-@pytest.mark.parametrize("method", sorted(PEFT))
+# LoRA in the quick tier; adapters and QLoRA repeat its claim with other variables (the slow tier).
+@pytest.mark.parametrize(
+    "method", [m if m == "lora" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(PEFT)]
+)
 def test_the_engine_samples_what_the_trainer_scores_under_a_fine_tuning_method(tmp_path, lm_tiny_runs, method):
     """LoRA or adapters on a trained base: only what the method trains moves at a sync, and the
     engine and the trainer still agree on every token; with LoRA the KL's reference is the base
