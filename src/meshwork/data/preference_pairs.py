@@ -92,6 +92,20 @@ def _reply_text(record: dict, reply: str, template: ChatTemplate, where: str) ->
     return Conversation(prompt + reply, ((len(prompt), len(prompt) + len(reply)),))
 
 
+def jsonl_lines(files, what: str):
+    """(file:line, the line's bytes) of each line of `files`, each a `.jsonl` file (ConfigError naming
+    a file that is not, or cannot be read: `what` is what its lines hold)."""
+    for path in files:
+        if path.suffix.lower() != ".jsonl":
+            raise ConfigError(f"data.text_files: {path} is not a .jsonl file; {what} are one JSON object a line")
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError as e:
+            raise ConfigError(f"data.text_files: {path} cannot be read ({e.strerror})") from None
+        for i, line in enumerate(lines):
+            yield f"{path}:{i + 1}", line
+
+
 def json_object(line: bytes, where: str) -> dict | None:
     """The JSON object of one `.jsonl` line (None for a blank line); ConfigError naming `where` (file:line)
     for text that is not JSON or JSON that is not an object. Pairs and GRPO's prompts read lines so."""
@@ -151,25 +165,15 @@ def preference_pairs(
     template = template_for(tokenizer)
     splits: dict[bool, dict[str, list]] = {s: {f"{a}_{k}": [] for a in SIDES for k in ROW_KEYS} for s in (False, True)}
     top = 0
-    for path in files:
-        if path.suffix.lower() != ".jsonl":
-            raise ConfigError(
-                f"data.text_files: {path} is not a .jsonl file; preference pairs are one JSON object a line"
-            )
-        try:
-            lines = path.read_bytes().splitlines()
-        except OSError as e:
-            raise ConfigError(f"data.text_files: {path} cannot be read ({e.strerror})") from None
-        for i, line in enumerate(lines):
-            where = f"{path}:{i + 1}"
-            if (record := _parse(line, where)) is None:
-                continue
-            texts = [_reply_text(record, record[side], template, where) for side in SIDES]
-            val = user_text._in_validation(line.decode("utf-8", "replace"), val_fraction)
-            for side, (ids, mask) in zip(SIDES, encode_conversations(tok, template, texts)):
-                top = max(top, int(ids.max(initial=0)))
-                for k, row in zip(ROW_KEYS, _rows(ids, mask, seq_len, where, side)):
-                    splits[val][f"{side}_{k}"].append(row)
+    for where, line in jsonl_lines(files, "preference pairs"):
+        if (record := _parse(line, where)) is None:
+            continue
+        texts = [_reply_text(record, record[side], template, where) for side in SIDES]
+        val = user_text._in_validation(line.decode("utf-8", "replace"), val_fraction)
+        for side, (ids, mask) in zip(SIDES, encode_conversations(tok, template, texts)):
+            top = max(top, int(ids.max(initial=0)))
+            for k, row in zip(ROW_KEYS, _rows(ids, mask, seq_len, where, side)):
+                splits[val][f"{side}_{k}"].append(row)
     made = {
         s: PairSplit({k: np.stack(v) if v else np.zeros((0, seq_len), np.int32) for k, v in rows.items()})
         for s, rows in splits.items()

@@ -29,7 +29,7 @@ from meshwork.config import ConfigError
 from meshwork.data import user_text
 from meshwork.data.chat import _check_messages, template_for
 from meshwork.data.chat_template import ChatTemplate, render_chat
-from meshwork.data.preference_pairs import json_object
+from meshwork.data.preference_pairs import json_object, jsonl_lines
 
 
 @dataclass(frozen=True)
@@ -123,27 +123,19 @@ def prompt_set(
     tok = user_text.load_tokenizer(tokenizer)
     template = template_for(tokenizer)
     splits: dict[bool, list[Prompt]] = {False: [], True: []}
-    for path in user_text.find_text_files(text_files):
-        if path.suffix.lower() != ".jsonl":
-            raise ConfigError(f"data.text_files: {path} is not a .jsonl file; prompts are one JSON object a line")
-        try:
-            lines = path.read_bytes().splitlines()
-        except OSError as e:
-            raise ConfigError(f"data.text_files: {path} cannot be read ({e.strerror})") from None
-        for i, line in enumerate(lines):
-            where = f"{path}:{i + 1}"
-            if (record := _parse(line, where)) is None:
-                continue
-            if missing := [f for f in fields if f not in record]:
-                raise ConfigError(
-                    f"data.text_files: {where}: no field {missing[0]!r}, which the reward reads "
-                    f"(its fields: {', '.join(map(repr, record))}); add it or choose another reward"
-                )
-            text = _prompt_text(record, template, where)
-            rest = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
-            val = user_text._in_validation(line.decode("utf-8", "replace"), val_fraction)
-            special = not (template.templated and "messages" in record)  # a template writes BOS itself
-            splits[val].append(Prompt(text, _encode(tok, text, special=special), rest))
+    for where, line in jsonl_lines(user_text.find_text_files(text_files), "prompts"):
+        if (record := _parse(line, where)) is None:
+            continue
+        if missing := [f for f in fields if f not in record]:
+            raise ConfigError(
+                f"data.text_files: {where}: no field {missing[0]!r}, which the reward reads "
+                f"(its fields: {', '.join(map(repr, record))}); add it or choose another reward"
+            )
+        text = _prompt_text(record, template, where)
+        rest = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
+        val = user_text._in_validation(line.decode("utf-8", "replace"), val_fraction)
+        special = not (template.templated and "messages" in record)  # a template writes BOS itself
+        splits[val].append(Prompt(text, _encode(tok, text, special=special), rest))
     every = splits[False] + splits[True]
     top = max((max(p.ids, default=0) for p in every), default=0)
     return PromptSet(splits[False], splits[True], stop_ids(tok, template), top, tok)
