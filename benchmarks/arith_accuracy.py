@@ -13,29 +13,23 @@ from __future__ import annotations
 import pathlib
 import sys
 
-import numpy as np
-
 from meshwork.config import load_config
 from meshwork.data.prompts import prompt_set
-from meshwork.engine.sampling import SamplingParams
-from meshwork.engine.serving import Request, Server
+from meshwork.engine.serving import Server
 from meshwork.inference.runs import load_run
 from meshwork.models.build import build_model
 from meshwork.train.rewards import Rewards
+from meshwork.train.rollouts import greedy_reward
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "configs/data/arithmetic_prompts.jsonl"
 
 
 def accuracy(model, val_fraction: float = 0.1) -> tuple[float, int]:
-    """(held-out exact match, prompts) of `model`'s greedy answers."""
+    """(held-out exact match, prompts) of `model`'s greedy answers, as GRPO's evaluation scores them."""
     prompts = prompt_set([str(PROMPTS)], val_fraction=val_fraction, fields=("answer",))
-    reward = Rewards(["exact_answer"])
     server = Server(model, slots=64, page_size=16, max_len=144, prefix_caching=True)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, stop_tokens=prompts.stop_ids)
-    results = server.run([Request(i, list(p.ids), greedy) for i, p in enumerate(prompts.val)])
-    scores = [reward(p.text, prompts.decode(results[i].tokens), p.fields) for i, p in enumerate(prompts.val)]
-    return float(np.mean(scores)), len(scores)
+    return greedy_reward(server, prompts.val, prompts, Rewards(["exact_match"]), max_new_tokens=8), len(prompts.val)
 
 
 def main(argv: list[str]) -> None:

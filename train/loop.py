@@ -222,9 +222,9 @@ def _run(
     schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.run.mttf_hours, start or 0, clock.totals["productive"])
     if start is None:
         say(
-            f"evaluating step 0 ({len(val_set)} validation batches)..."
-            if val_set or not getattr(trainer.task, "on_policy", False)
-            else f"evaluating step 0 (greedy answers to {cfg.train.grpo.eval_prompts} held-out prompts)..."
+            f"evaluating step 0 (greedy answers to {cfg.train.grpo.eval_prompts} held-out prompts)..."
+            if trainer.task.on_policy
+            else f"evaluating step 0 ({len(val_set)} validation batches)..."
         )
         run.writer.write(0, evaluation.evaluate(trainer, state, 0))
     last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
@@ -309,13 +309,11 @@ def _step(run: Run, trainer: Trainer, state: Any, step: int) -> tuple[Any, tuple
     with run.clock.phase("productive"):
         batch = _next_batch(run, trainer, state, step)
         if step in run.skipped:  # a rollback threw this batch out: never train on it
-            state = trainer.skip_fn(state)
-            if getattr(trainer.task, "on_policy", False):
-                run.data_iter.after_dispatch(trainer, state)  # off-policy samples ahead all the same
+            state, metrics = trainer.skip_fn(state), {}
             run.logger.add(step, skipped_batch=1)
-            return state, run.logger.step_dispatched(step, {}, data_index=position)
-        state, metrics = trainer.step_fn(state, trainer.to_device(batch))
-        if getattr(trainer.task, "on_policy", False):
+        else:
+            state, metrics = trainer.step_fn(state, trainer.to_device(batch))
+        if trainer.task.on_policy:
             run.data_iter.after_dispatch(trainer, state)  # off-policy: the next batch samples meanwhile
         return state, run.logger.step_dispatched(step, metrics, data_index=position)
 
@@ -323,7 +321,7 @@ def _step(run: Run, trainer: Trainer, state: Any, step: int) -> tuple[Any, tuple
 def _next_batch(run: Run, trainer: Trainer, state: Any, step: int) -> dict:
     """The step's batch: the next of the data, or for an on-policy task (grpo) the source's next,
     made from the current weights; what making it measured goes into the step's row."""
-    if not getattr(trainer.task, "on_policy", False):
+    if not trainer.task.on_policy:
         return next(run.data_iter)
     batch = run.data_iter.next_from(trainer, state)
     if run.data_iter.host:

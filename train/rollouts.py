@@ -42,7 +42,6 @@ import os
 import pathlib
 import signal
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -116,7 +115,7 @@ def engine_devices(cfg: Config, trainer_devices: list) -> list:
 
 def engine_plan_of(trainer):
     """The serving engine beside `trainer` (perf/planner_engine.py), or None when it samples nothing."""
-    if not getattr(trainer.task, "on_policy", False):
+    if not trainer.task.on_policy:
         return None
     from meshwork.perf.planner_engine import engine_plan
 
@@ -261,31 +260,24 @@ class Rollouts:
             out.append(train[self._order[1][i]])
         return out
 
-    def sample(self, prompts: list, tag: Any, *, greedy: bool = False, group: int | None = None):
-        """(per prompt, `group` completions: each (tokens, logprobs)) from the engine; seeds from `tag`."""
-        G = 1 if greedy else group or self.g.group_size
-        ids = {}
+    def sample(self, prompts: list, r: int) -> list[list[tuple]]:
+        """Per prompt, G completions, each (tokens, log-probabilities), from the engine; request
+        (r, u, j) samples with a seed of (run.seed, r, u, j)."""
+        G = self.g.group_size
         for u, p in enumerate(prompts):
             for j in range(G):
-                seed = int(np.random.SeedSequence([self.cfg.run.seed, *tag, u, j]).generate_state(1)[0])
+                seed = int(np.random.SeedSequence([self.cfg.run.seed, r, u, j]).generate_state(1)[0])
                 params = SamplingParams(
-                    temperature=0.0 if greedy else self.g.temperature,
+                    temperature=self.g.temperature,
                     max_new_tokens=self.g.max_new_tokens,
                     stop_tokens=self.prompts.stop_ids,
                     seed=seed,
                 )
-                ids[(*tag, u, j)] = (u, j)
-                self.server.submit(Request((*tag, u, j), list(p.ids), params))
+                self.server.submit(Request((r, u, j), list(p.ids), params))
         while self.server.busy:
             self.server.step()
-            _fault("rollout", tag[0])  # a test's kill lands with completions half sampled
-        out = [[None] * G for _ in prompts]
-        for rid, (u, j) in ids.items():
-            result = self.server.take_result(rid)
-            if result.finish == "error":
-                raise ConfigError(f"train.grpo: the engine refused a rollout ({result.error})")
-            out[u][j] = (result.tokens, result.logprobs)
-        return out
+            _fault("rollout", r)  # a test's kill lands with completions half sampled
+        return [[_taken(self.server, (r, u, j)) for j in range(G)] for u in range(len(prompts))]
 
     def _sync(self, state):
         jax.block_until_ready(state.params)  # the update in flight is not the sync's time
@@ -298,7 +290,7 @@ class Rollouts:
         prompts = self._prompts(self.position["next_index"], n_prompts)
         self.position["next_index"] += n_prompts
         before = self.server.prefill_tokens, self.server.cached_tokens
-        groups = self.sample(prompts, (r,))
+        groups = self.sample(prompts, r)
         flat = [(p, c) for p, group in zip(prompts, groups) for c in group]
         texts = [self.prompts.decode(c[0]) for _, c in flat]
         scores = np.asarray([self.rewards(p.text, t, p.fields) for (p, _), t in zip(flat, texts)], np.float32)
@@ -353,7 +345,25 @@ class Rollouts:
         """The mean reward of greedy completions of the first eval_prompts held-out prompts."""
         self.bind(trainer, state)
         self.sync(state.params)
-        prompts = self.prompts.val[: self.g.eval_prompts]
-        groups = self.sample(prompts, (1 << 31,), greedy=True)  # a tag no rollout batch has
-        scores = [self.rewards(p.text, self.prompts.decode(g[0][0]), p.fields) for p, g in zip(prompts, groups)]
-        return {"val_reward": float(np.mean(scores))}
+        held_out = self.prompts.val[: self.g.eval_prompts]
+        return {"val_reward": greedy_reward(self.server, held_out, self.prompts, self.rewards, self.g.max_new_tokens)}
+
+
+def _taken(server: Server, rid) -> tuple[list[int], list[float]]:
+    """(tokens, log-probabilities) of finished request `rid`, taken from `server`."""
+    result = server.take_result(rid)
+    if result.finish == "error":
+        raise ConfigError(f"train.grpo: the engine refused a rollout ({result.error})")
+    return result.tokens, result.logprobs
+
+
+def greedy_reward(server: Server, prompts: list, prompt_set: PromptSet, rewards: Rewards, max_new_tokens: int) -> float:
+    """The mean reward of `server`'s greedy completions of `prompts` (of `prompt_set`): GRPO's
+    evaluation (val_reward), and benchmarks/arith_accuracy.py's for any run."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=prompt_set.stop_ids)
+    for i, p in enumerate(prompts):
+        server.submit(Request(("eval", i), list(p.ids), greedy))
+    while server.busy:
+        server.step()
+    answers = [prompt_set.decode(_taken(server, ("eval", i))[0]) for i in range(len(prompts))]
+    return float(np.mean([rewards(p.text, a, p.fields) for p, a in zip(prompts, answers)]))

@@ -30,6 +30,7 @@ class LMTask:
     train: pathlib.Path
     val: pathlib.Path
     name = "lm"
+    on_policy = False  # batches come from data, not from the policy being trained
     unit = "tokens"
     batch_axes = ("act_batch", "act_seq")
 
@@ -89,6 +90,7 @@ class DPOTask:
     pairs: Any  # data.preference_pairs.PreferencePairs
     frozen: Any = None  # train.dpo.reference=frozen_copy: train.dpo_reference.FrozenReference, after prepare
     name = "dpo"
+    on_policy = False  # batches come from data, not from the policy being trained
     eval_metrics = ("accuracy", "reward_margin")  # held out as val_accuracy, val_reward_margin
     unit = "tokens"
     batch_axes = ("act_batch", "act_seq")
@@ -204,6 +206,7 @@ class DiffusionTask:
     train_set: tuple[np.ndarray, np.ndarray]
     val_set: tuple[np.ndarray, np.ndarray]
     name = "diffusion"
+    on_policy = False  # batches come from data, not from the policy being trained
     unit = "samples"
     batch_axes = ("act_batch",)
 
