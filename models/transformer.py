@@ -19,6 +19,7 @@ from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ, Attention
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.mixed_matmul import MATMUL
+from meshwork.models.layers.mla import MLAttention
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
@@ -59,6 +60,31 @@ def residual_out_std(cfg: ModelConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
 
+def make_attention(cfg: ModelConfig, **kw) -> nnx.Module:
+    """The attention `cfg` asks for: multi-head latent attention (model.mla) or grouped-query attention."""
+    common = dict(
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        init_std=cfg.init_std,
+        out_std=residual_out_std(cfg),
+        norm_eps=cfg.norm_eps,
+        impl=cfg.attention,
+        window=cfg.sliding_window,
+    )
+    if cfg.mla is not None:
+        return MLAttention(cfg.d_model, cfg.n_heads, cfg.mla, **common, **kw)
+    return Attention(
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.resolved_head_dim,
+        qkv_bias=cfg.qkv_bias,
+        qk_norm=cfg.qk_norm,
+        **common,
+        **kw,
+    )
+
+
 class Block(nnx.Module):
     """Pre-norm block: attention, then a SwiGLU MLP (`mlp=False` leaves the
     feed-forward to a subclass, e.g. the MoE block)."""
@@ -66,22 +92,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs, mlp: bool = True):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
-        self.attn = Attention(
-            cfg.d_model,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.resolved_head_dim,
-            rope_theta=cfg.rope_theta,
-            rope_scaling=cfg.rope_scaling,
-            init_std=cfg.init_std,
-            out_std=residual_out_std(cfg),
-            qkv_bias=cfg.qkv_bias,
-            qk_norm=cfg.qk_norm,
-            norm_eps=cfg.norm_eps,
-            impl=cfg.attention,
-            window=cfg.sliding_window,
-            **kw,
-        )
+        self.attn = make_attention(cfg, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         if mlp:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)

@@ -70,7 +70,9 @@ _BASE: dict[str, MeshAxes] = {
     "layers": None,
     "expert": None,  # the stacked-experts dimension of MoE weights
     "router": None,  # the experts dimension of the router's weight and bias
-    "lora_rank": None,  # fine-tuning's low-rank dimension: LoRA rank, adapter bottleneck (models/lora.py)
+    "lora_rank": None,
+    "q_lora": None,  # MLA's low-rank query dimension (models/layers/mla.py)
+    "kv_lora": None,  # MLA's key/value latent (one per token, shared by the heads: never split)  # fine-tuning's low-rank dimension: LoRA rank, adapter bottleneck (models/lora.py)
     # UNet weights: the output-channel dimension of a conv or dense layer is `embed`
     # (what fsdp splits); these name the other dimensions.
     "conv_kh": None,  # convolution kernel height

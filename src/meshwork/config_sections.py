@@ -198,6 +198,40 @@ class DiffusionConfig(Section):
     """Classifier-free guidance training: share of labels replaced by the null class."""
 
 
+class MLAConfig(Section):
+    """Multi-head latent attention (DeepSeek-V2/V3; models/layers/mla.py): keys and values are
+    up-projected from one low-rank latent per token, which is all the KV cache keeps."""
+
+    q_lora_rank: int | None = pydantic.Field(None, gt=0)
+    """Rank of the queries' low-rank projection (with an RMSNorm between); null: a full q projection."""
+    kv_lora_rank: int = pydantic.Field(64, gt=0)
+    """Width of the compressed key/value latent the cache holds per token."""
+    qk_nope_head_dim: int = pydantic.Field(32, gt=0)
+    """Per-head query/key dims without RoPE (up-projected from the latent)."""
+    qk_rope_head_dim: int = pydantic.Field(16, gt=0)
+    """Per-head query dims with RoPE, and the one RoPE key shared by all heads (cached beside the latent)."""
+    v_head_dim: int = pydantic.Field(32, gt=0)
+    """Per-head value dims."""
+
+    @pydantic.field_validator("qk_rope_head_dim")
+    @classmethod
+    def _even(cls, value: int) -> int:
+        if value % 2:
+            raise ValueError(f"{value} is odd; RoPE rotates pairs of dims, so use an even number")
+        return value
+
+
+class MTPConfig(Section):
+    """Multi-token prediction (DeepSeek-V3; models/mtp.py): `depth` extra modules, module k
+    predicting the token k + 1 places after the next from the previous depth's hidden state
+    and the embedding of the token k places ahead, sharing the model's embedding and head."""
+
+    depth: int = pydantic.Field(0, ge=0)
+    """Number of MTP modules (DeepSeek-V3: 1); 0: none."""
+    loss_coef: float = pydantic.Field(0.3, ge=0)
+    """Weight of the mean over depths of the MTP cross-entropies in the objective (DeepSeek-V3: 0.3, then 0.1)."""
+
+
 class ModelConfig(Section):
     kind: Literal["transformer", "moe", "unet"] = "transformer"
     vocab_size: int = pydantic.Field(256, gt=0)
@@ -232,6 +266,11 @@ class ModelConfig(Section):
     tie_embeddings: bool = False
     """Reuse the input embedding as the output projection."""
     init_std: float = 0.02
+    mla: MLAConfig | None = None
+    """Multi-head latent attention in every layer instead of grouped-query attention (n_kv_heads
+    and head_dim are then unused); null: grouped-query attention."""
+    mtp: MTPConfig = MTPConfig()
+    """Multi-token prediction modules (trained beside the model; a draft for speculative decoding)."""
     moe: MoEConfig = MoEConfig()
     """Used when kind = moe."""
     unet: UNetConfig = UNetConfig()

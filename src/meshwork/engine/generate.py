@@ -93,7 +93,9 @@ class Generator:
         self.batch_multiple = (
             math.prod(mesh_shape[a] for a in split_axes("act_batch", rules, mesh_shape)) if mesh is not None else 1
         )
-        self.cache_sharding = KVCache.shardings(mesh, rules).k if mesh is not None else None
+        self.cache_sharding = (
+            KVCache.shardings(mesh, rules, latent=self.cfg.mla is not None).k if mesh is not None else None
+        )
         self._forward = jax.jit(self.apply, donate_argnums=3)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=3)
         self._decode = jax.jit(self._decode_fn, donate_argnums=3)

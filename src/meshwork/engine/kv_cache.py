@@ -60,15 +60,40 @@ POOL_AXES = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
 NULL_PAGE = 0
 
 
+def cache_geometry(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(kv heads, key width, value width) that one layer caches per token.
+
+    Dense attention: (kv_heads, head_dim, head_dim). Multi-head latent attention
+    (models/layers/mla.py): one "head" of the latent and the RoPE key, (1, kv_lora_rank +
+    qk_rope_head_dim, 0); its values are the latent itself (the key's first kv_lora_rank dims),
+    so `v` is a zero-width array and `attend_latent` reads them from `k`.
+    """
+    if cfg.mla is not None:
+        return 1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim, 0
+    return cfg.n_kv_heads, cfg.resolved_head_dim, cfg.resolved_head_dim
+
+
 def cache_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype) -> int:
-    """2 (k and v) x layers x kv_heads x head_dim x bytes per element."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.resolved_head_dim * jnp.dtype(dtype).itemsize
+    """layers x kv_heads x (key + value width) x bytes per element: 2 x layers x kv_heads x head_dim x
+    bytes for dense attention, layers x (kv_lora_rank + qk_rope_head_dim) x bytes for MLA."""
+    G, Kk, Kv = cache_geometry(cfg)
+    return cfg.n_layers * G * (Kk + Kv) * jnp.dtype(dtype).itemsize
 
 
-def _zero_pair(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding | None) -> tuple[jax.Array, ...]:
-    """Zeroed k and v arrays, each created directly in its sharding (no host copy)."""
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return make(), make()
+def _zero_pair(
+    cfg: ModelConfig, lead: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding | None
+) -> tuple[jax.Array, ...]:
+    """Zeroed k and v arrays of shape (layers, *lead, kv heads, width), each created directly in its
+    sharding (no host copy)."""
+    G, Kk, Kv = cache_geometry(cfg)
+    make = lambda K: jax.jit(lambda: jnp.zeros((cfg.n_layers, *lead, G, K), dtype), out_shardings=sharding)()  # noqa: E731
+    return make(Kk), make(Kv)
+
+
+def _latent(axes: tuple) -> tuple:
+    """A cache's logical axes with its kv-heads dimension left whole: MLA's one latent "head" is
+    read by every query head, so it is replicated where the heads are split."""
+    return tuple(None if a == "act_kv_heads" else a for a in axes)
 
 
 def cached_attention(
@@ -103,9 +128,35 @@ def cached_attention(
     return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS)
 
 
+def latent_attention(
+    q_BLHC: jax.Array,
+    cache_BSC: jax.Array,
+    positions_BL: jax.Array,
+    *,
+    scale: float,
+    values: int,
+    window: int | None = None,
+) -> jax.Array:
+    """Absorbed-query attention over cached latents: softmax(q . cache * scale, causal by position) x
+    cache[..., :values], (B, L, H, values). Scores and softmax in float32.
+
+    >>> q = jnp.ones((1, 1, 2, 6)); cache = jnp.ones((1, 8, 6))
+    >>> latent_attention(q, cache, jnp.array([[3]]), scale=0.5, values=4).shape
+    (1, 1, 2, 4)
+    """
+    S = cache_BSC.shape[1]
+    s_BHLS = jnp.einsum("BLHC,BSC->BHLS", q_BLHC.astype(jnp.float32), cache_BSC.astype(jnp.float32)) * scale
+    key_S, pos_B1L1 = jnp.arange(S)[None, None, None, :], positions_BL[:, None, :, None]
+    mask = key_S <= pos_B1L1
+    if window is not None:
+        mask &= key_S > pos_B1L1 - window
+    p_BHLS = jax.nn.softmax(jnp.where(mask, s_BHLS, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.einsum("BHLS,BSR->BLHR", p_BHLS, cache_BSC[..., :values].astype(jnp.float32)).astype(q_BLHC.dtype)
+
+
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> int:
-    """Bytes of a contiguous cache: keys and values of every layer, row and position."""
-    return 2 * cfg.n_layers * batch * max_len * cfg.n_kv_heads * cfg.resolved_head_dim * jnp.dtype(dtype).itemsize
+    """Bytes of a contiguous cache: keys and values (or latents) of every layer, row and position."""
+    return batch * max_len * cache_bytes_per_token(cfg, dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -125,11 +176,12 @@ class KVCache:
         dtype: jnp.dtype = jnp.float32,
         sharding: NamedSharding | None = None,
     ) -> KVCache:
-        return cls(*_zero_pair((cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim), dtype, sharding))
+        return cls(*_zero_pair(cfg, (batch, max_len), dtype, sharding))
 
     @staticmethod
-    def shardings(mesh: Mesh, rules: Rules) -> KVCache:
-        s = logical_to_sharding(CACHE_AXES, mesh, rules)
+    def shardings(mesh: Mesh, rules: Rules, latent: bool = False) -> KVCache:
+        """The cache's layout by the rules; `latent`: an MLA cache (kv-heads dimension replicated)."""
+        s = logical_to_sharding(_latent(CACHE_AXES) if latent else CACHE_AXES, mesh, rules)
         return KVCache(s, s)
 
     @property
@@ -161,6 +213,14 @@ class _ContiguousLayer:
         )
         return o_BLHK, _ContiguousLayer(KVCache(k, v), self.i)
 
+    def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None):
+        """MLA's absorbed attention (models/layers/mla.py): writes each token's [latent, RoPE key] at its
+        position and attends the latent-space queries over the row's cached entries; (B, L, H, values)."""
+        rows_B1 = jnp.arange(positions_BL.shape[0])[:, None]
+        k = self.cache.k.at[self.i, rows_B1, positions_BL, 0].set(entry_BLC.astype(self.cache.k.dtype), mode="drop")
+        o_BLHR = latent_attention(q_BLHC, k[self.i, :, :, 0], positions_BL, scale=scale, values=values, window=window)
+        return o_BLHR, _ContiguousLayer(KVCache(k, self.cache.v), self.i)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -183,12 +243,13 @@ class PagedKVCache:
         dtype: jnp.dtype = jnp.float32,
         sharding: NamedSharding | None = None,
     ) -> PagedKVCache:
-        k, v = _zero_pair((cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.resolved_head_dim), dtype, sharding)
+        k, v = _zero_pair(cfg, (n_pages, page_size), dtype, sharding)
         return cls(k, v, jnp.full((batch, pages_per_seq), NULL_PAGE, jnp.int32))
 
     @staticmethod
-    def shardings(mesh: Mesh, rules: Rules) -> PagedKVCache:
-        s = logical_to_sharding(POOL_AXES, mesh, rules)
+    def shardings(mesh: Mesh, rules: Rules, latent: bool = False) -> PagedKVCache:
+        """The pool's layout by the rules; `latent`: an MLA pool (kv-heads dimension replicated)."""
+        s = logical_to_sharding(_latent(POOL_AXES) if latent else POOL_AXES, mesh, rules)
         return PagedKVCache(s, s, logical_to_sharding((), mesh, rules))
 
     @property
@@ -217,17 +278,42 @@ class _PagedLayer:
             )
         return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
 
+    def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None):
+        """MLA's absorbed attention over the sequence's pages, as `_ContiguousLayer.attend_latent`
+        (XLA's gather of the pages; the Pallas paged kernel reads per-head keys and values only)."""
+        c = self.cache
+        attend = functools.partial(_latent_pages, scale=scale, values=values, window=window)
+        # The shared paths take (q, k_new, v_new, ...): the entry rides as the "keys", one latent head.
+        args = (q_BLHC, entry_BLC[:, :, None], entry_BLC[:, :, None, :0], positions_BL, c.k, c.v, c.page_table, self.i)
+        rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
+        if rules is None or mesh.empty or all(n == 1 for n in mesh.shape.values()):
+            o_BLHR, k, v = attend(*args)
+        else:
+            o_BLHR, k, v = _attend_per_replica(attend, rules, dict(mesh.shape), *args, latent=True)
+        return o_BLHR, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
 
-def _attend_pages(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i, *, impl, window):
-    """Writes the new keys/values into their pages, then attends the queries over the sequence's pages."""
-    T, P = k_pool.shape[2], table_BP.shape[1]
+
+def _write_pages(new_BLGK, positions_BL, pool, table_BP, i):
+    """`pool` with this layer's new entries written at their positions' pages and offsets."""
+    T, P = pool.shape[2], table_BP.shape[1]
     slot_BL = jnp.minimum(positions_BL // T, P - 1)
     page_BL = jnp.take_along_axis(table_BP, slot_BL, axis=1)
     # Past the table's reach a write goes to the null page, never into the row's last live page.
     page_BL = jnp.where(positions_BL < P * T, page_BL, NULL_PAGE)
-    offset_BL = positions_BL % T
-    k = k_pool.at[i, page_BL, offset_BL].set(k_BLGK.astype(k_pool.dtype))
-    v = v_pool.at[i, page_BL, offset_BL].set(v_BLGK.astype(v_pool.dtype))
+    return pool.at[i, page_BL, positions_BL % T].set(new_BLGK.astype(pool.dtype))
+
+
+def _latent_pages(q_BLHC, entry_BL1C, _v, positions_BL, k_pool, v_pool, table_BP, i, *, scale, values, window):
+    """Writes the new [latent, RoPE key] entries into their pages, then attends over the sequence's pages."""
+    k = _write_pages(entry_BL1C, positions_BL, k_pool, table_BP, i)
+    cache_BSC = gather_pages(k, table_BP, i)[:, :, 0]
+    return latent_attention(q_BLHC, cache_BSC, positions_BL, scale=scale, values=values, window=window), k, v_pool
+
+
+def _attend_pages(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i, *, impl, window):
+    """Writes the new keys/values into their pages, then attends the queries over the sequence's pages."""
+    k = _write_pages(k_BLGK, positions_BL, k_pool, table_BP, i)
+    v = _write_pages(v_BLGK, positions_BL, v_pool, table_BP, i)
     if impl == "pallas":
         # The kernel takes the whole pool and the layer index: neither this layer nor its pages are copied.
         o_BLHK = paged_attention(q_BLHK, k, v, table_BP, positions_BL, layer=i, window=window)
@@ -237,7 +323,9 @@ def _attend_pages(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP
     return o_BLHK, k, v
 
 
-def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i):
+def _attend_per_replica(
+    attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i, latent=False
+):
     """`attend` on each device's share of the pool, inside `shard_map`.
 
     The pool's pages are split over the data axes: data-parallel replica r
@@ -249,11 +337,15 @@ def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, posit
     pool (decode: each replica runs its own rows); a batch that does not
     divide (a one-row prefill chunk) is replicated instead, every replica
     writes only the pages it holds (the others' land on its null page) and
-    the owner's output is summed across the replicas.
+    the owner's output is summed across the replicas. `latent` (MLA): the pool's one latent
+    "head" is whole on every device of the heads' axes, which each attend their query heads over it.
     """
     data = compiler_axes(split_axes("act_batch", rules, mesh_shape))
     heads = compiler_axes(split_axes("act_kv_heads", rules, mesh_shape))
-    if heads != compiler_axes(split_axes("act_heads", rules, mesh_shape)):
+    q_heads = compiler_axes(split_axes("act_heads", rules, mesh_shape))
+    if latent:
+        heads = ()
+    elif heads != q_heads:
         raise ValueError(
             "a paged cache needs query heads and kv heads split over the same mesh axes; "
             "map act_heads and act_kv_heads alike in the rules"
@@ -262,7 +354,8 @@ def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, posit
     rows_split = q_BLHK.shape[0] % D == 0
     row_axes = (data or None) if rows_split else None
     row = PartitionSpec(row_axes, None)
-    act = PartitionSpec(row_axes, None, heads or None, None)
+    act = PartitionSpec(row_axes, None, (q_heads if latent else heads) or None, None)
+    new = PartitionSpec(row_axes, None, heads or None, None)
     pool = PartitionSpec(None, data or None, None, heads or None, None)
 
     def body(q, k_new, v_new, positions, k_pool, v_pool, table, i):
@@ -280,7 +373,7 @@ def _attend_per_replica(attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, posit
     return jax.shard_map(
         body,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(act, act, act, row, pool, pool, row, PartitionSpec()),
+        in_specs=(act, new, new, row, pool, pool, row, PartitionSpec()),
         out_specs=(act, pool, pool),
         check_vma=False,
     )(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i)

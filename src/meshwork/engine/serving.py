@@ -203,7 +203,7 @@ class Server:
         # Default pool: half of what slots x max_len would need, plus a null page per replica.
         n_pages = n_pages or slots * self.pages_per_seq // 2 + self.replicas
         n_pages = round_up(n_pages, self.replicas)
-        sharding = PagedKVCache.shardings(mesh, rules).k if mesh is not None else None
+        sharding = PagedKVCache.shardings(mesh, rules, latent=self.cfg.mla is not None).k if mesh is not None else None
         pool = PagedKVCache.zeros(
             self.cfg, n_pages, page_size, slots, self.pages_per_seq, self.gen.cache_dtype, sharding
         )
