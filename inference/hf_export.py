@@ -41,8 +41,17 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from meshwork.config_sections import ModelConfig
-from meshwork.models.hf.layout import HF_DTYPE_NAMES, as_pure_dict, check_tree, hf_layout, layout_shapes
+from meshwork.models.hf.layout import (
+    HF_DTYPE_NAMES,
+    as_pure_dict,
+    check_tree,
+    hf_layout,
+    layout_shapes,
+    mtp_shared_copies,
+    split_buffers,
+)
 from meshwork.models.hf.rope import rope_to_hf
+from meshwork.models.layers.moe_routing import RouterBias
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -52,6 +61,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 NAMES = {
     "llama": "Llama",
@@ -61,6 +71,7 @@ NAMES = {
     "mixtral": "Mixtral",
     "qwen3_moe": "Qwen3-MoE",
     "qwen2_moe": "Qwen2-MoE",
+    "deepseek_v3": "DeepSeek-V3",
 }
 
 
@@ -85,6 +96,13 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
         raise ValueError(
             f"cannot export model.kind={cfg.kind!r}: only transformer (as Llama, Mistral, Qwen2 or Qwen3) "
             "and moe (as Mixtral, Qwen2-MoE or Qwen3-MoE) models have a Hugging Face form here"
+        )
+    if cfg.mla is not None:
+        return _deepseek_v3_type(cfg, allow_dropless)
+    if cfg.mtp.depth:
+        raise ValueError(
+            f"cannot export mtp.depth={cfg.mtp.depth}: multi-token prediction modules have a Hugging Face "
+            "form only in DeepSeek-V3 checkpoints (model.mla set); set mtp.depth 0 to export without them"
         )
     if cfg.kind == "transformer":  # Llama has no sliding window; Mistral is Llama with one
         model_type = (
@@ -149,6 +167,57 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     return model_type
 
 
+def _deepseek_v3_type(cfg: ModelConfig, allow_dropless: bool) -> str:
+    """ "deepseek_v3" for an MLA model DeepSeek-V3's config can express, else ValueError naming each setting."""
+    m = cfg.moe
+    checks = [
+        (not cfg.qkv_bias and not cfg.qk_norm, "qkv_bias/qk_norm (DeepSeek-V3's MLA has neither)"),
+        (cfg.sliding_window is None, f"sliding_window={cfg.sliding_window} (DeepSeek-V3 attends to every key)"),
+    ]
+    if cfg.kind == "moe":
+        checks += [
+            (m.router == "sigmoid", f"moe.router={m.router!r} (DeepSeek-V3 routes by sigmoid scores)"),
+            (not m.dense_layers, f"moe.dense_layers={list(m.dense_layers or ())} (only leading dense layers)"),
+            (not m.shared_expert_gate, "moe.shared_expert_gate=True (DeepSeek-V3's shared experts are ungated)"),
+            (
+                m.d_shared in (None, m.n_shared_experts * m.d_expert),
+                f"moe.d_shared={m.d_shared} (DeepSeek-V3's shared experts are n_shared_experts x d_expert wide)",
+            ),
+            (m.capacity_factor is None or allow_dropless, _dropless(m.capacity_factor or 0, "DeepSeek-V3") + ")"),
+        ]
+    problems = [why for ok, why in checks if not ok]
+    if problems:
+        raise ValueError(f"cannot export to DeepSeek-V3: {'; '.join(problems)}")
+    return "deepseek_v3"
+
+
+def _deepseek_v3_config(cfg: ModelConfig, c: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's config.json keys beside the common ones of `hf_config` (RoPE rows written interleaved)."""
+    m, a = cfg.moe, cfg.mla
+    dense = cfg.n_layers if cfg.kind == "transformer" else m.first_dense_layers
+    groups = m.n_groups if cfg.kind == "moe" else 1
+    return {k: v for k, v in c.items() if k != "head_dim"} | {
+        "num_key_value_heads": cfg.n_heads,
+        "q_lora_rank": a.q_lora_rank,
+        "kv_lora_rank": a.kv_lora_rank,
+        "qk_nope_head_dim": a.qk_nope_head_dim,
+        "qk_rope_head_dim": a.qk_rope_head_dim,
+        "v_head_dim": a.v_head_dim,
+        "rope_interleave": True,
+        "moe_intermediate_size": m.d_expert,
+        "n_routed_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "n_shared_experts": m.n_shared_experts,
+        "n_group": groups,
+        "topk_group": m.topk_groups if cfg.kind == "moe" else 1,
+        "routed_scaling_factor": m.routed_scaling_factor,
+        "norm_topk_prob": m.norm_topk_prob,
+        "first_k_dense_replace": dense,
+        "num_nextn_predict_layers": cfg.mtp.depth,
+        "attention_bias": False,
+    }
+
+
 def _dropless(capacity_factor: float, name: str = "Mixtral") -> str:
     return (
         f"moe.capacity_factor={capacity_factor} ({name} is dropless: it computes the tokens this model "
@@ -197,6 +266,8 @@ def hf_config(
     }
     if model_type == "llama":
         return c | {"attention_bias": False, "mlp_bias": False}
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_config(cfg, c)
     if model_type == "mistral":
         return c | {"sliding_window": cfg.sliding_window}
     full_attention = {
@@ -293,10 +364,19 @@ def export_hf(
         )
     if isinstance(model_or_params, nnx.Module):
         params = nnx.to_pure_dict(nnx.state(model_or_params, nnx.Param))
+        buffers = nnx.to_pure_dict(nnx.state(model_or_params, RouterBias))
     else:
-        params = as_pure_dict(model_or_params)
-    layout = hf_layout(cfg, model_type)
+        params, buffers = as_pure_dict(model_or_params), None
+    layout, buffers_layout = split_buffers(hf_layout(cfg, model_type))
     check_tree(layout_shapes(layout), params)
+    if buffers_layout and buffers is None:
+        warnings.warn(
+            "exporting DeepSeek-V3 from parameters alone: the experts' selection biases are model buffers, "
+            "not parameters, and are written as zeros; pass the model to export its own",
+            UserWarning,
+            stacklevel=2,
+        )
+        buffers = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), layout_shapes(buffers_layout))
     dtype = np.dtype(params["embed"]["table"].dtype)
     if dtype not in HF_DTYPE_NAMES:
         raise ValueError(
@@ -305,11 +385,14 @@ def export_hf(
         )
 
     tensors: dict[str, np.ndarray] = {}
-    for key, part in layout.items():
-        for i, layer in enumerate(part) if isinstance(part, list) else [(None, part)]:
-            jax.tree.map(
-                lambda spec, x: tensors.update(spec.write(np.asarray(x if i is None else x[i]))), layer, params[key]
-            )
+    for tree, values in ((layout, params), (buffers_layout, buffers)):
+        for key, part in tree.items():
+            for i, layer in enumerate(part) if isinstance(part, list) else [(None, part)]:
+                jax.tree.map(
+                    lambda spec, x: tensors.update(spec.write(np.asarray(x if i is None else x[i]))), layer, values[key]
+                )
+    for copy, source in mtp_shared_copies(cfg).items():  # DeepSeek's MTP layers store the shared tensors again
+        tensors[copy] = tensors[source]
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

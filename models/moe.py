@@ -31,6 +31,7 @@ from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.moe import MoE
 from meshwork.models.layers.moe_routing import RouterBias, updated_router_bias
+from meshwork.models.mtp import add_mtp_stats, make_mtp
 from meshwork.models.transformer import (
     ACT_BLD,
     REMAT_POLICIES,
@@ -100,6 +101,9 @@ class MoETransformer(nnx.Module):
             block = MoEBlock if run.moe else Block
             setattr(self, run.name, stack_layers(lambda r, block=block: block(cfg, rngs=r, **kw), run.count, rngs))
         self.head = LMHead(cfg, rngs=rngs, **kw)
+        # DeepSeek-V3's MTP module's block is of the kind of the model's last layer.
+        mtp_block = MoEBlock if self.runs[-1].moe else Block
+        self.mtp = make_mtp(cfg, lambda r: mtp_block(cfg, rngs=r, **kw), rngs=rngs, **kw)
 
     def apply(
         self,
@@ -108,8 +112,18 @@ class MoETransformer(nnx.Module):
         *,
         noise_key: jax.Array | None = None,
         segment_ids_BL: jax.Array | None = None,
+        targets_BL: jax.Array | None = None,
+        loss_mask_BL: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        h_BLD, stats = self.apply_hidden(tokens_BL, positions_BL, noise_key=noise_key, segment_ids_BL=segment_ids_BL)
+        """(logits, routing statistics and, with `targets_BL`, the MTP losses), as `Transformer.apply`."""
+        h_BLD, stats = self.apply_hidden(
+            tokens_BL,
+            positions_BL,
+            noise_key=noise_key,
+            segment_ids_BL=segment_ids_BL,
+            targets_BL=targets_BL,
+            loss_mask_BL=loss_mask_BL,
+        )
         return self.head.project(h_BLD, self.embed), stats
 
     def apply_hidden(
@@ -119,6 +133,8 @@ class MoETransformer(nnx.Module):
         *,
         noise_key: jax.Array | None = None,
         segment_ids_BL: jax.Array | None = None,
+        targets_BL: jax.Array | None = None,
+        loss_mask_BL: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`apply` without the output projection: (final-normed hidden states, routing statistics),
         as `Transformer.apply_hidden`."""
@@ -140,7 +156,18 @@ class MoETransformer(nnx.Module):
             done += run.count
         # Each statistic with a leading axis over the MoE layers, in layer order.
         stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_run)
-        return self.head.final_norm(x_BLD), routing_summary(stats)
+        stats = add_mtp_stats(
+            self,
+            x_BLD,
+            routing_summary(stats),
+            tokens_BL=tokens_BL,
+            positions_BL=positions_BL,
+            segment_ids_BL=segment_ids_BL,
+            noise_key=noise_key,
+            targets_BL=targets_BL,
+            loss_mask_BL=loss_mask_BL,
+        )
+        return self.head.final_norm(x_BLD), stats
 
     def head_weight(self) -> jax.Array:
         """The output projection, (D, V), as `Transformer.head_weight`."""
@@ -168,17 +195,19 @@ class MoETransformer(nnx.Module):
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         return self.apply(tokens_BL, positions_BL)[0]
 
-    def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache) -> tuple[jax.Array, object]:
-        """Inference with a KV cache, as `Transformer.decode`."""
+    def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache, hidden: bool = False):
+        """Inference with a KV cache, as `Transformer.decode` (`hidden`: also the pre-norm hidden states)."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         for run in self.runs:  # the cache holds every layer; a run writes its layers' slices
             x_BLD, cache = decode_layers(
                 *nnx.split(getattr(self, run.name)), x_BLD, positions_BL, cache, first_layer=run.start
             )
-        return self.head(x_BLD, self.embed), cache
+        logits_BLV = self.head(x_BLD, self.embed)
+        return (logits_BLV, x_BLD, cache) if hidden else (logits_BLV, cache)
 
     def aux_coefficients(self) -> dict[str, float]:
-        return {"aux_loss": self.cfg.moe.aux_loss_coef, "z_loss": self.cfg.moe.z_loss_coef}
+        mtp = {"mtp_loss": self.cfg.mtp.loss_coef} if self.mtp is not None else {}
+        return {"aux_loss": self.cfg.moe.aux_loss_coef, "z_loss": self.cfg.moe.z_loss_coef, **mtp}
 
     def updated_buffers(self, buffers: nnx.State, stats: dict[str, jax.Array]) -> nnx.State:
         """DeepSeek-V3's auxiliary-loss-free balancing: after each step every MoE

@@ -23,6 +23,7 @@ from meshwork.models.layers.mla import MLAttention
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
+from meshwork.models.mtp import add_mtp_stats, make_mtp
 from meshwork.partitioning import to_device_memory
 from meshwork.sharding.parallel import with_logical_constraint
 
@@ -263,6 +264,13 @@ class Transformer(nnx.Module):
             lambda r: Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=r), cfg.n_layers, rngs
         )
         self.head = LMHead(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mtp = make_mtp(
+            cfg,
+            lambda r: Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=r),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
     def __call__(
         self,
@@ -304,13 +312,25 @@ class Transformer(nnx.Module):
         *,
         noise_key: jax.Array | None = None,
         segment_ids_BL: jax.Array | None = None,
+        targets_BL: jax.Array | None = None,
+        loss_mask_BL: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The trainer's entry point, shared by all LMs: (logits, auxiliary statistics).
 
-        A dense model has no auxiliary terms; `noise_key` (the step's randomness, given
-        in training only) draws the dropout of LoRA branches when there are any.
+        A dense model has no auxiliary terms but its multi-token prediction losses (models/mtp.py),
+        computed when it has MTP modules and `targets_BL` (with `loss_mask_BL`) are given;
+        `noise_key` (the step's randomness, given in training only) draws the dropout of LoRA
+        branches when there are any.
         """
-        return self(tokens_BL, positions_BL, dropout_key=noise_key, segment_ids_BL=segment_ids_BL), {}
+        h_BLD, stats = self.apply_hidden(
+            tokens_BL,
+            positions_BL,
+            noise_key=noise_key,
+            segment_ids_BL=segment_ids_BL,
+            targets_BL=targets_BL,
+            loss_mask_BL=loss_mask_BL,
+        )
+        return self.head.project(h_BLD, self.embed), stats
 
     def apply_hidden(
         self,
@@ -319,12 +339,25 @@ class Transformer(nnx.Module):
         *,
         noise_key: jax.Array | None = None,
         segment_ids_BL: jax.Array | None = None,
+        targets_BL: jax.Array | None = None,
+        loss_mask_BL: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`apply` without the output projection: (final-normed hidden states, statistics), for a
         loss that multiplies them by `head_weight()` itself, chunk by chunk (train.loss_chunk)."""
         x_BLD = self._trunk(tokens_BL, positions_BL, noise_key, segment_ids_BL)
+        stats = add_mtp_stats(
+            self,
+            x_BLD,
+            {},
+            tokens_BL=tokens_BL,
+            positions_BL=positions_BL,
+            segment_ids_BL=segment_ids_BL,
+            noise_key=noise_key,
+            targets_BL=targets_BL,
+            loss_mask_BL=loss_mask_BL,
+        )
         with jax.named_scope("lm_head"):
-            return self.head.final_norm(x_BLD), {}
+            return self.head.final_norm(x_BLD), stats
 
     def head_weight(self) -> jax.Array:
         """The output projection, (D, V): logits = apply_hidden(...)[0] @ head_weight()."""
@@ -332,12 +365,15 @@ class Transformer(nnx.Module):
 
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""
-        return {}
+        return {"mtp_loss": self.cfg.mtp.loss_coef} if self.mtp is not None else {}
 
-    def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache) -> tuple[jax.Array, object]:
+    def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache, hidden: bool = False):
         """Inference: logits of new tokens at `positions_BL`, attending over the keys
         and values `cache` holds for earlier positions; returns (logits, updated cache).
-        One call with a whole prompt is the prefill, calls with L=1 are decode steps."""
+        One call with a whole prompt is the prefill, calls with L=1 are decode steps.
+        `hidden`: also return the residual stream before the final norm, (logits, hidden, cache),
+        which the MTP modules draft from (models/mtp.py: `mtp_decode`)."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
         x_BLD, cache = decode_layers(*nnx.split(self.blocks), x_BLD, positions_BL, cache)
-        return self.head(x_BLD, self.embed), cache
+        logits_BLV = self.head(x_BLD, self.embed)
+        return (logits_BLV, x_BLD, cache) if hidden else (logits_BLV, cache)

@@ -53,7 +53,7 @@ import pathlib
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshwork.config_sections import ModelConfig
-from meshwork.models.hf.config import config_from_hf
+from meshwork.models.hf.config import config_from_hf, rope_interleaved
 from meshwork.models.hf.files import TensorReader, checkpoint_files
 from meshwork.models.hf.layout import (
     HFTensor,
@@ -72,6 +72,8 @@ from meshwork.models.hf.layout import (
     layout_leaves,
     layout_shapes,
     map_in_order,
+    mtp_shared_copies,
+    split_buffers,
 )
 from meshwork.sharding.rules import Rules, tree_shardings
 
@@ -88,13 +90,36 @@ def load_hf_config(path: str | pathlib.Path) -> ModelConfig:
     return _checkpoint(path)[0]
 
 
-def _checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, str, list[pathlib.Path]]:
-    """(ModelConfig, model_type, safetensors files) of a checkpoint directory."""
+class _Source(NamedTuple):
+    """A checkpoint directory as the loaders read it."""
+
+    cfg: ModelConfig
+    model_type: str
+    files: list[pathlib.Path]
+    interleaved: bool  # DeepSeek's RoPE rows in interleaved pairs (models/hf/layout.py permutes them)
+
+
+def _checkpoint(path: str | pathlib.Path) -> _Source:
+    """The ModelConfig, model_type, safetensors files and layout options of a checkpoint directory."""
     hf_config, files = checkpoint_files(pathlib.Path(path))
     cfg = config_from_hf(hf_config)
     if cfg.tie_embeddings and _file_head_differs(files):
         cfg = cfg.model_copy(update={"tie_embeddings": False})
-    return cfg, hf_config["model_type"], files
+    if cfg.mtp.depth and not _has_tensor(files, f"model.layers.{cfg.n_layers}.eh_proj.weight"):
+        # transformers neither runs nor saves DeepSeek's MTP layers: a fine-tune it wrote has none.
+        warnings.warn(
+            f"config.json has num_nextn_predict_layers={cfg.mtp.depth} but the files hold no MTP layer "
+            f"(model.layers.{cfg.n_layers}.*); loading the model without MTP modules (mtp.depth 0)",
+            UserWarning,
+            stacklevel=3,
+        )
+        cfg = cfg.model_copy(update={"mtp": cfg.mtp.model_copy(update={"depth": 0})})
+    return _Source(cfg, hf_config["model_type"], files, rope_interleaved(hf_config))
+
+
+def _has_tensor(files: list[pathlib.Path], name: str) -> bool:
+    with contextlib.ExitStack() as stack:
+        return name in TensorReader(files, stack).where
 
 
 def _file_head_differs(files: list[pathlib.Path]) -> bool:
@@ -124,11 +149,13 @@ def _file_head_differs(files: list[pathlib.Path]) -> bool:
     return True
 
 
-def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, placer: Any) -> dict[str, Any]:
+def _read_params(source: _Source, placer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Reads the checkpoint group by group, in stacked groups layer by layer, through `placer`:
     `place(key, tree of HFTensors, read)` and `stack(key, list of per-layer trees, read)`, where
-    `read(spec)` returns one parameter of one layer as numpy, and decide where each piece goes."""
-    layout = hf_layout(cfg, model_type)
+    `read(spec)` returns one parameter of one layer as numpy, and decide where each piece goes.
+    Returns (parameters, buffers): the buffers (DeepSeek-V3's selection biases) as numpy."""
+    cfg, model_type, files = source.cfg, source.model_type, source.files
+    layout = hf_layout(cfg, model_type, source.interleaved)
     with contextlib.ExitStack() as stack:
         t = TensorReader(files, stack)
         # Check names and shapes against the files' headers first: a wrong config fails
@@ -137,7 +164,7 @@ def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, p
         for spec in specs:
             for name in spec.names():
                 t.check(name, spec.hf_shape)
-        claimed = {n for s in specs for n in s.names()}
+        claimed = {n for s in specs for n in s.names()} | set(mtp_shared_copies(cfg))
         if cfg.tie_embeddings:
             claimed.add("lm_head.weight")  # some exports keep the tied copy
         if left := sorted(set(t.unused(_IGNORED)) - claimed):
@@ -146,10 +173,17 @@ def _read_params(files: list[pathlib.Path], cfg: ModelConfig, model_type: str, p
                 f"e.g. {left[:3]}; the config may not describe these weights"
             )
         read = functools.partial(HFTensor.read, t=t)
-        return {
-            key: placer.stack(key, part, read) if isinstance(part, list) else placer.place(key, part, read)
-            for key, part in layout.items()
+        params_layout, buffers_layout = split_buffers(layout)
+        host = _Host()
+        buffers = {
+            key: host.stack(key, part, read) if isinstance(part, list) else host.place(key, part, read)
+            for key, part in buffers_layout.items()
         }
+        params = {
+            key: placer.stack(key, part, read) if isinstance(part, list) else placer.place(key, part, read)
+            for key, part in params_layout.items()
+        }
+        return params, buffers
 
 
 class _Host:
@@ -252,8 +286,17 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str,
     >>> params["blocks"]["attn"]["wq"].shape   # (layers, D, H, K)
     (3, 64, 4, 24)
     """
-    cfg, model_type, files = _checkpoint(path)
-    return cfg, _read_params(files, cfg, model_type, _Host())
+    source = _checkpoint(path)
+    params, buffers = _read_params(source, _Host())
+    return source.cfg, _merge(params, buffers)
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two nested dicts as one (b's leaves added to a's branches)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and k in out else v
+    return out
 
 
 def load_hf_model(
@@ -290,9 +333,10 @@ def load_hf_model(
     >>> model.blocks.attn.wq[...].sharding.spec
     P(None, None, 'tensor', None)
     """
-    cfg, model_type, files = _checkpoint(path)
+    source = _checkpoint(path)
     if attention is not None:
-        cfg = cfg.model_copy(update={"attention": attention})
+        source = source._replace(cfg=source.cfg.model_copy(update={"attention": attention}))
+    cfg, model_type = source.cfg, source.model_type
     make = functools.partial(_make_model, cfg, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, seed=0)
     graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     target = nnx.to_pure_dict(abstract)
@@ -303,8 +347,8 @@ def load_hf_model(
                 "shardings do not match the model's parameters; build them with "
                 "hf_param_shardings(load_hf_config(path), mesh, rules)"
             )
-    check_tree(target, layout_shapes(hf_layout(cfg, model_type)))
-    params = _read_params(files, cfg, model_type, _Devices(target, shardings))
+    check_tree(target, layout_shapes(split_buffers(hf_layout(cfg, model_type))[0]))
+    params, read_buffers = _read_params(source, _Devices(target, shardings))
     nnx.replace_by_pure_dict(abstract, params)
     # Buffers (e.g. MoE selection biases) get their initial values, replicated; under jit the
     # parameters' random init is dead code and compiles away.
@@ -313,7 +357,25 @@ def load_hf_model(
         mesh = next(s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding))
         replicated = {"out_shardings": NamedSharding(mesh, PartitionSpec())}
     buffers = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], **replicated)()
+    _set_buffers(buffers, read_buffers)
     return cfg, nnx.merge(graphdef, abstract, buffers)
+
+
+def _set_buffers(buffers: nnx.State, read: dict[str, Any]) -> None:
+    """Writes the buffers read from a checkpoint into the model's, in their dtype and placement."""
+    if not read:
+        return
+    current = nnx.to_pure_dict(buffers)
+    new = jax.tree.map(
+        lambda x, ref: jax.device_put(np.asarray(x, ref.dtype), ref.sharding),
+        read,
+        _subtree(current, read),
+    )
+    nnx.replace_by_pure_dict(buffers, new)
+
+
+def _subtree(tree: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    return {k: _subtree(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
 
 
 def hf_param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict[str, Any]:
@@ -379,10 +441,29 @@ def build_hf_model(
     graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     # Under jit the parameters' random init is dead code and compiles away.
     buffers = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
-    check_tree(nnx.to_pure_dict(abstract), params)
+    # A checkpoint's buffers (DeepSeek-V3's selection biases) ride in `params`, beside the parameters.
+    target = nnx.to_pure_dict(abstract)
+    params, read_buffers = _split_like(params, target)
+    _set_buffers(buffers, read_buffers)
+    check_tree(target, params)
     cast = jax.tree.map(lambda ref, x: jnp.asarray(x, dtype=ref.dtype), nnx.to_pure_dict(abstract), params)
     nnx.replace_by_pure_dict(abstract, cast)
     return nnx.merge(graphdef, abstract, buffers)
+
+
+def _split_like(tree: dict[str, Any], like: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tree's branches that `like` has, the others), recursively over dicts."""
+    kept, rest = {}, {}
+    for k, v in tree.items():
+        if k not in like:
+            rest[k] = v
+        elif isinstance(v, dict) and isinstance(like[k], dict):
+            kept[k], sub = _split_like(v, like[k])
+            if sub:
+                rest[k] = sub
+        else:
+            kept[k] = v
+    return kept, rest
 
 
 def model_from_hf(path: str | pathlib.Path, **kw: Any) -> tuple[ModelConfig, nnx.Module]:

@@ -1,8 +1,8 @@
 """Hugging Face config.json as meshwork's ModelConfig (and MoEConfig).
 
 `config_from_hf` reads Llama ("llama"), Mistral ("mistral"), Mixtral
-("mixtral"), Qwen2 ("qwen2"), Qwen2-MoE ("qwen2_moe"), Qwen3 ("qwen3") and
-Qwen3-MoE ("qwen3_moe") configs. Training-only settings (dropout, Mixtral's
+("mixtral"), Qwen2 ("qwen2"), Qwen2-MoE ("qwen2_moe"), Qwen3 ("qwen3"),
+Qwen3-MoE ("qwen3_moe") and DeepSeek-V3 ("deepseek_v3") configs. Training-only settings (dropout, Mixtral's
 router jitter, output_router_logits) are ignored; anything that changes the
 forward pass and that meshwork does not implement (RoPE scalings other than llama3,
 linear, dynamic and yarn (models/hf/rope.py), a sliding window in only some
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshwork.config_sections import ModelConfig, MoEConfig
+from meshwork.config_sections import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from meshwork.models.hf.rope import rope_from_hf
 
 # model_type -> (rms_norm_eps, rope_theta) that transformers assumes when config.json omits them.
@@ -27,6 +27,7 @@ DEFAULTS = {
     "qwen2_moe": (1e-6, 10000.0),
     "qwen3": (1e-6, 10000.0),
     "qwen3_moe": (1e-6, 10000.0),
+    "deepseek_v3": (1e-6, 10000.0),
 }
 SUPPORTED = tuple(DEFAULTS)
 _QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -61,6 +62,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
             raise ValueError(f"{kind} config {key}={c.get(key)!r}: {why}")
 
     refuse("hidden_act", c.get("hidden_act", "silu") == "silu", "meshwork's MLP is SwiGLU (silu) only")
+    if kind == "deepseek_v3":
+        return _deepseek_v3(c, need, refuse)
     D, H = need("hidden_size"), need("num_attention_heads")
     G = c.get("num_key_value_heads") or H
     refuse("num_key_value_heads", H % G == 0, f"must divide num_attention_heads={H}")
@@ -213,3 +216,74 @@ def _qwen_moe_dense_layers(c: dict[str, Any], n_layers: int) -> list[int]:
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"{c.get('model_type')} config decoder_sparse_step={step!r}: expected a positive integer")
     return [i for i in range(n_layers) if i in only or not (E > 0 and (i + 1) % step == 0)]
+
+
+def _deepseek_v3(c: dict[str, Any], need, refuse) -> ModelConfig:
+    """DeepSeek-V3 (and its fine-tunes, Kimi K2's layout): MLA attention, DeepSeekMoE with sigmoid
+    routing, group-limited top-k and a routed scaling factor, leading dense layers, MTP modules.
+
+    `num_nextn_predict_layers` becomes `mtp.depth` here; the loader (models/hf/__init__.py) sets it
+    to 0 when the files hold no MTP weights (transformers itself neither runs nor saves them).
+    """
+    quant = c.get("quantization_config")
+    refuse(
+        "quantization_config",
+        not quant,
+        f"the weights are {(quant or {}).get('quant_method', 'quantized')} block-quantized; meshwork reads "
+        "bfloat16/float32 weights: dequantize first (DeepSeek-V3's inference/fp8_cast_bf16.py, or "
+        "transformers' FineGrainedFP8Config(dequantize=True) then save_pretrained)",
+    )
+    refuse("attention_bias", not c.get("attention_bias", False), "meshwork's MLA has no projection biases")
+    H, L = need("num_attention_heads"), need("num_hidden_layers")
+    theta, rope_scaling = rope_from_hf(c, "deepseek_v3", DEFAULTS["deepseek_v3"][1])
+    E, k = need("n_routed_experts"), need("num_experts_per_tok")
+    refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and n_routed_experts={E}")
+    groups, topk_groups = c.get("n_group") or 1, c.get("topk_group") or 1
+    refuse("n_group", E % groups == 0, f"must divide n_routed_experts={E}")
+    dense = min(c.get("first_k_dense_replace") or 0, L)
+    moe = MoEConfig(
+        n_experts=E,
+        top_k=k,
+        d_expert=need("moe_intermediate_size"),
+        n_shared_experts=c.get("n_shared_experts") or 0,
+        router="sigmoid",
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        n_groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+        # Fine-tuning keeps the released selection bias (no aux-loss-free updates) and adds no aux loss.
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+        first_dense_layers=dense,
+    )
+    mla = MLAConfig(
+        q_lora_rank=c.get("q_lora_rank"),
+        kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=need("qk_nope_head_dim"),
+        qk_rope_head_dim=need("qk_rope_head_dim"),
+        v_head_dim=need("v_head_dim"),
+    )
+    return ModelConfig(
+        kind="moe" if dense < L else "transformer",
+        vocab_size=need("vocab_size"),
+        d_model=need("hidden_size"),
+        n_layers=L,
+        n_heads=H,
+        n_kv_heads=H,
+        d_ff=need("intermediate_size"),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        norm_eps=c.get("rms_norm_eps") or DEFAULTS["deepseek_v3"][0],
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        init_std=c.get("initializer_range", 0.02),
+        mla=mla,
+        mtp=MTPConfig(depth=c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)) or 0),
+        moe=moe,
+    )
+
+
+def rope_interleaved(c: dict[str, Any]) -> bool:
+    """Whether a DeepSeek-V3 checkpoint's RoPE dims are interleaved pairs (x0, x1), (x2, x3), ...
+    (transformers' default) rather than meshwork's halves (i, i + K/2): the loader then permutes the
+    rows that produce them."""
+    return c.get("model_type") == "deepseek_v3" and bool(c.get("rope_interleave", True))

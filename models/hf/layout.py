@@ -53,6 +53,11 @@ class HFTensor:
     linear: bool = False
     """An nn.Linear weight: (out, in) in the file, (in, ..., out) in meshwork."""
     experts: int = 0
+    rows: tuple[int, ...] | None = None
+    """A linear weight whose output rows meshwork keeps in another order: meshwork's row m is the
+    file's row rows[m] (DeepSeek's interleaved RoPE pairs as meshwork's halves)."""
+    buffer: bool = False
+    """Not a trained parameter but a model buffer (DeepSeek-V3's expert selection bias, a RouterBias)."""
 
     def names(self) -> list[str]:
         return [self.name.format(e=e) for e in range(self.experts)] if self.experts else [self.name]
@@ -60,6 +65,8 @@ class HFTensor:
     def read(self, t: TensorReader) -> np.ndarray:
         """meshwork's array, from the tensor(s) in the file (a view of what `t` read, where possible)."""
         parts = [t.get(n, self.hf_shape) for n in self.names()]
+        if self.rows is not None:
+            parts = [x[np.asarray(self.rows)] for x in parts]
         parts = [(x.T if self.linear else x).reshape(self.shape[1:] if self.experts else self.shape) for x in parts]
         return np.stack(parts) if self.experts else parts[0]
 
@@ -67,14 +74,17 @@ class HFTensor:
         """The file's tensor(s), contiguous, holding meshwork's array `x`."""
 
         def one(x: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(x.reshape(self.hf_shape[::-1]).T if self.linear else x.reshape(self.hf_shape))
+            x = x.reshape(self.hf_shape[::-1]).T if self.linear else x.reshape(self.hf_shape)
+            return np.ascontiguousarray(x[np.argsort(self.rows)] if self.rows is not None else x)
 
         parts = [one(x[e]) for e in range(self.experts)] if self.experts else [one(x)]
         return dict(zip(self.names(), parts, strict=True))
 
 
-def _linear(name: str, d_out: int, d_in: int, shape: tuple[int, ...] | None = None, experts: int = 0) -> HFTensor:
-    return HFTensor(name, (experts,) * bool(experts) + (shape or (d_in, d_out)), (d_out, d_in), True, experts)
+def _linear(
+    name: str, d_out: int, d_in: int, shape: tuple[int, ...] | None = None, experts: int = 0, rows=None
+) -> HFTensor:
+    return HFTensor(name, (experts,) * bool(experts) + (shape or (d_in, d_out)), (d_out, d_in), True, experts, rows)
 
 
 def _vector(name: str, shape: tuple[int, ...]) -> HFTensor:
@@ -90,7 +100,39 @@ def _swiglu(prefix: str, D: int, F: int, names=("gate_proj", "up_proj", "down_pr
     }
 
 
-def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str, Any]:
+def _halves(width: int, start: int, rope: int) -> list[int]:
+    """Row order that turns the `rope` interleaved RoPE rows (pairs 2m, 2m + 1) after `start` of a
+    `width`-row block into halves (all evens, then all odds), leaving the other rows in place."""
+    return (
+        list(range(start)) + [start + 2 * m for m in range(rope // 2)] + [start + 2 * m + 1 for m in range(rope // 2)]
+    )
+
+
+def _mla(cfg: ModelConfig, a: str, interleaved: bool) -> dict[str, Any]:
+    """DeepSeek-V3's MLA projections (models/layers/mla.py); `interleaved`: the file's RoPE rows are pairs."""
+    m, D, H = cfg.mla, cfg.d_model, cfg.n_heads
+    R, Dr, Dq = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim + m.qk_rope_head_dim
+    q_rows = [h * Dq + r for h in range(H) for r in _halves(Dq, m.qk_nope_head_dim, Dr)] if interleaved else None
+    kv_rows = _halves(R + Dr, R, Dr) if interleaved else None
+    if m.q_lora_rank:
+        attn = {
+            "wq_a": _linear(a + "q_a_proj.weight", m.q_lora_rank, D),
+            "q_norm": {"scale": _vector(a + "q_a_layernorm.weight", (m.q_lora_rank,))},
+            "wq_b": _linear(a + "q_b_proj.weight", H * Dq, m.q_lora_rank, (m.q_lora_rank, H, Dq), rows=q_rows),
+        }
+    else:
+        attn = {"wq": _linear(a + "q_proj.weight", H * Dq, D, (D, H, Dq), rows=q_rows)}
+    return attn | {
+        "wkv_a": _linear(a + "kv_a_proj_with_mqa.weight", R + Dr, D, rows=kv_rows),
+        "kv_norm": {"scale": _vector(a + "kv_a_layernorm.weight", (R,))},
+        "wkv_b": _linear(
+            a + "kv_b_proj.weight", H * (m.qk_nope_head_dim + m.v_head_dim), R, (R, H, Dq - Dr + m.v_head_dim)
+        ),
+        "wo": _linear(a + "o_proj.weight", D, H * m.v_head_dim, (H, m.v_head_dim, D)),
+    }
+
+
+def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool, interleaved: bool = True) -> dict[str, Any]:
     p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
     D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
     # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
@@ -111,6 +153,8 @@ def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str,
             "q_norm": {"scale": _vector(a + "q_norm.weight", (K,))},
             "k_norm": {"scale": _vector(a + "k_norm.weight", (K,))},
         }
+    if cfg.mla is not None:
+        attn = _mla(cfg, a, interleaved)
     layer = {
         "attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))},
         "attn": attn,
@@ -124,15 +168,60 @@ def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool) -> dict[str,
     else:
         q, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
     experts = {"router": _linear(q + "gate.weight", m.n_experts, D)}
+    if model_type == "deepseek_v3":
+        experts["router_bias"] = HFTensor(
+            q + "gate.e_score_correction_bias", (m.n_experts,), (m.n_experts,), buffer=True
+        )
     experts |= _swiglu(q + "experts.{e}.", D, m.d_expert, names, experts=m.n_experts)
     if m.n_shared_experts:
-        experts["shared"] = _swiglu(q + "shared_expert.", D, m.d_shared or m.n_shared_experts * m.d_expert)
+        shared = "shared_experts." if model_type == "deepseek_v3" else "shared_expert."
+        experts["shared"] = _swiglu(q + shared, D, m.d_shared or m.n_shared_experts * m.d_expert)
     if m.shared_expert_gate:
         experts["shared_gate"] = _linear(q + "shared_expert_gate.weight", 1, D)  # (D, 1)
     return layer | {"moe": experts}
 
 
-def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+def _mtp(cfg: ModelConfig, model_type: str, j: int, interleaved: bool) -> dict[str, Any]:
+    """DeepSeek-V3's MTP module j, stored as layer n_layers + j (its copies of the embedding and head,
+    `embed_tokens` and `shared_head.head`, are the model's own: `MTP_SHARED_COPIES`)."""
+    i, D = cfg.n_layers + j, cfg.d_model
+    p = f"model.layers.{i}."
+    moe = cfg.kind == "moe" and cfg.moe.layer_runs(cfg.n_layers)[-1].moe
+    return {
+        "embed_norm": {"scale": _vector(p + "enorm.weight", (D,))},
+        "hidden_norm": {"scale": _vector(p + "hnorm.weight", (D,))},
+        "proj": _linear(p + "eh_proj.weight", D, 2 * D),
+        "block": _layer(cfg, model_type, i, moe=moe, interleaved=interleaved),
+        "out_norm": {"scale": _vector(p + "shared_head.norm.weight", (D,))},
+    }
+
+
+def mtp_shared_copies(cfg: ModelConfig) -> dict[str, str]:
+    """{file tensor: the model tensor it copies} for the MTP modules' embedding and head copies."""
+    out = {}
+    for j in range(cfg.mtp.depth):
+        p = f"model.layers.{cfg.n_layers + j}."
+        out[p + "embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[p + "shared_head.head.weight"] = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    return out
+
+
+def split_buffers(layout: Any) -> tuple[Any, Any]:
+    """(the layout's parameters, its buffers): two trees of the same nesting, empty branches dropped."""
+
+    def part(tree: Any, buffers: bool) -> Any:
+        if isinstance(tree, list):
+            kept = [part(t, buffers) for t in tree]
+            return kept if kept and kept[0] else None
+        if isinstance(tree, HFTensor):
+            return tree if tree.buffer == buffers else None
+        kept = {k: part(v, buffers) for k, v in tree.items()}
+        return {k: v for k, v in kept.items() if v} or None
+
+    return part(layout, False) or {}, part(layout, True) or {}
+
+
+def hf_layout(cfg: ModelConfig, model_type: str, interleaved: bool = True) -> dict[str, Any]:
     """Where each parameter of the model `cfg` describes lives in a `model_type` checkpoint.
 
     A tree shaped like the model's parameters (`nnx.to_pure_dict(nnx.state(model,
@@ -154,11 +243,16 @@ def hf_layout(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     }
     if not cfg.tie_embeddings:
         layout["head"]["lm_head"] = _linear("lm_head.weight", V, D)
+    if cfg.mtp.depth:
+        layout["mtp"] = {j: _mtp(cfg, model_type, j, interleaved) for j in range(cfg.mtp.depth)}
     if cfg.kind == "transformer":
-        layout["blocks"] = [_layer(cfg, model_type, i, moe=False) for i in range(cfg.n_layers)]
+        layout["blocks"] = [_layer(cfg, model_type, i, moe=False, interleaved=interleaved) for i in range(cfg.n_layers)]
         return layout
     for run in cfg.moe.layer_runs(cfg.n_layers):
-        layout[run.name] = [_layer(cfg, model_type, i, moe=run.moe) for i in range(run.start, run.start + run.count)]
+        layout[run.name] = [
+            _layer(cfg, model_type, i, moe=run.moe, interleaved=interleaved)
+            for i in range(run.start, run.start + run.count)
+        ]
     return layout
 
 

@@ -77,7 +77,12 @@ def cache_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype) -> int:
     """layers x kv_heads x (key + value width) x bytes per element: 2 x layers x kv_heads x head_dim x
     bytes for dense attention, layers x (kv_lora_rank + qk_rope_head_dim) x bytes for MLA."""
     G, Kk, Kv = cache_geometry(cfg)
-    return cfg.n_layers * G * (Kk + Kv) * jnp.dtype(dtype).itemsize
+    return cache_layers(cfg) * G * (Kk + Kv) * jnp.dtype(dtype).itemsize
+
+
+def cache_layers(cfg: ModelConfig) -> int:
+    """Layers a cache holds: the model's, then one per multi-token-prediction module (their draft)."""
+    return cfg.n_layers + cfg.mtp.depth
 
 
 def _zero_pair(
@@ -86,7 +91,7 @@ def _zero_pair(
     """Zeroed k and v arrays of shape (layers, *lead, kv heads, width), each created directly in its
     sharding (no host copy)."""
     G, Kk, Kv = cache_geometry(cfg)
-    make = lambda K: jax.jit(lambda: jnp.zeros((cfg.n_layers, *lead, G, K), dtype), out_shardings=sharding)()  # noqa: E731
+    make = lambda K: jax.jit(lambda: jnp.zeros((cache_layers(cfg), *lead, G, K), dtype), out_shardings=sharding)()  # noqa: E731
     return make(Kk), make(Kv)
 
 

@@ -182,6 +182,43 @@ def _threshold_keep(scaled_BV: jax.Array, k_B: jax.Array, top_p_B: jax.Array) ->
     return keep_BV & ((top_p_B[:, None] >= 1) | (key_BV >= t_p_B[:, None]))
 
 
+def _keep_mask(scaled_BV: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """bool (B, V): the tokens top-k and top-p keep of each row's temperature-scaled logits (greedy
+    rows: whatever; their callers take the argmax)."""
+    B, V = scaled_BV.shape
+    K = min(V, TOP_K_BOUND)
+    top_BX, order_BX = jax.lax.top_k(scaled_BV, K)  # ties: lower id first, as the stable sort
+    rank_X = jnp.arange(K)
+    k_B, top_p_B = arrays.top_k, arrays.top_p
+    whole_B = (k_B <= 0) | (k_B >= V)  # k keeps the whole vocabulary
+    in_prefix_B = ~whole_B & (k_B <= K)  # k keeps exactly the first k ranks
+    keep_BX = whole_B[:, None] | (rank_X < k_B[:, None])
+    # Probabilities over what k keeps: normalized over the first k ranks or the whole vocabulary.
+    lse_B = jnp.where(
+        in_prefix_B,
+        jax.nn.logsumexp(jnp.where(keep_BX, top_BX, -jnp.inf), axis=-1),
+        jax.nn.logsumexp(scaled_BV, axis=-1),
+    )
+    probs_BX = jnp.where(keep_BX, jnp.exp(top_BX - lse_B[:, None]), 0.0)
+    cum_BX = jnp.cumsum(probs_BX, axis=-1)
+    nucleus_BX = (top_p_B[:, None] >= 1) | (cum_BX - probs_BX < top_p_B[:, None]) | (rank_X == 0)
+    # The prefix decides a row when k lies within it, or when its nucleus closes inside it.
+    nucleus_closes_B = (top_p_B < 1) & (cum_BX[:, -1] >= top_p_B)
+    decided_B = in_prefix_B | (whole_B & ((top_p_B >= 1) | nucleus_closes_B))
+    rows_B1 = jnp.arange(B)[:, None]
+    keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BX].set(keep_BX & nucleus_BX)
+    keep_BV |= (whole_B & (top_p_B >= 1))[:, None]
+    return jax.lax.cond(
+        jnp.any(~decided_B & (arrays.temperature > 0)),
+        lambda: jnp.where(decided_B[:, None], keep_BV, _threshold_keep(scaled_BV, k_B, top_p_B)),
+        lambda: keep_BV,
+    )
+
+
+def _scaled(logits_BV: jax.Array, temperature_B: jax.Array) -> jax.Array:
+    return logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+
+
 def sample(
     logits_BV: jax.Array, positions_B: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array | None = None
 ) -> jax.Array:
@@ -190,45 +227,37 @@ def sample(
     positions_B[b] is the position the sampled token will occupy; seen_BV (bool) marks
     the tokens the repetition penalty applies to (None: no penalty).
     """
-    B, V = logits_BV.shape
     logits_BV = _penalize(logits_BV, arrays, seen_BV)
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     temperature_B = arrays.temperature
 
     def sampled(_):
-        scaled_BV = logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
-        K = min(V, TOP_K_BOUND)
-        top_BX, order_BX = jax.lax.top_k(scaled_BV, K)  # ties: lower id first, as the stable sort
-        rank_X = jnp.arange(K)
-        k_B, top_p_B = arrays.top_k, arrays.top_p
-        whole_B = (k_B <= 0) | (k_B >= V)  # k keeps the whole vocabulary
-        in_prefix_B = ~whole_B & (k_B <= K)  # k keeps exactly the first k ranks
-        keep_BX = whole_B[:, None] | (rank_X < k_B[:, None])
-        # Probabilities over what k keeps: normalized over the first k ranks or the whole vocabulary.
-        lse_B = jnp.where(
-            in_prefix_B,
-            jax.nn.logsumexp(jnp.where(keep_BX, top_BX, -jnp.inf), axis=-1),
-            jax.nn.logsumexp(scaled_BV, axis=-1),
-        )
-        probs_BX = jnp.where(keep_BX, jnp.exp(top_BX - lse_B[:, None]), 0.0)
-        cum_BX = jnp.cumsum(probs_BX, axis=-1)
-        nucleus_BX = (top_p_B[:, None] >= 1) | (cum_BX - probs_BX < top_p_B[:, None]) | (rank_X == 0)
-        # The prefix decides a row when k lies within it, or when its nucleus closes inside it.
-        nucleus_closes_B = (top_p_B < 1) & (cum_BX[:, -1] >= top_p_B)
-        decided_B = in_prefix_B | (whole_B & ((top_p_B >= 1) | nucleus_closes_B))
-        rows_B1 = jnp.arange(B)[:, None]
-        keep_BV = jnp.zeros((B, V), bool).at[rows_B1, order_BX].set(keep_BX & nucleus_BX)
-        keep_BV |= (whole_B & (top_p_B >= 1))[:, None]
-        keep_BV = jax.lax.cond(
-            jnp.any(~decided_B & (temperature_B > 0)),
-            lambda: jnp.where(decided_B[:, None], keep_BV, _threshold_keep(scaled_BV, k_B, top_p_B)),
-            lambda: keep_BV,
-        )
-        drawn_B = _draw(keep_BV, scaled_BV, positions_B, arrays.seed)
+        scaled_BV = _scaled(logits_BV, temperature_B)
+        drawn_B = _draw(_keep_mask(scaled_BV, arrays), scaled_BV, positions_B, arrays.seed)
         return jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
 
     # A batch of greedy rows (the common serving case) never reaches top_k, softmax or the draw.
     return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda _: greedy_B, None)
+
+
+def sampler_probs(logits_BV: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array | None = None) -> jax.Array:
+    """float32 (B, V): the distribution `sample` draws each row's token from, after the repetition
+    penalty, temperature, top-k and top-p (zero outside what they keep); a greedy row's is one-hot
+    on its argmax. What speculative decoding's acceptance test compares (speculative.py). Jittable.
+
+        p_BV = sampler_probs(logits_BV, SamplingArrays.stack([SamplingParams(top_k=5)]))
+    """
+    logits_BV = _penalize(logits_BV, arrays, seen_BV)
+    V = logits_BV.shape[-1]
+    greedy_BV = jax.nn.one_hot(jnp.argmax(logits_BV, axis=-1), V, dtype=jnp.float32)
+    temperature_B = arrays.temperature
+
+    def sampled(_):
+        scaled_BV = _scaled(logits_BV, temperature_B)
+        probs_BV = jax.nn.softmax(jnp.where(_keep_mask(scaled_BV, arrays), scaled_BV, -jnp.inf), axis=-1)
+        return jnp.where((temperature_B > 0)[:, None], probs_BV, greedy_BV)
+
+    return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda _: greedy_BV, None)
 
 
 def log_probs(

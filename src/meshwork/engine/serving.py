@@ -98,6 +98,16 @@ from meshwork.engine.sampling import (
     sample,
     token_log_probs,
 )
+from meshwork.engine.speculative import (
+    Drafter,
+    Rows,
+    SpecStats,
+    Verified,
+    check_drafter,
+    speculative_round,
+    target_forward,
+    with_table,
+)
 from meshwork.engine.validation import RequestError, RequestLimits, check_request
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.sharding.rules import Rules
@@ -174,12 +184,17 @@ class Server:
         prefix_caching: bool = False,
         prefill_chunk: int | None = None,
         steps_per_dispatch: int = 8,
+        drafter: Drafter | None = None,
+        speculative_k: int = 4,
     ):
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk={prefill_chunk}: use a positive token count, or None for whole prompts")
         if steps_per_dispatch < 1:
             raise ConfigError(f"steps_per_dispatch={steps_per_dispatch}: use at least 1")
         self.gen = Generator(model, mesh=mesh, rules=rules, cache_dtype=cache_dtype)
+        if drafter is not None:
+            check_drafter(self.gen, drafter, speculative_k)
+        self.drafter, self.speculative_k = drafter, speculative_k
         self.cfg, self.page_size, self.max_len = self.gen.cfg, page_size, max_len
         self.prefix_caching, self.prefill_chunk, self.steps_per_dispatch = (
             prefix_caching,
@@ -208,6 +223,11 @@ class Server:
             self.cfg, n_pages, page_size, slots, self.pages_per_seq, self.gen.cache_dtype, sharding
         )
         self.k, self.v = pool.k, pool.v
+        # The draft's own pool, if it keeps one: the same pages as the target's (one page table for both).
+        self.draft_pool = (
+            drafter.new_pool(n_pages, page_size, slots, self.pages_per_seq, sharding) if drafter is not None else None
+        )
+        self.spec = SpecStats()
         self.seen = jnp.zeros((slots, self.cfg.vocab_size), bool)
         self.pages = PageAllocator(n_pages, self.replicas)
         # What one request may ask: a replica's pool less its null page is the most it can ever hold.
@@ -229,7 +249,8 @@ class Server:
         self._set_seen = jax.jit(lambda seen, row, slot: seen.at[slot].set(row), donate_argnums=0)
         # The last argument, `top`, is static: 0, or MAX_TOP_LOGPROBS when a request in the call asks for
         # alternatives (two compiled variants each; the common path never runs lax.top_k).
-        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5), static_argnums=(9,))
+        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5, 11), static_argnums=(9,))
+        self._round = jax.jit(self._round_fn, donate_argnums=(3, 4, 5, 11), static_argnums=(0,))
         self._loop = jax.jit(self._loop_fn, donate_argnums=(3, 4, 6), static_argnums=(9,))
         self._table: tuple[np.ndarray, jax.Array] | None = None  # the last page table sent, on the device
 
@@ -322,20 +343,27 @@ class Server:
             "pages_cached": len(self.pages.lru),  # a prefix cache's pages, held by no one
             "steps": self.steps,
             "preemptions": self.preemptions,
+            **({"speculative_k": self.speculative_k, **self.spec.as_dict()} if self.drafter is not None else {}),
         }
 
     # -- the jitted pieces ------------------------------------------------------------
 
-    def _chunk_fn(self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V, top):
+    def _chunk_fn(self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V, top, weights, draft, slot):
         """Prefills tokens at positions start.. (the first n_real are real) over the cached ones before
         them; samples the token after the last real one (used when this chunk ends the prompt) and
-        returns it with its log-probability and the `top` (static) alternatives (`token_log_probs`)."""
+        returns it with its log-probability and the `top` (static) alternatives (`token_log_probs`).
+        A drafter observes the chunk (its `weights` and pool `draft`, None without one)."""
         C = tokens_1C.shape[1]
         positions_1C = start + jnp.arange(C, dtype=jnp.int32)[None]
-        logits_1CV, cache = self.gen.apply(state, tokens_1C, positions_1C, PagedKVCache(k, v, table_1P))
+        cache = PagedKVCache(k, v, table_1P)
+        hidden = self.drafter is not None and self.drafter.needs_hidden
+        logits_1CV, hidden_1CD, cache = target_forward(self.gen, hidden, state, tokens_1C, positions_1C, cache)
         last_1V = jax.lax.dynamic_index_in_dim(logits_1CV, n_real - 1, axis=1, keepdims=False)
         token_1 = sample(last_1V, (start + n_real)[None], arrays, seen_1V)
-        return (token_1, *token_log_probs(last_1V, token_1, top)), cache.k, cache.v
+        if self.drafter is not None:
+            seen = Verified(tokens_1C, positions_1C, n_real[None], hidden_1CD, token_1, slot[None], True)
+            draft, cache = self.drafter.observe(weights, state, with_table(draft, table_1P), cache, seen)
+        return (token_1, *token_log_probs(last_1V, token_1, top)), cache.k, cache.v, draft
 
     def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BN, top):
         """Up to n_steps decode steps on the device. Row b feeds tokens_B[b] at positions_B[b] and is
@@ -403,7 +431,7 @@ class Server:
         self.last_scores = []
         events = self.admit()
         events += self._prefill()
-        return events + self._decode()
+        return events + (self._speculate() if self.drafter is not None else self._decode())
 
     def admit(self) -> list[tuple[Hashable, int]]:
         """Gives waiting requests free slots and the pages of their context (+1 position), reusing
@@ -483,7 +511,7 @@ class Server:
         table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
         table[0, : len(s.pages)] = s.pages
         top = MAX_TOP_LOGPROBS if s.request.params.logprobs else 0
-        scored, self.k, self.v = self.gen.run_in_context(
+        scored, self.k, self.v, self.draft_pool = self.gen.run_in_context(
             self._chunk,
             self.gen.state,
             jnp.asarray(tokens),
@@ -495,6 +523,9 @@ class Server:
             SamplingArrays.stack([s.request.params]),
             self.seen[i : i + 1],
             top,
+            self.drafter.weights() if self.drafter is not None else None,
+            self.draft_pool,
+            jnp.int32(i),
         )
         s.length += n
         self.prefill_tokens += n
@@ -571,6 +602,102 @@ class Server:
             if self.slots[i] is not None:
                 self._register(self.slots[i])
         return events
+
+    def _speculate(self) -> list[tuple[Hashable, int]]:
+        """One speculative round (speculative.py) for every prefilled slot: the draft proposes
+        speculative_k tokens per slot and the target verifies them in one forward. Each slot first
+        gets the page of its next position (preempting another request if the pool is dry), then,
+        where the pool has them, the pages of the k positions after it; a slot keeps at most the
+        tokens its pages cover. After the round the pages past a slot's next position (those of
+        rejected positions) go back to the pool."""
+        T, k = self.page_size, self.speculative_k
+
+        def ready() -> list[int]:
+            return [i for i, s in enumerate(self.slots) if s and not s.prefilling]
+
+        for i in ready():
+            if self.slots[i] is not None:  # an earlier slot's page may have preempted it
+                self._ensure_page(i)
+        for i in ready():
+            s = self.slots[i]
+            ahead = min(k, s.request.params.max_new_tokens - len(s.produced) - 1)
+            m = math.ceil((s.length + ahead + 1) / T) - len(s.pages)
+            if 0 < m <= self.pages.available_in(self._replica(i)):
+                s.pages += self.pages.allocate(s.request.id, m, self._replica(i))
+        self.peak_pages = max(self.peak_pages, len(self.pages.owners))
+        live = [i for i in ready() if self.slots[i].length // T < len(self.slots[i].pages)]
+        if not live:
+            return []
+        B = len(self.slots)
+        rows = np.zeros((3, B), np.int32)  # prev, last, position
+        limit = np.zeros(B, np.int32)  # idle rows emit nothing
+        table = np.full((B, self.pages_per_seq), NULL_PAGE, np.int32)
+        for i in live:
+            s = self.slots[i]
+            rows[:, i] = s.tokens()[s.length - 1], s.produced[-1], s.length
+            limit[i] = min(s.request.params.max_new_tokens - len(s.produced), len(s.pages) * T - s.length)
+            table[i, : len(s.pages)] = s.pages
+        if self._table is None or not np.array_equal(self._table[0], table):
+            self._table = table, jnp.asarray(table)
+        arrays, stops = self._sampling_arrays()
+        top = MAX_TOP_LOGPROBS if any(self.slots[i].request.params.logprobs for i in live) else 0
+        out, self.k, self.v, self.draft_pool, self.seen = self.gen.run_in_context(
+            self._round,
+            top,
+            self.gen.state,
+            self.drafter.weights(),
+            self.k,
+            self.v,
+            self.draft_pool,
+            self._table[1],
+            Rows(*jnp.asarray(rows)),
+            jnp.asarray(limit),
+            stops,
+            arrays,
+            self.seen,
+        )
+        tokens, emitted, accepted, lp, top_BJK, ids_BJK = jax.device_get(
+            (out.tokens_BJ, out.emitted_B, out.accepted_B, out.logprobs_BJ, out.top_BJK, out.ids_BJK)
+        )
+        self.spec.add(k, emitted, accepted)
+        self.steps += 1
+        self.dispatches += 1
+        events = []
+        for i in live:
+            for j in range(emitted[i]):
+                if self.slots[i] is None:
+                    break
+                self.slots[i].length += 1
+                events += self._emit(i, int(tokens[i, j]), float(lp[i, j]), top_BJK[i, j], ids_BJK[i, j])
+            s = self.slots[i]
+            if s is None:
+                continue
+            keep = math.ceil((s.length + 1) / T)
+            if len(s.pages) > keep:
+                self.pages.release(s.request.id, s.pages[keep:])
+                self.spec.released_pages += len(s.pages) - keep
+                s.pages = s.pages[:keep]
+            self._register(s)
+        return events
+
+    def _round_fn(self, top, state, weights, k, v, draft, table_BP, rows, limit_B, stop_BS, arrays, seen_BV):
+        """`speculative_round` over the paged pool; the draft's pool shares the target's page table."""
+        out, cache, draft, seen_BV = speculative_round(
+            self.gen,
+            self.drafter,
+            self.speculative_k,
+            top,
+            state,
+            weights,
+            PagedKVCache(k, v, table_BP),
+            with_table(draft, table_BP),
+            rows,
+            limit_B,
+            stop_BS,
+            arrays,
+            seen_BV,
+        )
+        return out, cache.k, cache.v, draft, seen_BV
 
     def _register(self, s: _Live) -> None:
         """Enters the sequence's newly completed full pages into the prefix cache."""

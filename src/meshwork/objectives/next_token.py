@@ -56,6 +56,8 @@ def next_token_loss(graphdef: nnx.GraphDef, loss_chunk: int | str | None = None)
     def loss_fn(params, buffers, batch: Batch, noise_key: jax.Array | None = None):
         model = nnx.merge(graphdef, params, buffers)
         kw = dict(noise_key=noise_key, segment_ids_BL=batch.get("segment_ids"))
+        if getattr(model, "mtp", None) is not None:  # multi-token prediction reads the targets (models/mtp.py)
+            kw |= dict(targets_BL=batch["targets"], loss_mask_BL=batch.get("loss_mask"))
         chunk = _resolve_chunk(model, loss_chunk, batch["targets"].size)
         if chunk is not None:
             h_BLD, stats = model.apply_hidden(batch["inputs"], batch.get("positions"), **kw)

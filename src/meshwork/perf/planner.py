@@ -25,7 +25,9 @@ Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
     MFU        = model FLOPs / (step x peak x devices)
 
 Model FLOPs are `meshwork.perf.flops.train_flops_per_token` (6N + the PaLM
-attention term); remat "full" recomputes the layers' forward pass (+1/3 of
+attention term; MLA's scores over qk_nope + qk_rope dims and values over
+v_head_dim, its zero padding of the values counted as `padding`; each MTP
+module's block, projection and extra pass through the head); remat "full" recomputes the layers' forward pass (+1/3 of
 their 6N), a partial policy the products it does not keep (planner_remat.py;
 "offload_dots" streams the kept ones over the host link), and a meshwork
 pipeline recomputes each stage's forward inside its backward (twice under
@@ -50,7 +52,7 @@ from typing import Any
 import yaml
 
 from meshwork.config import Config, ConfigError, validate
-from meshwork.perf.flops import train_flops_per_token
+from meshwork.perf.flops import attention_dims, mla_padding_flops_per_token, train_flops_per_token
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_comm import Collective, CommOptions, collective_time, placement, step_collectives, summarize
 from meshwork.perf.planner_layout import REMATS, Layout, layout_from_config, make_layout
@@ -179,8 +181,11 @@ class Plan:
 
 
 def _layer_flops_per_token(cfg: Config) -> float:
-    """The layers' share of train_flops_per_token: everything but the LM head's 6 V D."""
+    """The layers' share of train_flops_per_token: everything but the LM head's 6 V D and the MTP
+    modules (which run outside the layer scan: no remat, no pipeline stage recomputes them)."""
     m = cfg.model
+    if m.mtp.depth:
+        m = m.model_copy(update={"mtp": m.mtp.model_copy(update={"depth": 0})})
     return train_flops_per_token(m, cfg.data.seq_len) - 6 * m.vocab_size * m.d_model
 
 
@@ -199,10 +204,29 @@ def _layer_forward_flops(cfg: Config) -> dict[str, float]:
         "attention": 4 * q * cfg.data.seq_len * m.n_layers,
         "out_proj": 2 * q * h * m.n_layers,
     }
+    unnamed = 0.0  # products no policy names: every partial policy runs them again
+    if m.mla is not None:
+        # MLA's named products: the queries, the latent + RoPE-key projection, wkv_b's keys and
+        # values (QKV_PROJ); the q-LoRA down-projection is unnamed.
+        a, H, L = m.mla, m.n_heads, m.n_layers
+        dq, dv = attention_dims(m)
+        q_in = a.q_lora_rank or h
+        parts = {
+            "qkv": 2
+            * L
+            * (
+                q_in * H * dq
+                + h * (a.kv_lora_rank + a.qk_rope_head_dim)
+                + a.kv_lora_rank * H * (a.qk_nope_head_dim + dv)
+            ),
+            "attention": 2 * H * (dq + dv) * cfg.data.seq_len * L,
+            "out_proj": 2 * H * dv * h * L,
+        }
+        unnamed = 2 * L * h * (a.q_lora_rank or 0)
     n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
     e = m.moe
     experts = n_moe * 6 * h * e.top_k * e.d_expert  # the routed experts' three products
-    mlp = max(total - sum(parts.values()) - experts, 0.0)  # dense MLPs, shared experts, routers
+    mlp = max(total - sum(parts.values()) - experts - unnamed, 0.0)  # dense MLPs, shared experts, routers
     gated_down = n_moe * 2 * h * (e.d_shared or e.n_shared_experts * e.d_expert) if e.shared_expert_gate else 0.0
     return {
         **parts,
@@ -215,7 +239,8 @@ def _layer_forward_flops(cfg: Config) -> dict[str, float]:
 
 def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
     """FLOPs of one step, all devices together: `model` (useful work, MFU's
-    numerator), `recompute` (remat, pipeline), `padding` (MoE capacity slots),
+    numerator), `recompute` (remat, pipeline), `padding` (MoE capacity slots,
+    MLA's values zero-padded to the key width in the attention kernel),
     and `per_device` (their sum over the devices).
 
     >>> from meshwork.config import Config
@@ -230,10 +255,11 @@ def step_flops(cfg: Config, layout: Layout) -> dict[str, float]:
         layout.pipeline, 1
     )
     recompute = forwards * _layer_flops_per_token(cfg) / 3 * tokens
-    padding = 0.0
+    # MLA's expanded form pads values to the key width: kernel work, not model FLOPs.
+    padding = mla_padding_flops_per_token(m, cfg.data.seq_len) * tokens
     if m.kind == "moe" and m.moe.capacity_factor and m.moe.capacity_factor > 1:
         e = m.moe
-        padding = (
+        padding += (
             (e.capacity_factor - 1) * 6 * e.top_k * 3 * m.d_model * e.d_expert * e.n_moe_layers(m.n_layers) * tokens
         )
     return {
@@ -393,7 +419,8 @@ def layout_problem(cfg: Config, layout: Layout) -> str | None:
     if s["expert"] > 1 and (m.kind != "moe" or m.moe.n_experts % s["expert"]):
         return "expert parallelism needs experts divisible by the expert axis"
     heads = layout.ways("heads")
-    if m.n_heads % heads or m.n_kv_heads % layout.ways("kv_heads"):
+    # MLA has no kv heads: its latent is never split.
+    if m.n_heads % heads or (m.mla is None and m.n_kv_heads % layout.ways("kv_heads")):
         return f"{m.n_heads} heads / {m.n_kv_heads} kv heads do not split {heads} ways"
     batch = layout.ways("act_batch") * layout.microbatches
     if cfg.train.global_batch % batch:

@@ -26,6 +26,11 @@ Where each comes from (g: the devices of the mesh axes involved):
   before use, twice per scanned layer (forward, and again in the backward:
   inside a scan the saved residual is the sharded weight), once for the
   embedding and LM head.
+- multi-head latent attention under tensor parallelism: the head-split
+  products are wq/wq_b and wkv_b, whose inputs are the query and kv latents:
+  their backward reductions are latent-sized (one all-reduce per layer of
+  kv_lora_rank + q_lora_rank per token) instead of h-sized q, k, v ones.
+  Each MTP module's block adds one layer's tp, ep and cp collectives.
 - tensor parallelism (Megatron, Shoeybi et al. 2019): per layer one
   all-reduce of the (b, s, h) activation after attention and after the MLP in
   the forward pass, and one per column-parallel input in the backward: 2 with
@@ -65,6 +70,7 @@ import functools
 import math
 
 from meshwork.config import Config
+from meshwork.perf.flops import attention_dims, mtp_block_is_moe
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_memory import ITEMSIZE, StateBytes, token_shape
@@ -208,14 +214,23 @@ def _activation_collectives(cfg, layout, options, add) -> None:
     ts = token_shape(cfg, layout)
     M, P = layout.microbatches, layout.sizes["stage"]
     act = ts.tokens * m.d_model * p  # one (b, s, h) activation, full hidden
-    layers = m.n_layers // P
+    # The MTP modules' blocks run after the last stage's layers (one device's share: all of them).
+    depth = m.mtp.depth
+    layers = m.n_layers // P + depth
     n_moe = m.moe.n_moe_layers(m.n_layers) if m.kind == "moe" else 0
-    moe_layers = n_moe // P if P > 1 else n_moe
+    moe_layers = (n_moe // P if P > 1 else n_moe) + (depth if depth and mtp_block_is_moe(m) else 0)
 
     tp = layout.split("act_heads")
     if tp:
         sp = set(layout.split("act_norm_seq")) & set(tp)
         n_in = 2 if options.fused_projections else 5  # backward input-gradient reductions per layer
+        latent = 0.0
+        if m.mla is not None and not options.fused_projections:
+            # MLA's head-split products are wq (input x) or wq_b (input: the query latent) and
+            # wkv_b (input: the kv latent); the down-projections are not split. Their input
+            # gradients are all-reduced at the latent's width (the latent is never sequence-split).
+            n_in = 2 + (0 if m.mla.q_lora_rank else 1)  # gate, up (+ wq)
+            latent = ts.tokens * (m.mla.kv_lora_rank + (m.mla.q_lora_rank or 0)) * p
         if sp:
             add("all-gather", tp, act, 2 * layers * M, "tp/sp layers forward", False)
             add("reduce-scatter", tp, act, 2 * layers * M, "tp/sp layers forward", False)
@@ -224,6 +239,8 @@ def _activation_collectives(cfg, layout, options, add) -> None:
         else:
             add("all-reduce", tp, act, 2 * layers * M, "tp layers forward", False)
             add("all-reduce", tp, act, n_in * layers * M, "tp layers backward", False)
+        if latent:
+            add("all-reduce", tp, latent, layers * M, "tp mla latent backward", False)
     vocab = layout.split("act_vocab")
     if vocab:  # vocab-parallel embedding (forward) and logits (input gradient, backward)
         add("all-reduce", vocab, act, 2 * M, "vocab-parallel embedding and logits", False)
@@ -232,7 +249,11 @@ def _activation_collectives(cfg, layout, options, add) -> None:
     cp = layout.split("act_seq")
     if cp:
         c = layout.ways("act_seq")
-        kv_block = ts.tokens * m.n_kv_heads * m.resolved_head_dim / ts.t_kv * p
+        if m.mla is None:
+            kv_block = ts.tokens * m.n_kv_heads * m.resolved_head_dim / ts.t_kv * p
+        else:  # training's expanded form: keys and values per head, padded to one width
+            dq, dv = attention_dims(m)
+            kv_block = ts.tokens * m.n_heads * max(dq, dv) / ts.t_heads * p
         add("collective-permute", cp, kv_block, (6 * (c - 1) + 2) * layers * M, "ring attention k/v")
 
     ep = layout.split("expert")

@@ -6,7 +6,9 @@ The engine is train/rollouts.py's: `engine_tensor`-way tensor parallel, its othe
 replicas (the trainer's devices when colocated, as many others when split), `engine_slots` rows
 shared by the replicas, and a pool of pages that holds every slot at its full length
 (data.seq_len + 1 rounded up to `page_size`) plus a null page per replica, so no rollout is ever
-preempted; the cache is in train.compute_dtype. The weights are train.param_dtype; a replica's copy is split over `tensor` (the small
+preempted; the cache is in train.compute_dtype (per token `planner_memory.kv_bytes_per_token`:
+per-head keys and values, or MLA's latent and RoPE key, which tensor parallelism does not split;
+one more layer per MTP module). The weights are train.param_dtype; a replica's copy is split over `tensor` (the small
 replicated vectors, norms and biases, are counted as split: "about"). A sync moves every
 trainable parameter into every replica (LoRA: the adapters only).
 """
@@ -67,7 +69,8 @@ def engine_geometry(cfg: Config, devices: int) -> EngineGeometry:
     from meshwork.config import ConfigError
 
     g, m = cfg.train.grpo, cfg.model
-    if devices % g.engine_tensor or m.n_heads % g.engine_tensor or m.n_kv_heads % g.engine_tensor:
+    kv_heads = m.n_kv_heads if m.mla is None else g.engine_tensor  # MLA's latent cache is not split
+    if devices % g.engine_tensor or m.n_heads % g.engine_tensor or kv_heads % g.engine_tensor:
         raise ConfigError(
             f"train.grpo.engine_tensor: {g.engine_tensor} must divide the engine's {devices} devices and the "
             f"model's {m.n_heads} heads and {m.n_kv_heads} kv heads; choose a divisor of all three"
@@ -83,15 +86,16 @@ def engine_plan(cfg: Config, trainer_devices: int, trainable_params: int) -> Eng
     """The engine of `cfg` beside a trainer on `trainer_devices` devices that trains
     `trainable_params` parameters (all of them, or LoRA's adapters)."""
     from meshwork.perf.flops import param_counts
+    from meshwork.perf.planner_memory import kv_bytes_per_token, kv_cache_splits
 
     g, m = cfg.train.grpo, cfg.model
     devices, tensor = trainer_devices, g.engine_tensor
     shape = engine_geometry(cfg, devices)
     pages_per_replica = shape.pages // shape.replicas
     itemsize = DTYPE_BYTES[cfg.train.param_dtype]
-    kv_heads_split = tensor if m.n_kv_heads % tensor == 0 else 1
+    kv_heads_split = kv_cache_splits(m, tensor)  # MLA's latent: replicated over tensor
     kv_item = DTYPE_BYTES[cfg.train.compute_dtype]  # the cache holds what the layers compute in
-    kv = 2 * m.n_layers * pages_per_replica * g.page_size * m.n_kv_heads * m.resolved_head_dim * kv_item
+    kv = pages_per_replica * g.page_size * kv_bytes_per_token(m, kv_item)
     weights = param_counts(m)["total"] * itemsize
     return EnginePlan(
         devices=devices,

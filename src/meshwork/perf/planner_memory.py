@@ -12,7 +12,9 @@
   attention, SwiGLU or routed experts, no dropout), with their TP and SP
   divisors; remat `full` keeps only each layer's input plus one layer's
   working set; a pipeline stashes stage inputs and recomputes the stage.
-- `kv_cache_bytes` for inference.
+- `kv_cache_bytes` for inference (MLA: the latent cache, `kv_bytes_per_token`).
+- multi-token prediction: each MTP module's parameters are weights like any
+  other (`planner_weights`); its block, norms and logits are `mtp_activation_bytes`.
 
     >>> from meshwork.config import Config
     >>> from meshwork.perf.planner_layout import make_layout
@@ -232,12 +234,28 @@ def layer_activation_bytes(
         MoE instead: k cf (h + 3 F_e) routed rows, router 2E fp32
 
     (their GPT block, with dropout and a 4h GeLU MLP, gives 34h + 5as.)
+    Multi-head latent attention (training's expanded form) has q = kv = a x
+    max(Dq, Dv) (keys and values per head, values zero-padded to the key
+    width) and adds its latent path, never split: the latent's and (q-LoRA)
+    the query latent's norm inputs and outputs, 2 R + 2 R_q.
     Any other policy keeps the layer input (h / t_sp) and the tensors
     planner_remat.KEPT names for it: "full" nothing more, "dots_saveable" q, k,
     v, the scores, the attention output, its projection, gate and up.
     """
     h, a = m.d_model, m.n_heads
     q, kv = a * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
+    qkv_kept, latent = (q + 2 * kv) / ts.t_heads, 0.0
+    if m.mla is not None:
+        # The expanded form: q, k and v per head at one width (values zero-padded), and the
+        # attention output; the latent path (never split) keeps its norms' inputs and outputs.
+        # Partial policies keep the three named products: q, the latent projection, wkv_b's output.
+        e = m.mla
+        width = max(e.qk_nope_head_dim + e.qk_rope_head_dim, e.v_head_dim)
+        q = kv = a * width
+        latent = 2 * e.kv_lora_rank + 2 * (e.q_lora_rank or 0)
+        qkv_kept = a * (e.qk_nope_head_dim * 2 + e.qk_rope_head_dim + e.v_head_dim) / ts.t_heads + (
+            e.kv_lora_rank + e.qk_rope_head_dim
+        )
     scores = a * ts.seq / ts.t_heads if materialized_scores else 0.0
     mlp_in, kept_experts = 2 * m.d_ff / ts.t_mlp, 0.0  # what partial policies may keep of the MLP
     if moe:
@@ -258,12 +276,12 @@ def layer_activation_bytes(
     else:
         experts, ffn, router = 0.0, 3 * m.d_ff / ts.t_mlp, 0.0
     if remat == "none":
-        per_token = 4 * h / ts.t_norm + (2 * q + 2 * kv) / ts.t_heads + scores + ffn + router
+        per_token = 4 * h / ts.t_norm + (2 * q + 2 * kv) / ts.t_heads + latent + scores + ffn + router
     else:
         per_token = kept_elements_per_token(
             remat,
             h=h / ts.t_norm,
-            qkv=(q + 2 * kv) / ts.t_heads,
+            qkv=qkv_kept,
             attention=scores + q / ts.t_heads,
             out_proj=h / ts.t_norm,
             mlp_in=mlp_in,
@@ -324,7 +342,32 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     else:
         out["layers"] = kept_by_layers(cfg, layout, layout.remat) + working
     out["logits"] = 2 * ts.tokens * _loss_rows_fraction(cfg, layout) * m.vocab_size / ts.t_vocab * 4
+    if m.mtp.depth:
+        out["mtp"] = mtp_activation_bytes(cfg, layout)
     return out
+
+
+def mtp_activation_bytes(cfg: Config, layout: Layout) -> float:
+    """Bytes the MTP modules (models/mtp.py) keep for the backward pass, one microbatch on one
+    device: they run outside the layer scan, so each keeps all of its block's activations (remat
+    "none"), its two input norms' outputs and the projection's input (2h + 2h), and its own float32
+    logits and their gradient over every row (the module's loss is not chunked).
+
+    >>> from meshwork.perf.planner_layout import make_layout
+    >>> mtp_activation_bytes(Config(), make_layout(data=8))
+    0.0
+    """
+    from meshwork.perf.flops import mtp_block_is_moe
+
+    m, n = cfg.model, cfg.model.mtp.depth
+    if not n:
+        return 0.0
+    p, ts = ITEMSIZE[cfg.train.compute_dtype], token_shape(cfg, layout)
+    kw = dict(materialized_scores=m.attention not in ("pallas", "cudnn"), capacity_factor=m.moe.capacity_factor or 1.0)
+    block = layer_activation_bytes(m, ts, p, "none", moe=mtp_block_is_moe(m), **kw)
+    own = 4 * m.d_model / ts.t_norm * ts.tokens * p
+    logits = 2 * ts.tokens * m.vocab_size / ts.t_vocab * 4
+    return n * (block + own + logits)
 
 
 def _loss_rows_fraction(cfg: Config, layout: Layout) -> float:
@@ -341,16 +384,43 @@ def _loss_rows_fraction(cfg: Config, layout: Layout) -> float:
     return 1.0 if chunk is None else min(1.0, chunk / rows)
 
 
+def kv_bytes_per_token(m: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes one token adds to an inference cache (src/meshwork/engine/kv_cache.py's
+    `cache_bytes_per_token`): keys and values, 2 x layers x n_kv_heads x head_dim x bytes, or
+    under MLA the latent and the RoPE key, layers x (kv_lora_rank + qk_rope_head_dim) x bytes.
+    The cache holds one more layer per MTP module (the draft's).
+
+    >>> from meshwork.config_sections import MLAConfig   # DeepSeek-V3's shape: 61 layers, 512 + 64
+    >>> kv_bytes_per_token(ModelConfig(n_layers=61, mla=MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64)))
+    70272
+    """
+    layers = m.n_layers + m.mtp.depth
+    if m.mla is not None:
+        return layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * dtype_bytes
+    return 2 * layers * m.n_kv_heads * m.resolved_head_dim * dtype_bytes
+
+
+def kv_cache_splits(m: ModelConfig, tensor: int) -> int:
+    """Into how many pieces tensor parallelism over `tensor` devices cuts the cache: the kv heads'
+    split (when they divide), 1 under MLA (its one latent is read by every head: replicated)."""
+    if m.mla is not None or m.n_kv_heads % tensor:
+        return 1
+    return tensor
+
+
 def kv_cache_bytes(m: ModelConfig, batch: int, seq_len: int, dtype_bytes: int = 2, tensor: int = 1) -> float:
-    """Bytes of an inference KV cache per device: keys and values of every layer,
-    2 x n_layers x batch x seq_len x n_kv_heads x head_dim x dtype_bytes,
-    with the kv heads split over `tensor` (tp shards the cache with the heads).
+    """Bytes of an inference KV cache per device: `kv_bytes_per_token` x batch x seq_len,
+    2 x n_layers x batch x seq_len x n_kv_heads x head_dim x dtype_bytes for dense attention,
+    with the kv heads split over `tensor` (tp shards the cache with the heads); MLA's latent
+    cache is not split.
 
     >>> from meshwork.config_sections import ModelConfig   # Llama-2-7B: 32 layers, 32 kv heads of 128
     >>> kv_cache_bytes(ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32), 1, 4096) / 2**30
     2.0
     """
-    return 2 * m.n_layers * batch * seq_len * m.n_kv_heads * m.resolved_head_dim * dtype_bytes / tensor
+    if m.mla is not None:
+        return kv_bytes_per_token(m, dtype_bytes) * batch * seq_len
+    return 2 * (m.n_layers + m.mtp.depth) * batch * seq_len * m.n_kv_heads * m.resolved_head_dim * dtype_bytes / tensor
 
 
 # ---------------------------------------------------------------------------

@@ -43,20 +43,23 @@ class Weight:
 def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weight]:
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim
     L = ("layers",)
-    w = [
-        Weight(f"{prefix}.attn_norm.scale", (n, D), L + ("embed",), "norm"),
-        Weight(f"{prefix}.attn.wq", (n, D, H, K), L + ("embed", "heads", "head_dim")),
-        Weight(f"{prefix}.attn.wk", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
-        Weight(f"{prefix}.attn.wv", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
-        Weight(f"{prefix}.attn.wo", (n, H, K, D), L + ("heads", "head_dim", "embed")),
-    ]
-    if m.qkv_bias:
+    w = [Weight(f"{prefix}.attn_norm.scale", (n, D), L + ("embed",), "norm")]
+    if m.mla is not None:
+        w += _mla_weights(m, prefix, n)
+    else:
+        w += [
+            Weight(f"{prefix}.attn.wq", (n, D, H, K), L + ("embed", "heads", "head_dim")),
+            Weight(f"{prefix}.attn.wk", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
+            Weight(f"{prefix}.attn.wv", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
+            Weight(f"{prefix}.attn.wo", (n, H, K, D), L + ("heads", "head_dim", "embed")),
+        ]
+    if m.qkv_bias and m.mla is None:
         w += [
             Weight(f"{prefix}.attn.bq", (n, H, K), L + ("heads", "head_dim")),
             Weight(f"{prefix}.attn.bk", (n, G, K), L + ("kv_heads", "head_dim")),
             Weight(f"{prefix}.attn.bv", (n, G, K), L + ("kv_heads", "head_dim")),
         ]
-    if m.qk_norm:
+    if m.qk_norm and m.mla is None:
         # Reached by every token of every head: its gradient sums over the batch, sequence and head splits,
         # which the "dense" kind counts as the batch and sequence axes (head_dim-sized: negligible).
         w += [
@@ -93,6 +96,51 @@ def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weigh
     return w
 
 
+def _mla_weights(m: ModelConfig, prefix: str, n: int) -> list[Weight]:
+    """models/layers/mla.py's weights: the (low-rank) query projection, the joint latent and RoPE-key
+    projection with the latent's norm, the latent's up-projection to keys and values, the output."""
+    a, D, H, L = m.mla, m.d_model, m.n_heads, ("layers",)
+    Dq = a.qk_nope_head_dim + a.qk_rope_head_dim
+    w = []
+    if a.q_lora_rank:
+        Rq = a.q_lora_rank
+        w += [
+            Weight(f"{prefix}.attn.wq_a", (n, D, Rq), L + ("embed", "q_lora")),
+            Weight(f"{prefix}.attn.q_norm.scale", (n, Rq), L + ("q_lora",)),
+            Weight(f"{prefix}.attn.wq_b", (n, Rq, H, Dq), L + ("q_lora", "heads", "head_dim")),
+        ]
+    else:
+        w.append(Weight(f"{prefix}.attn.wq", (n, D, H, Dq), L + ("embed", "heads", "head_dim")))
+    R = a.kv_lora_rank
+    return w + [
+        Weight(f"{prefix}.attn.wkv_a", (n, D, R + a.qk_rope_head_dim), L + ("embed", "kv_lora")),
+        Weight(f"{prefix}.attn.kv_norm.scale", (n, R), L + ("kv_lora",)),
+        Weight(
+            f"{prefix}.attn.wkv_b", (n, R, H, a.qk_nope_head_dim + a.v_head_dim), L + ("kv_lora", "heads", "head_dim")
+        ),
+        Weight(f"{prefix}.attn.wo", (n, H, a.v_head_dim, D), L + ("heads", "head_dim", "embed")),
+    ]
+
+
+def _mtp_weights(m: ModelConfig) -> list[Weight]:
+    """models/mtp.py's modules, one unstacked block each (the kind of the model's last layer)."""
+    from meshwork.perf.flops import mtp_block_is_moe
+
+    D, moe = m.d_model, mtp_block_is_moe(m)
+    w = []
+    for k in range(m.mtp.depth):
+        p = f"mtp.{k}"
+        w += [
+            Weight(f"{p}.embed_norm.scale", (D,), ("embed",), "norm"),
+            Weight(f"{p}.hidden_norm.scale", (D,), ("embed",), "norm"),
+            Weight(f"{p}.proj", (2 * D, D), (None, "embed")),
+        ]
+        for b in _block_weights(m, f"{p}.block", 1, moe=moe):  # one block: drop the layers dimension
+            w.append(dataclasses.replace(b, shape=b.shape[1:], names=b.names[1:]))
+        w.append(Weight(f"{p}.out_norm.scale", (D,), ("embed",), "norm"))
+    return w
+
+
 def model_weights(m: ModelConfig) -> tuple[Weight, ...]:
     """Every trainable weight of meshwork's Transformer / MoETransformer for `m`,
     with the logical names models/ gives it (checked against the real model by
@@ -119,7 +167,7 @@ def _model_weights(model_json: str) -> tuple[Weight, ...]:
     w.append(Weight("head.final_norm.scale", (D,), ("embed",), "norm"))
     if not m.tie_embeddings:
         w.append(Weight("head.lm_head", (D, V), ("embed", "vocab")))
-    return tuple(w)
+    return tuple(w + _mtp_weights(m))
 
 
 def shard_size(weight: Weight, layout: Layout, role: str = "params") -> int:

@@ -1,0 +1,141 @@
+"""DeepSeek-V3 checkpoints in and out: parity with transformers' DeepseekV3ForCausalLM, greedy decoding
+through the latent paged cache, the export round trip, the latent cache's size, refusals.
+
+The fixtures (tests/fixtures/make_deepseek_golden.py; README there) are two tiny random float32
+models: `deepseek_v3` (q-LoRA, YaRN past its original context with mscale_all_dim, interleaved
+RoPE rows, 4 expert groups of which 2 per token, a shared expert, routed scaling 2.5, a dense first
+layer, an MTP layer) and `deepseek_v3_noqlora` (no q-LoRA, values wider than the query/key heads,
+rotate-half RoPE, one group, un-normalized top-k, every layer MoE).
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT
+from flax import nnx
+from safetensors.numpy import load_file
+
+from meshwork.config_sections import MLAConfig, ModelConfig
+from meshwork.engine.kv_cache import KVCache, cache_bytes_per_token
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
+from meshwork.inference.hf_export import export_hf
+from meshwork.models.hf import load_hf_checkpoint, model_from_hf
+from meshwork.models.transformer import Transformer
+
+FIXTURES = ROOT / "tests/fixtures/hf"
+NAMES = ("deepseek_v3", "deepseek_v3_noqlora")
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def loaded(request):
+    cfg, model = model_from_hf(FIXTURES / request.param)
+    return request.param, cfg, model, np.load(FIXTURES / request.param / "golden.npz")
+
+
+def test_logits_equal_transformers_at_1_7_and_past_the_original_context(loaded):
+    name, cfg, model, golden = loaded
+    assert cfg.mla is not None and cfg.kind == "moe"
+    for n in (1, 7, 48):  # 48 > the YaRN fixture's original context of 32
+        want = golden[f"logits_{n}"]
+        got = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(golden[f"input_ids_{n}"])))
+        assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5, (name, n)
+
+
+def test_greedy_through_the_latent_paged_cache_equals_transformers(loaded):
+    """16 greedy tokens from the paged server (prefix caching and 3-token prefill chunks on), which
+    decodes with the absorbed form over pages of [latent, RoPE key]."""
+    name, cfg, model, golden = loaded
+    server = Server(model, slots=2, max_len=64, page_size=4, prefix_caching=True, prefill_chunk=3)
+    assert server.k.shape[-2:] == (1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) and server.v.shape[-1] == 0
+    prompt = golden["prompt"][0].tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    results = server.run([Request(0, prompt, params), Request(1, prompt, params)])
+    for r in results.values() if isinstance(results, dict) else results:
+        assert list(r.tokens) == golden["generated"].tolist(), name
+
+
+def test_export_round_trip_is_bit_exact(loaded, tmp_path):
+    """Load -> export -> load gives the same parameters and selection biases, bit for bit; an
+    interleaved-RoPE checkpoint (MTP layer included) comes back as the same file, tensor for tensor."""
+    name, cfg, model, _ = loaded
+    out = export_hf(cfg, model, tmp_path / "out")
+    _, first = load_hf_checkpoint(FIXTURES / name)
+    _, again = load_hf_checkpoint(out)
+    assert jax.tree.structure(first) == jax.tree.structure(again)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    if json.loads((FIXTURES / name / "config.json").read_text()).get("rope_interleave", True):
+        want, got = load_file(FIXTURES / name / "model.safetensors"), load_file(out / "model.safetensors")
+        assert want.keys() == got.keys()
+        assert all(np.array_equal(want[k], got[k]) for k in want)
+
+
+def test_the_mtp_layer_and_selection_biases_are_loaded(loaded):
+    name, cfg, model, _ = loaded
+    if name != "deepseek_v3":
+        assert model.mtp is None
+        return
+    tensors = load_file(FIXTURES / name / "model.safetensors")
+    assert cfg.mtp.depth == 1
+    np.testing.assert_array_equal(model.mtp[0].proj[...], tensors["model.layers.3.eh_proj.weight"].T)
+    np.testing.assert_array_equal(
+        model.moe_blocks.moe.router_bias[...][0], tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    )
+
+
+def test_absorbed_decode_equals_the_expanded_attention():
+    """Token by token through the latent cache (absorbed) against the full forward (expanded)."""
+    cfg = ModelConfig(
+        vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=48,
+        mla=MLAConfig(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8),
+    )  # fmt: skip
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 50)
+    want = model(tokens)
+    cache, steps = KVCache.zeros(cfg, 2, 16), []
+    logits, cache = model.decode(tokens[:, :4], jnp.broadcast_to(jnp.arange(4), (2, 4)), cache)
+    steps.append(logits)
+    for t in range(4, 9):
+        logits, cache = model.decode(tokens[:, t : t + 1], jnp.full((2, 1), t), cache)
+        steps.append(logits)
+    got = jnp.concatenate(steps, axis=1)
+    assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) <= 1e-5
+    assert cache.k.shape[-2:] == (1, 14) and cache.v.size == 0  # the latent and RoPE key, nothing per head
+
+
+def test_latent_cache_bytes_per_token():
+    """(kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes, against dense attention's
+    2 x kv_heads x head_dim x layers x bytes; for DeepSeek-V3's own shape (61 layers, 128 heads of
+    128 + 64 dims) the ratio to the same model with multi-head attention is printed."""
+    v3 = ModelConfig(
+        n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, head_dim=128,
+        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    )  # fmt: skip
+    latent = cache_bytes_per_token(v3, jnp.bfloat16)
+    assert latent == (512 + 64) * 61 * 2
+    mha = cache_bytes_per_token(v3.model_copy(update={"mla": None}), jnp.bfloat16)
+    assert mha == 2 * 128 * 128 * 61 * 2
+    print(f"DeepSeek-V3 cache per token: latent {latent} B vs MHA {mha} B, ratio {mha / latent:.1f}x")
+    assert KVCache.zeros(v3.model_copy(update={"n_layers": 1}), 1, 1, jnp.bfloat16).nbytes == 576 * 2
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "dequantize first"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"n_group": 3}, "n_group"),
+    ],
+)
+def test_unbuilt_settings_are_refused_in_one_line(tmp_path, change, match):
+    shutil.copytree(FIXTURES / "deepseek_v3", tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt/config.json").read_text())
+    (tmp_path / "ckpt/config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=match) as info:
+        model_from_hf(tmp_path / "ckpt")
+    assert "\n" not in str(info.value)
