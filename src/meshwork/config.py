@@ -89,6 +89,19 @@ class Config(Section):
                 f"train.pipeline={t.pipeline} with mesh.stage={self.mesh.stage}; "
                 "a pipeline needs mesh.stage > 1 and mesh.stage > 1 needs a pipeline (gpipe, 1f1b, interleaved or zb-h1)",
             )
+        if t.pipeline != "none" and m.mtp.depth:
+            raise _KeyError(
+                "model.mtp.depth",
+                f"{m.mtp.depth} MTP modules with train.pipeline={t.pipeline}: the modules read the last "
+                "stage's hidden states and the first stage's embedding, which the pipeline does not route; "
+                "set model.mtp.depth=0 or train.pipeline=none",
+            )
+        if m.mla is not None and self.finetune.method == "prefix":
+            raise _KeyError(
+                "finetune.method",
+                "prefix tuning adds per-head keys and values, which multi-head latent attention (model.mla) "
+                "does not cache; use lora, qlora or adapter",
+            )
         if t.pipeline != "none" and m.kind == "unet":
             raise _KeyError(
                 "train.pipeline",
