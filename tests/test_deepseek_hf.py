@@ -139,3 +139,16 @@ def test_unbuilt_settings_are_refused_in_one_line(tmp_path, change, match):
     with pytest.raises(ValueError, match=match) as info:
         model_from_hf(tmp_path / "ckpt")
     assert "\n" not in str(info.value)
+
+
+def test_the_pallas_paged_kernel_reads_the_latent_pages():
+    """attention=pallas: the paged kernel attends over the latent pool in place (keys: all of it, values:
+    its first kv_lora_rank dims); the same greedy tokens and log-probabilities as XLA's gathered pages."""
+    golden, out = np.load(FIXTURES / "deepseek_v3/golden.npz"), {}
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, logprobs=True)
+    for impl in ("xla", "pallas"):
+        _, model = model_from_hf(FIXTURES / "deepseek_v3", attention=impl)
+        server = Server(model, slots=1, max_len=32, page_size=4, prefill_chunk=3)
+        out[impl] = server.run([Request(0, golden["prompt"][0].tolist(), params)])[0]
+    assert list(out["pallas"].tokens) == list(out["xla"].tokens) == golden["generated"][:8].tolist()
+    np.testing.assert_allclose(out["pallas"].logprobs, out["xla"].logprobs, atol=1e-5)

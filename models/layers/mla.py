@@ -167,7 +167,13 @@ class MLAttention(nnx.Module):
         query_BLHC = jnp.concatenate([q_lat_BLHR, q_rope.astype(q_lat_BLHR.dtype)], axis=-1)
         entry_BLC = jnp.concatenate([c_BLR, k_rope_BLK.astype(c_BLR.dtype)], axis=-1)
         o_BLHR, kv = kv.attend_latent(
-            query_BLHC, entry_BLC, positions_BL, scale=self.scale, values=self.mla.kv_lora_rank, window=self.window
+            query_BLHC,
+            entry_BLC,
+            positions_BL,
+            scale=self.scale,
+            values=self.mla.kv_lora_rank,
+            window=self.window,
+            impl=self.impl,
         )
         o_BLHK = jnp.einsum("BLHR,RHK->BLHK", o_BLHR.astype(self.dtype), w_uv_RHK.astype(self.dtype))
         return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), kv

@@ -218,9 +218,10 @@ class _ContiguousLayer:
         )
         return o_BLHK, _ContiguousLayer(KVCache(k, v), self.i)
 
-    def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None):
+    def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None, impl="xla"):
         """MLA's absorbed attention (models/layers/mla.py): writes each token's [latent, RoPE key] at its
-        position and attends the latent-space queries over the row's cached entries; (B, L, H, values)."""
+        position and attends the latent-space queries over the row's cached entries; (B, L, H, values).
+        (`impl` is for the paged cache's kernel; a contiguous cache attends with XLA.)"""
         rows_B1 = jnp.arange(positions_BL.shape[0])[:, None]
         k = self.cache.k.at[self.i, rows_B1, positions_BL, 0].set(entry_BLC.astype(self.cache.k.dtype), mode="drop")
         o_BLHR = latent_attention(q_BLHC, k[self.i, :, :, 0], positions_BL, scale=scale, values=values, window=window)
@@ -283,11 +284,12 @@ class _PagedLayer:
             )
         return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
 
-    def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None):
-        """MLA's absorbed attention over the sequence's pages, as `_ContiguousLayer.attend_latent`
-        (XLA's gather of the pages; the Pallas paged kernel reads per-head keys and values only)."""
+    def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None, impl="xla"):
+        """MLA's absorbed attention over the sequence's pages, as `_ContiguousLayer.attend_latent`. With
+        impl "pallas" the paged kernel reads the pages in place, the latent pool serving as both the
+        keys (all C dims) and the values (their first `values` dims); otherwise XLA over gathered pages."""
         c = self.cache
-        attend = functools.partial(_latent_pages, scale=scale, values=values, window=window)
+        attend = functools.partial(_latent_pages, scale=scale, values=values, window=window, impl=impl)
         # The shared paths take (q, k_new, v_new, ...): the entry rides as the "keys", one latent head.
         args = (q_BLHC, entry_BLC[:, :, None], entry_BLC[:, :, None, :0], positions_BL, c.k, c.v, c.page_table, self.i)
         rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
@@ -308,9 +310,14 @@ def _write_pages(new_BLGK, positions_BL, pool, table_BP, i):
     return pool.at[i, page_BL, positions_BL % T].set(new_BLGK.astype(pool.dtype))
 
 
-def _latent_pages(q_BLHC, entry_BL1C, _v, positions_BL, k_pool, v_pool, table_BP, i, *, scale, values, window):
+def _latent_pages(q_BLHC, entry_BL1C, _v, positions_BL, k_pool, v_pool, table_BP, i, *, scale, values, window, impl):
     """Writes the new [latent, RoPE key] entries into their pages, then attends over the sequence's pages."""
     k = _write_pages(entry_BL1C, positions_BL, k_pool, table_BP, i)
+    if impl == "pallas":
+        # One latent "head" read by all H query heads (grouped-query attention with G = 1); the values'
+        # extra RoPE-key columns (Dr of C) are computed and dropped.
+        o_BLHC = paged_attention(q_BLHC, k, k, table_BP, positions_BL, layer=i, scale=scale, window=window)
+        return o_BLHC[..., :values], k, v_pool
     cache_BSC = gather_pages(k, table_BP, i)[:, :, 0]
     return latent_attention(q_BLHC, cache_BSC, positions_BL, scale=scale, values=values, window=window), k, v_pool
 
