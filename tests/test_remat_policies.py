@@ -198,3 +198,28 @@ def test_offload_dots_moves_bytes_to_the_host_not_off_the_books(tmp_path, batch)
     assert off["total"] == pytest.approx(full["total"]) and off["host"] == pytest.approx(kept) and kept > 0
     one, two = (offload_memory(cfg, make_layout(remat="offload_dots", microbatches=mb))["transfer"] for mb in (1, 2))
     assert two == pytest.approx(one)  # half the rows per microbatch, twice the microbatches
+
+
+MLA = "model.mla={q_lora_rank: 24, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 12}"
+
+
+def test_mla_products_are_named_for_the_policies(tmp_path, batch):
+    """Multi-head latent attention tags its query, latent, up-projected key/value and output products
+    (models/layers/mla.py): each partial policy saves exactly what the planner says it keeps beyond
+    full, and changes no value or gradient."""
+    cfg = planner_cfg(tmp_path, batch, "lm_tiny", MLA)
+    ts, p = token_shape(cfg, make_layout()), ITEMSIZE[cfg.train.compute_dtype]
+    f, params = objective(tmp_path / "none", batch, "lm_tiny", MLA)
+    loss0, grads0 = jax.jit(jax.value_and_grad(f))(params)
+    full = layer_residual_bytes(objective(tmp_path / "full", batch, "lm_tiny", MLA, "train.remat=full")[0], params)
+    for policy in ("save_qkv_proj", "save_qkv_and_out_proj"):
+        f, _ = objective(tmp_path / policy, batch, "lm_tiny", MLA, f"train.remat={policy}")
+        measured = layer_residual_bytes(f, params) - full
+        planned = cfg.model.n_layers * (
+            layer_activation_bytes(cfg.model, ts, p, policy) - layer_activation_bytes(cfg.model, ts, p, "full")
+        )
+        print(f"MLA {policy}: kept beyond full, planned {planned:.0f} B, saved {measured} B")
+        assert measured > 0 and planned == measured, policy
+        loss, grads = jax.jit(jax.value_and_grad(f))(params)
+        assert max_rel(loss, loss0) < 1e-6
+        assert max(max_rel(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0))) < 1e-6
