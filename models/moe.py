@@ -31,7 +31,7 @@ from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.moe import MoE
 from meshwork.models.layers.moe_routing import RouterBias, updated_router_bias
-from meshwork.models.mtp import add_mtp_stats, make_mtp
+from meshwork.models.mtp import add_mtp_stats, make_mtp, mtp_decode
 from meshwork.models.transformer import (
     ACT_BLD,
     REMAT_POLICIES,
@@ -204,6 +204,10 @@ class MoETransformer(nnx.Module):
             )
         logits_BLV = self.head(x_BLD, self.embed)
         return (logits_BLV, x_BLD, cache) if hidden else (logits_BLV, cache)
+
+    def mtp_decode(self, hidden_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, cache, depth: int = 0):
+        """MTP module `depth` as a draft (models/mtp.py `mtp_decode`): (logits, its hidden states, cache)."""
+        return mtp_decode(self, hidden_BLD, tokens_BL, positions_BL, cache, depth)
 
     def aux_coefficients(self) -> dict[str, float]:
         mtp = {"mtp_loss": self.cfg.mtp.loss_coef} if self.mtp is not None else {}

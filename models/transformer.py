@@ -23,7 +23,7 @@ from meshwork.models.layers.mla import MLAttention
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
-from meshwork.models.mtp import add_mtp_stats, make_mtp
+from meshwork.models.mtp import add_mtp_stats, make_mtp, mtp_decode
 from meshwork.partitioning import to_device_memory
 from meshwork.sharding.parallel import with_logical_constraint
 
@@ -362,6 +362,10 @@ class Transformer(nnx.Module):
     def head_weight(self) -> jax.Array:
         """The output projection, (D, V): logits = apply_hidden(...)[0] @ head_weight()."""
         return self.head.weight_DV(self.embed)
+
+    def mtp_decode(self, hidden_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, cache, depth: int = 0):
+        """MTP module `depth` as a draft (models/mtp.py `mtp_decode`): (logits, its hidden states, cache)."""
+        return mtp_decode(self, hidden_BLD, tokens_BL, positions_BL, cache, depth)
 
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""

@@ -114,6 +114,29 @@ class Generator:
         """
         return nnx.merge(self.graphdef, state).decode(tokens_BL, positions_BL, cache)
 
+    def apply_hidden(
+        self, state: nnx.State, tokens_BL: jax.Array, positions_BL: jax.Array, cache: KVCache | PagedKVCache
+    ) -> tuple[jax.Array, jax.Array, KVCache | PagedKVCache]:
+        """`apply`, also returning the residual stream before the final norm (B, L, D): (logits, hidden,
+        cache), what a multi-token-prediction draft reads (speculative decoding)."""
+        return nnx.merge(self.graphdef, state).decode(tokens_BL, positions_BL, cache, hidden=True)
+
+    def apply_mtp(
+        self,
+        state: nnx.State,
+        hidden_BLD: jax.Array,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array,
+        cache: KVCache | PagedKVCache,
+        depth: int = 0,
+    ) -> tuple[jax.Array, jax.Array, KVCache | PagedKVCache]:
+        """The model's MTP module `depth` over new positions (model.mtp): at position p it reads the hidden
+        state at p and the token at p + 1 and predicts the token at p + 2; its keys and values go in the
+        cache's layer n_layers + depth. (logits, the module's hidden states, cache). Pure, as `apply`."""
+        if self.cfg.mtp.depth <= depth:
+            raise ValueError(f"the model has {self.cfg.mtp.depth} MTP modules (model.mtp.depth); no module {depth}")
+        return nnx.merge(self.graphdef, state).mtp_decode(hidden_BLD, tokens_BL, positions_BL, cache, depth)
+
     def _prefill_fn(self, state, tokens_BL, lengths_B, cache, arrays):
         B, L = tokens_BL.shape
         logits_BLV, cache = self.apply(state, tokens_BL, jnp.broadcast_to(jnp.arange(L), (B, L)), cache)
