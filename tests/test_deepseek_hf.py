@@ -152,3 +152,24 @@ def test_the_pallas_paged_kernel_reads_the_latent_pages():
         out[impl] = server.run([Request(0, golden["prompt"][0].tolist(), params)])[0]
     assert list(out["pallas"].tokens) == list(out["xla"].tokens) == golden["generated"][:8].tolist()
     np.testing.assert_allclose(out["pallas"].logprobs, out["xla"].logprobs, atol=1e-5)
+
+
+def test_the_latent_pool_on_data_4_x_tensor_2_gives_the_one_device_tokens():
+    """Served on 8 devices (data 4 x tensor 2): query heads split over `tensor`, the one latent "head"
+    of each page whole on every device of its replica; greedy tokens equal one device's. (A dense MLA
+    model: the MoE layer cannot yet take a one-row prefill chunk split over data replicas.)"""
+    from meshwork.sharding.mesh import make_mesh
+    from meshwork.sharding.rules import rules_for
+
+    cfg = load_hf_checkpoint(FIXTURES / "deepseek_v3")[0]
+    model = Transformer(cfg.model_copy(update={"vocab_size": 96, "kind": "transformer"}), rngs=nnx.Rngs(5))
+    mesh = make_mesh({"data": 4, "tensor": 2})
+    server = Server(
+        model, mesh=mesh, rules=rules_for("tp"), slots=4, max_len=32, page_size=4, prefill_chunk=5, n_pages=40
+    )
+    assert server.k.sharding.spec[3] is None and server.k.sharding.spec[1] is not None
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [list(range(3, 14)), [7, 1, 90, 4, 4]]
+    out = server.run([Request(i, p, params) for i, p in enumerate(prompts)])
+    alone = Server(model, slots=2, max_len=32, page_size=4).run([Request(i, p, params) for i, p in enumerate(prompts)])
+    assert [list(out[i].tokens) for i in (0, 1)] == [list(alone[i].tokens) for i in (0, 1)]
