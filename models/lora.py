@@ -79,6 +79,11 @@ TARGETS: dict[str, tuple[str, str, str]] = {
     "gate": ("mlp", "w_gate", "BLD,DF->BLF"),
     "up": ("mlp", "w_up", "BLD,DF->BLF"),
     "down": ("mlp", "w_down", "BLF,FD->BLD"),
+    # Multi-head latent attention (models/layers/mla.py): its query, latent and up-projections.
+    "q_a": ("attn", "wq_a", "BLD,DQ->BLQ"),
+    "q_b": ("attn", "wq_b", "BLQ,QHK->BLHK"),
+    "kv_a": ("attn", "wkv_a", "BLD,DC->BLC"),
+    "kv_b": ("attn", "wkv_b", "BLR,RHK->BLHK"),
 }
 RANK = "r"  # the rank's letter in the einsums below (docs/architecture.md#shape-letters); no weight spec uses it
 
@@ -250,7 +255,10 @@ def add_lora(
             continue
         sub, name, spec = TARGETS[t]
         module = getattr(model.blocks, sub)
-        weight = getattr(module, name)
+        weight = getattr(module, name, None)
+        if weight is None:
+            have = [k for k, (s, n, _) in TARGETS.items() if getattr(getattr(model.blocks, s), n, None) is not None]
+            raise ValueError(f"finetune.targets: this model has no {t!r} projection; choose among {', '.join(have)}")
         if isinstance(weight, LoRA):
             raise ValueError(f"blocks/{sub}/{name} already has LoRA; build the base model again")
         setattr(

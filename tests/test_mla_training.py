@@ -86,3 +86,27 @@ def test_unsupported_combinations_are_refused(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
         load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), *overrides])
     assert "\n" not in str(info.value)
+
+
+def test_lora_on_mla_projections_decodes_like_the_full_forward():
+    """LoRA on MLA's own projections (q_a, q_b, kv_a, kv_b, o): the absorbed decode folds the merged
+    kv_b into the query and output sides, so the cached logits equal the full forward's."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from meshwork.config_sections import MLAConfig, ModelConfig
+    from meshwork.engine.kv_cache import KVCache
+    from meshwork.models.lora import add_lora
+    from meshwork.models.transformer import Transformer
+
+    mla = MLAConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, mla=mla)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    add_lora(model, ["q_a", "q_b", "kv_a", "kv_b", "o"], rank=4, alpha=8.0, rngs=nnx.Rngs(1))
+    for w in (model.blocks.attn.wkv_b, model.blocks.attn.wq_b):  # B starts at zero: make the deltas count
+        w.lora_b[...] = 0.1 * jax.random.normal(jax.random.key(2), w.lora_b.shape)
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, 64)
+    cached, _ = model.decode(tokens, jnp.broadcast_to(jnp.arange(6), (2, 6)), KVCache.zeros(cfg, 2, 8))
+    assert float(jnp.abs(cached - model(tokens)).max()) < 1e-5
+    with pytest.raises(ValueError, match="no 'k' projection"):
+        add_lora(model, ["k"], rank=4, alpha=8.0, rngs=nnx.Rngs(1))

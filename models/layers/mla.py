@@ -185,10 +185,15 @@ def _pad_last(x: jax.Array, width: int) -> jax.Array:
 
 
 def _plain_weight(w) -> jax.Array:
-    """The array of a weight the absorbed decode multiplies into the query and output sides itself."""
+    """The array of a weight the absorbed decode multiplies into the query and output sides itself: a
+    plain weight, or a LoRA-wrapped one as its merged value W0 + (alpha / r) A B (models/lora.py)."""
     if isinstance(w, nnx.Variable) and isinstance(w.get_value(), jax.Array):
         return w[...]
+    if hasattr(w, "lora_a") and isinstance(getattr(w.base, "get_value", lambda: None)(), jax.Array):
+        from meshwork.models.lora import lora_delta  # lora.py builds on the layers: imported where it is used
+
+        return w.base[...] + lora_delta(w.lora_a[...], w.lora_b[...], w.spec, w.scale).astype(w.base.dtype)
     raise NotImplementedError(
-        "absorbed MLA decoding needs a plain wkv_b weight, not a quantized or LoRA-wrapped one; "
-        "leave wkv_b out of quantization and LoRA targets, or merge the adapters first"
+        "absorbed MLA decoding needs a plain (or LoRA-wrapped) wkv_b weight, not a quantized one; "
+        "leave wkv_b out of quantization"
     )

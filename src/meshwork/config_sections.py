@@ -623,8 +623,9 @@ class FinetuneConfig(Section):
     """The starting point: the run.dir of a trained run (its latest checkpoint), or a Hugging Face
     checkpoint folder (config.json + *.safetensors; its config.json decides `model`, and with
     method full this is continued pre-training)."""
-    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = ["q", "v"]
-    """Projections that get LoRA deltas (q/k/v/o of attention, gate/up/down of the MLP)."""
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b"]] = ["q", "v"]
+    """Projections that get LoRA deltas (q/k/v/o of attention, gate/up/down of the MLP; with model.mla:
+    q (without q-LoRA), q_a and q_b (with it), kv_a, kv_b and o)."""
     rank: int = pydantic.Field(8, gt=0)
     """LoRA rank r, adapter bottleneck width."""
     alpha: float = pydantic.Field(16.0, gt=0)
