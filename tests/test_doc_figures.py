@@ -68,6 +68,7 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("4x", "beats a flat ring", "a bound asserted by tests/test_planner.py::test_algorithm_costs"),
     ("4x", "the sequence one device holds", "the test's setup, not a measurement"),
     ("14.4 minutes", "fail as a cluster every", "cluster MTTF example (tests/test_perf_units.py)"),
+    ("5%", "the test allows 5% below it", "the tolerance tests/test_planner_mla.py asserts on MLA FLOPs"),
     ("5.37 min", "Young gives", "Young interval example (tests/test_perf_units.py)"),
     ("4.72 min", "Young gives", "Daly interval example (tests/test_perf_units.py)"),
     ("58.5%", "goodput", "goodput formula example (tests/test_perf_units.py)"),
