@@ -157,6 +157,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         default=1,
         help="split attention heads and MLP columns over this many devices (data x tensor = the host's devices)",
     )
+    from meshwork.inference.speculation import add_speculative_arguments
+
+    add_speculative_arguments(s)
     s.add_argument("--max-tokens", type=int, default=256, help="most new tokens one request may ask for")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
     s.add_argument(

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from meshwork.config import ConfigError
+from meshwork.inference.speculation import add_speculative_arguments, make_drafter
 
 DESCRIPTION = """Generate text from a trained LM run or a Hugging Face checkpoint. One prompt streams its
 tokens as they are sampled; several are served together and printed in prompt order, one line
@@ -68,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: what the prompts need)")
     add_attention_argument(p)
     p.add_argument("--slots", type=int, default=8, help="batch slots of the serving loop (several prompts)")
+    add_speculative_arguments(p)
 
 
 def add_attention_argument(p: argparse.ArgumentParser) -> None:
@@ -223,26 +225,13 @@ def run(args: argparse.Namespace) -> int:
         from meshwork.models.quantize import quantize_model
 
         quantize_model(model, args.quantize)
+    drafter = make_drafter(args, model)
     if len(prompts) == 1:
-        from meshwork.engine.generate import Generator
-
-        gen = Generator(model)
-        gen.check_request(prompts[0], per_prompt[0], args.max_len)  # before the prompt is printed
-        produced: list[int] = []
-        sys.stdout.write(_decode(tokenizer, prompts[0]))
-        for _, token in gen.stream(prompts, params, args.max_len):
-            # Bytes of one character can arrive in several tokens: print what decodes so far.
-            before = _decode(tokenizer, produced)
-            produced.append(token)
-            sys.stdout.write(_decode(tokenizer, produced)[len(before) :] if tokenizer else f" {token}")
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        return 0
-
+        return _stream_one(args, model, tokenizer, prompts[0], per_prompt[0], drafter)
     from meshwork.engine.serving import Request, Server
 
     max_len = args.max_len or max(len(p) for p in prompts) + params.max_new_tokens + 1
-    server = Server(model, slots=args.slots, max_len=max_len)
+    server = Server(model, slots=args.slots, max_len=max_len, drafter=drafter, speculative_k=args.speculative_k)
     results = server.run(Request(i, p, per_prompt[i]) for i, p in enumerate(prompts))
     failed = 0
     for i, prompt in enumerate(prompts):
@@ -254,4 +243,31 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{i}] {_decode(tokenizer, prompt)} | {_decode(tokenizer, r.tokens)}")
         else:
             print(f"[{i}] {_decode(tokenizer, prompt)}{_decode(tokenizer, r.tokens)}")
+    if drafter is not None:
+        print(server.spec.line(args.speculative_k), file=sys.stderr)
     return 0 if not failed else 2
+
+
+def _stream_one(args: argparse.Namespace, model, tokenizer, prompt: list[int], params, drafter) -> int:
+    """Streams one prompt's tokens to stdout as they are sampled (or accepted, with a drafter: the
+    acceptance rate and tokens per target forward then go to stderr)."""
+    from meshwork.engine.generate import Generator
+
+    gen = Generator(model)
+    if drafter is not None:
+        from meshwork.engine.speculative import SpeculativeGenerator
+
+        gen = SpeculativeGenerator(gen, drafter, args.speculative_k)
+    gen.check_request(prompt, params, args.max_len)  # before the prompt is printed
+    produced: list[int] = []
+    sys.stdout.write(_decode(tokenizer, prompt))
+    for _, token in gen.stream([prompt], params, args.max_len):
+        # Bytes of one character can arrive in several tokens: print what decodes so far.
+        before = _decode(tokenizer, produced)
+        produced.append(token)
+        sys.stdout.write(_decode(tokenizer, produced)[len(before) :] if tokenizer else f" {token}")
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if drafter is not None:
+        print(gen.stats.line(args.speculative_k), file=sys.stderr)
+    return 0

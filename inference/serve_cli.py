@@ -17,6 +17,7 @@ from meshwork.config import ConfigError
 from meshwork.engine.serving import Server
 from meshwork.inference.http_server import Limits, Served, chat_template_of, create_app
 from meshwork.inference.serve_engine import Engine
+from meshwork.inference.speculation import make_drafter
 
 
 def load_served(checkpoint: str, name: str | None = None, attention: str | None = None):
@@ -106,6 +107,7 @@ def serve(args) -> int:
             "port (0: any free one)"
         ) from None
     model, served = load_served(args.checkpoint, args.model_name, args.attention)
+    drafter = make_drafter(args, model, options.get("mesh"), options.get("rules"))
     engine = Engine(
         Server(
             model,
@@ -115,6 +117,8 @@ def serve(args) -> int:
             n_pages=args.pages,
             prefill_chunk=args.prefill_chunk,
             prefix_caching=args.prefix_caching,
+            drafter=drafter,
+            speculative_k=args.speculative_k,
             **options,
         ),
         max_queue=args.max_queue,
@@ -123,6 +127,7 @@ def serve(args) -> int:
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     layout = f", data {args.data} x tensor {args.tensor}" if options else ""
+    layout += f", speculative {args.speculative} k={args.speculative_k}" if drafter is not None else ""
     print(
         f"serving {served.name} on http://{host}:{port}/v1 (slots {args.slots}, max_len {args.max_len}, "
         f"pages {engine.server.pages.usable} of {args.page_size} tokens{layout})",

@@ -36,6 +36,7 @@ any batch, and after a restart, and a given token can be reproduced from
     arrays = SamplingArrays.stack([SamplingParams(temperature=0.7, top_p=0.9, seed=1)])
     next_B = sample(logits_BV, positions_B, arrays, seen_BV)
     logp_BV = log_probs(logits_BV)          # log-softmax of the same logits (`log_probs` says which)
+    p_BV = sampler_probs(logits_BV, arrays, seen_BV)   # the distribution `sample` draws from (speculative.py)
     lp_B, top_BK, ids_BK = token_log_probs(logits_BV, next_B, 5)   # what the server returns per token
 """
 

@@ -59,6 +59,15 @@ dispatch), so they cost one logsumexp per row per step and no host round trip. A
 and 0 otherwise, so the loop and the chunk compile in two variants each and a batch that asks for
 none runs no top_k (its only extra work is that logsumexp). Sampled tokens do not depend on either.
 
+Speculative decoding (`drafter=`, `speculative_k=`; speculative.py): each step runs one round
+instead of the decode loop: the draft proposes k tokens per running request and the target
+verifies them in one forward over the paged cache; each row emits its accepted tokens and one
+more. A slot gets the pages of the positions a round may keep ahead of it when the pool has them,
+and gives back, after the round, those past its next position (rejected positions); the draft's
+own pool shares the target's page table. `stats()` adds the acceptance rate and the tokens per
+target forward. A sampled request's tokens follow the target's distribution exactly but, unlike
+plain decoding, can depend on where its rounds started, which pool pressure can move.
+
 The engine API: `submit` queues a request (`check_request` is what it asks
 first), `admit` gives waiting requests slots and pages, `step` admits,
 prefills and decodes, `cancel` and `release` free a request's slot and pages,
@@ -621,7 +630,7 @@ class Server:
         for i in ready():
             s = self.slots[i]
             ahead = min(k, s.request.params.max_new_tokens - len(s.produced) - 1)
-            m = math.ceil((s.length + ahead + 1) / T) - len(s.pages)
+            m = min(math.ceil((s.length + ahead + 1) / T), self.pages_per_seq) - len(s.pages)
             if 0 < m <= self.pages.available_in(self._replica(i)):
                 s.pages += self.pages.allocate(s.request.id, m, self._replica(i))
         self.peak_pages = max(self.peak_pages, len(self.pages.owners))

@@ -84,7 +84,7 @@ from meshwork.engine.sampling import (
     seen_tokens,
     token_log_probs,
 )
-from meshwork.engine.validation import RequestError, check_request
+from meshwork.engine.validation import RequestError
 from meshwork.kernels.pallas_backend import round_up
 from meshwork.rope_scaling import rope_type_of
 
@@ -329,7 +329,7 @@ def speculative_round(
     )
     seen_BV = jnp.where(live_B[:, None], seen_BJV[rows_B, last_i], seen_BV)
     verified = Verified(tokens_BJ, positions_BJ, emitted_B, hidden_BJD, next_B, rows_B, False)
-    draft_cache, cache = drafter.observe(weights, state, draft_cache, cache, verified)
+    draft_cache, cache = drafter.observe(weights, state, proposal.cache, cache, verified)
     lp, top_, ids = token_log_probs(flat(logits_BJV), flat(jnp.maximum(out_BJ, 0)), top)
     out = RoundOut(
         out_BJ, emitted_B, accepted_B, lp.reshape(B, J), top_.reshape(B, J, top), ids.reshape(B, J, top), new_rows
@@ -391,6 +391,11 @@ class SpeculativeGenerator:
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(4, 5))
         self._round = jax.jit(lambda *a: speculative_round(target, drafter, k, 0, *a), donate_argnums=(2, 3, 8))
 
+    def check_request(self, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None) -> None:
+        """RequestError (one line) for a request this cannot continue with a cache of `max_len`
+        positions, k + 1 of which verification may write past the request's last token."""
+        self.target.check_request(prompt, params, None if max_len is None else max_len - self.k - 1)
+
     def _prefill_fn(self, state, weights, tokens_BL, lengths_B, cache, draft_cache, arrays):
         B, L = tokens_BL.shape
         positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L))
@@ -428,9 +433,8 @@ class SpeculativeGenerator:
         lengths = np.array([len(p) for p in prompts], np.int32)
         need = int(max(len(q) + p.max_new_tokens for q, p in zip(prompts, params))) + self.k + 1
         max_len = max_len or round_up(need, 64)
-        limits = gen.limits(max_len - self.k - 1)  # verification writes up to k + 1 positions ahead
         for prompt, p in zip(prompts, params):
-            check_request(prompt, p, limits)
+            self.check_request(prompt, p, max_len)
         n = len(prompts)
         B = round_up(n, gen.batch_multiple)
         L = min(round_up(int(lengths.max()), PROMPT_BUCKET), max_len)
