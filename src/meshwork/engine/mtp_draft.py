@@ -42,6 +42,7 @@ class MTPState(NamedTuple):
     logits_SV: jax.Array  # float32 (slots, V): the module's logits there (for the token two ahead)
     mtp_hidden_SD: jax.Array  # the module's hidden state there (the next draft step's input)
     target_hidden_SD: jax.Array  # the target's hidden state there (a following prefill chunk's fix-up)
+    position_S: jax.Array  # int32: that position (-1: none yet)
 
 
 class MTPDrafter(Drafter):
@@ -60,7 +61,10 @@ class MTPDrafter(Drafter):
     def _state(self, slots: int) -> MTPState:
         D, dtype = self.gen.cfg.d_model, self.gen.cache_dtype
         return MTPState(
-            jnp.zeros((slots, self.vocab_size), jnp.float32), jnp.zeros((slots, D), dtype), jnp.zeros((slots, D), dtype)
+            jnp.zeros((slots, self.vocab_size), jnp.float32),
+            jnp.zeros((slots, D), dtype),
+            jnp.zeros((slots, D), dtype),
+            jnp.full((slots,), -1, jnp.int32),
         )
 
     def new_cache(self, batch: int, max_len: int) -> MTPState:
@@ -75,11 +79,14 @@ class MTPDrafter(Drafter):
         rows = jnp.arange(B)
         if v.prefill:  # the previous chunk's last position, now that its next token (our first) is known
             start_B = v.positions_BL[:, 0]
+            # Only when this slot observed that position (not for a new prompt, nor after a prefix the
+            # prefix cache supplied): otherwise the write goes to `start`, which the call below rewrites.
+            known_B = cache.position_S[v.slot_B] == start_B - 1
             _, _, target_cache = self.gen.apply_mtp(
                 target_state,
                 cache.target_hidden_SD[v.slot_B][:, None],
                 v.tokens_BL[:, :1],
-                jnp.maximum(start_B - 1, 0)[:, None],
+                jnp.where(known_B, start_B - 1, start_B)[:, None],
                 target_cache,
             )
         last_B = v.accepted_B - 1
@@ -88,12 +95,19 @@ class MTPDrafter(Drafter):
         logits_BLV, mtp_hidden_BLD, target_cache = self.gen.apply_mtp(
             target_state, v.hidden_BLD, after_BL, v.positions_BL, target_cache
         )
-        cache = MTPState(
-            cache.logits_SV.at[v.slot_B].set(logits_BLV[rows, last_B].astype(jnp.float32)),
-            cache.mtp_hidden_SD.at[v.slot_B].set(mtp_hidden_BLD[rows, last_B].astype(cache.mtp_hidden_SD.dtype)),
-            cache.target_hidden_SD.at[v.slot_B].set(v.hidden_BLD[rows, last_B].astype(cache.target_hidden_SD.dtype)),
+        new = MTPState(
+            logits_BLV[rows, last_B].astype(jnp.float32),
+            mtp_hidden_BLD[rows, last_B],
+            v.hidden_BLD[rows, last_B],
+            v.positions_BL[rows, last_B],
         )
-        return cache, target_cache
+
+        def keep(old_S, new_B):  # a row that took nothing this time (idle, or no page) keeps its state
+            old_B = old_S[v.slot_B]
+            live = (v.accepted_B > 0).reshape(-1, *([1] * (old_B.ndim - 1)))
+            return old_S.at[v.slot_B].set(jnp.where(live, new_B.astype(old_S.dtype), old_B))
+
+        return MTPState(*map(keep, cache, new)), target_cache
 
     def propose(self, weights, target_state, cache: MTPState, target_cache, rows: Rows, k: int, arrays, seen_BV):
         seen_BV = mark_seen(seen_BV, rows.last_B)

@@ -208,10 +208,10 @@ class DraftModelDrafter(Drafter):
 
 
 def mtp_drafter(generator: Generator) -> Drafter:
-    """The target's own multi-token-prediction modules as its draft (model.mtp.depth > 0)."""
-    raise NotImplementedError(
-        "speculative decoding with the model's MTP modules is not built yet; pass a draft model's folder"
-    )
+    """The target's own multi-token-prediction module as its draft (model.mtp.depth > 0; engine/mtp_draft.py)."""
+    from meshwork.engine.mtp_draft import MTPDrafter  # it builds on this module's interface
+
+    return MTPDrafter(generator)
 
 
 def check_drafter(target: Generator, drafter: Drafter, k: int) -> None:
