@@ -2,6 +2,13 @@
 tokens/s, in one process, so the ratios compare like with like.
 
     python benchmarks/speculative.py [--batches 1 8] [--ks 2 4] [--new-tokens 128] [--repeats 3]
+    python benchmarks/speculative.py --mtp runs/deepseek_tiny     # the model's own MTP module drafts
+
+With `--mtp RUN_DIR` the target is that trained run (a model with `model.mtp.depth` >= 1, e.g.
+configs/deepseek_tiny.yaml) and its own multi-token-prediction module is the draft
+(engine/mtp_draft.py); the prompts are windows of this Python's standard-library sources, the
+corpus such a run trains on (byte tokens). Nothing is constructed: the acceptance rate is what the
+MTP module learned.
 
 The models (random weights; nothing is trained, so this is a constructed draft, said plainly).
 Target: a dense Transformer, vocabulary 256, d_model 512, 8 layers, 8 heads (4 kv heads), d_ff
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import pathlib
 import statistics
 import time
 
@@ -62,6 +70,21 @@ def perturbed_target(scale: float) -> Transformer:
     return target
 
 
+def stdlib_windows(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
+    """n windows of `length` bytes from this Python's standard-library sources, starting at line starts."""
+    import sysconfig
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    out = []
+    while len(out) < n:
+        text = files[rng.integers(len(files))].read_bytes()
+        starts = [i + 1 for i in range(len(text) - length - 1) if text[i] == 10]
+        if starts:
+            start = starts[rng.integers(len(starts))]
+            out.append(list(text[start : start + length]))
+    return out
+
+
 def timed(generate, repeats: int) -> tuple[float, list[list[int]]]:
     generate()  # compiles
     times, out = [], None
@@ -80,25 +103,41 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--perturbation", type=float, default=0.05, help="scale of layers 2.. output projections")
+    p.add_argument("--mtp", metavar="RUN_DIR", help="draft with this trained run's own MTP module")
     args = p.parse_args()
-
-    target = perturbed_target(args.perturbation)
-    gen, draft = Generator(target), Generator(truncated(target, 1))
     rng = np.random.default_rng(0)
+    if args.mtp:
+        from meshwork.engine.speculative import mtp_drafter
+        from meshwork.inference.runs import load_run
+
+        gen = Generator(load_run(args.mtp)[1])
+        make_drafter = lambda: mtp_drafter(gen)  # noqa: E731
+        make_prompts = lambda B: stdlib_windows(rng, B, args.prompt_len)  # noqa: E731
+        what = f"target {args.mtp} (its model.mtp module drafts), prompts from the stdlib sources"
+    else:
+        target = perturbed_target(args.perturbation)
+        gen, draft = Generator(target), Generator(truncated(target, 1))
+        make_drafter = lambda: DraftModelDrafter(draft)  # noqa: E731
+        make_prompts = lambda B: [  # noqa: E731
+            list(map(int, rng.integers(0, TARGET["vocab_size"], args.prompt_len))) for _ in range(B)
+        ]
+        what = (
+            f"target {TARGET} (init std 0.3, layers 2-8's output projections x {args.perturbation}), "
+            "draft = its first layer (+ embedding and head)"
+        )
     print(
-        f"speculative decoding, {datetime.date.today()}: target {TARGET} (init std 0.3, layers 2-8's output "
-        f"projections x {args.perturbation}), draft = its first layer (+ embedding and head); "
+        f"speculative decoding, {datetime.date.today()}: {what}; "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens each"
     )
     print("| batch | sampling | k | acceptance | tokens / target forward | plain tok/s | speculative tok/s | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for B in args.batches:
-        prompts = [list(map(int, rng.integers(0, TARGET["vocab_size"], args.prompt_len))) for _ in range(B)]
+        prompts = make_prompts(B)
         for name, temperature in (("greedy", 0.0), ("temperature 1", 1.0)):
             params = SamplingParams(temperature=temperature, max_new_tokens=args.new_tokens)
             plain_s, plain = timed(lambda: gen.generate(prompts, params), args.repeats)
             for k in args.ks:
-                spec = SpeculativeGenerator(gen, DraftModelDrafter(draft), k=k)
+                spec = SpeculativeGenerator(gen, make_drafter(), k=k)
                 spec_s, out = timed(lambda: spec.generate(prompts, params), args.repeats)
                 if temperature == 0:
                     assert out == plain, "greedy speculative decoding differs from plain greedy decoding"
