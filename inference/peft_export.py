@@ -44,6 +44,11 @@ def peft_tensors(model: nnx.Module, targets: list[str]) -> dict[str, np.ndarray]
     """{PEFT tensor name: array} for the LoRA factors of `model` at `targets`."""
     tensors = {}
     for target in targets:
+        if target not in TARGETS:
+            raise ValueError(
+                f"finetune.targets has {target!r}, a projection of multi-head latent attention, which PEFT's "
+                "Llama layout cannot name; export the merged model with export-hf instead"
+            )
         sub, attr, _ = TARGETS[target]
         lora = getattr(getattr(model.blocks, sub), attr)
         if not isinstance(lora, LoRA):

@@ -62,6 +62,7 @@ __all__ = [
     "PrefixParam",
     "MergedLoRA",
     "TARGETS",
+    "MLA_TARGETS",
     "apply_finetune",
     "trainable",
     "add_lora",
@@ -79,7 +80,10 @@ TARGETS: dict[str, tuple[str, str, str]] = {
     "gate": ("mlp", "w_gate", "BLD,DF->BLF"),
     "up": ("mlp", "w_up", "BLD,DF->BLF"),
     "down": ("mlp", "w_down", "BLF,FD->BLD"),
-    # Multi-head latent attention (models/layers/mla.py): its query, latent and up-projections.
+}
+# Multi-head latent attention's own projections (models/layers/mla.py: low-rank query, latent,
+# up-projection); its `q` (without q-LoRA) and `o` are the targets above.
+MLA_TARGETS: dict[str, tuple[str, str, str]] = {
     "q_a": ("attn", "wq_a", "BLD,DQ->BLQ"),
     "q_b": ("attn", "wq_b", "BLQ,QHK->BLHK"),
     "kv_a": ("attn", "wkv_a", "BLD,DC->BLC"),
@@ -247,17 +251,18 @@ def add_lora(
     ((2, 32, 4), (2, 4, 2, 16))
     """
     require_dense(model, "finetune.method=lora")
-    unknown = [t for t in targets if t not in TARGETS]
+    known = {**TARGETS, **MLA_TARGETS}  # in this order: a target's site index (its dropout stream) is fixed
+    unknown = [t for t in targets if t not in known]
     if unknown or not targets:
-        raise ValueError(f"finetune.targets={list(targets)}: choose among {', '.join(TARGETS)}")
-    for site, t in enumerate(TARGETS):
+        raise ValueError(f"finetune.targets={list(targets)}: choose among {', '.join(known)}")
+    for site, t in enumerate(known):
         if t not in targets:
             continue
-        sub, name, spec = TARGETS[t]
+        sub, name, spec = known[t]
         module = getattr(model.blocks, sub)
         weight = getattr(module, name, None)
         if weight is None:
-            have = [k for k, (s, n, _) in TARGETS.items() if getattr(getattr(model.blocks, s), n, None) is not None]
+            have = [k for k, (s, n, _) in known.items() if getattr(getattr(model.blocks, s), n, None) is not None]
             raise ValueError(f"finetune.targets: this model has no {t!r} projection; choose among {', '.join(have)}")
         if isinstance(weight, LoRA):
             raise ValueError(f"blocks/{sub}/{name} already has LoRA; build the base model again")

@@ -31,12 +31,13 @@ from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.moe import MoE
 from meshwork.models.layers.moe_routing import RouterBias, updated_router_bias
-from meshwork.models.mtp import add_mtp_stats, make_mtp, mtp_decode
+from meshwork.models.mtp import add_mtp_stats, make_mtp
 from meshwork.models.transformer import (
     ACT_BLD,
     REMAT_POLICIES,
     Block,
     LMHead,
+    LMOutputs,
     apply_layers,
     decode_layers,
     residual_out_std,
@@ -77,7 +78,7 @@ class MoEBlock(Block):
         return self.moe(x_BLD)[0]  # inference (`Block.decode`): no routing statistics
 
 
-class MoETransformer(nnx.Module):
+class MoETransformer(LMOutputs, nnx.Module):
     """tokens (B, L) int -> logits (B, L, V) float32, with MoE feed-forward layers."""
 
     def __init__(
@@ -104,27 +105,6 @@ class MoETransformer(nnx.Module):
         # DeepSeek-V3's MTP module's block is of the kind of the model's last layer.
         mtp_block = MoEBlock if self.runs[-1].moe else Block
         self.mtp = make_mtp(cfg, lambda r: mtp_block(cfg, rngs=r, **kw), rngs=rngs, **kw)
-
-    def apply(
-        self,
-        tokens_BL: jax.Array,
-        positions_BL: jax.Array | None = None,
-        *,
-        noise_key: jax.Array | None = None,
-        segment_ids_BL: jax.Array | None = None,
-        targets_BL: jax.Array | None = None,
-        loss_mask_BL: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(logits, routing statistics and, with `targets_BL`, the MTP losses), as `Transformer.apply`."""
-        h_BLD, stats = self.apply_hidden(
-            tokens_BL,
-            positions_BL,
-            noise_key=noise_key,
-            segment_ids_BL=segment_ids_BL,
-            targets_BL=targets_BL,
-            loss_mask_BL=loss_mask_BL,
-        )
-        return self.head.project(h_BLD, self.embed), stats
 
     def apply_hidden(
         self,
@@ -169,10 +149,6 @@ class MoETransformer(nnx.Module):
         )
         return self.head.final_norm(x_BLD), stats
 
-    def head_weight(self) -> jax.Array:
-        """The output projection, (D, V), as `Transformer.head_weight`."""
-        return self.head.weight_DV(self.embed)
-
     def _moe_layers(
         self,
         graphdef: nnx.GraphDef,
@@ -204,10 +180,6 @@ class MoETransformer(nnx.Module):
             )
         logits_BLV = self.head(x_BLD, self.embed)
         return (logits_BLV, x_BLD, cache) if hidden else (logits_BLV, cache)
-
-    def mtp_decode(self, hidden_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, cache, depth: int = 0):
-        """MTP module `depth` as a draft (models/mtp.py `mtp_decode`): (logits, its hidden states, cache)."""
-        return mtp_decode(self, hidden_BLD, tokens_BL, positions_BL, cache, depth)
 
     def aux_coefficients(self) -> dict[str, float]:
         mtp = {"mtp_loss": self.cfg.mtp.loss_coef} if self.mtp is not None else {}

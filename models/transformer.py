@@ -240,7 +240,47 @@ class LMHead(nnx.Module):
         return w[...].T if self.tied else w[...]
 
 
-class Transformer(nnx.Module):
+class LMOutputs:
+    """What the dense and the MoE language model share above their trunks (each defines `apply_hidden`,
+    `embed`, `head` and `mtp`): the logits, the head's weight, the MTP draft."""
+
+    def apply(
+        self,
+        tokens_BL: jax.Array,
+        positions_BL: jax.Array | None = None,
+        *,
+        noise_key: jax.Array | None = None,
+        segment_ids_BL: jax.Array | None = None,
+        targets_BL: jax.Array | None = None,
+        loss_mask_BL: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The trainer's entry point, shared by all LMs: (logits, auxiliary statistics).
+
+        The statistics: a MoE model's routing statistics, and the multi-token prediction losses
+        (models/mtp.py) when the model has MTP modules and `targets_BL` (with `loss_mask_BL`) are
+        given. `noise_key` (the step's randomness, given in training only) draws router noise and the
+        dropout of LoRA branches where there are any.
+        """
+        h_BLD, stats = self.apply_hidden(
+            tokens_BL,
+            positions_BL,
+            noise_key=noise_key,
+            segment_ids_BL=segment_ids_BL,
+            targets_BL=targets_BL,
+            loss_mask_BL=loss_mask_BL,
+        )
+        return self.head.project(h_BLD, self.embed), stats
+
+    def head_weight(self) -> jax.Array:
+        """The output projection, (D, V): logits = apply_hidden(...)[0] @ head_weight()."""
+        return self.head.weight_DV(self.embed)
+
+    def mtp_decode(self, hidden_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, cache, depth: int = 0):
+        """MTP module `depth` as a draft (models/mtp.py `mtp_decode`): (logits, its hidden states, cache)."""
+        return mtp_decode(self, hidden_BLD, tokens_BL, positions_BL, cache, depth)
+
+
+class Transformer(LMOutputs, nnx.Module):
     """tokens (B, L) int -> logits (B, L, V) float32."""
 
     def __init__(
@@ -305,33 +345,6 @@ class Transformer(nnx.Module):
             segment_ids_BL=segment_ids_BL,
         )
 
-    def apply(
-        self,
-        tokens_BL: jax.Array,
-        positions_BL: jax.Array | None = None,
-        *,
-        noise_key: jax.Array | None = None,
-        segment_ids_BL: jax.Array | None = None,
-        targets_BL: jax.Array | None = None,
-        loss_mask_BL: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The trainer's entry point, shared by all LMs: (logits, auxiliary statistics).
-
-        A dense model has no auxiliary terms but its multi-token prediction losses (models/mtp.py),
-        computed when it has MTP modules and `targets_BL` (with `loss_mask_BL`) are given;
-        `noise_key` (the step's randomness, given in training only) draws the dropout of LoRA
-        branches when there are any.
-        """
-        h_BLD, stats = self.apply_hidden(
-            tokens_BL,
-            positions_BL,
-            noise_key=noise_key,
-            segment_ids_BL=segment_ids_BL,
-            targets_BL=targets_BL,
-            loss_mask_BL=loss_mask_BL,
-        )
-        return self.head.project(h_BLD, self.embed), stats
-
     def apply_hidden(
         self,
         tokens_BL: jax.Array,
@@ -358,14 +371,6 @@ class Transformer(nnx.Module):
         )
         with jax.named_scope("lm_head"):
             return self.head.final_norm(x_BLD), stats
-
-    def head_weight(self) -> jax.Array:
-        """The output projection, (D, V): logits = apply_hidden(...)[0] @ head_weight()."""
-        return self.head.weight_DV(self.embed)
-
-    def mtp_decode(self, hidden_BLD: jax.Array, tokens_BL: jax.Array, positions_BL: jax.Array, cache, depth: int = 0):
-        """MTP module `depth` as a draft (models/mtp.py `mtp_decode`): (logits, its hidden states, cache)."""
-        return mtp_decode(self, hidden_BLD, tokens_BL, positions_BL, cache, depth)
 
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""

@@ -141,6 +141,7 @@ def test_unbuilt_settings_are_refused_in_one_line(tmp_path, change, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # interpret-mode Pallas / an 8-device compile; the claim repeats the quick greedy test's
 def test_the_pallas_paged_kernel_reads_the_latent_pages():
     """attention=pallas: the paged kernel attends over the latent pool in place (keys: all of it, values:
     its first kv_lora_rank dims); the same greedy tokens and log-probabilities as XLA's gathered pages."""
@@ -154,6 +155,7 @@ def test_the_pallas_paged_kernel_reads_the_latent_pages():
     np.testing.assert_allclose(out["pallas"].logprobs, out["xla"].logprobs, atol=1e-5)
 
 
+@pytest.mark.slow  # interpret-mode Pallas / an 8-device compile; the claim repeats the quick greedy test's
 def test_the_latent_pool_on_data_4_x_tensor_2_gives_the_one_device_tokens():
     """Served on 8 devices (data 4 x tensor 2): query heads split over `tensor`, the one latent "head"
     of each page whole on every device of its replica; greedy tokens equal one device's. (A dense MLA

@@ -36,7 +36,9 @@ def references(tmp_path_factory):
     return Lazy(lambda model: one_step(tmp_path_factory.mktemp("ref"), ["mesh.data=1", *LAYOUTS[model][0]], 1))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] if name == "mla tp+cp" else []) for name in LAYOUTS]
+)
 def test_step_on_8_devices_equals_one_device(tmp_path, references, layout):
     model, mesh = LAYOUTS[layout]
     got = one_step(tmp_path, [*mesh, *model], 8)
@@ -53,7 +55,7 @@ def test_step_on_8_devices_equals_one_device(tmp_path, references, layout):
     )
 
 
-@pytest.mark.over_budget("three compiles of a MoE+MTP run (straight, stopped, resumed): ~35 s", seconds=50)
+@pytest.mark.slow  # three compiles of a MoE+MTP run (straight, stopped, resumed): ~35 s
 def test_mtp_loss_falls_and_resume_is_bitwise_exact(tmp_path):
     common = [*MOE_MTP, "model.mtp.depth=1", "train.steps=24", "checkpoint.every=12", "log.every=1"]
     common += ["log.eval_every=12", "mesh.data=8"]

@@ -305,7 +305,12 @@ class Generator:
         max_len: int | None = None,
     ) -> list[list[int]]:
         """The new tokens of each prompt (stop token included, if one was hit)."""
-        out: list[list[int]] = [[] for _ in prompts]
-        for row, token in self.stream(prompts, params, max_len):
-            out[row].append(token)
-        return out
+        return collect(self.stream(prompts, params, max_len), len(prompts))
+
+
+def collect(stream: Iterator[tuple[int, int]], rows: int) -> list[list[int]]:
+    """The (row, token) pairs of a `stream` as each row's list of tokens."""
+    out: list[list[int]] = [[] for _ in range(rows)]
+    for row, token in stream:
+        out[row].append(token)
+    return out

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshwork.config import ConfigError
-from meshwork.engine.generate import PROMPT_BUCKET, Generator
+from meshwork.engine.generate import PROMPT_BUCKET, Generator, collect
 from meshwork.engine.kv_cache import PagedKVCache
 from meshwork.engine.sampling import (
     SamplingArrays,
@@ -492,7 +492,4 @@ class SpeculativeGenerator:
         max_len: int | None = None,
     ) -> list[list[int]]:
         """The new tokens of each prompt (stop token included, if one was hit)."""
-        out: list[list[int]] = [[] for _ in prompts]
-        for row, token in self.stream(prompts, params, max_len):
-            out[row].append(token)
-        return out
+        return collect(self.stream(prompts, params, max_len), len(prompts))
