@@ -112,3 +112,44 @@ def test_lora_on_mla_projections_decodes_like_the_full_forward():
     assert float(jnp.abs(cached - model(tokens)).max()) < 1e-5
     with pytest.raises(ValueError, match="no 'k' projection"):
         add_lora(model, ["k"], rank=4, alpha=8.0, rngs=nnx.Rngs(1))
+
+
+def test_mtp_losses_equal_a_position_by_position_reference():
+    """mtp_loss_k is the mean, over positions i whose target t_{i+k+1} lies in the row and counts (loss
+    mask), of the cross-entropy of module k's logits at i: computed here position by position from the
+    modules themselves; the fused loss (train.loss_chunk) gives the same objective."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from meshwork.config_sections import MLAConfig, ModelConfig, MTPConfig
+    from meshwork.models.transformer import Transformer
+    from meshwork.objectives.next_token import next_token_loss
+
+    mla = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8)
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, d_ff=32, mla=mla, mtp=MTPConfig(depth=2))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 40)
+    mask = jnp.ones((2, 9), jnp.int32).at[1, 6:].set(0)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+    _, stats = model.apply(batch["inputs"], targets_BL=batch["targets"], loss_mask_BL=mask)
+
+    h = model._trunk(batch["inputs"], None, None, None)
+    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    for k, module in enumerate(model.mtp, start=1):
+        ahead = jnp.concatenate([batch["inputs"][:, k:], jnp.zeros((2, k), jnp.int32)], axis=1)
+        h = module(h, model.embed(ahead), pos, None)
+        logits = model.head.project(module.out_norm(h), model.embed)
+        terms = [
+            optax.softmax_cross_entropy_with_integer_labels(logits[b, i], batch["targets"][b, i + k])
+            for b in range(2)
+            for i in range(9 - k)
+            if mask[b, i + k]
+        ]
+        np.testing.assert_allclose(stats[f"mtp_loss_{k}"], np.mean(terms), rtol=1e-6)
+    np.testing.assert_allclose(stats["mtp_loss"], (stats["mtp_loss_1"] + stats["mtp_loss_2"]) / 2, rtol=1e-6)
+
+    graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+    plain, _ = next_token_loss(graphdef)(params, buffers, batch)
+    fused, _ = next_token_loss(graphdef, 6)(params, buffers, batch)
+    np.testing.assert_allclose(fused, plain, rtol=1e-6)
