@@ -175,3 +175,38 @@ def test_the_latent_pool_on_data_4_x_tensor_2_gives_the_one_device_tokens():
     out = server.run([Request(i, p, params) for i, p in enumerate(prompts)])
     alone = Server(model, slots=2, max_len=32, page_size=4).run([Request(i, p, params) for i, p in enumerate(prompts)])
     assert [list(out[i].tokens) for i in (0, 1)] == [list(alone[i].tokens) for i in (0, 1)]
+
+
+# The released DeepSeek-V3 config.json (deepseek-ai/DeepSeek-V3), FP8 quantization and auto_map aside.
+V3_CONFIG = {
+    "model_type": "deepseek_v3", "attention_bias": False, "aux_loss_alpha": 0.001, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_the_released_v3_config_reads_as_configs_deepseek_v3():
+    """The released config.json maps to the model of configs/deepseek_v3.yaml (what the planner plans),
+    field for field; DeepSeek-V2's routing keys are refused rather than read as V3's."""
+    from meshwork.config import load_config
+    from meshwork.models.hf.config import config_from_hf
+
+    got = config_from_hf(V3_CONFIG)
+    want = load_config(ROOT / "configs/deepseek_v3.yaml").model
+    keys = ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rope_theta", "norm_eps", "mla", "mtp")
+    assert {k: getattr(got, k) for k in keys} == {k: getattr(want, k) for k in keys}
+    moe_keys = ("n_experts", "top_k", "d_expert", "n_shared_experts", "router", "norm_topk_prob", "n_groups")
+    moe_keys += ("topk_groups", "routed_scaling_factor", "first_dense_layers", "capacity_factor")
+    assert {k: getattr(got.moe, k) for k in moe_keys} == {k: getattr(want.moe, k) for k in moe_keys}
+    assert got.rope_scaling["factor"] == 40 and got.rope_scaling["mscale_all_dim"] == 1.0
+    for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("moe_layer_freq", 2)):
+        with pytest.raises(ValueError, match=key):
+            config_from_hf(V3_CONFIG | {key: value})

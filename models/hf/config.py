@@ -234,6 +234,14 @@ def _deepseek_v3(c: dict[str, Any], need, refuse) -> ModelConfig:
         "transformers' FineGrainedFP8Config(dequantize=True) then save_pretrained)",
     )
     refuse("attention_bias", not c.get("attention_bias", False), "meshwork's MLA has no projection biases")
+    # Keys of DeepSeek's own config.json (transformers ignores them): anything but V3's choice is V2's.
+    refuse("scoring_func", c.get("scoring_func", "sigmoid") == "sigmoid", "DeepSeek-V3 routes by sigmoid scores")
+    refuse(
+        "topk_method",
+        c.get("topk_method", "noaux_tc") == "noaux_tc",
+        "DeepSeek-V3 picks by group-limited biased scores (noaux_tc)",
+    )
+    refuse("moe_layer_freq", c.get("moe_layer_freq", 1) == 1, "every layer after first_k_dense_replace is a MoE layer")
     H, L = need("num_attention_heads"), need("num_hidden_layers")
     theta, rope_scaling = rope_from_hf(c, "deepseek_v3", DEFAULTS["deepseek_v3"][1])
     E, k = need("n_routed_experts"), need("num_experts_per_tok")
