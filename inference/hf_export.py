@@ -185,6 +185,12 @@ def _deepseek_v3_type(cfg: ModelConfig, allow_dropless: bool) -> str:
             ),
             (m.capacity_factor is None or allow_dropless, _dropless(m.capacity_factor or 0, "DeepSeek-V3") + ")"),
         ]
+    checks.append(
+        (
+            cfg.kind == "moe" or not cfg.mtp.depth,
+            f"mtp.depth={cfg.mtp.depth} in a dense model (DeepSeek-V3's MTP layer is a MoE layer)",
+        )
+    )
     problems = [why for ok, why in checks if not ok]
     if problems:
         raise ValueError(f"cannot export to DeepSeek-V3: {'; '.join(problems)}")

@@ -131,8 +131,10 @@ def add_mtp_stats(model, x_BLD, stats, *, tokens_BL, positions_BL, segment_ids_B
 def mtp_decode(model, h_BLD, tokens_BL, positions_BL, cache, depth: int = 0):
     """Module `depth` of `model` over new positions: (logits (B, L, V), its hidden states, the cache).
 
-    At position p it takes the hidden state at p and the token at p + 1 (`tokens_BL`), predicting
-    the token at p + 2; its keys and values go in cache layer n_layers + depth."""
+    At position p it takes the previous depth's hidden state at p (`h_BLD`: the model's pre-norm
+    residual stream for depth 0, module depth - 1's output otherwise) and the token depth + 1 places
+    ahead (`tokens_BL`), predicting the one after it; its keys and values go in cache layer
+    n_layers + depth. (The MTP draft, engine/mtp_draft.py, uses depth 0.)"""
     module = model.mtp[depth]
     x_BLD = module.combine(h_BLD, model.embed(tokens_BL))
     h_BLD, kv = module.block.decode(x_BLD, positions_BL, cache.layer(model.cfg.n_layers + depth))

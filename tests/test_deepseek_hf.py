@@ -130,6 +130,9 @@ def test_latent_cache_bytes_per_token():
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "dequantize first"),
         ({"attention_bias": True}, "attention_bias"),
         ({"n_group": 3}, "n_group"),
+        ({"topk_group": 5}, "topk_group"),
+        ({"qk_rope_head_dim": 5}, "qk_rope_head_dim"),
+        ({"first_k_dense_replace": 3}, "first_k_dense_replace"),
     ],
 )
 def test_unbuilt_settings_are_refused_in_one_line(tmp_path, change, match):

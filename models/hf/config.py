@@ -248,7 +248,20 @@ def _deepseek_v3(c: dict[str, Any], need, refuse) -> ModelConfig:
     refuse("num_experts_per_tok", 0 < k <= E, f"must be between 1 and n_routed_experts={E}")
     groups, topk_groups = c.get("n_group") or 1, c.get("topk_group") or 1
     refuse("n_group", E % groups == 0, f"must divide n_routed_experts={E}")
+    refuse("topk_group", 0 < topk_groups <= groups, f"must be between 1 and n_group={groups}")
+    refuse(
+        "num_experts_per_tok",
+        k <= topk_groups * (E // groups),
+        f"exceeds the {topk_groups * (E // groups)} experts of topk_group={topk_groups} groups",
+    )
+    refuse("qk_rope_head_dim", need("qk_rope_head_dim") % 2 == 0, "RoPE rotates pairs of dims; it must be even")
     dense = min(c.get("first_k_dense_replace") or 0, L)
+    refuse(
+        "first_k_dense_replace",
+        dense < L or not c.get("num_nextn_predict_layers"),
+        f"makes all {L} layers dense while num_nextn_predict_layers asks for an MTP layer, which DeepSeek-V3 "
+        "builds as a MoE layer past first_k_dense_replace; meshwork does not read that mix",
+    )
     moe = MoEConfig(
         n_experts=E,
         top_k=k,

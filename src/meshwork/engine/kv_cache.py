@@ -75,7 +75,8 @@ def cache_geometry(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def cache_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype) -> int:
     """layers x kv_heads x (key + value width) x bytes per element: 2 x layers x kv_heads x head_dim x
-    bytes for dense attention, layers x (kv_lora_rank + qk_rope_head_dim) x bytes for MLA."""
+    bytes for dense attention, layers x (kv_lora_rank + qk_rope_head_dim) x bytes for MLA; `layers`
+    counts one more per MTP module (`cache_layers`: their draft's cache is allocated with the model's)."""
     G, Kk, Kv = cache_geometry(cfg)
     return cache_layers(cfg) * G * (Kk + Kv) * jnp.dtype(dtype).itemsize
 

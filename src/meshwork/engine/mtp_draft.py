@@ -12,7 +12,9 @@ pages and page table.
   the first draft token (position p + 2 = the round's pos + 1) and the module's hidden state,
   kept per slot. A prefill chunk that does not end the prompt has no sampled token after it:
   the next chunk first runs the module again at its own first position - 1, from the kept
-  target hidden state and its own first token.
+  target hidden state and its own first token (when the slot's kept state is of that position; a
+  prefix-cache hit starts after positions this slot never saw, whose entries stay as the request
+  that wrote the shared pages left them: only the acceptance rate can suffer, never exactness).
 - `propose`: d_1 from the kept distribution; d_j (j >= 2) from the module at position pos + j - 2,
   fed its own previous hidden state (in place of the target's, which the draft does not have) and
   d_{j-1}, as vLLM does with one MTP layer and k > 1. Positions it writes past the sequence are
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from meshwork.config import ConfigError
 from meshwork.engine.generate import Generator
 from meshwork.engine.sampling import mark_seen, sampler_probs
 from meshwork.engine.speculative import DRAFT_TAG, Drafter, Proposal, Rows, Verified, draw
@@ -52,7 +55,7 @@ class MTPDrafter(Drafter):
 
     def __init__(self, generator: Generator):
         if not generator.cfg.mtp.depth:
-            raise ValueError(
+            raise ConfigError(
                 "--speculative mtp: this model has no multi-token-prediction module (model.mtp.depth 0); "
                 "pass a draft model's folder instead"
             )
@@ -81,7 +84,7 @@ class MTPDrafter(Drafter):
             start_B = v.positions_BL[:, 0]
             # Only when this slot observed that position (not for a new prompt, nor after a prefix the
             # prefix cache supplied): otherwise the write goes to `start`, which the call below rewrites.
-            known_B = cache.position_S[v.slot_B] == start_B - 1
+            known_B = (cache.position_S[v.slot_B] == start_B - 1) & (start_B > 0)
             _, _, target_cache = self.gen.apply_mtp(
                 target_state,
                 cache.target_hidden_SD[v.slot_B][:, None],

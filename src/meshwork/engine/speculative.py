@@ -394,7 +394,17 @@ class SpeculativeGenerator:
     def check_request(self, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None) -> None:
         """RequestError (one line) for a request this cannot continue with a cache of `max_len`
         positions, k + 1 of which verification may write past the request's last token."""
-        self.target.check_request(prompt, params, None if max_len is None else max_len - self.k - 1)
+        if max_len is not None and max_len <= self.k + 1:
+            raise RequestError(
+                f"max_len {max_len} leaves no room: speculative decoding keeps k + 1 = {self.k + 1} positions "
+                "for verification; pass a larger max_len"
+            )
+        try:
+            self.target.check_request(prompt, params, None if max_len is None else max_len - self.k - 1)
+        except RequestError as e:  # name the length the caller gave, not the one left after verification
+            raise RequestError(
+                f"{e} (max_len {max_len} less the k + 1 = {self.k + 1} positions verification writes)"
+            ) from None
 
     def _prefill_fn(self, state, weights, tokens_BL, lengths_B, cache, draft_cache, arrays):
         B, L = tokens_BL.shape
