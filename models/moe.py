@@ -202,6 +202,11 @@ class MoETransformer(LMOutputs, nnx.Module):
                 }
             }
             done += run.count
+        if "mtp_load_per_layer" in stats:  # the MTP modules' MoE blocks balance the same way
+            new["mtp"] = {
+                j: {"block": {"moe": {"router_bias": updated_router_bias(bias, stats["mtp_load_per_layer"][j], rate)}}}
+                for j, bias in enumerate(m.block.moe.router_bias[...] for m in self.mtp)
+            }
         out = jax.tree.map(lambda x: x, buffers)
         nnx.replace_by_pure_dict(out, new)
         return out

@@ -10,7 +10,8 @@ the embedding of the token k places ahead, t_{i+k}:
 
 The embedding and the head's projection are the model's own (shared); each module has its own
 two input norms, projection, block (a MoE block when the model's last layer routes to experts,
-as in DeepSeek-V3) and output norm. The training objective adds `loss_coef` times the mean over
+as in DeepSeek-V3; its load, `mtp_load_per_layer`, moves its selection bias like the model's) and
+output norm. The training objective adds `loss_coef` times the mean over
 depths of the modules' cross-entropies; positions whose target lies past the row's end (or in
 another packed document, or outside the loss mask) do not count.
 
@@ -53,11 +54,12 @@ class MTPModule(nnx.Module):
         x_BLE = jnp.concatenate([self.embed_norm(emb_BLD), self.hidden_norm(h_BLD)], axis=-1)
         return with_logical_constraint(matmul("BLE,ED->BLD", x_BLE, self.proj, self.dtype), ACT_BLD)
 
-    def __call__(self, h_BLD, emb_BLD, positions_BL, segment_ids_BL, noise_key=None) -> jax.Array:
+    def __call__(self, h_BLD, emb_BLD, positions_BL, segment_ids_BL, noise_key=None) -> tuple[jax.Array, dict]:
+        """(the block's output, its routing statistics: {} for a dense block)."""
         x_BLD = self.combine(h_BLD, emb_BLD)
-        if hasattr(self.block, "moe"):  # a MoE block also returns routing statistics (not trained on here)
-            return self.block(x_BLD, positions_BL, segment_ids_BL, noise_key=noise_key)[0]
-        return self.block(x_BLD, positions_BL, segment_ids_BL)
+        if hasattr(self.block, "moe"):
+            return self.block(x_BLD, positions_BL, segment_ids_BL, noise_key=noise_key)
+        return self.block(x_BLD, positions_BL, segment_ids_BL), {}
 
 
 def make_mtp(cfg: ModelConfig, make_block, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -92,19 +94,23 @@ def mtp_losses(
     B, L = tokens_BL.shape
     pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
     keys = jax.random.split(noise_key, len(modules)) if noise_key is not None else [None] * len(modules)
-    stats = {}
+    stats, loads = {}, []
     for k, (module, key) in enumerate(zip(modules, keys), start=1):
         valid_BL = jnp.broadcast_to(jnp.arange(L) < L - k, (B, L))
         if loss_mask_BL is not None:
             valid_BL &= _ahead(loss_mask_BL, k).astype(bool)
         if segment_ids_BL is not None:
             valid_BL &= _ahead(segment_ids_BL, k) == segment_ids_BL
-        h_BLD = module(h_BLD, embed(_ahead(tokens_BL, k)), pos_BL, segment_ids_BL, key)
+        h_BLD, routing = module(h_BLD, embed(_ahead(tokens_BL, k)), pos_BL, segment_ids_BL, key)
+        if "load" in routing:
+            loads.append(routing["load"])
         logits_BLV = project(module.out_norm(h_BLD))
         ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, _ahead(targets_BL, k))
         w_BL = valid_BL.astype(ce_BL.dtype)
         stats[f"mtp_loss_{k}"] = (ce_BL * w_BL).sum() / jnp.maximum(w_BL.sum(), 1.0)
     stats["mtp_loss"] = sum(stats.values()) / len(modules)
+    if loads:  # each MoE module's per-expert load, for its selection bias (MoETransformer.updated_buffers)
+        stats["mtp_load_per_layer"] = jnp.stack(loads)
     return stats
 
 

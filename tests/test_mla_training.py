@@ -49,6 +49,10 @@ def test_step_on_8_devices_equals_one_device(tmp_path, references, layout):
     if model is MOE_MTP:
         assert {"mtp_loss", "mtp_loss_1", "mtp_loss_2"} <= set(got[0])
         assert got[2].params["mtp"][0]["block"]["moe"]["w_up"].sharding.spec[0] == "expert"
+        # The MTP block's selection bias moves aux-loss-free like the model's, and equally on one device.
+        bias = [np.asarray(r[2].buffers["mtp"][0]["block"]["moe"]["router_bias"]) for r in (got, references[layout])]
+        assert np.abs(bias[0]).max() > 0 and got[0]["mtp_load_per_layer"].shape == (2, 4)
+        np.testing.assert_allclose(bias[0], bias[1], atol=1e-6)
     assert_same_step(got, references[layout], param_atol=1e-5)
     np.testing.assert_allclose(
         got[0]["mtp_loss"] if model is MOE_MTP else 0, references[layout][0].get("mtp_loss", 0), rtol=1e-5
@@ -138,7 +142,7 @@ def test_mtp_losses_equal_a_position_by_position_reference():
     pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
     for k, module in enumerate(model.mtp, start=1):
         ahead = jnp.concatenate([batch["inputs"][:, k:], jnp.zeros((2, k), jnp.int32)], axis=1)
-        h = module(h, model.embed(ahead), pos, None)
+        h, _ = module(h, model.embed(ahead), pos, None)
         logits = model.head.project(module.out_norm(h), model.embed)
         terms = [
             optax.softmax_cross_entropy_with_integer_labels(logits[b, i], batch["targets"][b, i + k])
