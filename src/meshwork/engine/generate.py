@@ -252,16 +252,7 @@ class Generator:
         `SamplingParams` for all prompts gives prompt i the seed `seed + i`, so
         equal prompts get different samples; a list sets each row's own.
         """
-        params = (
-            list(params)
-            if isinstance(params, Sequence)
-            else [dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
-        )
-        if len(params) != len(prompts) or not prompts:
-            raise RequestError(
-                f"{len(prompts)} prompts but {len(params)} sampling settings; give one setting "
-                "for all prompts or one per prompt"
-            )
+        params = per_prompt(prompts, params)
         for p in params:  # the settings first: a bad max_new_tokens would otherwise size the cache
             p.check(self.vocab_size)
         budget = max(p.max_new_tokens for p in params)
@@ -306,6 +297,23 @@ class Generator:
     ) -> list[list[int]]:
         """The new tokens of each prompt (stop token included, if one was hit)."""
         return collect(self.stream(prompts, params, max_len), len(prompts))
+
+
+def per_prompt(
+    prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt: a list as given (RequestError unless one per prompt), or one
+    setting for all with prompt i's seed `seed + i` (equal prompts get different samples)."""
+    out = (
+        list(params)
+        if isinstance(params, Sequence)
+        else [dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
+    )
+    if len(out) != len(prompts) or not prompts:
+        raise RequestError(
+            f"{len(prompts)} prompts but {len(out)} sampling settings; give one setting for all prompts or one per prompt"
+        )
+    return out
 
 
 def collect(stream: Iterator[tuple[int, int]], rows: int) -> list[list[int]]:

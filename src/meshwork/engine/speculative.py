@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshwork.config import ConfigError
-from meshwork.engine.generate import PROMPT_BUCKET, Generator, collect
+from meshwork.engine.generate import PROMPT_BUCKET, Generator, collect, per_prompt
 from meshwork.engine.kv_cache import PagedKVCache
 from meshwork.engine.sampling import (
     SamplingArrays,
@@ -428,16 +428,7 @@ class SpeculativeGenerator:
         whose sampling settings and seeds it takes; its tokens are distributed as the target's, and equal
         them at temperature 0). `max_len` must leave k + 1 positions past the longest request."""
         gen = self.target
-        params = (
-            list(params)
-            if isinstance(params, Sequence)
-            else [dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
-        )
-        if len(params) != len(prompts) or not prompts:
-            raise RequestError(
-                f"{len(prompts)} prompts but {len(params)} sampling settings; give one setting "
-                "for all prompts or one per prompt"
-            )
+        params = per_prompt(prompts, params)
         for p in params:
             p.check(gen.vocab_size)
         lengths = np.array([len(p) for p in prompts], np.int32)
