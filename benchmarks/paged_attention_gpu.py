@@ -5,7 +5,10 @@ reference and kernel vs gather time, with the K/V bandwidth the kernel reaches.
 
 Not under pytest (tests/conftest.py forces the CPU). B=64 sequences of up to 4096 tokens in
 pages of 16, 32 query heads over 8 kv heads of 128, fp32 and bf16, decode (L=1) and a
-16-token chunk, without and with a 1024-token window.
+16-token chunk, without and with a 1024-token window. Then MLA's latent pages (DeepSeek-V3's
+shape: one 576-wide latent "head" of kv_lora_rank 512 + RoPE 64 read by 16 query heads, the pool
+serving as keys and as values, whose first 512 dims are kept): the kernel against XLA's latent path
+over gathered pages (kv_cache.latent_attention), error and time.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshwork.kernels.paged_attention import paged_attention, paged_attention_reference
+from meshwork.engine.kv_cache import latent_attention
+from meshwork.kernels.paged_attention import gather_pages, paged_attention, paged_attention_reference
 
 
 def _time_ms(f, args, reps: int = 20) -> float:
@@ -54,6 +58,30 @@ def main() -> None:
                     f"kernel K/V {kv_bytes / t_kernel / 1e6:.0f} GB/s",
                     flush=True,
                 )
+
+    latent_pages(cpu, rng)
+
+
+def latent_pages(cpu: bool, rng: np.random.Generator) -> None:
+    """MLA decode over latent pages: the Pallas kernel (keys = values = the pool) vs XLA over gathered pages."""
+    B, H, R, C, T, S = (2, 4, 16, 24, 16, 128) if cpu else (64, 16, 512, 576, 16, 4096)
+    pages, scale = S // T, C**-0.5
+    pool = jnp.asarray(rng.standard_normal((1 + B * pages, T, 1, C)), jnp.bfloat16)
+    table = jnp.asarray(1 + rng.permutation(B * pages).reshape(B, pages), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, 1, H, C)), jnp.bfloat16)
+    pos = jnp.asarray(rng.integers(0, S, (B, 1)), jnp.int32)
+    kernel = jax.jit(lambda q, p, t, s: paged_attention(q, p, p, t, s, scale=scale)[..., :R])
+    xla = jax.jit(lambda q, p, t, s: latent_attention(q, gather_pages(p, t, 0)[:, :, 0], s, scale=scale, values=R))
+    args = (q, pool[None], table, pos)
+    got, want = (f(*args).astype(jnp.float32) for f in (kernel, xla))
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    t_kernel, t_xla = _time_ms(kernel, args), _time_ms(xla, args)
+    latent_bytes = int(jnp.sum(pos[:, 0] + 1)) * C * 2
+    print(
+        f"mla latent bf16 B={B} S={S} H={H} C={C}: rel_err {err:.1e}  kernel {t_kernel:.3f} ms  "
+        f"xla gather {t_xla:.3f} ms  ratio {t_xla / t_kernel:.2f}  latent read once {latent_bytes / t_kernel / 1e6:.0f} GB/s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
