@@ -128,6 +128,8 @@ def rules_for(
     'tensor'
     >>> dict(rules_for("zero2", role="grads"))["embed"]
     ('data', 'fsdp')
+    >>> dict(rules_for("zero1+ep", role="opt_state"))["embed"]
+    ('data', 'fsdp', 'expert')
     """
     if role not in ROLES:
         raise ValueError(f"role {role!r}; choose one of {ROLES}")
@@ -139,6 +141,14 @@ def rules_for(
             )
         table.update(PRESETS[name].get("all", {}))
         table.update(PRESETS[name].get(role, {}))
+    if "ep" in preset.split("+") and role != "params":
+        # Expert parallelism's devices are data-parallel replicas for every non-expert weight (act_batch
+        # spans them), so ZeRO's split of that weight's gradients or optimizer state over the data axes
+        # takes the expert axis too (DeepSeek-V3's ZeRO-1 over DP x EP). An expert weight's `expert`
+        # dimension comes first and keeps the axis (logical_to_spec uses an axis once per array).
+        embed = (table["embed"],) if isinstance(table["embed"], str) else tuple(table["embed"] or ())
+        if "data" in embed and "expert" not in embed:
+            table["embed"] = (*embed, "expert")
     for name, axes in (overrides or {}).items():
         if name not in table:
             raise KeyError(f"rules.overrides: unknown logical axis {name!r}; known: {', '.join(table)}")

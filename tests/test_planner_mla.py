@@ -171,8 +171,9 @@ def test_deepseek_v3_published_layout_state_per_device(capsys):
     copy). 4 + 8 bytes: gradients, master + moments; 2 bytes: the working copy.
 
     meshwork's pipeline executor runs dense models only, so the planner names the layout as not
-    runnable but still accounts for it; its ZeRO-1 rules shard the moments over `data` (2), not over
-    the expert axis too, as DeepSeek's 128-way data-parallel group of the non-expert weights does."""
+    runnable but still accounts for it; its ZeRO-1 rules under expert parallelism shard a non-expert
+    weight's master copy and moments over data x expert (2 x 64 = 128, DeepSeek's data-parallel group
+    of the non-expert weights), an expert weight's over data (its experts are already split)."""
     cfg = load_config(V3)
     layout = make_layout(stage=16, data=2, expert=64, zero=1, microbatches=15, remat="full")
     assert "pipelines need a dense transformer" in layout_problem(cfg, layout)
@@ -180,8 +181,8 @@ def test_deepseek_v3_published_layout_state_per_device(capsys):
     got = state_memory(cfg, layout, acc)
     # The closed form, weight by weight: a scanned stack gives each stage ceil(layers / 16) of its
     # layers (3 dense -> 1, 58 MoE -> 4: the most loaded stage), experts 256 / 64 per device, and
-    # ZeRO-1 halves the master weights and moments over data = 2; the rest (embedding, head,
-    # MTP module) sits whole on every stage.
+    # ZeRO-1 splits the master weights and moments over data x expert = 128 (non-expert weights) or
+    # data = 2 (experts); the rest (embedding, head, MTP module) sits whole on every stage.
     weights = model_weights(cfg.model)
     p = sum(
         (w.size // w.shape[0] * -(-w.shape[0] // 16) if w.scanned else w.size) // (64 if "expert" in w.names else 1)
@@ -189,7 +190,10 @@ def test_deepseek_v3_published_layout_state_per_device(capsys):
     )
     assert got["params"] == 2 * p and got["grads"] == 4 * p
     opt = sum(shard_size(w, layout, "opt_state") for w in weights)
-    assert opt == sum(-(-shard_size(w, layout) // 2) if "embed" in w.names else shard_size(w, layout) for w in weights)
+    zero = lambda w: 2 if "expert" in w.names else 128  # noqa: E731
+    assert opt == sum(
+        -(-shard_size(w, layout) // zero(w)) if "embed" in w.names else shard_size(w, layout) for w in weights
+    )
     assert got["opt_state"] == 8 * opt
     mem = memory(cfg, layout, acc)
     with capsys.disabled():

@@ -195,6 +195,21 @@ def test_expert_parallel_moe_step_equals_single_device(tmp_path, moe_references,
     np.testing.assert_allclose(got[0]["dropped_fraction"], moe_references[capacity][0]["dropped_fraction"])
 
 
+@pytest.mark.slow
+def test_zero1_with_expert_parallelism_splits_the_dense_optimizer_state_over_experts_too(tmp_path, moe_references):
+    """zero1+ep on data 2 x expert 4: a non-expert weight's Adam moments are split 8 ways (data x expert,
+    DeepSeek-V3's ZeRO-1 over DP x EP), an expert weight's over its experts and the data axis; the step
+    equals one device's."""
+    got = one_step(
+        tmp_path, [*MOE, "model.moe.capacity_factor=1.0", "rules.preset=zero1+ep", "mesh.data=2", "mesh.expert=4"], 8
+    )
+    mu = got[2].opt_state[1][0].mu  # optax chain: (clipping's empty state, (adam's state, ...))
+    wq, w_up = mu["dense_blocks"]["attn"]["wq"][...], mu["moe_blocks"]["moe"]["w_up"][...]
+    assert wq.addressable_shards[0].data.shape[1] == wq.shape[1] // 8
+    assert w_up.addressable_shards[0].data.shape[1:3] == (w_up.shape[1] // 4, w_up.shape[2] // 2)
+    assert_same_step(got, moe_references["1.0"])
+
+
 @pytest.mark.parametrize(
     "sizes, preset",
     [
