@@ -132,8 +132,8 @@ def _mla(cfg: ModelConfig, a: str, interleaved: bool) -> dict[str, Any]:
     }
 
 
-def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool, interleaved: bool = True) -> dict[str, Any]:
-    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+def _gqa(cfg: ModelConfig, a: str) -> dict[str, Any]:
+    """Grouped-query attention's projections (with Qwen2's biases, Qwen3's q/k norms)."""
     D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
     # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
     attn = {
@@ -153,11 +153,14 @@ def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool, interleaved:
             "q_norm": {"scale": _vector(a + "q_norm.weight", (K,))},
             "k_norm": {"scale": _vector(a + "k_norm.weight", (K,))},
         }
-    if cfg.mla is not None:
-        attn = _mla(cfg, a, interleaved)
+    return attn
+
+
+def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool, interleaved: bool = True) -> dict[str, Any]:
+    p, a, D = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", cfg.d_model
     layer = {
         "attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))},
-        "attn": attn,
+        "attn": _mla(cfg, a, interleaved) if cfg.mla is not None else _gqa(cfg, a),
         "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))},
     }
     if not moe:

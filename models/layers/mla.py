@@ -96,7 +96,7 @@ class MLAttention(nnx.Module):
         self.mla, self.rope_theta, self.dtype, self.impl, self.window = mla, rope_theta, dtype, impl, window
         self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None  # hashable, as Attention's
         self.scale = mla_softmax_scale(mla, rope_scaling)
-        self.prefix = nnx.data(None)  # prefix tuning is not built for MLA (models/adapters.py refuses it)
+        self.prefix = nnx.data(None)  # prefix tuning is not built for MLA (config.py refuses it)
 
     @property
     def _scaling(self) -> dict | None:
