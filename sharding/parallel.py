@@ -36,9 +36,10 @@ from jax.sharding import PartitionSpec
 from meshwork.sharding.ring_attention import ring_attention
 from meshwork.sharding.rules import Rules, compiler_axes, logical_to_spec, manual_axes, split_axes
 
-# (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL or None) -> o_BLHK: attention on whatever part of the
-# batch and heads it is given (the layer closes over causality, scale, window and positions).
-LocalAttention = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+# (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL or None, sinks_H or None) -> o_BLHK: attention on whatever
+# part of the batch and heads it is given, with those heads' sinks (the layer closes over causality,
+# scale, window, soft-capping and positions).
+LocalAttention = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None", "jax.Array | None"], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,8 @@ class ParallelContext:
         segment_ids_BL: jax.Array | None = None,
         window: int | None = None,
         opaque: bool = False,
+        softcap: float | None = None,
+        sinks_H: jax.Array | None = None,
     ) -> jax.Array:
         """`local` run on the mesh: the one interface through which a layer's attention is parallelized.
 
@@ -86,6 +89,11 @@ class ParallelContext:
         """
         seq_axes = self.split("act_seq")
         if seq_axes:
+            if softcap is not None or sinks_H is not None:
+                raise ValueError(
+                    "context parallelism (a sequence split over the mesh) has no logit soft-capping or "
+                    "attention sinks yet; train without act_seq sharding"
+                )
             if segment_ids_BL is not None or window is not None:
                 raise ValueError(
                     "ring attention (a sequence split over the mesh) takes neither packed documents "
@@ -93,8 +101,8 @@ class ParallelContext:
                 )
             return self._context_parallel(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, causal=causal, scale=scale)
         if opaque:
-            return self._per_device(local, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
-        return local(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
+            return self._per_device(local, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H)
+        return local(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H)
 
     def _context_parallel(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
         if len(seq_axes) != 1:
@@ -117,23 +125,33 @@ class ParallelContext:
             scale=scale,
         )
 
-    def _per_device(self, local: LocalAttention, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
+    def _per_device(self, local: LocalAttention, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H=None):
         """`local` on each device's shard of the batch and heads, inside `shard_map` with the specs the
-        rules give the activations (segment ids split by batch like them)."""
+        rules give the activations (segment ids split by batch like them, sinks by heads)."""
         mesh_shape = _mesh_shape()
         if self.rules is None or not mesh_shape or all(n == 1 for n in mesh_shape.values()):
-            return local(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
+            return local(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H)
         batch, heads = compiler_axes(self.split("act_batch")), compiler_axes(self.split("act_heads"))
         spec = PartitionSpec(batch or None, None, heads or None, None)
-        if segment_ids_BL is None:
-            run, args, in_specs = (lambda q, k, v: local(q, k, v, None)), (q_BLHK, k_BSGK, v_BSGK), (spec,) * 3
-        else:
-            run, args = local, (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL)
-            in_specs = (spec, spec, spec, PartitionSpec(batch or None, None))
+        optional = [
+            (x, s)
+            for x, s in ((segment_ids_BL, PartitionSpec(batch or None, None)), (sinks_H, PartitionSpec(heads or None)))
+            if x is not None
+        ]
+
+        def run(q, k, v, *rest):
+            it = iter(rest)
+            seg = next(it) if segment_ids_BL is not None else None
+            return local(q, k, v, seg, next(it) if sinks_H is not None else None)
+
         # check_vma=False: pallas_call outputs cannot declare the mesh axes they vary over.
         return jax.shard_map(
-            run, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=spec, check_vma=False
-        )(*args)
+            run,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(spec,) * 3 + tuple(s for _, s in optional),
+            out_specs=spec,
+            check_vma=False,
+        )(q_BLHK, k_BSGK, v_BSGK, *(x for x, _ in optional))
 
     # ------------------------------------------------------------ MLP
 

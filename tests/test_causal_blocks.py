@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshwork.models.layers import attention
+from meshwork.models.layers import attention, attention_local
 from meshwork.models.layers.causal_blocks import QUERY_BLOCK, causal_blocks
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -23,7 +23,7 @@ def _qkv(B, L, G, R, K, seed=0, dtype=F32):
     )
 
 
-formula = functools.partial(attention._softmax_weighted_values, scale=0.25)
+formula = functools.partial(attention_local.softmax_weighted_values, scale=0.25)
 
 
 def _plain(q, k, v):
@@ -82,11 +82,11 @@ def test_bf16_xla_attention_runs_blocks_and_tracks_f32():
     want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     got = attention.attend(*bf)
     mask = jnp.tril(jnp.ones((L, L), bool))[None, None]
-    unblocked = attention._mixed_precision_attention(*bf, mask, causal=True, scale=None)
+    unblocked = attention_local.explicit_attention(*bf, mask, causal=True, scale=None)
     err = lambda a: float(jnp.linalg.norm(a.astype(F32) - want) / jnp.linalg.norm(want))  # noqa: E731
     print("relative error vs f32: blocked", err(got), "unblocked", err(unblocked))
     assert err(got) <= 1.2 * err(unblocked) + 1e-4
     ratio = _flops(lambda *a: attention.attend(*a), *bf) / _flops(
-        lambda *a: attention._mixed_precision_attention(*a, mask, causal=True, scale=None), *bf
+        lambda *a: attention_local.explicit_attention(*a, mask, causal=True, scale=None), *bf
     )
     assert ratio < 0.85, ratio

@@ -54,7 +54,7 @@ def test_collective_matmul_is_chosen_only_where_the_rules_are_megatron_sp(preset
 def test_an_opaque_kernel_runs_per_device_on_its_batch_and_head_shards():
     seen = []
 
-    def local(q, k, v, segment_ids):
+    def local(q, k, v, segment_ids, sinks_H):
         seen.append((q.shape, k.shape))
         return _plain(q, k, v, segment_ids)
 

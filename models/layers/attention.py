@@ -9,21 +9,16 @@ implementation lands.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
-from meshwork.kernels.tuning import tuned_blocks
-from meshwork.models.layers.causal_blocks import QUERY_BLOCK, causal_blocks
-from meshwork.models.layers.mixed_matmul import mixed_einsum
+from meshwork.models.layers.attention_local import local_attention
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
 from meshwork.models.layers.rope import apply_rope
-from meshwork.sharding.parallel import LocalAttention, current_parallel, with_logical_constraint
+from meshwork.sharding.parallel import current_parallel, with_logical_constraint
 
 # Names of the projections' outputs, for remat policies that save them by name (models/transformer.py).
 QKV_PROJ = ("query_proj", "key_proj", "value_proj")
@@ -49,6 +44,8 @@ def _attend(
     impl: str = "xla",
     segment_ids_BL: jax.Array | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks_H: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale + mask) v, with G key/value heads shared by H/G query heads.
 
@@ -68,11 +65,16 @@ def _attend(
     into one row (data.source: text); a token sees only keys of its own document.
     window: a query at position i sees keys at i - window < j <= i only (Mistral's
     sliding window); None sees every earlier key.
+    softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma 2).
+    sinks_H: one logit per query head in the softmax's denominator, weighing no value (gpt-oss).
+    models/layers/attention_local.py has the formulas.
     """
     parallel = current_parallel()
     if positions_BL is not None and causal and impl != "xla" and not parallel.split("act_seq"):
         raise ValueError(f"attention impl {impl!r} takes tokens in order 0..L-1; use xla for permuted positions")
-    local = _single_device_attention(impl, q_BLHK, k_BSGK, positions_BL, causal=causal, scale=scale, window=window)
+    local = local_attention(
+        impl, q_BLHK, k_BSGK, positions_BL, causal=causal, scale=scale, window=window, softcap=softcap
+    )
     return parallel.attention(
         local,
         q_BLHK,
@@ -84,131 +86,9 @@ def _attend(
         segment_ids_BL=segment_ids_BL,
         window=window,
         opaque=impl == "pallas",
+        softcap=softcap,
+        sinks_H=sinks_H,
     )
-
-
-def _single_device_attention(
-    impl: str,
-    q_BLHK: jax.Array,
-    k_BSGK: jax.Array,
-    positions_BL: jax.Array | None,
-    *,
-    causal: bool,
-    scale: float | None,
-    window: int | None,
-) -> LocalAttention:
-    """The attention formula of `impl` as a function of (q, k, v, segment ids or None), for the
-    ParallelContext to run on whatever part of the batch and heads it gives it. `q_BLHK` and
-    `k_BSGK` (the whole arrays) choose the Pallas kernel's blocks."""
-    if impl == "xla":
-
-        def xla(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
-            mask = None
-            if (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
-                mask = _mask(q_BLHK.shape[:2], positions_BL, segment_ids_BL, window)
-            if q_BLHK.dtype != jnp.float32:
-                return _mixed_precision_attention(q_BLHK, k_BSGK, v_BSGK, mask, causal=causal, scale=scale)
-            if mask is not None:
-                return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
-            return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
-
-        return xla
-    if impl == "cudnn":
-
-        def cudnn(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL):
-            if segment_ids_BL is not None:
-                raise ValueError("attention impl cudnn takes no segment ids (packed documents); use xla or pallas")
-            return jax.nn.dot_product_attention(
-                q_BLHK,
-                k_BSGK,
-                v_BSGK,
-                scale=scale,
-                is_causal=causal,
-                local_window_size=(window - 1, 0) if window else None,
-                implementation="cudnn",
-            )
-
-        return cudnn
-    if impl == "reference":
-        return lambda q, k, v, seg: flash_attention_reference(
-            q, k, v, causal=causal, scale=scale, window=window, **_segments(seg)
-        )
-    if impl == "pallas":
-
-        def pallas(q, k, v, segment_ids_BL):
-            # Block sizes (and GPU launch parameters) from the autotuner's cache, if it has this
-            # shape: the whole arrays' shape, which the cache is keyed by.
-            return flash_attention(
-                q,
-                k,
-                v,
-                causal=causal,
-                scale=scale,
-                window=window,
-                **tuned_blocks(q_BLHK, k_BSGK, causal),
-                **_segments(segment_ids_BL),
-            )
-
-        return pallas
-    raise ValueError(f"attention impl {impl!r}; choose xla, pallas, cudnn or reference")
-
-
-def _segments(segment_ids_BL: jax.Array | None) -> dict[str, jax.Array]:
-    return {"segment_ids_q": segment_ids_BL, "segment_ids_kv": segment_ids_BL} if segment_ids_BL is not None else {}
-
-
-def _mixed_precision_attention(
-    q_BLHK: jax.Array,
-    k_BSGK: jax.Array,
-    v_BSGK: jax.Array,
-    mask_B1LS: jax.Array | None,
-    *,
-    causal: bool,
-    scale: float | None,
-) -> jax.Array:
-    """jax.nn.dot_product_attention's XLA formula for bf16 (or f16) q, k, v, with every product,
-    forward and backward, taking operands in that dtype and accumulating in float32
-    (mixed_matmul.mixed_einsum). JAX's own weighs the values with a bf16 x bf16 -> bf16 product,
-    and its backward multiplies float32 cotangents, both of which XLA:CPU runs as float32 dots
-    behind conversions. Scores and softmax stay float32, as there. A plain causal mask over a
-    long enough sequence is computed by query blocks that skip the masked keys (causal_blocks.py)."""
-    (B, L, H, K), (_, S, G, _) = q_BLHK.shape, k_BSGK.shape
-    q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
-    scale = K**-0.5 if scale is None else scale
-    formula = functools.partial(_softmax_weighted_values, scale=scale)
-    if mask_B1LS is None and causal and L == S and L >= 2 * QUERY_BLOCK:
-        return causal_blocks(formula, q_BLGRK, k_BSGK, v_BSGK, QUERY_BLOCK).reshape(B, L, H, K)
-    if mask_B1LS is None and causal:
-        mask_B1LS = jnp.tril(jnp.ones((L, S), bool))[None, None]
-    return formula(q_BLGRK, k_BSGK, v_BSGK, mask_B1LS).reshape(B, L, H, K)
-
-
-def _softmax_weighted_values(
-    q_BLGRK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask: jax.Array | None, *, scale: float
-) -> jax.Array:
-    """softmax(q k^T * scale, where `mask`) v in the compute dtype, scores in float32; `mask` is
-    (L, S) or (B, 1, L, S), True where a query sees a key, or None."""
-    s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * scale
-    if mask is not None:
-        mask_BGRLS = mask[:, :, None] if mask.ndim == 4 else mask
-        s_BGRLS = jnp.where(mask_BGRLS, s_BGRLS, jnp.finfo(jnp.float32).min)
-    p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1).astype(q_BLGRK.dtype)
-    return mixed_einsum("BGRLS,BSGK->BLGRK", p_BGRLS, v_BSGK)
-
-
-def _mask(
-    batch_len: tuple[int, int], positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None, window: int | None
-) -> jax.Array:
-    """The (B, 1, L, L) causal mask by position (any token layout), within a document and a window."""
-    B, L = batch_len
-    pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
-    q_pos, k_pos = pos_BL[:, None, :, None], pos_BL[:, None, None, :]
-    mask = q_pos >= k_pos
-    if window is not None:
-        mask &= q_pos - k_pos < window
-    if segment_ids_BL is not None:
-        mask &= segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
-    return mask
 
 
 class Attention(nnx.Module):
