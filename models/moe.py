@@ -40,6 +40,7 @@ from meshwork.models.transformer import (
     LMOutputs,
     apply_layers,
     decode_layers,
+    embed_scale,
     residual_out_std,
     stack_layers,
 )
@@ -94,7 +95,7 @@ class MoETransformer(LMOutputs, nnx.Module):
             raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs, **kw)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs, scale=embed_scale(cfg), **kw)
         self.runs = cfg.moe.layer_runs(cfg.n_layers)
         if not any(run.moe for run in self.runs):
             raise ValueError(f"model.moe leaves no MoE layer in {cfg.n_layers} layers; use model.kind=transformer")
@@ -128,10 +129,18 @@ class MoETransformer(LMOutputs, nnx.Module):
         for run in self.runs:
             graphdef, stacked = nnx.split(getattr(self, run.name))
             if not run.moe:
-                x_BLD = apply_layers(graphdef, stacked, x_BLD, positions_BL, self.remat, segment_ids_BL=segment_ids_BL)
+                x_BLD = apply_layers(
+                    graphdef,
+                    stacked,
+                    x_BLD,
+                    positions_BL,
+                    self.remat,
+                    segment_ids_BL=segment_ids_BL,
+                    first_layer=run.start,
+                )
                 continue
             run_keys = keys[done : done + run.count] if keys is not None else None
-            x_BLD, stats = self._moe_layers(graphdef, stacked, x_BLD, positions_BL, segment_ids_BL, run_keys)
+            x_BLD, stats = self._moe_layers(graphdef, stacked, x_BLD, positions_BL, segment_ids_BL, run_keys, run.start)
             per_run.append(stats)
             done += run.count
         # Each statistic with a leading axis over the MoE layers, in layer order.
@@ -157,16 +166,24 @@ class MoETransformer(LMOutputs, nnx.Module):
         positions_BL: jax.Array | None,
         segment_ids_BL: jax.Array | None,
         keys: jax.Array | None,
+        first_layer: int | None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """One run of stacked MoE blocks (lax.scan): x, and each statistic stacked over the run's layers."""
+        """One run of stacked MoE blocks (lax.scan): x, and each statistic stacked over the run's layers.
+        `first_layer`: the model's index of the run's first layer (each layer's copy gets its own; None
+        where it is not known: pipeline stages)."""
 
-        def layer(x_BLD, layer_state_and_key):
-            layer_state, key = layer_state_and_key
-            return nnx.merge(graphdef, layer_state)(x_BLD, positions_BL, segment_ids_BL, noise_key=key)
+        def layer(x_BLD, xs):
+            layer_state, key, index = xs
+            block = nnx.merge(graphdef, layer_state)
+            if index is not None:
+                block.set_attributes(layer_index=index, raise_if_not_found=False)
+            return block(x_BLD, positions_BL, segment_ids_BL, noise_key=key)
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        return jax.lax.scan(layer, x_BLD, (stacked, keys))
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        indices = first_layer + jnp.arange(n) if first_layer is not None else None
+        return jax.lax.scan(layer, x_BLD, (stacked, keys, indices))
 
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         return self.apply(tokens_BL, positions_BL)[0]

@@ -18,6 +18,7 @@ from flax import nnx
 from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ, Attention
 from meshwork.models.layers.embed import Embed
+from meshwork.models.layers.layer_pattern import LayerPattern
 from meshwork.models.layers.mixed_matmul import MATMUL
 from meshwork.models.layers.mla import MLAttention
 from meshwork.models.layers.mlp import SwiGLU
@@ -61,6 +62,11 @@ def residual_out_std(cfg: ModelConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
 
+def embed_scale(cfg: ModelConfig) -> float | None:
+    """What token embeddings are multiplied by on input: sqrt(d_model) for Gemma, else nothing."""
+    return math.sqrt(cfg.d_model) if cfg.scale_embeddings else None
+
+
 def make_attention(cfg: ModelConfig, **kw) -> nnx.Module:
     """The attention `cfg` asks for: multi-head latent attention (model.mla) or grouped-query attention."""
     common = dict(
@@ -74,6 +80,7 @@ def make_attention(cfg: ModelConfig, **kw) -> nnx.Module:
     )
     if cfg.mla is not None:
         return MLAttention(cfg.d_model, cfg.n_heads, cfg.mla, **common, **kw)
+    pattern = LayerPattern.from_config(cfg)
     return Attention(
         cfg.d_model,
         cfg.n_heads,
@@ -81,6 +88,12 @@ def make_attention(cfg: ModelConfig, **kw) -> nnx.Module:
         cfg.resolved_head_dim,
         qkv_bias=cfg.qkv_bias,
         qk_norm=cfg.qk_norm,
+        pattern=pattern,
+        softcap=cfg.attn_logit_softcap,
+        sinks=cfg.attention_sinks,
+        out_bias=cfg.attention_out_bias,
+        scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
+        norm_offset=cfg.norm_offset,
         **common,
         **kw,
     )
@@ -92,11 +105,23 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs, mlp: bool = True):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+        norm = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, **kw)
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
         self.attn = make_attention(cfg, **kw)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        if cfg.sandwich_norm:  # Gemma 2/3: the sublayers' outputs are normed too, before the residual adds
+            self.attn_out_norm = RMSNorm(cfg.d_model, **norm)
+            self.mlp_out_norm = RMSNorm(cfg.d_model, **norm)
+        self.sandwich = cfg.sandwich_norm
         if mlp:
-            self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std, out_std=residual_out_std(cfg), **kw)
+            self.mlp = SwiGLU(
+                cfg.d_model,
+                cfg.d_ff,
+                init_std=cfg.init_std,
+                out_std=residual_out_std(cfg),
+                activation=cfg.mlp_activation,
+                **kw,
+            )
         # Bottleneck adapters on the sublayers' outputs (models/adapters.py, set by fine-tuning).
         self.attn_adapter = nnx.data(None)
         self.mlp_adapter = nnx.data(None)
@@ -104,18 +129,25 @@ class Block(nnx.Module):
     def __call__(
         self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
     ) -> jax.Array:
-        h_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
+        h_BLD = self._out_norm("attn", self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL))
         x_BLD = x_BLD + self._adapt(self.attn_adapter, h_BLD)
         x_BLD = with_logical_constraint(x_BLD, ACT_BLD)
-        x_BLD = x_BLD + self._adapt(self.mlp_adapter, self.feed_forward(self.mlp_norm(x_BLD)))
+        h_BLD = self._out_norm("mlp", self.feed_forward(self.mlp_norm(x_BLD)))
+        x_BLD = x_BLD + self._adapt(self.mlp_adapter, h_BLD)
         return with_logical_constraint(x_BLD, ACT_BLD)
+
+    def _out_norm(self, sublayer: str, h_BLD: jax.Array) -> jax.Array:
+        """A sublayer's output, normed when the model has sandwich norms."""
+        return getattr(self, f"{sublayer}_out_norm")(h_BLD) if self.sandwich else h_BLD
 
     def decode(self, x_BLD: jax.Array, positions_BL: jax.Array, kv) -> tuple[jax.Array, object]:
         """The block over new tokens whose earlier keys/values are in a KV cache (inference):
         (x, the cache with this layer's new keys/values written)."""
         h_BLD, kv = self.attn.cached(self.attn_norm(x_BLD), positions_BL, kv)
+        h_BLD = self._out_norm("attn", h_BLD)
         x_BLD = with_logical_constraint(x_BLD + self._adapt(self.attn_adapter, h_BLD), ACT_BLD)
-        x_BLD = x_BLD + self._adapt(self.mlp_adapter, self.feed_forward(self.mlp_norm(x_BLD)))
+        h_BLD = self._out_norm("mlp", self.feed_forward(self.mlp_norm(x_BLD)))
+        x_BLD = x_BLD + self._adapt(self.mlp_adapter, h_BLD)
         return with_logical_constraint(x_BLD, ACT_BLD), kv
 
     def feed_forward(self, x_BLD: jax.Array) -> jax.Array:
@@ -147,6 +179,7 @@ def apply_layers(
     dropout_key: jax.Array | None = None,
     unroll: bool = False,
     segment_ids_BL: jax.Array | None = None,
+    first_layer: int | None = 0,
 ) -> jax.Array:
     """Runs the blocks whose states are stacked on a leading axis, one after another (lax.scan).
 
@@ -156,10 +189,13 @@ def apply_layers(
     `dropout_key` (training only) is split into one key per layer, set on that layer's LoRA
     modules for the dropout of their branches (models/lora.py); None runs them deterministically.
     `segment_ids_BL`: the document of each token of packed rows (attention stays within one).
+    `first_layer`: the model's index of the first of these layers (each layer's copy gets its own as
+    `layer_index`, for stacks whose layers differ in window or RoPE: models/layers/layer_pattern.py);
+    None where it is not known (pipeline stages).
     """
 
     def layer(x_BLD, xs):
-        layer_state, key = xs
+        layer_state, key, index = xs
         # Parameter offload: stacked weights that live in host memory are scanned there, and only
         # this layer's slice is brought to the device, when this layer runs (XLA:GPU/TPU; on CPU,
         # where host and device memory are one, jax lowers this device_put to nothing).
@@ -172,6 +208,8 @@ def apply_layers(
             # ambient context variable is invisible to jit's cache), and no layer's call signature
             # carries a key that only the LoRA wrapper reads.
             block.set_attributes(dropout_key=key, raise_if_not_found=False)
+        if index is not None:
+            block.set_attributes(layer_index=index, raise_if_not_found=False)
         return block(x_BLD, positions_BL, segment_ids_BL), None
 
     if remat != "none":
@@ -179,7 +217,8 @@ def apply_layers(
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
     n = jax.tree.leaves(stacked)[0].shape[0]
     keys = jax.random.split(dropout_key, n) if dropout_key is not None else None
-    x_BLD, _ = jax.lax.scan(layer, x_BLD, (stacked, keys), unroll=n if unroll else 1)
+    indices = first_layer + jnp.arange(n) if first_layer is not None else None
+    x_BLD, _ = jax.lax.scan(layer, x_BLD, (stacked, keys, indices), unroll=n if unroll else 1)
     return x_BLD
 
 
@@ -197,7 +236,9 @@ def decode_layers(
     def layer(carry, xs):
         x_BLD, cache = carry
         layer_state, i = xs
-        x_BLD, kv = nnx.merge(graphdef, layer_state).decode(x_BLD, positions_BL, cache.layer(i))
+        block = nnx.merge(graphdef, layer_state)
+        block.set_attributes(layer_index=i, raise_if_not_found=False)
+        x_BLD, kv = block.decode(x_BLD, positions_BL, cache.layer(i))
         return (x_BLD, kv.cache), None
 
     (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache), (stacked, first_layer + jnp.arange(n)))
@@ -208,12 +249,14 @@ class LMHead(nnx.Module):
     """Final RMSNorm and the projection to vocabulary logits (float32)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.final_norm = RMSNorm(
+            cfg.d_model, eps=cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         if not cfg.tie_embeddings:
             self.lm_head = param(
                 normal(cfg.init_std), rngs.params(), (cfg.d_model, cfg.vocab_size), param_dtype, ("embed", "vocab")
             )
-        self.tied, self.dtype = cfg.tie_embeddings, dtype
+        self.tied, self.dtype, self.softcap = cfg.tie_embeddings, dtype, cfg.final_logit_softcap
 
     def __call__(self, x_BLD: jax.Array, embed: Embed | None = None) -> jax.Array:
         """`embed`: the input embedding, used as the projection when embeddings are tied."""
@@ -227,7 +270,9 @@ class LMHead(nnx.Module):
         else:
             logits_BLV = matmul("BLD,DV->BLV", x_BLD, self.lm_head, self.dtype)
         logits_BLV = with_logical_constraint(logits_BLV, ("act_batch", "act_seq", "act_vocab"))
-        return logits_BLV.astype(jnp.float32)
+        logits_BLV = logits_BLV.astype(jnp.float32)
+        # Gemma 2's final soft-cap, in float32 (transformers caps the float32 logits too).
+        return logits_BLV if self.softcap is None else self.softcap * jnp.tanh(logits_BLV / self.softcap)
 
     def weight_DV(self, embed: Embed | None = None) -> jax.Array:
         """The projection as a (D, V) array (the embedding table transposed when tied): what a
@@ -297,7 +342,13 @@ class Transformer(LMOutputs, nnx.Module):
             raise ValueError(f"remat={remat!r}; choose none, {', '.join(REMAT_POLICIES)}")
         self.cfg, self.dtype, self.remat, self.scan_layers = cfg, dtype, remat, scan_layers
         self.embed = Embed(
-            cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            cfg.vocab_size,
+            cfg.d_model,
+            init_std=cfg.init_std,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+            scale=embed_scale(cfg),
         )
 
         self.blocks = stack_layers(

@@ -236,9 +236,9 @@ def _stage_fn(model, pieces, graphdefs: dict[bool, nnx.GraphDef], n_moe: int) ->
         stats = []
         for p in pieces:
             if not p.moe:
-                x_BLD = apply_layers(graphdefs[False], chunk[p.name], x_BLD, positions, remat)
+                x_BLD = apply_layers(graphdefs[False], chunk[p.name], x_BLD, positions, remat, first_layer=None)
                 continue
-            x_BLD, layer_stats = model._moe_layers(graphdefs[True], chunk[p.name], x_BLD, positions, None, None)
+            x_BLD, layer_stats = model._moe_layers(graphdefs[True], chunk[p.name], x_BLD, positions, None, None, None)
             stats.append(layer_stats)
         if not n_moe:
             return x_BLD

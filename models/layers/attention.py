@@ -9,15 +9,17 @@ implementation lands.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshwork.models.layers.attention_local import local_attention
+from meshwork.models.layers.layer_pattern import LayerPattern
 from meshwork.models.layers.norm import RMSNorm
 from meshwork.models.layers.params import matmul, normal, param
-from meshwork.models.layers.rope import apply_rope
 from meshwork.sharding.parallel import current_parallel, with_logical_constraint
 
 # Names of the projections' outputs, for remat policies that save them by name (models/transformer.py).
@@ -111,33 +113,60 @@ class Attention(nnx.Module):
         norm_eps: float = 1e-5,
         impl: str = "xla",
         window: int | None = None,
+        pattern: LayerPattern | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        out_bias: bool = False,
+        scale: float | None = None,
+        norm_offset: float = 0.0,
     ):
         """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero.
-        qk_norm: RMSNorm (epsilon `norm_eps`) over each head's q and k before RoPE (Qwen3).
+        qk_norm: RMSNorm (epsilon `norm_eps`, scale offset `norm_offset`) over each head's q and k
+        before RoPE (Qwen3, Gemma 3).
         rope_scaling: scaled RoPE frequencies in Hugging Face's form (models/layers/rope.py).
-        window: the sliding window (keys within `window` positions of the query), or None."""
+        window: the sliding window (keys within `window` positions of the query), or None.
+        pattern: per-layer windows and RoPE (models/layers/layer_pattern.py), instead of `window`,
+        `rope_theta` and `rope_scaling`, for a stack whose layers differ in them (Gemma 2/3, gpt-oss).
+        softcap: attention scores become softcap * tanh(score / softcap) (Gemma 2).
+        sinks: a learned logit per query head in the softmax's denominator (gpt-oss).
+        out_bias: a bias on the output projection (gpt-oss). scale: the scores' scale (None: K ** -0.5)."""
         D, H, G, K = d_model, n_heads, n_kv_heads, head_dim
         self.wq = param(normal(init_std), rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim"))
         self.wk = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.wv = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.wo = param(normal(out_std), rngs.params(), (H, K, D), param_dtype, ("heads", "head_dim", "embed"))
+        zeros = nnx.initializers.zeros
         if qkv_bias:
-            zeros = nnx.initializers.zeros
             self.bq = param(zeros, rngs.params(), (H, K), param_dtype, ("heads", "head_dim"))
             self.bk = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
             self.bv = param(zeros, rngs.params(), (G, K), param_dtype, ("kv_heads", "head_dim"))
+        if out_bias:
+            self.bo = param(zeros, rngs.params(), (D,), param_dtype, ("embed",))
+        if sinks:
+            self.sinks = param(normal(init_std), rngs.params(), (H,), param_dtype, ("heads",))
         if qk_norm:
             kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs, axis="head_dim")
-            self.q_norm, self.k_norm = RMSNorm(K, **kw), RMSNorm(K, **kw)
-        self.qkv_bias, self.qk_norm, self.rope_theta = qkv_bias, qk_norm, rope_theta
-        # A sorted tuple, not the dict: static module attributes must hash (the graphdef keys jit's cache).
-        self.rope_scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
-        self.dtype, self.impl, self.window = dtype, impl, window
+            self.q_norm, self.k_norm = RMSNorm(K, offset=norm_offset, **kw), RMSNorm(K, offset=norm_offset, **kw)
+        self.qkv_bias, self.qk_norm, self.out_bias, self.has_sinks = qkv_bias, qk_norm, out_bias, sinks
+        self.pattern = pattern or LayerPattern.uniform(window, rope_theta, rope_scaling)
+        self.dtype, self.impl, self.softcap, self.scale = dtype, impl, softcap, scale
+        # This layer's index in the stack, set on each layer's copy by the scan that runs it
+        # (models/transformer.py), when the pattern has more than one kind of layer.
+        self.layer_index = nnx.data(None)
         self.prefix = nnx.data(None)  # trainable key/value prefixes (models/adapters.py, prefix tuning)
 
     @property
-    def _scaling(self) -> dict | None:
-        return dict(self.rope_scaling) if self.rope_scaling else None
+    def window(self) -> int | None:
+        """The window of a stack whose layers all have the same one (None for a mixed pattern)."""
+        return None if self.pattern.mixed else self.pattern.windows[0]
+
+    @window.setter
+    def window(self, window: int | None) -> None:
+        """One window for every layer, keeping the RoPE."""
+        self.pattern = self.pattern.with_window(window)
+
+    def _sinks(self) -> jax.Array | None:
+        return self.sinks[...].astype(jnp.float32) if self.has_sinks else None
 
     def __call__(
         self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
@@ -146,23 +175,39 @@ class Attention(nnx.Module):
         segment_ids_BL: each token's document in a packed row; attention stays within one."""
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
         if self.prefix is not None:
-            if segment_ids_BL is not None or self.window is not None:
+            if segment_ids_BL is not None or self.window is not None or self.pattern.mixed:
                 raise NotImplementedError(
                     "prefix tuning over packed documents or a sliding window is not implemented; use LoRA or adapters"
                 )
+            if self.softcap is not None or self.has_sinks or self.scale is not None:
+                raise NotImplementedError(
+                    "prefix tuning of attention with soft-capping, sinks or a custom scale is not implemented; "
+                    "use LoRA or adapters"
+                )
             o_BLHK = self.prefix.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL)
         else:
-            o_BLHK = attend(
+            attend_in = functools.partial(
+                attend,
                 q_BLHK,
                 k_BLGK,
                 v_BLGK,
                 positions_BL,
                 causal=True,
+                scale=self.scale,
                 impl=self.impl,
                 segment_ids_BL=segment_ids_BL,
-                window=self.window,
+                softcap=self.softcap,
+                sinks_H=self._sinks(),
             )
-        return checkpoint_name(matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), OUT_PROJ)
+            # XLA's formula takes a traced window (the mask is data); kernels and the ring take one of
+            # the pattern's windows as a constant, chosen per layer by lax.switch.
+            traced = self.impl == "xla" and not current_parallel().split("act_seq")
+            o_BLHK = self.pattern.by_window(lambda window: attend_in(window=window), self.layer_index, traced)
+        return checkpoint_name(self._out(o_BLHK), OUT_PROJ)
+
+    def _out(self, o_BLHK: jax.Array) -> jax.Array:
+        y_BLD = matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype)
+        return y_BLD + self.bo[...].astype(self.dtype) if self.out_bias else y_BLD
 
     def cached(self, x_BLD: jax.Array, positions_BL: jax.Array, kv):
         """Attention of new tokens at `positions_BL` over a KV cache: (output, updated cache).
@@ -178,8 +223,21 @@ class Attention(nnx.Module):
                 "generate with the full forward pass (model(tokens)) instead"
             )
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
-        o_BLHK, kv = kv.attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, impl=self.impl, window=self.window)
-        return matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype), kv
+        attend_kv = functools.partial(
+            kv.attend,
+            q_BLHK,
+            k_BLGK,
+            v_BLGK,
+            positions_BL,
+            impl=self.impl,
+            scale=self.scale,
+            softcap=self.softcap,
+            sinks_H=self._sinks(),
+        )
+        o_BLHK, kv = self.pattern.by_window(
+            lambda window: attend_kv(window=window), self.layer_index, traced=self.impl == "xla"
+        )
+        return self._out(o_BLHK), kv
 
     def project_qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, ...]:
         """Queries, keys and values of x, with RoPE applied at `positions_BL` (None: 0..L-1)."""
@@ -194,12 +252,7 @@ class Attention(nnx.Module):
         q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, name) for x, name in zip((q_BLHK, k_BLGK, v_BLGK), QKV_PROJ))
         if self.qk_norm:
             q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
-        q_BLHK = with_logical_constraint(
-            apply_rope(q_BLHK, rope_pos_BL, self.rope_theta, self._scaling),
-            ("act_batch", "act_seq", "act_heads", "act_head_dim"),
-        )
-        k_BLGK = with_logical_constraint(
-            apply_rope(k_BLGK, rope_pos_BL, self.rope_theta, self._scaling),
-            ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"),
-        )
+        rope = functools.partial(self.pattern.rope, positions_BL=rope_pos_BL, layer_index=self.layer_index)
+        q_BLHK = with_logical_constraint(rope(q_BLHK), ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        k_BLGK = with_logical_constraint(rope(k_BLGK), ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
         return q_BLHK, k_BLGK, v_BLGK

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from meshwork.kernels.flash_attention import flash_attention, flash_attention_reference
+from meshwork.kernels.score_modifiers import soft_cap, softmax_with_sinks
 from meshwork.kernels.tuning import tuned_blocks
 from meshwork.models.layers.causal_blocks import QUERY_BLOCK, causal_blocks
 from meshwork.models.layers.mixed_matmul import mixed_einsum
@@ -148,18 +149,11 @@ def softmax_weighted_values(
     """softmax(cap(q k^T * scale), where `mask`, beside the sinks) v in the compute dtype, scores in
     float32; `mask` is (L, S) or (B, 1, L, S), True where a query sees a key, or None."""
     s_BGRLS = mixed_einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, out_dtype=jnp.float32) * scale
-    if softcap is not None:
-        s_BGRLS = softcap * jnp.tanh(s_BGRLS / softcap)
+    s_BGRLS = soft_cap(s_BGRLS, softcap)
     if mask is not None:
         mask_BGRLS = mask[:, :, None] if mask.ndim == 4 else mask
         s_BGRLS = jnp.where(mask_BGRLS, s_BGRLS, jnp.finfo(jnp.float32).min)
-    if sinks_GR is None:
-        p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1)
-    else:
-        # The sink is one more column of the softmax, dropped after it.
-        B, G, R, L, _ = s_BGRLS.shape
-        sink_BGRL1 = jnp.broadcast_to(sinks_GR[None, :, :, None, None], (B, G, R, L, 1))
-        p_BGRLS = jax.nn.softmax(jnp.concatenate([s_BGRLS, sink_BGRL1], axis=-1), axis=-1)[..., :-1]
+    p_BGRLS = softmax_with_sinks(s_BGRLS, None if sinks_GR is None else sinks_GR[:, :, None, None])
     return mixed_einsum("BGRLS,BSGK->BLGRK", p_BGRLS.astype(q_BLGRK.dtype), v_BSGK)
 
 

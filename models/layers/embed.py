@@ -24,11 +24,18 @@ class Embed(nnx.Module):
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        scale: float | None = None,
     ):
+        """scale: looked-up rows are multiplied by it, in the compute dtype (Gemma's sqrt(d_model));
+        the tied output projection (`attend`) uses the table unscaled."""
         self.table = param(normal(init_std), rngs.params(), (vocab_size, d_model), param_dtype, ("vocab", "embed"))
-        self.dtype = dtype
+        self.dtype, self.scale = dtype, scale
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        rows = self._rows(tokens_BL)
+        return rows if self.scale is None else rows * jnp.asarray(self.scale, self.dtype)
+
+    def _rows(self, tokens_BL: jax.Array) -> jax.Array:
         with jax.named_scope("embed"):
             looked_up = _lookup_in_embed_shards(self.table[...], tokens_BL, self.dtype)
             if looked_up is not None:

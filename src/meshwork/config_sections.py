@@ -85,7 +85,12 @@ class MoEConfig(Section):
     """softmax top-k (Mixtral); noisy top-k (Shazeer et al., noise in training only);
     sigmoid scores with a selection-only bias (DeepSeek-V3)."""
     norm_topk_prob: bool = True
-    """Renormalize the k selected weights to sum to 1."""
+    """Renormalize the k selected weights to sum to 1. With router softmax this is a softmax over
+    the k selected logits only (gpt-oss, Mixtral)."""
+    router_bias: bool = False
+    """gpt-oss: the router is a linear layer with a learned bias, logits = x W_r + b_r, for
+    selection, weights and the aux and z losses alike (parameter `b_router`; not DeepSeek-V3's
+    selection-only bias, which router sigmoid keeps as `router_bias`)."""
     noise_std: float = pydantic.Field(1.0, ge=0)
     """Noisy top-k: scale of the learned-softplus noise."""
     n_groups: int = pydantic.Field(1, gt=0)
@@ -94,6 +99,18 @@ class MoEConfig(Section):
     """...of which each token may use this many."""
     routed_scaling_factor: float = 1.0
     """Multiplies the routed experts' combined output (DeepSeek-V3: 2.5)."""
+    expert_bias: bool = False
+    """gpt-oss: the routed experts' gate, up and down projections have learned biases
+    (`b_gate`, `b_up` (E, F), `b_down` (E, D)), so an expert maps x to act(x W_g + b_g,
+    x W_u + b_u) W_d + b_d."""
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The routed experts' gated activation: swiglu silu(g) * u; clamped_swiglu (gpt-oss)
+    g' = min(g, swiglu_limit), u' = clip(u, -swiglu_limit, swiglu_limit),
+    (u' + 1) * g' * sigmoid(swiglu_alpha * g')."""
+    swiglu_limit: float = pydantic.Field(7.0, gt=0)
+    """clamped_swiglu: the clamp on the gate (above) and on the up projection (both sides)."""
+    swiglu_alpha: float = pydantic.Field(1.702, gt=0)
+    """clamped_swiglu: the sigmoid's slope, g * sigmoid(alpha * g) (1.702: a GELU approximation)."""
     bias_update_rate: float = pydantic.Field(0.0, ge=0)
     """Auxiliary-loss-free balancing: after each step the selection bias moves by this
     rate toward under-loaded experts (0 disables)."""
@@ -265,6 +282,32 @@ class ModelConfig(Section):
     null attends to every earlier key. Honoured by every attention path and the KV cache."""
     tie_embeddings: bool = False
     """Reuse the input embedding as the output projection."""
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    """Each layer's attention, in Hugging Face's names: full causal attention, or within
+    `sliding_window` (Gemma 2 alternates them, Gemma 3 has 5 sliding to 1 full, gpt-oss alternates);
+    null: every layer sliding if `sliding_window` is set, else every layer full."""
+    local_rope_theta: float | None = pydantic.Field(None, gt=0)
+    """RoPE base of the sliding_attention layers, when it differs from `rope_theta` (Gemma 3's
+    rope_local_base_freq); those layers then take `local_rope_scaling`, not `rope_scaling`."""
+    local_rope_scaling: dict[str, bool | int | float | str] | None = None
+    attn_logit_softcap: float | None = pydantic.Field(None, gt=0)
+    """Attention scores become cap * tanh(score / cap) before the mask (Gemma 2's 50)."""
+    final_logit_softcap: float | None = pydantic.Field(None, gt=0)
+    """Output logits become cap * tanh(logit / cap) (Gemma 2's 30)."""
+    attention_sinks: bool = False
+    """A learned logit per query head in each attention softmax's denominator (gpt-oss)."""
+    attention_out_bias: bool = False
+    """A bias on the attention output projection (gpt-oss's attention_bias also biases q, k, v: qkv_bias)."""
+    query_pre_attn_scalar: float | None = pydantic.Field(None, gt=0)
+    """Attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma)."""
+    sandwich_norm: bool = False
+    """RMSNorms on the attention's and the MLP's outputs too, before each residual add (Gemma 2/3)."""
+    zero_centered_norm: bool = False
+    """Every RMSNorm scales by 1 + weight, the weight starting at 0 (Gemma, Qwen3-Next)."""
+    scale_embeddings: bool = False
+    """Token embeddings multiplied by sqrt(d_model) on input, not in the tied head (Gemma)."""
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated MLP's activation: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma)."""
     init_std: float = 0.02
     mla: MLAConfig | None = None
     """Multi-head latent attention in every layer instead of grouped-query attention (n_kv_heads
@@ -278,11 +321,34 @@ class ModelConfig(Section):
     diffusion: DiffusionConfig = DiffusionConfig()
     """Used when kind = unet."""
 
-    @pydantic.field_validator("rope_scaling")
+    @pydantic.field_validator("rope_scaling", "local_rope_scaling")
     @classmethod
     def _a_scaling_meshwork_computes(cls, scaling: dict | None) -> dict | None:
         rope_type_of(scaling)  # ValueError naming the unknown type or the missing or unused key
         return scaling
+
+    @pydantic.model_validator(mode="after")
+    def _layer_types_fit(self) -> ModelConfig:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(
+                    f"model.layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}; give one per layer"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("model.layer_types has sliding_attention layers but no model.sliding_window; set one")
+        return self
+
+    @property
+    def norm_offset(self) -> float:
+        """What RMSNorm adds to its weight: 1 for zero-centered norms, else 0."""
+        return 1.0 if self.zero_centered_norm else 0.0
+
+    @property
+    def attention_kinds(self) -> list[str]:
+        """Each layer's attention kind (`layer_types`, or what `sliding_window` implies for all)."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return ["sliding_attention" if self.sliding_window else "full_attention"] * self.n_layers
 
     @property
     def resolved_head_dim(self) -> int:

@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshwork.config_sections import ModelConfig
 from meshwork.kernels.decode_attention import decode_attention
 from meshwork.kernels.paged_attention import gather_pages, paged_attention
+from meshwork.kernels.score_modifiers import soft_cap, softmax_with_sinks
 from meshwork.sharding.parallel import current_rules
 from meshwork.sharding.rules import Rules, compiler_axes, logical_to_sharding, split_axes
 
@@ -108,10 +109,16 @@ def cached_attention(
     v_BSGK: jax.Array,
     positions_BL: jax.Array,
     impl: str = "xla",
-    window: int | None = None,
+    window: int | jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks_H: jax.Array | None = None,
 ) -> jax.Array:
     """Queries at `positions_BL` over cached keys 0..S-1, key j visible to a query at p iff j <= p
-    (and p - window < j, with a sliding window).
+    (and p - window < j, with a sliding window; a traced window is a layer pattern's,
+    models/layers/layer_pattern.py). `scale`, `softcap`, `sinks_H`: as in training
+    (models/layers/attention_local.py).
 
     A single new token per sequence with impl "pallas" runs the flash-decoding
     kernel (meshwork.kernels.decode_attention), which takes the window itself
@@ -124,14 +131,37 @@ def cached_attention(
     (1, 1, 2, 8)
     """
     L = positions_BL.shape[1]
+    modifiers = _modifiers(scale, softcap, sinks_H)
     if impl == "pallas" and L == 1:
-        return decode_attention(q_BLHK[:, 0], k_BSGK, v_BSGK, positions_BL[:, 0] + 1, window=window)[:, None]
+        lengths_B = positions_BL[:, 0] + 1
+        return decode_attention(q_BLHK[:, 0], k_BSGK, v_BSGK, lengths_B, window=window, **modifiers)[:, None]
     S = k_BSGK.shape[1]
     key_S, pos_B1L1 = jnp.arange(S)[None, None, None, :], positions_BL[:, None, :, None]
     mask_B1LS = key_S <= pos_B1L1
     if window is not None:
         mask_B1LS &= key_S > pos_B1L1 - window
-    return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS)
+    if softcap is not None or sinks_H is not None:
+        return _modified_attention(q_BLHK, k_BSGK, v_BSGK, mask_B1LS, scale, softcap, sinks_H)
+    return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS, scale=scale)
+
+
+def _modified_attention(q_BLHK, k_BSGK, v_BSGK, mask_B1LS, scale, softcap, sinks_H):
+    """Attention with soft-capped scores and sinks (kernels/score_modifiers.py), scores in float32."""
+    (B, L, H, K), G = q_BLHK.shape, k_BSGK.shape[2]
+    q_BLGRK = q_BLHK.astype(jnp.float32).reshape(B, L, G, H // G, K)
+    s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK.astype(jnp.float32)) * (
+        K**-0.5 if scale is None else scale
+    )
+    s_BGRLS = jnp.where(mask_B1LS[:, :, None], soft_cap(s_BGRLS, softcap), jnp.finfo(jnp.float32).min)
+    sinks = None if sinks_H is None else sinks_H.reshape(G, H // G)[:, :, None, None]
+    p_BGRLS = softmax_with_sinks(s_BGRLS, sinks)
+    o_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", p_BGRLS, v_BSGK.astype(jnp.float32))
+    return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
+
+
+def _modifiers(scale: float | None, softcap: float | None, sinks_H: jax.Array | None) -> dict:
+    """The kernels' keywords for the score modifiers in use (none: the call is as before them)."""
+    return {k: v for k, v in (("scale", scale), ("softcap", softcap), ("sinks", sinks_H)) if v is not None}
 
 
 def latent_attention(
@@ -208,14 +238,22 @@ class _ContiguousLayer:
     cache: KVCache
     i: jax.Array
 
-    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None):
+    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None, **modifiers):
+        """Writes this call's keys and values at their positions and attends the queries over the
+        row's cache; `modifiers`: `cached_attention`'s scale, softcap and sinks_H."""
         B = positions_BL.shape[0]
         rows_B1 = jnp.arange(B)[:, None]
         # One scatter per array; positions past max_len are dropped, not clamped onto real data.
         k = self.cache.k.at[self.i, rows_B1, positions_BL].set(k_BLGK.astype(self.cache.k.dtype), mode="drop")
         v = self.cache.v.at[self.i, rows_B1, positions_BL].set(v_BLGK.astype(self.cache.v.dtype), mode="drop")
         o_BLHK = cached_attention(
-            q_BLHK, k[self.i].astype(q_BLHK.dtype), v[self.i].astype(q_BLHK.dtype), positions_BL, impl, window
+            q_BLHK,
+            k[self.i].astype(q_BLHK.dtype),
+            v[self.i].astype(q_BLHK.dtype),
+            positions_BL,
+            impl,
+            window,
+            **modifiers,
         )
         return o_BLHK, _ContiguousLayer(KVCache(k, v), self.i)
 
@@ -273,16 +311,27 @@ class _PagedLayer:
     cache: PagedKVCache
     i: jax.Array
 
-    def attend(self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None):
+    def attend(
+        self, q_BLHK, k_BLGK, v_BLGK, positions_BL, impl="xla", window=None, *, scale=None, softcap=None, sinks_H=None
+    ):
+        """As `_ContiguousLayer.attend`, over the sequence's pages."""
         c = self.cache
-        attend = functools.partial(_attend_pages, impl=impl, window=window)
+        # A traced window (a layer pattern's) and the sinks are arrays: they enter the per-replica
+        # shard_map as arguments, the sinks split like the heads.
+        traced_window = window if isinstance(window, jax.Array) else None
+        attend = functools.partial(
+            _attend_pages,
+            impl=impl,
+            window=None if traced_window is not None else window,
+            scale=scale,
+            softcap=softcap,
+        )
+        args = (q_BLHK, k_BLGK, v_BLGK, positions_BL, c.k, c.v, c.page_table, self.i)
         rules, mesh = current_rules(), jax.sharding.get_abstract_mesh()
         if rules is None or mesh.empty or all(n == 1 for n in mesh.shape.values()):
-            o_BLHK, k, v = attend(q_BLHK, k_BLGK, v_BLGK, positions_BL, c.k, c.v, c.page_table, self.i)
+            o_BLHK, k, v = attend(*args, traced_window, sinks_H)
         else:
-            o_BLHK, k, v = _attend_per_replica(
-                attend, rules, dict(mesh.shape), q_BLHK, k_BLGK, v_BLGK, positions_BL, c.k, c.v, c.page_table, self.i
-            )
+            o_BLHK, k, v = _attend_per_replica(attend, rules, dict(mesh.shape), *args, extras=(traced_window, sinks_H))
         return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
 
     def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None, impl="xla"):
@@ -323,21 +372,54 @@ def _latent_pages(q_BLHC, entry_BL1C, _v, positions_BL, k_pool, v_pool, table_BP
     return latent_attention(q_BLHC, cache_BSC, positions_BL, scale=scale, values=values, window=window), k, v_pool
 
 
-def _attend_pages(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i, *, impl, window):
-    """Writes the new keys/values into their pages, then attends the queries over the sequence's pages."""
+def _attend_pages(
+    q_BLHK,
+    k_BLGK,
+    v_BLGK,
+    positions_BL,
+    k_pool,
+    v_pool,
+    table_BP,
+    i,
+    traced_window=None,
+    sinks_H=None,
+    *,
+    impl,
+    window,
+    scale=None,
+    softcap=None,
+):
+    """Writes the new keys/values into their pages, then attends the queries over the sequence's pages
+    (within `window`, or `traced_window` where a layer pattern gives it as data)."""
     k = _write_pages(k_BLGK, positions_BL, k_pool, table_BP, i)
     v = _write_pages(v_BLGK, positions_BL, v_pool, table_BP, i)
+    window = traced_window if traced_window is not None else window
     if impl == "pallas":
         # The kernel takes the whole pool and the layer index: neither this layer nor its pages are copied.
-        o_BLHK = paged_attention(q_BLHK, k, v, table_BP, positions_BL, layer=i, window=window)
+        modifiers = _modifiers(scale, softcap, sinks_H)
+        o_BLHK = paged_attention(q_BLHK, k, v, table_BP, positions_BL, layer=i, window=window, **modifiers)
     else:
         k_BSGK, v_BSGK = (gather_pages(pool, table_BP, i).astype(q_BLHK.dtype) for pool in (k, v))
-        o_BLHK = cached_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL, impl="xla", window=window)
+        o_BLHK = cached_attention(
+            q_BLHK, k_BSGK, v_BSGK, positions_BL, "xla", window, scale=scale, softcap=softcap, sinks_H=sinks_H
+        )
     return o_BLHK, k, v
 
 
 def _attend_per_replica(
-    attend, rules, mesh_shape, q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i, latent=False
+    attend,
+    rules,
+    mesh_shape,
+    q_BLHK,
+    k_BLGK,
+    v_BLGK,
+    positions_BL,
+    k_pool,
+    v_pool,
+    table_BP,
+    i,
+    latent=False,
+    extras=(),
 ):
     """`attend` on each device's share of the pool, inside `shard_map`.
 
@@ -352,6 +434,7 @@ def _attend_per_replica(
     writes only the pages it holds (the others' land on its null page) and
     the owner's output is summed across the replicas. `latent` (MLA): the pool's one latent
     "head" is whole on every device of the heads' axes, which each attend their query heads over it.
+    `extras`: (a traced window or None, the sinks or None), passed on to `attend` after the layer index.
     """
     data = compiler_axes(split_axes("act_batch", rules, mesh_shape))
     heads = compiler_axes(split_axes("act_kv_heads", rules, mesh_shape))
@@ -371,12 +454,17 @@ def _attend_per_replica(
     new = PartitionSpec(row_axes, None, heads or None, None)
     pool = PartitionSpec(None, data or None, None, heads or None, None)
 
-    def body(q, k_new, v_new, positions, k_pool, v_pool, table, i):
+    given = [x is not None for x in extras]
+    extra_specs = (PartitionSpec(), PartitionSpec(q_heads or None))[: len(extras)]
+
+    def body(q, k_new, v_new, positions, k_pool, v_pool, table, i, *present):
+        it = iter(present)
+        more = [next(it) if g else None for g in given]
         r = jax.lax.axis_index(data) if data else 0
         per_replica = k_pool.shape[1]
         local = table - r * per_replica
         local = jnp.where((local >= 0) & (local < per_replica), local, NULL_PAGE)  # others' pages: the null page
-        o, k, v = attend(q, k_new, v_new, positions, k_pool, v_pool, local, i)
+        o, k, v = attend(q, k_new, v_new, positions, k_pool, v_pool, local, i, *more)
         if data and not rows_split:
             mine = table[:, 0] // per_replica == r  # a row's pages all belong to one replica
             o = jax.lax.psum(jnp.where(mine[:, None, None, None], o, 0), data)
@@ -386,7 +474,8 @@ def _attend_per_replica(
     return jax.shard_map(
         body,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(act, new, new, row, pool, pool, row, PartitionSpec()),
+        in_specs=(act, new, new, row, pool, pool, row, PartitionSpec())
+        + tuple(s for s, g in zip(extra_specs, given, strict=True) if g),
         out_specs=(act, pool, pool),
         check_vma=False,
-    )(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i)
+    )(q_BLHK, k_BLGK, v_BLGK, positions_BL, k_pool, v_pool, table_BP, i, *(x for x in extras if x is not None))
