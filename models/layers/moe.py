@@ -4,6 +4,10 @@ Each token x picks X of E routed experts (SwiGLU MLPs of hidden size F); its out
 
     y = routed_scaling_factor * sum_k w_k * expert_{e_k}(x)  +  shared(x) [* sigmoid(x . g)]
 
+gpt-oss (`router_bias`, `expert_bias`, `activation: clamped_swiglu`): router logits x W_r + b_r,
+softmax over the k best logits (router softmax with norm_topk_prob), and experts
+clamped_swiglu(x W_g + b_g, x W_u + b_u) W_d + b_d (models/layers/moe_dispatch.py).
+
 The router and its balancing statistics are in models/layers/moe_routing.py; sending the
 assignments to the experts (capacity or dropless, expert parallelism) in
 models/layers/moe_dispatch.py.
@@ -26,11 +30,14 @@ from meshwork.config_sections import MoEConfig
 from meshwork.models.layers.mlp import SwiGLU
 from meshwork.models.layers.moe_dispatch import (
     ALL_TO_ALL_IMPLS,
+    Experts,
     capacity_experts,
     capacity_per_group,
     capacity_slots,
+    clamped_swiglu,
     dropless_experts,
     run_experts,
+    swiglu,
 )
 from meshwork.models.layers.moe_routing import (
     F32,
@@ -53,7 +60,10 @@ class MoE(nnx.Module):
     `noise` (D, E) for router="noisy"; `router_bias` (E,) a `RouterBias` for router="sigmoid";
     `w_gate`, `w_up` (E, D, F) ("expert", "embed", "mlp"), `w_down` (E, F, D) ("expert", "mlp",
     "embed"); `shared` a `SwiGLU` when n_shared_experts > 0; `shared_gate` (D, 1) ("embed", None)
-    when shared_expert_gate.
+    when shared_expert_gate. gpt-oss's biases, zero at init: `b_router` (E,) ("router",) when
+    router_bias; `b_gate`, `b_up` (E, F) ("expert", "mlp") and `b_down` (E, D) ("expert", "embed")
+    when expert_bias, split over the expert axes like the expert weights
+    (models/hf/gpt_oss_experts.py maps Hugging Face's fused gate_up_proj to these).
 
     stats (float32, over the whole global batch, no coefficients applied):
     `aux_loss` (Switch/GShard, 1.0 when balanced), `z_loss`, `load` (E,) share of assignments
@@ -100,18 +110,31 @@ class MoE(nnx.Module):
             )
         if cfg.shared_expert_gate and not cfg.n_shared_experts:
             raise ValueError("MoE: shared_expert_gate needs a shared expert; set n_shared_experts >= 1")
+        if cfg.n_shared_experts and (cfg.expert_bias or cfg.activation != "swiglu"):
+            raise ValueError(
+                f"MoE: expert_bias={cfg.expert_bias} and activation={cfg.activation!r} apply to routed experts "
+                f"only, but n_shared_experts={cfg.n_shared_experts} shared experts would stay plain biasless "
+                f"SwiGLUs; set n_shared_experts=0 (gpt-oss has none) or expert_bias=false and activation=swiglu"
+            )
         if all_to_all not in ALL_TO_ALL_IMPLS:
             raise ValueError(f"MoE: all_to_all={all_to_all!r}; choose one of {ALL_TO_ALL_IMPLS}")
         self.router = param(normal(init_std), rngs.params(), (D, E), param_dtype, ("embed", "router"))
+        zeros = nnx.initializers.zeros_init()
+        if cfg.router_bias:
+            self.b_router = param(zeros, rngs.params(), (E,), param_dtype, ("router",))
         if cfg.router == "noisy":
             # Zero init as in Shazeer et al.: the noise starts at softplus(0) * noise_std.
-            self.noise = param(nnx.initializers.zeros_init(), rngs.params(), (D, E), param_dtype, ("embed", "router"))
+            self.noise = param(zeros, rngs.params(), (D, E), param_dtype, ("embed", "router"))
         if cfg.router == "sigmoid":
             # float32 whatever param_dtype: it accumulates many tiny updates.
             self.router_bias = RouterBias(jnp.zeros((E,), F32), out_sharding=("router",), eager_sharding=False)
         self.w_gate = param(normal(init_std), rngs.params(), (E, D, F), param_dtype, ("expert", "embed", "mlp"))
         self.w_up = param(normal(init_std), rngs.params(), (E, D, F), param_dtype, ("expert", "embed", "mlp"))
         self.w_down = param(normal(out_std), rngs.params(), (E, F, D), param_dtype, ("expert", "mlp", "embed"))
+        if cfg.expert_bias:
+            self.b_gate = param(zeros, rngs.params(), (E, F), param_dtype, ("expert", "mlp"))
+            self.b_up = param(zeros, rngs.params(), (E, F), param_dtype, ("expert", "mlp"))
+            self.b_down = param(zeros, rngs.params(), (E, D), param_dtype, ("expert", "embed"))
         if cfg.n_shared_experts:
             self.shared = SwiGLU(
                 D,
@@ -127,10 +150,26 @@ class MoE(nnx.Module):
         self.cfg, self.dtype, self.all_to_all = cfg, dtype, all_to_all
 
     def router_logits(self, x_BLD: jax.Array) -> jax.Array:
-        """x W_r in float32; HIGHEST precision so that top-k does not flip on bf16 passes (TPU)."""
-        return jnp.einsum(
+        """x W_r (+ b_r) in float32; HIGHEST precision so that top-k does not flip on bf16 passes (TPU)."""
+        logits_BLE = jnp.einsum(
             "BLD,DE->BLE", x_BLD.astype(F32), self.router[...].astype(F32), precision=lax.Precision.HIGHEST
         )
+        if self.cfg.router_bias:
+            logits_BLE = logits_BLE + self.b_router[...].astype(F32)
+        return logits_BLE
+
+    def experts(self) -> Experts:
+        """The routed experts' weights (and biases) in the compute dtype."""
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        biases = (w(self.b_gate), w(self.b_up), w(self.b_down)) if self.cfg.expert_bias else ()
+        return Experts(w(self.w_gate), w(self.w_up), w(self.w_down), *biases)
+
+    def activation(self):
+        """The routed experts' act(gate, up)."""
+        cfg = self.cfg
+        if cfg.activation == "clamped_swiglu":
+            return functools.partial(clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+        return swiglu
 
     def __call__(self, x_BLD: jax.Array, *, noise_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """noise_key: draws the noisy router's noise (pass one per step in training; None to evaluate)."""
@@ -163,18 +202,17 @@ class MoE(nnx.Module):
         }
 
         x_BLD = x_BLD.astype(self.dtype)
-        weights = tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if cfg.capacity_factor is not None:
             Q = capacity_per_group(cfg.capacity_factor, L, X, E)
             routes_BLX = capacity_slots(expert_BLX, E, Q)
             stats["dropped_fraction"] = token_mean(jnp.mean((routes_BLX == E * Q).astype(F32)), across)
-            body = functools.partial(capacity_experts, n_experts=E, capacity=Q)
+            body = functools.partial(capacity_experts, n_experts=E, capacity=Q, act=self.activation())
         else:
             routes_BLX = expert_BLX
             stats["dropped_fraction"] = jnp.zeros((), F32)
-            body = functools.partial(dropless_experts, n_experts=E)
+            body = functools.partial(dropless_experts, n_experts=E, act=self.activation())
         y_BLD = run_experts(
-            body, x_BLD, routes_BLX, weight_BLX.astype(self.dtype), weights, n_experts=E, impl=self.all_to_all
+            body, x_BLD, routes_BLX, weight_BLX.astype(self.dtype), self.experts(), n_experts=E, impl=self.all_to_all
         )
         if cfg.routed_scaling_factor != 1.0:
             y_BLD = y_BLD * cfg.routed_scaling_factor

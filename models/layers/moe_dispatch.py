@@ -8,6 +8,9 @@
 - dropless (`capacity_factor` null): the (token, choice) assignments are sorted by expert and the
   experts run as one grouped matmul, `jax.lax.ragged_dot`.
 
+An expert is act(x W_g [+ b_g], x W_u [+ b_u]) W_d [+ b_d]: `swiglu`, or gpt-oss's
+`clamped_swiglu` with its per-expert biases (`Experts`), the same on every path.
+
 Expert parallelism: when the current mesh (`jax.set_mesh`) and rules (`sharding.rules.use_rules`)
 split logical `expert` over mesh axes of size > 1, the dispatch runs in `jax.shard_map`: each device
 routes its own batch rows, sends every assignment to the device owning its expert with an
@@ -25,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,25 +80,73 @@ def capacity_slots(expert_BLX: jax.Array, n_experts: int, capacity: int) -> jax.
 # ---------------------------------------------------------------- expert compute
 
 
-def _swiglu_dense(x_EZD: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array, w_down_EFD: jax.Array) -> jax.Array:
-    """Every expert on its own slot buffer: one batched matmul per projection."""
-    gate_EZF = jnp.einsum("EZD,EDF->EZF", x_EZD, w_gate_EDF)
-    up_EZF = jnp.einsum("EZD,EDF->EZF", x_EZD, w_up_EDF)
-    return jnp.einsum("EZF,EFD->EZD", jax.nn.silu(gate_EZF) * up_EZF, w_down_EFD)
+class Experts(NamedTuple):
+    """The routed experts' weights as the dispatch bodies take them: all E, or this device's E/N
+    under expert parallelism, every field split along its leading expert axis. The biases
+    (gpt-oss) are None, empty pytree nodes, when the experts have none. The bodies take the
+    activation apart, as `act(gate, up) -> h`: `swiglu` or a partial of `clamped_swiglu`."""
+
+    w_gate_EDF: jax.Array
+    w_up_EDF: jax.Array
+    w_down_EFD: jax.Array
+    b_gate_EF: jax.Array | None = None
+    b_up_EF: jax.Array | None = None
+    b_down_ED: jax.Array | None = None
 
 
-def _swiglu_grouped(
-    x_AD: jax.Array, expert_A: jax.Array, w_gate_EDF: jax.Array, w_up_EDF: jax.Array, w_down_EFD: jax.Array
-) -> jax.Array:
-    """Row a through expert expert_A[a] by grouped matmuls; rows with expert >= E give zeros."""
-    E = w_gate_EDF.shape[0]
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up (Shazeer 2020)."""
+    return jax.nn.silu(gate) * up
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's gated activation: the gate clamped from above and the up projection on both sides
+    at `limit`, the gate through x * sigmoid(alpha * x), the up projection shifted by one.
+
+    >>> round(float(clamped_swiglu(jnp.array(9.0), jnp.array(-9.0), limit=7.0, alpha=1.702)), 2)  # (-7+1) * 7
+    -42.0
+    """
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def _experts_dense(x_EZD: jax.Array, experts: Experts, act: Callable) -> jax.Array:
+    """Every expert on its own slot buffer: one batched matmul per projection. Empty slots (zero
+    rows) come out as the biases' image, never read back."""
+    gate_EZF = jnp.einsum("EZD,EDF->EZF", x_EZD, experts.w_gate_EDF)
+    up_EZF = jnp.einsum("EZD,EDF->EZF", x_EZD, experts.w_up_EDF)
+    if experts.b_gate_EF is not None:
+        gate_EZF = gate_EZF + experts.b_gate_EF[:, None, :]
+        up_EZF = up_EZF + experts.b_up_EF[:, None, :]
+    y_EZD = jnp.einsum("EZF,EFD->EZD", act(gate_EZF, up_EZF), experts.w_down_EFD)
+    if experts.b_down_ED is not None:
+        y_EZD = y_EZD + experts.b_down_ED[:, None, :]
+    return y_EZD
+
+
+def _experts_grouped(x_AD: jax.Array, expert_A: jax.Array, experts: Experts, act: Callable) -> jax.Array:
+    """Row a through expert expert_A[a] by grouped matmuls; rows with expert >= E (padding) are
+    never read (without biases they come out zero)."""
+    E = experts.w_gate_EDF.shape[0]
     order_A = jnp.argsort(expert_A, stable=True)
     # Rows past the last group (expert id >= E, padding) are outside every group: ragged_dot
     # leaves them zero.
     sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
     x_AD = x_AD[order_A]
-    h_AF = jax.nn.silu(lax.ragged_dot(x_AD, w_gate_EDF, sizes_E)) * lax.ragged_dot(x_AD, w_up_EDF, sizes_E)
-    y_AD = lax.ragged_dot(h_AF, w_down_EFD, sizes_E)
+    gate_AF = lax.ragged_dot(x_AD, experts.w_gate_EDF, sizes_E)
+    up_AF = lax.ragged_dot(x_AD, experts.w_up_EDF, sizes_E)
+
+    def row_bias(b_EX: jax.Array) -> jax.Array:
+        # Each sorted row's expert's bias; padding rows get zeros (a finite activation, no NaN
+        # that a zero cotangent times it could carry into the biases' gradients).
+        return jnp.take(b_EX, expert_A[order_A], axis=0, mode="fill", fill_value=0)
+
+    if experts.b_gate_EF is not None:
+        gate_AF, up_AF = gate_AF + row_bias(experts.b_gate_EF), up_AF + row_bias(experts.b_up_EF)
+    y_AD = lax.ragged_dot(act(gate_AF, up_AF), experts.w_down_EFD, sizes_E)
+    if experts.b_down_ED is not None:
+        y_AD = y_AD + row_bias(experts.b_down_ED)
     inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
     return y_AD[inverse_A]
 
@@ -110,12 +162,11 @@ def capacity_experts(
     x_BLD,
     slot_BLX,
     weight_BLX,
-    w_gate_EDF,
-    w_up_EDF,
-    w_down_EFD,
+    experts: Experts,
     *,
     n_experts: int,
     capacity: int,
+    act: Callable = swiglu,
     axes: tuple[str, ...] | None,
     impl: str,
 ) -> jax.Array:
@@ -140,9 +191,7 @@ def capacity_experts(
     if axes:
         x_EBQD = _exchange(x_EBQD, axes, 0, 1, impl)  # -> (E/N, N*B, Q, D)
     E_here, B_here = x_EBQD.shape[:2]
-    y_EBQD = _swiglu_dense(x_EBQD.reshape(E_here, B_here * Q, D), w_gate_EDF, w_up_EDF, w_down_EFD).reshape(
-        E_here, B_here, Q, D
-    )
+    y_EBQD = _experts_dense(x_EBQD.reshape(E_here, B_here * Q, D), experts, act).reshape(E_here, B_here, Q, D)
     if axes:
         y_EBQD = _exchange(y_EBQD, axes, 1, 0, impl)  # -> (E, B, Q, D)
     y_BZD = y_EBQD.transpose(1, 0, 2, 3).reshape(B, E * Q, D)
@@ -155,11 +204,10 @@ def dropless_experts(
     x_BLD,
     expert_BLX,
     weight_BLX,
-    w_gate_EDF,
-    w_up_EDF,
-    w_down_EFD,
+    experts: Experts,
     *,
     n_experts: int,
+    act: Callable = swiglu,
     axes: tuple[str, ...] | None,
     impl: str,
 ) -> jax.Array:
@@ -178,9 +226,9 @@ def dropless_experts(
     expert_A = expert_BLX.reshape(A)
     token_A = jnp.arange(A, dtype=jnp.int32) // X
     if not axes:
-        y_AD = _swiglu_grouped(x_TD[token_A], expert_A, w_gate_EDF, w_up_EDF, w_down_EFD)
+        y_AD = _experts_grouped(x_TD[token_A], expert_A, experts, act)
     else:
-        E_here = w_gate_EDF.shape[0]
+        E_here = experts.w_gate_EDF.shape[0]
         N = n_experts // E_here
         dest_A = expert_A // E_here
         slot_A = dest_A * A + _rank_within(dest_A, N)
@@ -191,7 +239,7 @@ def dropless_experts(
         expert_Z = _exchange(expert_Z.reshape(N, A), axes, 0, 0, impl).reshape(N * A)
         # Local expert ids; padding (id E) maps to >= E_here, outside every group.
         local_Z = jnp.minimum(expert_Z - lax.axis_index(axes) * E_here, E_here)
-        y_ZD = _swiglu_grouped(x_ZD, local_Z, w_gate_EDF, w_up_EDF, w_down_EFD)
+        y_ZD = _experts_grouped(x_ZD, local_Z, experts, act)
         y_ZD = _exchange(y_ZD.reshape(N, A, D), axes, 0, 0, impl).reshape(N * A, D)
         y_AD = y_ZD[slot_A]
     y_TD = jnp.einsum("TXD,TX->TD", y_AD.reshape(T, X, D), weight_BLX.reshape(T, X))
@@ -239,15 +287,16 @@ def _spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def run_experts(body: Callable, x_BLD, routes_BLX, weight_BLX, weights, *, n_experts: int, impl: str):
+def run_experts(body: Callable, x_BLD, routes_BLX, weight_BLX, experts: Experts, *, n_experts: int, impl: str):
     """`body` on the whole batch, or per device inside shard_map when the batch is split.
 
     Data parallelism without expert parallelism goes through shard_map too: the dispatch sorts
     and gathers along the token axis, which GSPMD would otherwise all-gather onto every device.
+    Every expert weight and bias is split along its leading expert axis.
     """
     layout = _token_layout(n_experts)
     if layout is None:
-        return body(x_BLD, routes_BLX, weight_BLX, *weights, axes=None, impl=impl)
+        return body(x_BLD, routes_BLX, weight_BLX, experts, axes=None, impl=impl)
     mesh, batch_axes, expert_axes = layout
     parts = math.prod(dict(mesh.shape)[a] for a in batch_axes)
     if x_BLD.shape[0] % parts:
@@ -256,13 +305,14 @@ def run_experts(body: Callable, x_BLD, routes_BLX, weight_BLX, weights, *, n_exp
             f"axes {batch_axes}; use a batch that is a multiple of {parts}"
         )
     tokens = PartitionSpec(_spec_entry(batch_axes), None, None)
-    experts = PartitionSpec(_spec_entry(expert_axes), None, None)
+    # One spec for every leaf of `experts` (weights and biases): the leading axis split, the rest whole.
+    by_expert = PartitionSpec(_spec_entry(expert_axes))
     # Manual over the batch and expert axes only; others (tensor, sequence, ...) stay automatic.
     f = jax.shard_map(
         functools.partial(body, axes=expert_axes or None, impl=impl),
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, experts, experts, experts),
+        in_specs=(tokens, tokens, tokens, by_expert),
         out_specs=tokens,
         axis_names=frozenset(batch_axes),
     )
-    return f(x_BLD, routes_BLX, weight_BLX, *weights)
+    return f(x_BLD, routes_BLX, weight_BLX, experts)

@@ -2,7 +2,8 @@
 
 Routers (`cfg.router`), all in float32 whatever the compute dtype:
 - "softmax" (Mixtral): top-k of softmax(x W_r); with `norm_topk_prob` the k weights are
-  renormalized, which equals a softmax over the k chosen logits.
+  renormalized, which equals a softmax over the k chosen logits (gpt-oss's router, whose logits
+  x W_r + b_r carry a bias: `MoEConfig.router_bias`).
 - "noisy" (Shazeer et al. 2017): as softmax, on logits + N(0,1) * softplus(x W_noise) * noise_std,
   the noise only when a `noise_key` is passed (training).
 - "sigmoid" (DeepSeek-V3): scores sigmoid(x W_r); a selection-only bias (`RouterBias`, state

@@ -74,9 +74,12 @@ def lm_param_counts(
     d_expert: int = 0,
     d_shared: int = 0,
     shared_gate: bool = False,
+    router_bias: bool = False,
+    expert_bias: bool = False,
 ) -> dict[str, int]:
     """{"total", "activated"} parameters of a decoder LM of which `n_moe_layers` layers
-    (whichever they are) are Mixture-of-Experts (SwiGLU experts: 3 matrices each).
+    (whichever they are) are Mixture-of-Experts (SwiGLU experts: 3 matrices each, and with
+    `expert_bias` their biases, 2 d_expert + d_model; `router_bias`: E more in the router: gpt-oss).
 
     "activated" counts what one token passes through, embedding table included
     (the convention of the DeepSeek and Mixtral reports).
@@ -84,10 +87,11 @@ def lm_param_counts(
     D = d_model
     norms = 2 * D
     dense_layer = attention + 3 * D * d_ff + norms
-    router = D * n_experts
+    router = D * n_experts + (n_experts if router_bias else 0)
     shared = 3 * D * d_shared + (D if shared_gate else 0)
-    moe_total = attention + router + n_experts * 3 * D * d_expert + shared + norms
-    moe_active = attention + router + top_k * 3 * D * d_expert + shared + norms
+    expert = 3 * D * d_expert + ((2 * d_expert + D) if expert_bias else 0)
+    moe_total = attention + router + n_experts * expert + shared + norms
+    moe_active = attention + router + top_k * expert + shared + norms
     embeddings = vocab_size * D * (1 if tie_embeddings else 2) + D  # + final norm
     n_dense = n_layers - n_moe_layers
     return {
@@ -120,6 +124,8 @@ def _moe_kw(cfg: ModelConfig) -> dict:
         d_expert=m.d_expert,
         d_shared=(m.d_shared or m.n_shared_experts * m.d_expert) if m.n_shared_experts else 0,
         shared_gate=m.shared_expert_gate and m.n_shared_experts > 0,
+        router_bias=m.router_bias,
+        expert_bias=m.expert_bias,
     )
 
 

@@ -77,6 +77,8 @@ def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weigh
     e = m.moe
     E, F = e.n_experts, e.d_expert
     w.append(Weight(f"{prefix}.moe.router", (n, D, E), L + ("embed", "router")))
+    if e.router_bias:
+        w.append(Weight(f"{prefix}.moe.b_router", (n, E), L + ("router",)))
     if e.router == "noisy":
         w.append(Weight(f"{prefix}.moe.noise", (n, D, E), L + ("embed", "router")))
     w += [
@@ -84,6 +86,12 @@ def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weigh
         Weight(f"{prefix}.moe.w_up", (n, E, D, F), L + ("expert", "embed", "mlp"), "expert"),
         Weight(f"{prefix}.moe.w_down", (n, E, F, D), L + ("expert", "mlp", "embed"), "expert"),
     ]
+    if e.expert_bias:  # gpt-oss
+        w += [
+            Weight(f"{prefix}.moe.b_gate", (n, E, F), L + ("expert", "mlp"), "expert"),
+            Weight(f"{prefix}.moe.b_up", (n, E, F), L + ("expert", "mlp"), "expert"),
+            Weight(f"{prefix}.moe.b_down", (n, E, D), L + ("expert", "embed"), "expert"),
+        ]
     if e.n_shared_experts:
         S = e.d_shared or e.n_shared_experts * F
         w += [
