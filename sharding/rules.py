@@ -73,6 +73,8 @@ _BASE: dict[str, MeshAxes] = {
     "lora_rank": None,
     "q_lora": None,  # MLA's low-rank query dimension (models/layers/mla.py)
     "kv_lora": None,  # MLA's key/value latent (one per token, shared by the heads: never split)  # fine-tuning's low-rank dimension: LoRA rank, adapter bottleneck (models/lora.py)
+    "linear_heads": None,  # value heads of a linear-attention layer (models/layers/gated_deltanet.py)
+    "linear_k_heads": None,  # its query/key heads, each serving a contiguous run of value heads
     # UNet weights: the output-channel dimension of a conv or dense layer is `embed`
     # (what fsdp splits); these name the other dimensions.
     "conv_kh": None,  # convolution kernel height
@@ -99,7 +101,10 @@ _BASE: dict[str, MeshAxes] = {
 _DATA_PARALLEL = ("data", "fsdp")
 _TENSOR_PARALLEL = {
     name: "tensor"
-    for name in ("heads", "kv_heads", "mlp", "vocab", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+    for name in (
+        *("heads", "kv_heads", "linear_heads", "linear_k_heads", "mlp", "vocab"),
+        *("act_heads", "act_kv_heads", "act_mlp", "act_vocab"),
+    )
 }
 
 # preset -> role ("all" or one of ROLES) -> changes to the base table.

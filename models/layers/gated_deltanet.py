@@ -1,0 +1,358 @@
+"""Gated DeltaNet (Qwen3-Next's linear-attention layer): a fixed-size state per sequence instead of a KV cache.
+
+Per token, x (D) is projected to queries and keys (G heads of width Kk), values and output gates z
+(H = G R heads of width Kv), and per value head a write strength b and a decay input a. Queries,
+keys and values go through a depthwise causal convolution (the last W = conv_kernel tokens, per
+channel) and SiLU; queries and keys are L2-normalized; beta = sigmoid(b) and the log-decay
+g = -exp(A_log) softplus(a + dt_bias). The gated delta rule (src/meshwork/kernels/gated_delta_rule.py)
+turns them into one output per value head, which is RMS-normed (one scale of width Kv shared by the
+heads), multiplied by silu(z) and projected back to D.
+
+Training and prefill run the chunked form; decoding one token runs the recurrence. What a sequence
+carries between calls (`GatedDeltaNetState`) is its last W - 1 convolution inputs and the (H, Kk, Kv)
+float32 state: a fixed size however long the sequence (`state_bytes`).
+
+Parameters hold heads on their own logical axes (`linear_k_heads` for G, `linear_heads` for H), which
+the `tp` preset splits over `tensor`; value head h reads key head h // R, so a tensor split that divides
+G keeps each value head beside its key head. transformers' fused projections interleave q, k, v and
+z per key head; `from_hf` / `to_hf` map them to these weights and back by reshapes and slices only
+(bit-exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from meshwork.kernels.gated_delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ
+from meshwork.models.layers.norm import RMSNorm
+from meshwork.models.layers.params import matmul, normal, param
+from meshwork.sharding.parallel import with_logical_constraint
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """The shape of one Gated DeltaNet layer (defaults: Qwen3-Next-80B-A3B's)."""
+
+    num_k_heads: int = 16  # G: query/key heads (transformers: linear_num_key_heads)
+    num_v_heads: int = 32  # H: value heads, a multiple of G (linear_num_value_heads)
+    head_k_dim: int = 128  # Kk: width of a query/key head (linear_key_head_dim)
+    head_v_dim: int = 128  # Kv: width of a value head (linear_value_head_dim)
+    conv_kernel: int = 4  # W: taps of the causal depthwise convolution (linear_conv_kernel_dim)
+    chunk_size: int = 64  # tokens per chunk of the chunked form (training, prefill); any value >= 1
+
+    def __post_init__(self):
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads ({self.num_k_heads})")
+
+    @classmethod
+    def from_hf(cls, config: Mapping, chunk_size: int = 64) -> GatedDeltaNetConfig:
+        """From a Qwen3-Next config.json's `linear_*` keys.
+
+        >>> GatedDeltaNetConfig.from_hf({"linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        ...     "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4}).num_v_heads
+        4
+        """
+        return cls(
+            num_k_heads=config["linear_num_key_heads"],
+            num_v_heads=config["linear_num_value_heads"],
+            head_k_dim=config["linear_key_head_dim"],
+            head_v_dim=config["linear_value_head_dim"],
+            conv_kernel=config["linear_conv_kernel_dim"],
+            chunk_size=chunk_size,
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetState:
+    """What one layer carries between calls, per sequence (a pytree; B sequences).
+
+    conv_*: the last W - 1 inputs of the convolution (the projections before it), oldest first;
+    recurrent_BHKK: the delta rule's state (B, H, Kk, Kv), always float32.
+    """
+
+    conv_q_BSGK: jax.Array  # (B, W - 1, G, Kk)
+    conv_k_BSGK: jax.Array  # (B, W - 1, G, Kk)
+    conv_v_BSHK: jax.Array  # (B, W - 1, H, Kv)
+    recurrent_BHKK: jax.Array  # (B, H, Kk, Kv) float32
+
+    @staticmethod
+    def logical_axes() -> dict[str, tuple[str | None, ...]]:
+        """The logical names of each field's dimensions (batch split as activations, heads over tensor)."""
+        return {
+            "conv_q_BSGK": ("act_batch", None, "act_kv_heads", "act_head_dim"),
+            "conv_k_BSGK": ("act_batch", None, "act_kv_heads", "act_head_dim"),
+            "conv_v_BSHK": ("act_batch", None, "act_heads", "act_head_dim"),
+            "recurrent_BHKK": ("act_batch", "act_heads", None, "act_head_dim"),
+        }
+
+
+def state_bytes(cfg: GatedDeltaNetConfig, dtype: jnp.dtype) -> int:
+    """Bytes of one sequence's `GatedDeltaNetState` for one layer: the convolution window in `dtype`
+    (the compute dtype) plus the float32 recurrent state; independent of the sequence's length.
+
+    >>> state_bytes(GatedDeltaNetConfig(), jnp.bfloat16)   # Qwen3-Next: 3 x 8192 x 2 B + 32 x 128 x 128 x 4 B
+    2146304
+    """
+    G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    conv = (cfg.conv_kernel - 1) * (2 * G * Kk + H * Kv) * jnp.dtype(dtype).itemsize
+    return conv + H * Kk * Kv * 4
+
+
+def _uniform(bound: float):
+    return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def _log_uniform(low: float, high: float):
+    return lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, jnp.float32, low, high)).astype(dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3-Next's Gated DeltaNet layer.
+
+    Parameters (D model width, G/H key/value heads, Kk/Kv their widths, W conv taps):
+    `wq`, `wk` (D, G, Kk); `wv`, `wz` (D, H, Kv); `wb`, `wa` (D, H); `conv_q`, `conv_k` (W, G, Kk) and
+    `conv_v` (W, H, Kv), tap W - 1 on the current token; `A_log`, `dt_bias` (H,); `norm.scale` (Kv,);
+    `wo` (H, Kv, D). Inits as transformers': dt_bias ones, A = exp(A_log) uniform in [0.01, 16],
+    the convolution uniform in +-W^-1/2, the norm's scale ones.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        cfg: GatedDeltaNetConfig,
+        *,
+        init_std: float,
+        out_std: float,
+        norm_eps: float,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        D, G, H, Kk, Kv, W = d_model, cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_kernel
+        p = lambda init, shape, names: param(init, rngs.params(), shape, param_dtype, names)  # noqa: E731
+        self.wq = p(normal(init_std), (D, G, Kk), ("embed", "linear_k_heads", "head_dim"))
+        self.wk = p(normal(init_std), (D, G, Kk), ("embed", "linear_k_heads", "head_dim"))
+        self.wv = p(normal(init_std), (D, H, Kv), ("embed", "linear_heads", "head_dim"))
+        self.wz = p(normal(init_std), (D, H, Kv), ("embed", "linear_heads", "head_dim"))
+        self.wb = p(normal(init_std), (D, H), ("embed", "linear_heads"))
+        self.wa = p(normal(init_std), (D, H), ("embed", "linear_heads"))
+        conv = _uniform(W**-0.5)
+        self.conv_q = p(conv, (W, G, Kk), ("conv_kw", "linear_k_heads", "head_dim"))
+        self.conv_k = p(conv, (W, G, Kk), ("conv_kw", "linear_k_heads", "head_dim"))
+        self.conv_v = p(conv, (W, H, Kv), ("conv_kw", "linear_heads", "head_dim"))
+        self.A_log = p(_log_uniform(0.01, 16.0), (H,), ("linear_heads",))
+        self.dt_bias = p(nnx.initializers.ones, (H,), ("linear_heads",))
+        self.norm = RMSNorm(Kv, eps=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs, axis="head_dim")
+        self.wo = p(normal(out_std), (H, Kv, D), ("linear_heads", "head_dim", "embed"))
+        self.cfg, self.dtype = cfg, dtype
+
+    # ------------------------------------------------------------------ pieces
+
+    def _projections(self, x_BLD: jax.Array):
+        """(q, k, v before the convolution, z, b, a) of every token."""
+        # Named as attention's projections, so remat policies that save those save these too.
+        q_BLGK = checkpoint_name(matmul("BLD,DGK->BLGK", x_BLD, self.wq, self.dtype), QKV_PROJ[0])
+        k_BLGK = checkpoint_name(matmul("BLD,DGK->BLGK", x_BLD, self.wk, self.dtype), QKV_PROJ[1])
+        v_BLHK = checkpoint_name(matmul("BLD,DHK->BLHK", x_BLD, self.wv, self.dtype), QKV_PROJ[2])
+        z_BLHK = matmul("BLD,DHK->BLHK", x_BLD, self.wz, self.dtype)
+        b_BLH = matmul("BLD,DH->BLH", x_BLD, self.wb, self.dtype)
+        a_BLH = matmul("BLD,DH->BLH", x_BLD, self.wa, self.dtype)
+        kv_names = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+        names = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+        q_BLGK, k_BLGK = (with_logical_constraint(t, kv_names) for t in (q_BLGK, k_BLGK))
+        v_BLHK, z_BLHK = (with_logical_constraint(t, names) for t in (v_BLHK, z_BLHK))
+        return q_BLGK, k_BLGK, v_BLHK, z_BLHK, b_BLH, a_BLH
+
+    def _conv(self, x_BLHK: jax.Array, window_BSHK: jax.Array, weight, segment_ids_BL: jax.Array | None):
+        """silu(depthwise causal convolution) of the L new inputs, the window (the W - 1 inputs before
+        them) in front; a tap reaching into another document (segment id) reads zero."""
+        W, L = self.cfg.conv_kernel, x_BLHK.shape[1]
+        xs_BLHK = jnp.concatenate([window_BSHK.astype(x_BLHK.dtype), x_BLHK], axis=1)
+        w_WHK = weight[...].astype(self.dtype)
+        y_BLHK = jnp.zeros(x_BLHK.shape, jnp.float32)
+        # W shifted multiply-adds (W = 4 in Qwen3-Next): elementwise per channel, so the heads' split over
+        # the mesh carries through with no communication, and a document boundary is one mask per tap.
+        for tap in range(W):
+            shift = W - 1 - tap  # tokens back from the current one
+            x_tap = xs_BLHK[:, tap : tap + L] * w_WHK[tap]
+            if segment_ids_BL is not None and shift:
+                same_BL = jnp.pad(segment_ids_BL[:, :-shift] == segment_ids_BL[:, shift:], ((0, 0), (shift, 0)))
+                x_tap = jnp.where(same_BL[..., None, None], x_tap, 0)
+            y_BLHK = y_BLHK + x_tap.astype(jnp.float32)
+        return jax.nn.silu(y_BLHK).astype(self.dtype)
+
+    def _rule_inputs(self, q_BLGK, k_BLGK, b_BLH, a_BLH):
+        """L2-normalized queries and keys (float32, eps 1e-6 as FLA), beta and the log-decay g."""
+        q_BLGK, k_BLGK = (_l2_normalize(t) for t in (q_BLGK, k_BLGK))
+        beta_BLH = jax.nn.sigmoid(b_BLH.astype(jnp.float32))
+        a_BLH = a_BLH.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        g_BLH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a_BLH)
+        return q_BLGK, k_BLGK, beta_BLH, g_BLH
+
+    def _output(self, o_BLHK: jax.Array, z_BLHK: jax.Array) -> jax.Array:
+        gated_BLHK = self.norm(o_BLHK) * jax.nn.silu(z_BLHK.astype(jnp.float32))
+        y_BLD = matmul("BLHK,HKD->BLD", gated_BLHK.astype(self.dtype), self.wo, self.dtype)
+        return checkpoint_name(y_BLD, OUT_PROJ)
+
+    def _forward(self, x_BLD, state: GatedDeltaNetState, segment_ids_BL=None):
+        q_BLGK, k_BLGK, v_BLHK, z_BLHK, b_BLH, a_BLH = self._projections(x_BLD)
+        convolved = [
+            self._conv(x, window, weight, segment_ids_BL)
+            for x, window, weight in (
+                (q_BLGK, state.conv_q_BSGK, self.conv_q),
+                (k_BLGK, state.conv_k_BSGK, self.conv_k),
+                (v_BLHK, state.conv_v_BSHK, self.conv_v),
+            )
+        ]
+        qc_BLGK, kc_BLGK, vc_BLHK = convolved
+        qn_BLGK, kn_BLGK, beta_BLH, g_BLH = self._rule_inputs(qc_BLGK, kc_BLGK, b_BLH, a_BLH)
+        if x_BLD.shape[1] == 1:
+            o_BLHK, recurrent_BHKK = recurrent_gated_delta_rule(
+                qn_BLGK, kn_BLGK, vc_BLHK, g_BLH, beta_BLH, state.recurrent_BHKK
+            )
+        else:
+            o_BLHK, recurrent_BHKK = chunked_gated_delta_rule(
+                qn_BLGK,
+                kn_BLGK,
+                vc_BLHK,
+                g_BLH,
+                beta_BLH,
+                self.cfg.chunk_size,
+                state.recurrent_BHKK,
+                segment_ids_BL=segment_ids_BL,
+            )
+        o_BLHK = with_logical_constraint(o_BLHK, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        # The next call's window: the last W - 1 inputs of (this window, these L tokens).
+        windows = [
+            jnp.concatenate([window, x.astype(window.dtype)], axis=1)[:, x.shape[1] :]
+            for window, x in ((state.conv_q_BSGK, q_BLGK), (state.conv_k_BSGK, k_BLGK), (state.conv_v_BSHK, v_BLHK))
+        ]
+        new_state = GatedDeltaNetState(*windows, recurrent_BHKK)
+        return self._output(o_BLHK, z_BLHK), new_state
+
+    # ------------------------------------------------------------------ public
+
+    def init_state(self, batch: int, dtype: jnp.dtype | None = None) -> GatedDeltaNetState:
+        """Zeros: the state before a sequence's first token (conv window in `dtype`, the compute dtype
+        by default; the recurrent state float32)."""
+        cfg, S = self.cfg, self.cfg.conv_kernel - 1
+        dtype = dtype or self.dtype
+        G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+        return GatedDeltaNetState(
+            jnp.zeros((batch, S, G, Kk), dtype),
+            jnp.zeros((batch, S, G, Kk), dtype),
+            jnp.zeros((batch, S, H, Kv), dtype),
+            jnp.zeros((batch, H, Kk, Kv), jnp.float32),
+        )
+
+    def __call__(
+        self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+    ) -> jax.Array:
+        """The layer over whole sequences from an empty state (training, full forward passes), as
+        `Attention.__call__`. Tokens must be in order: `positions_BL` is accepted for the common
+        signature and unused (no RoPE here). `segment_ids_BL`: packed documents; each starts from an
+        empty state and an empty convolution window, so it computes what it computes alone."""
+        del positions_BL
+        y_BLD, _ = self._forward(x_BLD, self.init_state(x_BLD.shape[0]), segment_ids_BL)
+        return y_BLD
+
+    def cached(self, x_BLD: jax.Array, state: GatedDeltaNetState) -> tuple[jax.Array, GatedDeltaNetState]:
+        """The layer over the next L tokens of each sequence, continuing from `state`: (y, the state
+        after them). L > 1 (prefill, or a chunk of one) runs the chunked form from the state, L = 1
+        (decoding) the recurrence. Every row takes all L tokens: a batch of prompts of different
+        lengths is prefilled row by row or in equal pieces."""
+        return self._forward(x_BLD, state)
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+
+
+# ---------------------------------------------------------------------- transformers' layout
+
+# One Qwen3NextGatedDeltaNet's tensors, as named under its `model.layers.N.linear_attn.` prefix.
+HF_NAMES = (
+    "in_proj_qkvz.weight",
+    "in_proj_ba.weight",
+    "conv1d.weight",
+    "A_log",
+    "dt_bias",
+    "norm.weight",
+    "out_proj.weight",
+)
+
+
+def from_hf(tensors: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
+    """This layer's parameters (keys as `nnx.to_flat_state` paths joined by dots: `wq`, ...,
+    `norm.scale`) from one transformers `Qwen3NextGatedDeltaNet`'s tensors (keys without the
+    `model.layers.N.linear_attn.` prefix). Reshapes, transposes and slices only: bit-exact.
+
+    transformers' layout (torch Linear weights are (out, in)):
+    - `in_proj_qkvz.weight` (G (2 Kk + 2 R Kv), D): per key head g, contiguous: q_g (Kk), k_g (Kk),
+      v of value heads gR .. gR + R - 1 (R Kv), z of the same heads (R Kv).
+      -> wq, wk (D, G, Kk); wv, wz (D, H, Kv).
+    - `in_proj_ba.weight` (G 2R, D): per key head g: b of its R value heads, then a of them.
+      -> wb, wa (D, H).
+    - `conv1d.weight` (2 G Kk + H Kv, 1, W): channels [q (G Kk), k (G Kk), v (H Kv)], head-major;
+      tap W - 1 multiplies the current token. -> conv_q, conv_k (W, G, Kk), conv_v (W, H, Kv).
+    - `A_log`, `dt_bias` (H,): as they are; `norm.weight` (Kv,) -> norm.scale.
+    - `out_proj.weight` (D, H Kv) -> wo (H, Kv, D).
+    """
+    G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    R = H // G
+    qkvz = np.asarray(tensors["in_proj_qkvz.weight"]).T
+    D = qkvz.shape[0]
+    qkvz_DGX = qkvz.reshape(D, G, 2 * Kk + 2 * R * Kv)
+    cuts = np.cumsum([Kk, Kk, R * Kv])
+    q_DGK, k_DGK, v_DGX, z_DGX = np.split(qkvz_DGX, cuts, axis=-1)
+    ba_DGX = np.asarray(tensors["in_proj_ba.weight"]).T.reshape(D, G, 2 * R)
+    conv = np.asarray(tensors["conv1d.weight"])[:, 0, :].T  # (W, channels)
+    W = conv.shape[0]
+    cq, ck, cv = np.split(conv, [G * Kk, 2 * G * Kk], axis=-1)
+    return {
+        "wq": q_DGK,
+        "wk": k_DGK,
+        "wv": v_DGX.reshape(D, H, Kv),
+        "wz": z_DGX.reshape(D, H, Kv),
+        "wb": ba_DGX[..., :R].reshape(D, H),
+        "wa": ba_DGX[..., R:].reshape(D, H),
+        "conv_q": cq.reshape(W, G, Kk),
+        "conv_k": ck.reshape(W, G, Kk),
+        "conv_v": cv.reshape(W, H, Kv),
+        "A_log": np.asarray(tensors["A_log"]),
+        "dt_bias": np.asarray(tensors["dt_bias"]),
+        "norm.scale": np.asarray(tensors["norm.weight"]),
+        "wo": np.asarray(tensors["out_proj.weight"]).T.reshape(H, Kv, D),
+    }
+
+
+def to_hf(params: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
+    """The inverse of `from_hf`: transformers' tensors (contiguous arrays) from this layer's parameters."""
+    G, H, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_v_dim
+    p = {name: np.asarray(value) for name, value in params.items()}
+    D = p["wq"].shape[0]
+    per_group = lambda name: p[name].reshape(D, G, -1)  # noqa: E731  (D, H, ...) -> (D, G, R ...)
+    qkvz = np.concatenate([p["wq"], p["wk"], per_group("wv"), per_group("wz")], axis=-1).reshape(D, -1)
+    ba = np.concatenate([per_group("wb"), per_group("wa")], axis=-1).reshape(D, -1)
+    W = p["conv_q"].shape[0]
+    conv = np.concatenate([p[name].reshape(W, -1) for name in ("conv_q", "conv_k", "conv_v")], axis=-1)
+    out = {
+        "in_proj_qkvz.weight": qkvz.T,
+        "in_proj_ba.weight": ba.T,
+        "conv1d.weight": conv.T[:, None, :],
+        "A_log": p["A_log"],
+        "dt_bias": p["dt_bias"],
+        "norm.weight": p["norm.scale"],
+        "out_proj.weight": p["wo"].reshape(H * Kv, D).T,
+    }
+    return {name: np.ascontiguousarray(value) for name, value in out.items()}
