@@ -41,6 +41,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from meshwork.config_sections import ModelConfig
+from meshwork.models.hf.gemma import GEMMA_TYPES, gemma_hf_config, gemma_problems, gemma_type
 from meshwork.models.hf.layout import (
     HF_DTYPE_NAMES,
     as_pure_dict,
@@ -62,6 +63,8 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 NAMES = {
     "llama": "Llama",
@@ -72,6 +75,8 @@ NAMES = {
     "qwen3_moe": "Qwen3-MoE",
     "qwen2_moe": "Qwen2-MoE",
     "deepseek_v3": "DeepSeek-V3",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3",
 }
 
 
@@ -104,6 +109,11 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
             f"cannot export mtp.depth={cfg.mtp.depth}: multi-token prediction modules have a Hugging Face "
             "form only in DeepSeek-V3 checkpoints (model.mla set); set mtp.depth 0 to export without them"
         )
+    gemma = gemma_type(cfg)
+    if gemma is not None:
+        if problems := gemma_problems(cfg, gemma):
+            raise ValueError(f"cannot export to {NAMES[gemma]}: {'; '.join(problems)}")
+        return gemma
     if cfg.kind == "transformer":  # Llama has no sliding window; Mistral is Llama with one
         model_type = (
             "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
@@ -111,7 +121,7 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     else:  # Qwen2-MoE's mark is its gated shared expert; a plain routed MoE is Mixtral's
         model_type = "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.moe.shared_expert_gate else "mixtral"
     name = NAMES[model_type]
-    problems = []
+    problems = _attention_feature_problems(cfg, name)
     if cfg.qk_norm and cfg.qkv_bias:
         problems.append(f"qkv_bias=True ({name} has q/k norms but no attention biases)")
     if model_type == "mixtral" and cfg.qkv_bias:
@@ -165,6 +175,24 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
     if problems:
         raise ValueError(f"cannot export to {name}: {'; '.join(problems)}")
     return model_type
+
+
+def _attention_feature_problems(cfg: ModelConfig, name: str) -> list[str]:
+    """The Gemma / gpt-oss settings (models/transformer.py) that a Llama-family checkpoint lacks."""
+    checks = [
+        (cfg.layer_types is None or len(set(cfg.layer_types)) == 1, "layer_types mixing sliding and full layers"),
+        (cfg.local_rope_theta is None, "local_rope_theta"),
+        (cfg.attn_logit_softcap is None, "attn_logit_softcap"),
+        (cfg.final_logit_softcap is None, "final_logit_softcap"),
+        (not cfg.attention_sinks, "attention_sinks"),
+        (not cfg.attention_out_bias, "attention_out_bias"),
+        (cfg.query_pre_attn_scalar is None, "query_pre_attn_scalar"),
+        (not cfg.sandwich_norm, "sandwich_norm"),
+        (not cfg.zero_centered_norm, "zero_centered_norm"),
+        (not cfg.scale_embeddings, "scale_embeddings"),
+        (cfg.mlp_activation == "silu", f"mlp_activation={cfg.mlp_activation!r}"),
+    ]
+    return [f"{what} ({name} has no such setting)" for ok, what in checks if not ok]
 
 
 def _deepseek_v3_type(cfg: ModelConfig, allow_dropless: bool) -> str:
@@ -274,6 +302,8 @@ def hf_config(
         return c | {"attention_bias": False, "mlp_bias": False}
     if model_type == "deepseek_v3":
         return _deepseek_v3_config(cfg, c)
+    if model_type in GEMMA_TYPES:
+        return gemma_hf_config(cfg, model_type, c)
     if model_type == "mistral":
         return c | {"sliding_window": cfg.sliding_window}
     full_attention = {

@@ -2,7 +2,8 @@
 
 `config_from_hf` reads Llama ("llama"), Mistral ("mistral"), Mixtral
 ("mixtral"), Qwen2 ("qwen2"), Qwen2-MoE ("qwen2_moe"), Qwen3 ("qwen3"),
-Qwen3-MoE ("qwen3_moe") and DeepSeek-V3 ("deepseek_v3") configs. Training-only settings (dropout, Mixtral's
+Qwen3-MoE ("qwen3_moe"), DeepSeek-V3 ("deepseek_v3"), Gemma 2 ("gemma2") and Gemma 3's text model
+("gemma3_text"; models/hf/gemma.py) configs. Training-only settings (dropout, Mixtral's
 router jitter, output_router_logits) are ignored; anything that changes the
 forward pass and that meshwork does not implement (RoPE scalings other than llama3,
 linear, dynamic and yarn (models/hf/rope.py), a sliding window in only some
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshwork.config_sections import MLAConfig, ModelConfig, MoEConfig, MTPConfig
+from meshwork.models.hf.gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config
 from meshwork.models.hf.rope import rope_from_hf
 
 # model_type -> (rms_norm_eps, rope_theta) that transformers assumes when config.json omits them.
@@ -28,6 +30,7 @@ DEFAULTS = {
     "qwen3": (1e-6, 10000.0),
     "qwen3_moe": (1e-6, 10000.0),
     "deepseek_v3": (1e-6, 10000.0),
+    **GEMMA_DEFAULTS,
 }
 SUPPORTED = tuple(DEFAULTS)
 _QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -61,6 +64,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         if not ok:
             raise ValueError(f"{kind} config {key}={c.get(key)!r}: {why}")
 
+    if kind in GEMMA_TYPES:
+        return gemma_config(c, need, refuse)
     refuse("hidden_act", c.get("hidden_act", "silu") == "silu", "meshwork's MLP is SwiGLU (silu) only")
     if kind == "deepseek_v3":
         return _deepseek_v3(c, need, refuse)

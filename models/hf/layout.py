@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from meshwork.config_sections import ModelConfig
+from meshwork.models.hf.gemma import GEMMA_TYPES, gemma_layer
 
 if TYPE_CHECKING:
     from meshwork.models.hf.files import TensorReader
@@ -158,6 +159,8 @@ def _gqa(cfg: ModelConfig, a: str) -> dict[str, Any]:
 
 def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool, interleaved: bool = True) -> dict[str, Any]:
     p, a, D = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", cfg.d_model
+    if model_type in GEMMA_TYPES:
+        return gemma_layer(cfg, i, _vector, _gqa) | {"mlp": _swiglu(p + "mlp.", D, cfg.d_ff)}
     layer = {
         "attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))},
         "attn": _mla(cfg, a, interleaved) if cfg.mla is not None else _gqa(cfg, a),
