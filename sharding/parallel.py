@@ -26,34 +26,40 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from meshwork.sharding.ring_attention import ring_attention
-from meshwork.sharding.rules import Rules, compiler_axes, logical_to_spec, manual_axes, split_axes
+from meshwork.sharding.context_parallel import ALGORITHMS, context_parallel_attention
+from meshwork.sharding.rules import Rules, compiler_axes, logical_to_spec, split_axes
 
 # (q_BLHK, k_BSGK, v_BSGK, segment_ids_BL or None, sinks_H or None) -> o_BLHK: attention on whatever
 # part of the batch and heads it is given, with those heads' sinks (the layer closes over causality,
-# scale, window, soft-capping and positions).
-LocalAttention = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None", "jax.Array | None"], jax.Array]
+# scale, window, soft-capping and positions). A formula that masks by position (XLA's; it sets
+# `masks_by_position = True`) also takes `positions=(q_positions_BL, kv_positions_BS)` and
+# `kv_segment_ids_BS=`, for queries and keys that are not the same whole rows (context parallelism:
+# sharding/context_parallel.py); the kernels mask by index and take tokens in order 0..L-1.
+LocalAttention = Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelContext:
     """rules: the logical-name -> mesh-axes table activations are constrained by (None: no
     constraints, e.g. one device). collective_matmul: SwiGLU runs as ppermute rings overlapped
-    with partial matmuls wherever the rules are Megatron-SP's (config `comm.collective_matmul`)."""
+    with partial matmuls wherever the rules are Megatron-SP's (config `comm.collective_matmul`).
+    context_parallel: how attention runs when the rules split the sequence (config
+    `train.context_parallel`: ring, all_gather, ulysses or usp; sharding/context_parallel.py)."""
 
     rules: Rules | None = None
     collective_matmul: bool = False
+    context_parallel: str = "ring"
 
     def __post_init__(self):
         if self.rules is not None:  # a tuple, so the context hashes
             object.__setattr__(self, "rules", tuple(tuple(r) for r in self.rules))
+        if self.context_parallel not in ALGORITHMS:
+            raise ValueError(f"context_parallel={self.context_parallel!r}; choose one of {', '.join(ALGORITHMS)}")
 
     def split(self, name: str) -> tuple[str, ...]:
         """The mesh axes of size > 1 (of the current mesh) that split logical dimension `name`."""
@@ -79,51 +85,48 @@ class ParallelContext:
     ) -> jax.Array:
         """`local` run on the mesh: the one interface through which a layer's attention is parallelized.
 
-        - the sequence split over a mesh axis (context parallelism, the `cp` preset): ring attention
-          (sharding/ring_attention.py), or, inside a shard_map already manual over that axis (a
-          pipeline stage), all-gathered keys and values; either masks causally by `positions_BL`,
-          so any token layout (e.g. the load-balancing zigzag) is correct;
+        - the sequence split over mesh axes (context parallelism, the `cp` preset): the context's
+          `context_parallel` algorithm (sharding/context_parallel.py: ring, all_gather, ulysses,
+          usp), inside a pipeline stage all-gathered keys and values (or ulysses); each masks by
+          `positions_BL`, so any token layout (e.g. the load-balancing zigzag) is correct, and
+          takes segment ids, a window, soft-capping and sinks;
         - `opaque` (a Pallas kernel, which the partitioner cannot split): `local` per device inside
           `shard_map`, each device holding whole sequences of its batch rows and heads;
         - otherwise `local` itself, which XLA partitions like any other op.
         """
         seq_axes = self.split("act_seq")
         if seq_axes:
-            if softcap is not None or sinks_H is not None:
-                raise ValueError(
-                    "context parallelism (a sequence split over the mesh) has no logit soft-capping or "
-                    "attention sinks yet; train without act_seq sharding"
-                )
-            if segment_ids_BL is not None or window is not None:
-                raise ValueError(
-                    "ring attention (a sequence split over the mesh) takes neither packed documents "
-                    "nor a sliding window; train without act_seq sharding, or on unpacked data"
-                )
-            return self._context_parallel(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, causal=causal, scale=scale)
+            return context_parallel_attention(
+                self.context_parallel,
+                local,
+                q_BLHK,
+                k_BSGK,
+                v_BSGK,
+                positions_BL,
+                seq_axes=seq_axes,
+                batch_axes=self.split("act_batch"),
+                head_axes=self._head_axes(),
+                causal=causal,
+                scale=scale,
+                segment_ids_BL=segment_ids_BL,
+                window=window,
+                softcap=softcap,
+                sinks_H=sinks_H,
+                opaque=opaque,
+            )
         if opaque:
             return self._per_device(local, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H)
         return local(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H)
 
-    def _context_parallel(self, q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes, *, causal, scale):
-        if len(seq_axes) != 1:
-            raise ValueError(f"ring attention needs exactly one mesh axis splitting act_seq, got {seq_axes}")
-        if seq_axes[0] in manual_axes():
-            return _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axes[0], causal=causal, scale=scale)
-        if positions_BL is None:
-            B, L = q_BLHK.shape[:2]
-            positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-        heads = self.split("act_heads")
-        return ring_attention(
-            q_BLHK,
-            k_BSGK,
-            v_BSGK,
-            positions_BL,
-            seq_axis=seq_axes[0],
-            batch_axes=compiler_axes(self.split("act_batch")),
-            head_axis=heads[0] if heads else None,
-            causal=causal,
-            scale=scale,
-        )
+    def _head_axes(self) -> tuple[str, ...]:
+        """The mesh axes splitting the query heads, which must split the kv heads alike."""
+        heads, kv_heads = self.split("act_heads"), self.split("act_kv_heads")
+        if heads != kv_heads:
+            raise ValueError(
+                f"context parallelism splits query and kv heads alike; the rules split act_heads over {heads} "
+                f"and act_kv_heads over {kv_heads}: map both to the same mesh axes"
+            )
+        return heads
 
     def _per_device(self, local: LocalAttention, q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H=None):
         """`local` on each device's shard of the batch and heads, inside `shard_map` with the specs the
@@ -232,24 +235,6 @@ def _without(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
         kept = tuple(a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())) if a not in axes)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*out)
-
-
-def _gathered_kv(q_BLHK, k_BSGK, v_BSGK, positions_BL, seq_axis, *, causal, scale):
-    """Context parallelism on this device's tokens, inside a shard_map already manual over the
-    sequence (a pipeline stage): the keys and values of the whole row are all-gathered over
-    `seq_axis` (Llama 3's all-gather context parallelism) and masked by position.
-
-    Not the ring: a pipeline stage runs its layers inside one branch of the schedule's switch,
-    where the other stages run other branches, and XLA:CPU's collective-permute waits for every
-    device of the program, whereas an all-gather (and its transpose, a reduce-scatter) waits only
-    for its group, this stage's sequence shards.
-    """
-    if positions_BL is None:
-        raise ValueError("context parallelism on a sequence shard needs the tokens' positions; pass positions_BL")
-    gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, axis=1, tiled=True)
-    k_pos_BS = gather(positions_BL)
-    mask = positions_BL[:, None, :, None] >= k_pos_BS[:, None, None, :] if causal else None
-    return jax.nn.dot_product_attention(q_BLHK, gather(k_BSGK), gather(v_BSGK), scale=scale, mask=mask)
 
 
 def _mesh_shape() -> dict[str, int]:

@@ -90,5 +90,35 @@ def test_a_split_sequence_goes_round_the_ring_and_equals_the_formula():
         got = compiled(q, k, v)
     assert "collective-permute" in compiled.as_text()
     np.testing.assert_allclose(got, _plain(q, k, v, None), atol=1e-5)
-    with jax.set_mesh(make_mesh({"data": 2, "sequence": 4})), pytest.raises(ValueError, match="packed documents"):
-        parallel.attention(local, q, k, v, positions, causal=True, scale=None, window=4)
+
+
+@pytest.mark.parametrize("algorithm", ["all_gather", "ulysses"])
+def test_the_chosen_algorithm_hands_the_formula_whole_rows_or_all_keys(algorithm):
+    """all_gather: each device's queries against every key, with explicit positions; ulysses: whole
+    rows for a share of the heads (B/2 rows, H/4 query heads, G/2 kv heads repeated to 1 each)."""
+    seen = []
+
+    def local(q, k, v, segment_ids, sinks_H, positions=None, kv_segment_ids_BS=None):
+        seen.append((q.shape, k.shape, None if positions is None else tuple(p.shape for p in positions)))
+        q_pos, k_pos = positions
+        return jax.nn.dot_product_attention(q, k, v, mask=(q_pos[:, :, None] >= k_pos[:, None, :])[:, None])
+
+    local.masks_by_position = True
+    q, k, v = _qkv(2)
+    positions = jnp.broadcast_to(jnp.arange(L), (B, L))
+    with jax.set_mesh(make_mesh({"data": 2, "sequence": 4})):
+        parallel = ParallelContext(rules_for("cp"), context_parallel=algorithm)
+        got = jax.jit(lambda q, k, v: parallel.attention(local, q, k, v, positions, causal=True, scale=None))(q, k, v)
+    want = {
+        "all_gather": ((B // 2, L // 4, H, K), (B // 2, L, G, K), ((B // 2, L // 4), (B // 2, L))),
+        "ulysses": ((B // 2, L, H // 4, K), (B // 2, L, 1, K), ((B // 2, L), (B // 2, L))),
+    }[algorithm]
+    assert seen == [want]
+    np.testing.assert_allclose(got, _plain(q, k, v, None), atol=1e-5)
+
+
+def test_context_parallel_is_part_of_the_value_and_checked():
+    assert ParallelContext(rules_for("cp"), context_parallel="ulysses") != ParallelContext(rules_for("cp"))
+    assert ParallelContext().context_parallel == "ring"  # today's behaviour is the default
+    with pytest.raises(ValueError, match="choose one of ring, all_gather, ulysses, usp"):
+        ParallelContext(rules_for("cp"), context_parallel="tree")

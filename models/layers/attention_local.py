@@ -40,9 +40,15 @@ def local_attention(
     of those heads). `q_BLHK` and `k_BSGK` (the whole arrays) choose the Pallas kernel's blocks."""
     if impl == "xla":
 
-        def xla(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H=None):
+        def xla(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, sinks_H=None, positions=None, kv_segment_ids_BS=None):
+            # positions: (q_positions_BL, kv_positions_BS), the mask's positions when the ParallelContext
+            # hands this device queries and keys other than the whole rows `positions_BL` describes
+            # (context parallelism); kv_segment_ids_BS: the keys' segment ids then (None: segment_ids_BL).
             mask = None
-            if (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
+            if positions is not None and (causal or segment_ids_BL is not None):
+                kv_seg = segment_ids_BL if kv_segment_ids_BS is None else kv_segment_ids_BS
+                mask = position_mask(*positions, segment_ids_BL, kv_seg, window, causal=causal)
+            elif (positions_BL is not None or segment_ids_BL is not None or window is not None) and causal:
                 mask = causal_mask(q_BLHK.shape[:2], positions_BL, segment_ids_BL, window)
             # jax.nn.dot_product_attention has neither modifier, and (for bf16) weighs values in bf16.
             if q_BLHK.dtype != jnp.float32 or softcap is not None or sinks_H is not None:
@@ -53,6 +59,7 @@ def local_attention(
                 return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, mask=mask)
             return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, scale=scale, is_causal=causal)
 
+        xla.masks_by_position = True  # it takes `positions=` (sharding/parallel.py LocalAttention)
         return xla
     if impl == "cudnn":
 
@@ -163,10 +170,24 @@ def causal_mask(
     """The (B, 1, L, L) causal mask by position (any token layout), within a document and a window."""
     B, L = batch_len
     pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
-    q_pos, k_pos = pos_BL[:, None, :, None], pos_BL[:, None, None, :]
-    mask = q_pos >= k_pos
-    if window is not None:
+    return position_mask(pos_BL, pos_BL, segment_ids_BL, segment_ids_BL, window)
+
+
+def position_mask(
+    q_pos_BL: jax.Array,
+    kv_pos_BS: jax.Array,
+    q_seg_BL: jax.Array | None,
+    kv_seg_BS: jax.Array | None,
+    window: int | None,
+    *,
+    causal: bool = True,
+) -> jax.Array:
+    """The (B, 1, L, S) mask of queries and keys at explicit positions: key j is visible to query i
+    iff kv_pos[j] <= q_pos[i] (causal), q_pos[i] - kv_pos[j] < window, and both are in one segment."""
+    q_pos, k_pos = q_pos_BL[:, None, :, None], kv_pos_BS[:, None, None, :]
+    mask = q_pos >= k_pos if causal else jnp.ones((q_pos.shape[0], 1, q_pos.shape[2], k_pos.shape[3]), bool)
+    if window is not None and causal:
         mask &= q_pos - k_pos < window
-    if segment_ids_BL is not None:
-        mask &= segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
+    if q_seg_BL is not None:
+        mask &= q_seg_BL[:, None, :, None] == kv_seg_BS[:, None, None, :]
     return mask
