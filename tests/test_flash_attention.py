@@ -2,7 +2,9 @@
 
 Everything runs on CPU: the kernels under the Pallas interpreter (the GPU and
 TPU block/layout configurations included), and the GPU/TPU code paths are
-lowered for `cuda` and `tpu` without the hardware.
+lowered for `cuda` and `tpu` without the hardware. Soft-capping (Gemma 2) and
+attention sinks (gpt-oss) are checked the same way, and the references
+against NumPy transcriptions of Hugging Face's eager attention.
 """
 
 import dataclasses
@@ -170,6 +172,181 @@ def test_rows_without_keys_output_zero():
 
 
 # --------------------------------------------------------------------------
+# Soft-capping (Gemma 2) and attention sinks (gpt-oss)
+# --------------------------------------------------------------------------
+
+# Per-head sink logits, from barely felt to a sizable share of the denominator
+# (the scores' logsumexp is ~3-5 at these lengths). A case's `sinks=True` means SINKS[:H].
+SINKS = np.linspace(-1.0, 4.0, 8).astype(np.float32)
+CROSS_SEGMENTS = dict(
+    segment_ids_q=np.array([[0] * 30 + [1] * 20 + [7] * 14]), segment_ids_kv=np.array([[0] * 20 + [1] * 28])
+)
+
+# (B, L, S, H, G, K, dtype, kwargs). softcap=2 caps scores of ~N(0, 1) hard enough to matter.
+FEATURE_CASES = {
+    "softcap-noncausal-ragged-f32": (
+        1,
+        96,
+        80,
+        4,
+        2,
+        32,
+        jnp.float32,
+        dict(causal=False, softcap=2.0, block_q=64, block_kv=32),
+    ),
+    "sinks-window-segments-f32": (
+        2,
+        96,
+        96,
+        4,
+        2,
+        32,
+        jnp.float32,
+        dict(
+            sinks=True,
+            window=24,
+            block_q=32,
+            block_kv=32,
+            segment_ids_q=np.stack([packed([40, 30, 26]), packed([96])]),
+            segment_ids_kv=np.stack([packed([40, 30, 26]), packed([96])]),
+        ),
+    ),
+    # Query segment 7 has no keys: with a sink those rows must still output 0 (and add nothing to d sink).
+    "softcap-sinks-empty-rows-f32": (
+        1,
+        64,
+        48,
+        2,
+        1,
+        32,
+        jnp.float32,
+        dict(causal=False, softcap=1.5, sinks=True, block_q=32, block_kv=32, **CROSS_SEGMENTS),
+    ),
+    "softcap-sinks-window-gqa4-ragged-bf16": (
+        1,
+        100,
+        100,
+        8,
+        2,
+        64,
+        jnp.bfloat16,
+        dict(softcap=2.0, sinks=True, window=40, block_q=32, block_kv=32),
+    ),
+    "gpu-config-softcap-sinks-window-f32": (
+        1,
+        80,
+        80,
+        4,
+        1,
+        24,
+        jnp.float32,
+        dict(softcap=2.0, sinks=True, window=33, backend="gpu", interpret=True),
+    ),
+    "tpu-config-softcap-sinks-window-f32": (
+        1,
+        192,
+        192,
+        4,
+        2,
+        32,
+        jnp.float32,
+        dict(softcap=2.0, sinks=True, window=70, block_q=64, block_kv=128, backend="tpu", interpret=TPU_INTERPRET),
+    ),
+}
+
+
+def with_sinks(kw, H):
+    """kw with sinks=True replaced by the (H,) array SINKS[:H]."""
+    return {**kw, "sinks": jnp.asarray(SINKS[:H])} if kw.get("sinks") is True else kw
+
+
+@functools.cache
+def feature_results(name):
+    """(o, dq, dk, dv[, dsinks]) of the kernel and of the reference."""
+    B, L, S, H, G, K, dtype, kw = FEATURE_CASES[name]
+    q, k, v, do = qkv(B, L, S, H, G, K, dtype)
+    kw = with_sinks(kw, H)
+    sinks = kw.pop("sinks", None)
+
+    def run(fn):
+        def f(q, k, v, sinks, do):
+            o, vjp = jax.vjp(lambda q, k, v, sinks: fn(q, k, v, sinks=sinks, **kw), q, k, v, sinks)
+            return (o, *vjp(do))
+
+        out = jax.jit(f)(q, k, v, sinks, do)
+        return out if sinks is not None else out[:4]
+
+    return run(flash_attention), run(flash_attention_reference)
+
+
+@pytest.mark.parametrize("name", list(FEATURE_CASES))
+def test_softcap_and_sinks_match_reference(name):
+    """Forward, dq, dk, dv and the sinks' gradient within the fp32 / bf16 tolerance of the reference."""
+    kernel, reference = feature_results(name)
+    tol = TOL[FEATURE_CASES[name][6]]
+    errs = {what: rel_err(a, b) for what, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), kernel, reference)}
+    assert len(errs) == (5 if FEATURE_CASES[name][7].get("sinks") else 4)
+    assert max(errs.values()) <= tol, f"{name}: relative errors {errs} > {tol:.0e}"
+
+
+def test_rows_without_keys_output_zero_with_sinks():
+    o, dq, *_ = feature_results("softcap-sinks-empty-rows-f32")[0]
+    assert np.all(np.asarray(o)[0, 50:] == 0) and np.all(np.asarray(dq)[0, 50:] == 0)
+    assert np.any(np.asarray(o)[0, :50] != 0)
+
+
+def hf_eager_attention(q, k, v, mask, scale, softcap=None, sinks=None):
+    """NumPy transcription of transformers' eager attention for Gemma 2 (softcap) and gpt-oss (sinks).
+
+    q (L, H, K), k and v (S, G, K), mask (L, S) bool. Gemma 2: scores * scaling,
+    then / softcap, tanh, * softcap, then + the additive mask. gpt-oss: the
+    sink logit concatenated as a last column after the mask, the row max
+    subtracted, softmax, the column dropped.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    R = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, R, axis=1), np.repeat(v, R, axis=1)  # repeat_kv
+    w = np.einsum("lhk,shk->hls", q, k) * scale
+    if softcap is not None:
+        w = np.tanh(w / softcap) * softcap
+    w = w + np.where(mask, 0.0, np.finfo(np.float32).min)[None]
+    if sinks is not None:
+        w = np.concatenate([w, np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], w[..., :1].shape)], -1)
+    w = np.exp(w - w.max(-1, keepdims=True))
+    p = w / w.sum(-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
+    return np.einsum("hls,shk->lhk", p, v)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(softcap=2.0), dict(sinks=True), dict(softcap=2.0, sinks=True, window=5)],
+    ids=["gemma2", "gptoss", "gptoss-window-softcap"],
+)
+def test_references_follow_hugging_face_eager_attention(kw):
+    """The flash and decode references equal transformers' eager formulas (fp64 NumPy) within 1e-5."""
+    L, H, G, K = 12, 4, 2, 16
+    q, k, v, _ = qkv(1, L, L, H, G, K, jnp.float32, seed=3)
+    kw = with_sinks(kw, H)
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    mask = (j <= i) & ((j > i - kw["window"]) if "window" in kw else True)
+    want = hf_eager_attention(q[0], k[0], v[0], mask, K**-0.5, kw.get("softcap"), kw.get("sinks"))
+    assert rel_err(flash_attention_reference(q, k, v, **kw)[0], want) <= 1e-5
+    # Decode: the last query over the whole cache.
+    got = decode_attention_reference(q[:, -1], k, v, jnp.array([L]), **kw)
+    assert rel_err(got[0], want[-1]) <= 1e-5
+
+
+def test_softcap_and_sinks_arguments_are_checked():
+    q, k, v, _ = qkv(1, 8, 8, 4, 2, 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
+        flash_attention(q, k, v, sinks=jnp.zeros(2))
+    with pytest.raises(ValueError, match="softcap=0.0: the cap must be a positive number"):
+        decode_attention(q[:, 0], k, v, jnp.array([3]), softcap=0.0)
+
+
+# --------------------------------------------------------------------------
 # Block skipping: loop bounds, not just masks
 # --------------------------------------------------------------------------
 
@@ -267,11 +444,13 @@ def test_poisoned_outputs_catch_an_unwritten_tile():
     assert np.isnan(np.asarray(out)[48:]).all() and not np.isnan(np.asarray(out)[:48]).any()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_every_output_element_is_written(backend):
+@pytest.mark.parametrize(
+    "backend, softcap, sinks", [("cpu", None, False), ("gpu", 2.0, True)], ids=["cpu", "gpu-softcap-sinks"]
+)
+def test_every_output_element_is_written(backend, softcap, sinks):
     """Raw padded kernel outputs (o, lse, dq, dk, dv; decode o, lse per chunk) start as NaN and end NaN-free.
 
-    lse is +inf for rows that see no key and -inf for empty decode chunks: by design, not NaN.
+    lse is +inf for rows that see no key (without sinks) and -inf for empty decode chunks: by design, not NaN.
     """
     B, L, S, H, G, K = 2, 96, 80, 4, 2, 24
     q, k, v, do = qkv(B, L, S, H, G, K, jnp.float32)
@@ -287,11 +466,13 @@ def test_every_output_element_is_written(backend):
         block_kv=32,
         backend=backend,
         interpret=True,
+        softcap=softcap,
+        sinks=sinks,
     )
     cfg = dataclasses.replace(cfg, poison=True)
     qp, kp, vp, sq, skv = fa.pad_inputs(q, k, v, seg_q, seg_kv, cfg)
     dop = fa.pad_inputs(do, k, v, seg_q, seg_kv, cfg)[0]
-    o, lse = fk.flash_forward(qp, kp, vp, sq, skv, cfg)
+    o, lse = fk.flash_forward(qp, kp, vp, sq, skv, cfg, jnp.asarray(SINKS[:H]) if sinks else None)
     outputs = [o, lse, *fk.flash_backward(qp, kp, vp, sq, skv, o, lse, dop, cfg)]
 
     dcfg = da._Config(
@@ -304,6 +485,7 @@ def test_every_output_element_is_written(backend):
         interpret=True,
         heads_major=False,
         poison=True,
+        softcap=softcap,
     )
     outputs += da._decode_chunks(q[:, 0], k, v, jnp.array([7, 80]), dcfg)
     for name, x in zip(["o", "lse", "dq", "dk", "dv", "decode o", "decode lse"], outputs):
@@ -315,26 +497,45 @@ def test_every_output_element_is_written(backend):
 # --------------------------------------------------------------------------
 
 
+FEATURES = dict(softcap=2.0, sinks=True, window=50)
+
+
 @pytest.mark.parametrize(
     "kw",
     [
         dict(chunk=32, block_kv=16),
         dict(backend="gpu", interpret=True, chunk=32),
         dict(backend="tpu", interpret=TPU_INTERPRET, chunk=128, block_kv=128),
+        dict(chunk=32, block_kv=16, **FEATURES),
+        dict(backend="gpu", interpret=True, chunk=32, softcap=2.0, sinks=True),
+        dict(backend="tpu", interpret=TPU_INTERPRET, chunk=128, block_kv=128, **FEATURES),
     ],
-    ids=["cpu", "gpu-config", "tpu-config"],
+    ids=[
+        "cpu",
+        "gpu-config",
+        "tpu-config",
+        "cpu-softcap-sinks-window",
+        "gpu-config-softcap-sinks",
+        "tpu-config-softcap-sinks-window",
+    ],
 )
 def test_decode_matches_reference_and_full_attention(kw):
     B, S, H, G, K = 4, 120, 8, 2, 32  # S is not a multiple of the chunk
     q, k, v, _ = qkv(B, 1, S, H, G, K, jnp.float32)
     q = q[:, 0]
     lengths = jnp.array([0, 37, 64, 120])
+    kw = with_sinks(kw, H)
+    feats = {f: kw[f] for f in ("softcap", "sinks", "window") if f in kw}
     o = jax.jit(lambda *a: decode_attention(*a, **kw))(q, k, v, lengths)
-    assert rel_err(o, decode_attention_reference(q, k, v, lengths)) <= 1e-5
+    assert rel_err(o, decode_attention_reference(q, k, v, lengths, **feats)) <= 1e-5
     assert np.all(np.asarray(o)[0] == 0), "a sequence with no keys gets zeros"
+    window = feats.pop("window", None)
     for b in range(1, B):
         n = int(lengths[b])
-        full = flash_attention_reference(q[b : b + 1, None], k[b : b + 1, :n], v[b : b + 1, :n], causal=False)
+        lo = 0 if window is None else max(0, n - window)
+        full = flash_attention_reference(
+            q[b : b + 1, None], k[b : b + 1, lo:n], v[b : b + 1, lo:n], causal=False, **feats
+        )
         assert rel_err(o[b], full[0, 0]) <= 1e-5, b
 
 
@@ -362,6 +563,7 @@ def test_lowers_without_the_device(platform, backend, marker, what):
         jnp.ones((B, L, G, K), jnp.bfloat16),
     )
     seg = jnp.zeros((B, L), jnp.int32)
+    feats = dict(softcap=30.0, sinks=jnp.asarray(SINKS[:H]))  # every kernel with the soft cap; the forward with sinks
 
     def attn(q, k, v):
         return flash_attention(
@@ -372,12 +574,13 @@ def test_lowers_without_the_device(platform, backend, marker, what):
             window=64,
             segment_ids_q=seg,
             segment_ids_kv=seg,
+            **feats,
         )
 
     fn, n_kernels = {
         "forward": (attn, 1),
         "forward+backward": (jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2)), 3),
-        "decode": (lambda q, k, v: decode_attention(q[:, 0], k, v, jnp.array([150]), backend=backend), 1),
+        "decode": (lambda q, k, v: decode_attention(q[:, 0], k, v, jnp.array([150]), backend=backend, **feats), 1),
     }[what]
     with pb.lowering_target(platform):
         text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()

@@ -5,7 +5,8 @@ given positions) rows with ragged lengths, GQA, a sliding window, and two
 block tables that name the same physical pages (a shared prefix, as prefix
 caching makes) give the gather reference's output and plain causal attention
 over each sequence's contiguous keys, under the CPU interpreter and in the GPU
-and TPU configurations; the GPU/TPU code lowers without the device.
+and TPU configurations, also with Gemma 2's soft cap and gpt-oss's attention
+sinks; the GPU/TPU code lowers without the device.
 Model level: a paged cache read by the kernel (attention impl pallas) gives
 the gather path's logits and a full forward pass's, and the compiled decode
 step gathers no pages.
@@ -40,8 +41,12 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def contiguous_attention(q_LHK, k_SGK, v_SGK, positions_L, window=None):
-    """NumPy causal attention of queries at positions_L over one sequence's contiguous keys (no cache)."""
+def contiguous_attention(q_LHK, k_SGK, v_SGK, positions_L, window=None, softcap=None, sinks=None):
+    """NumPy causal attention of queries at positions_L over one sequence's contiguous keys (no cache).
+
+    softcap: scores -> softcap * tanh(scores / softcap); sinks (H,): one more logit per head in the
+    softmax's denominator, weighing no value.
+    """
     q, k, v = (np.asarray(x, np.float64) for x in (q_LHK, k_SGK, v_SGK))
     L, H, K = q.shape
     G = k.shape[1]
@@ -51,8 +56,11 @@ def contiguous_attention(q_LHK, k_SGK, v_SGK, positions_L, window=None):
         for h in range(H):
             g = h // (H // G)
             s = k[lo : p + 1, g] @ q[i, h] / np.sqrt(K)
-            w = np.exp(s - s.max())
-            out[i, h] = w @ v[lo : p + 1, g] / w.sum()
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            m = s.max() if sinks is None else max(s.max(), sinks[h])
+            w = np.exp(s - m)
+            out[i, h] = w @ v[lo : p + 1, g] / (w.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m)))
     return out
 
 
@@ -85,24 +93,38 @@ CONFIGS = {
 }
 
 
-# Quick tier: each configuration once, both query kinds and both masks among them; slow: the rest.
-QUICK = {("cpu", 1, None), ("cpu", 5, 6), ("gpu-config", 5, 6), ("tpu-config", 1, 6), ("tpu-config", 5, None)}
+# Quick tier: each configuration once, both query kinds and both masks among them, and each configuration
+# once with soft-capping and sinks; slow: the rest.
+QUICK = {
+    ("cpu", 1, None, False),
+    ("cpu", 5, 6, False),
+    ("gpu-config", 5, 6, False),
+    ("tpu-config", 1, 6, False),
+    ("tpu-config", 5, None, False),
+    ("cpu", 5, 6, True),
+    ("gpu-config", 1, None, True),
+    ("tpu-config", 5, 6, True),
+}
 KERNEL_CASES = [
     pytest.param(
         c,
         L,
         w,
-        id=f"{c}-{'decode' if L == 1 else f'chunk{L}'}-window{w}",
-        marks=() if (c, L, w) in QUICK else pytest.mark.slow,
+        f,
+        id=f"{c}-{'decode' if L == 1 else f'chunk{L}'}-window{w}{'-softcap-sinks' if f else ''}",
+        marks=() if (c, L, w, f) in QUICK else pytest.mark.slow,
     )
+    for f in (False, True)
     for c in CONFIGS
     for L in (1, 5)
     for w in (None, 6)
 ]
+# softcap=2 caps scores of ~N(0, 1) hard enough to matter; sinks range from barely felt to most of a short row's weight.
+SOFTCAP, SINKS = 2.0, np.linspace(-1.0, 4.0, 4).astype(np.float32)
 
 
-@pytest.mark.parametrize("config, L, window", KERNEL_CASES)
-def test_kernel_equals_gather_and_contiguous_attention(config, L, window):
+@pytest.mark.parametrize("config, L, window, features", KERNEL_CASES)
+def test_kernel_equals_gather_and_contiguous_attention(config, L, window, features):
     """Ragged rows (one sees a single key), a shared prefix, GQA; every query within 1e-5 of both references."""
     T, kw = CONFIGS[config]["T"], CONFIGS[config]["kw"]
     B, P, H, G, K = 3, 4, 4, 2, 16
@@ -114,11 +136,12 @@ def test_kernel_equals_gather_and_contiguous_attention(config, L, window):
     assert (np.asarray(table)[0, :2] == np.asarray(table)[2, :2]).all()
     positions = jnp.asarray([np.arange(p - L + 1, p + 1) for p in last], jnp.int32)
     q = jnp.asarray(np.random.default_rng(1).standard_normal((B, L, H, K)), jnp.float32)
-    got = jax.jit(lambda *a: paged_attention(*a, layer=1, window=window, **kw))(q, k_pool, v_pool, table, positions)
-    want = paged_attention_reference(q, k_pool, v_pool, table, positions, layer=1, window=window)
+    feats = dict(window=window, softcap=SOFTCAP, sinks=jnp.asarray(SINKS)) if features else dict(window=window)
+    got = jax.jit(lambda *a: paged_attention(*a, layer=1, **feats, **kw))(q, k_pool, v_pool, table, positions)
+    want = paged_attention_reference(q, k_pool, v_pool, table, positions, layer=1, **feats)
     assert rel_err(got, want) <= 1e-5
     for b in range(B):
-        full = contiguous_attention(q[b], k_seq[b], v_seq[b], positions[b], window)
+        full = contiguous_attention(q[b], k_seq[b], v_seq[b], positions[b], **feats)
         assert rel_err(got[b], full) <= 1e-5, b
 
 
@@ -145,7 +168,7 @@ def test_lowers_without_the_device(platform, backend, marker, L):
     B, N, T, G, K, H, P = 2, 9, 16, 2, 64, 8, 4
     q, pool = jnp.ones((B, L, H, K), jnp.bfloat16), jnp.ones((3, N, T, G, K), jnp.bfloat16)
     table, pos = jnp.ones((B, P), jnp.int32), jnp.full((B, L), 40, jnp.int32)
-    fn = functools.partial(paged_attention, layer=2, backend=backend, window=20)
+    fn = functools.partial(paged_attention, layer=2, backend=backend, window=20, softcap=30.0, sinks=jnp.zeros(H))
     with lowering_target(platform):
         text = jax.jit(fn).trace(q, pool, pool, table, pos).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 1

@@ -11,6 +11,9 @@ Keys at positions >= lengths_B[b] are ignored; inside a chunk the loop stops
 at the length, so a chunk past it does no work. With a sliding window (Mistral)
 keys before lengths_B[b] - window are ignored too, and the loop also starts at
 the window's first block, so a chunk wholly before it does no work either.
+Soft-capping (Gemma 2) caps each chunk's scores in the kernel. Attention
+sinks (gpt-oss) enter at the merge, as one more "chunk" with lse = sink_h and
+output 0, which is exact: the sink joins the denominator and weighs no value.
 Inference only: no gradient.
 
 The kernel body is shared by all backends (see pallas_backend.py). GPU/CPU
@@ -38,13 +41,16 @@ from jax.experimental.pallas import tpu as pltpu
 from meshwork.kernels.pallas_backend import (
     F32,
     MASKED,
+    check_features,
     dot,
     dot_precision,
     fit_block,
     floor_div,
     launch,
+    masked_softmax,
     resolve_backend,
     round_up,
+    soft_cap,
 )
 
 
@@ -77,6 +83,7 @@ class _Config:
     heads_major: bool
     poison: bool = False
     window: int | None = None  # keys at lengths_B[b] - window .. lengths_B[b] - 1 only
+    softcap: float | None = None  # Gemma 2: scores -> softcap * tanh(scores / softcap), before the mask
 
 
 def online_softmax_step(m, l, acc, scores, mask, v, prec):
@@ -103,7 +110,7 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
         m, l, acc = carry
         start = pl.multiple_of(j * cfg.kv, cfg.kv)
         k, v = k_ref[pl.ds(start, cfg.kv), :], v_ref[pl.ds(start, cfg.kv), :]
-        s = dot(q, k, (1, 1), prec) * cfg.scale
+        s = soft_cap(dot(q, k, (1, 1), prec) * cfg.scale, cfg.softcap)
         key = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         mask = (key < n_valid) & (key >= first) if cfg.window else key < n_valid
         return online_softmax_step(m, l, acc, s, mask, v, prec)
@@ -130,6 +137,8 @@ def decode_attention(
     backend: str | None = None,
     interpret: bool | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of one query per sequence over the first lengths_B[b] cached keys (flash-decoding).
 
@@ -139,9 +148,13 @@ def decode_attention(
     DEFAULT_DECODE_BLOCKS[backend]). backend, interpret: as in `flash_attention`.
     window: the query (at position lengths_B[b] - 1) sees only the last `window`
     keys, lengths_B[b] - window .. lengths_B[b] - 1 (Mistral's sliding window).
+    softcap, sinks: Gemma 2's logit cap and gpt-oss's (H,) per-head sink logits,
+    as in `flash_attention` (a sequence of length 0 still gets zeros).
 
     >>> q = jnp.ones((1, 4, 16)); k = v = jnp.ones((1, 64, 1, 16))
     >>> decode_attention(q, k, v, jnp.array([10]), chunk=32).shape
+    (1, 4, 16)
+    >>> decode_attention(q, k, v, jnp.array([10]), softcap=30.0, sinks=jnp.zeros(4)).shape
     (1, 4, 16)
     """
     (B, H, K), (Bk, S, G, Kk) = q_BHK.shape, k_BSGK.shape
@@ -153,6 +166,7 @@ def decode_attention(
         )
     if window is not None and window < 1:
         raise ValueError(f"decode_attention window={window}: a window must see at least the new key (>= 1)")
+    check_features(softcap, sinks, H)
     backend, interpret = resolve_backend(backend, interpret)
     d = DEFAULT_DECODE_BLOCKS[backend]
     kv = fit_block(block_kv or d.kv, S, backend, lanes=True)
@@ -172,8 +186,12 @@ def decode_attention(
         interpret=interpret,
         heads_major=backend == "tpu",
         window=window,
+        softcap=None if softcap is None else float(softcap),
     )
-    o_BGRK = merge_chunks(*_decode_chunks(q_BHK, k_BSGK, v_BSGK, lengths_B, cfg), axis=2)
+    sink = None
+    if sinks is not None:  # (1, G, 1, rows, 1): the sink of each program row, query head g * R + r
+        sink = jnp.pad(jnp.asarray(sinks, F32).reshape(G, R), ((0, 0), (0, rows - R)))[None, :, None, :, None]
+    o_BGRK = merge_chunks(*_decode_chunks(q_BHK, k_BSGK, v_BSGK, lengths_B, cfg), axis=2, sink=sink)
     return o_BGRK[:, :, :R, :K].reshape(B, H, K).astype(q_BHK.dtype)
 
 
@@ -216,19 +234,28 @@ def _decode_chunks(q_BHK, k_BSGK, v_BSGK, lengths_B, cfg):
     )
 
 
-def merge_chunks(o, lse, axis):
+def merge_chunks(o, lse, axis, sink=None):
     """Exact merge of per-chunk softmax results along `axis`.
 
     o_c is chunk c's own normalized output and lse_c the log of its softmax
     denominator; the merged output weights o_c by exp(lse_c - logsumexp(lse)).
     Empty chunks have lse = -inf (weight 0); all empty gives 0, not NaN.
+    sink: attention-sink logits, shaped like lse with `axis` of size 1, merged
+    as one more chunk whose output is 0 (it adds exp(sink) to the denominator).
 
     >>> merge_chunks(jnp.array([[1.0], [3.0]]), jnp.array([[0.0], [0.0]]), axis=0)
     Array([2.], dtype=float32)
+    >>> merge_chunks(jnp.array([[1.0], [3.0]]), jnp.array([[0.0], [0.0]]), axis=0, sink=jnp.zeros((1, 1)))
+    Array([1.3333334], dtype=float32)
     """
     m = jnp.max(lse, axis=axis, keepdims=True)
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)
     total = jnp.sum(w, axis=axis, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - m)
     return jnp.sum(w * o, axis=axis) / jnp.squeeze(jnp.where(total == 0.0, 1.0, total), axis)
 
 
@@ -244,8 +271,10 @@ def decode_attention_reference(
     backend: str | None = None,
     interpret: bool | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """`decode_attention` in plain JAX (float32 scores over the whole cache, masked by length and window).
+    """`decode_attention` in plain JAX (float32 scores over the whole cache, capped, masked by length and window).
 
     >>> q = jnp.ones((1, 4, 16)); k = v = jnp.ones((1, 64, 1, 16))
     >>> decode_attention_reference(q, k, v, jnp.array([10])).shape
@@ -253,14 +282,14 @@ def decode_attention_reference(
     """
     del chunk, block_kv, backend, interpret
     (B, H, K), (_, S, G, _) = q_BHK.shape, k_BSGK.shape
+    check_features(softcap, sinks, H)
     scale = K**-0.5 if scale is None else scale
     q_BGRK = q_BHK.astype(F32).reshape(B, G, H // G, K)
     s_BGRS = jnp.einsum("BGRK,BSGK->BGRS", q_BGRK, k_BSGK.astype(F32), precision="highest") * scale
+    s_BGRS = soft_cap(s_BGRS, softcap)
     key_S, len_B1 = jnp.arange(S)[None, :], lengths_B[:, None]
     visible = (key_S < len_B1) & (key_S >= len_B1 - window) if window is not None else key_S < len_B1
-    mask = visible[:, None, None, :]
-    s_BGRS = jnp.where(mask, s_BGRS, MASKED)
-    p = jnp.where(mask, jnp.exp(s_BGRS - jnp.max(s_BGRS, axis=-1, keepdims=True)), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o_BGRK = jnp.einsum("BGRS,BSGK->BGRK", p / jnp.where(l == 0.0, 1.0, l), v_BSGK.astype(F32), precision="highest")
+    sink = None if sinks is None else jnp.asarray(sinks, F32).reshape(1, G, H // G, 1)
+    p = masked_softmax(s_BGRS, visible[:, None, None, :], sink)
+    o_BGRK = jnp.einsum("BGRS,BSGK->BGRK", p, v_BSGK.astype(F32), precision="highest")
     return o_BGRK.reshape(B, H, K).astype(q_BHK.dtype)

@@ -18,8 +18,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from meshwork.kernels.flash_attention_kernels import BlockSizes, FlashConfig, flash_backward, flash_forward
-from meshwork.kernels.pallas_backend import F32, MASKED, fit_block, resolve_backend
+from meshwork.kernels.flash_attention_kernels import (
+    BlockSizes,
+    FlashConfig,
+    flash_backward,
+    flash_forward,
+    row_delta,
+    sink_grad,
+)
+from meshwork.kernels.pallas_backend import F32, check_features, fit_block, masked_softmax, resolve_backend, soft_cap
 
 # Starting points. GPU: from the one autotuning run on an H200 (benchmarks/RESULTS.md,
 # 2026-11-30: causal S=4096, K=128, fwd+bwd): 64x64 tiles with 4 warps took 3.90 ms
@@ -39,19 +46,21 @@ DEFAULT_BLOCKS = {
 # --------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, seg_q, seg_kv, cfg):
-    return flash_forward(q, k, v, seg_q, seg_kv, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, seg_q, seg_kv, sinks, cfg):
+    return flash_forward(q, k, v, seg_q, seg_kv, cfg, sinks)[0]
 
 
-def _flash_fwd(q, k, v, seg_q, seg_kv, cfg):
-    o, lse = flash_forward(q, k, v, seg_q, seg_kv, cfg)
-    return o, (q, k, v, seg_q, seg_kv, o, lse)
+def _flash_fwd(q, k, v, seg_q, seg_kv, sinks, cfg):
+    o, lse = flash_forward(q, k, v, seg_q, seg_kv, cfg, sinks)
+    return o, (q, k, v, seg_q, seg_kv, sinks, o, lse)
 
 
 def _flash_bwd(cfg, residuals, do):
-    q, k, v, seg_q, seg_kv, o, lse = residuals
-    return (*flash_backward(q, k, v, seg_q, seg_kv, o, lse, do, cfg), None, None)
+    q, k, v, seg_q, seg_kv, sinks, o, lse = residuals
+    dq, dk, dv = flash_backward(q, k, v, seg_q, seg_kv, o, lse, do, cfg)
+    dsinks = None if sinks is None else sink_grad(sinks, lse, row_delta(o, do, cfg))
+    return dq, dk, dv, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -62,7 +71,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # --------------------------------------------------------------------------
 
 
-def _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window):
+def _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window, softcap=None, sinks=None):
     if q_BLHK.ndim != 4 or k_BSGK.ndim != 4 or k_BSGK.shape != v_BSGK.shape:
         raise ValueError(
             f"attention wants q (B, L, H, K) and k, v (B, S, G, K); got q {q_BLHK.shape}, "
@@ -85,6 +94,7 @@ def _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, w
         raise ValueError(
             f"window={window} needs causal=True and window >= 1 (key j is visible to query i iff i - window < j <= i)"
         )
+    check_features(softcap, sinks, H)
 
 
 def flash_attention(
@@ -97,6 +107,8 @@ def flash_attention(
     segment_ids_q: jax.Array | None = None,
     segment_ids_kv: jax.Array | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     num_warps: int | None = None,
@@ -104,13 +116,18 @@ def flash_attention(
     backend: str | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """softmax(q k^T * scale + mask) v without materializing the L x S scores; differentiable.
+    """softmax(cap(q k^T * scale) + mask) v without materializing the L x S scores; differentiable.
 
     G kv heads serve H/G query heads each (query head h uses kv head h // (H/G)).
     Mask: query i sees key j iff j <= i (causal; positions 0.., aligned at the
     start), i - window < j (window), segment_ids_q[i] == segment_ids_kv[j]
     (packed sequences). A query that sees no key outputs 0.
-    scale: default 1/sqrt(K). block_q / block_kv: override DEFAULT_BLOCKS[backend]
+    scale: default 1/sqrt(K). softcap: cap(s) = softcap * tanh(s / softcap),
+    applied before the mask (Gemma 2; static); None: no cap.
+    sinks: (H,) float32 logits, one per query head, that join each row's softmax
+    denominator but weigh no value (gpt-oss): o_i = sum_j e^(s_ij) v_j /
+    (e^(sink_h) + sum_j e^(s_ij)); differentiable (traced). None: no sinks.
+    block_q / block_kv: override DEFAULT_BLOCKS[backend]
     for all three kernels (rounded to what the backend accepts). Lengths need
     not be multiples of the blocks: the inputs are padded and the pad masked.
     num_warps / num_stages: Triton launch parameters of all three kernels on
@@ -123,14 +140,18 @@ def flash_attention(
     >>> seg = jnp.repeat(jnp.array([[0, 1]]), 48, axis=1).repeat(2, axis=0)
     >>> flash_attention(q, k, v, segment_ids_q=seg, segment_ids_kv=seg, window=16).shape
     (2, 96, 8, 32)
+    >>> flash_attention(q, k, v, softcap=50.0, sinks=jnp.zeros(8)).shape
+    (2, 96, 8, 32)
     """
-    _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window)
+    _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window, softcap, sinks)
     cfg = plan(
         q_BLHK.shape,
         k_BSGK.shape,
         causal=causal,
         scale=scale,
         window=window,
+        softcap=softcap,
+        sinks=sinks is not None,
         segmented=segment_ids_q is not None,
         block_q=block_q,
         block_kv=block_kv,
@@ -141,7 +162,8 @@ def flash_attention(
     )
     q, k, v, seg_q, seg_kv = pad_inputs(q_BLHK, k_BSGK, v_BSGK, segment_ids_q, segment_ids_kv, cfg)
     # Padding and transposes stay outside the custom_vjp: autodiff undoes them for free.
-    o = _flash(q, k, v, seg_q, seg_kv, cfg)
+    sinks = None if sinks is None else jnp.asarray(sinks, F32)
+    o = _flash(q, k, v, seg_q, seg_kv, sinks, cfg)
     o = o.transpose(0, 2, 1, 3) if cfg.heads_major else o
     return o[:, : cfg.q_len, :, : q_BLHK.shape[3]]
 
@@ -160,8 +182,10 @@ def plan(
     interpret,
     num_warps=None,
     num_stages=None,
+    softcap=None,
+    sinks=False,
 ) -> FlashConfig:
-    """The static configuration: backend, legal block sizes, padded head dim."""
+    """The static configuration: backend, legal block sizes, padded head dim; sinks: whether sinks are passed."""
     backend, interpret = resolve_backend(backend, interpret)
     (_, L, H, K), (_, S, G, _) = q_shape, k_shape
     d = DEFAULT_BLOCKS[backend]
@@ -185,6 +209,8 @@ def plan(
         # Triton-only: dropped elsewhere so TPU/CPU configs (and their traces) do not vary with them.
         num_warps=num_warps if backend == "gpu" else None,
         num_stages=num_stages if backend == "gpu" else None,
+        softcap=None if softcap is None else float(softcap),
+        sinks=bool(sinks),
     )
 
 
@@ -212,12 +238,18 @@ def flash_attention_reference(
     segment_ids_q: jax.Array | None = None,
     segment_ids_kv: jax.Array | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     backend: str | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """`flash_attention` in plain JAX, materializing the (L, S) scores in float32; same signature and mask.
+
+    The order of Hugging Face's eager attention: scores * scale, the soft cap
+    (Gemma 2), the mask, then a softmax with the sink as one more column that
+    is dropped afterwards (gpt-oss).
 
     Block/backend arguments are accepted and ignored so the two swap freely.
 
@@ -226,11 +258,12 @@ def flash_attention_reference(
     (1, 8, 2, 4)
     """
     del block_q, block_kv, backend, interpret
-    _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window)
+    _check_args(q_BLHK, k_BSGK, v_BSGK, causal, segment_ids_q, segment_ids_kv, window, softcap, sinks)
     (B, L, H, K), (_, S, G, _) = q_BLHK.shape, k_BSGK.shape
     scale = K**-0.5 if scale is None else scale
     q_BLGRK = q_BLHK.astype(F32).reshape(B, L, G, H // G, K)
     s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK.astype(F32), precision="highest") * scale
+    s_BGRLS = soft_cap(s_BGRLS, softcap)
     i, j = jnp.arange(L)[:, None], jnp.arange(S)[None, :]
     mask_BLS = jnp.ones((1, L, S), bool)
     if causal:
@@ -239,10 +272,7 @@ def flash_attention_reference(
         mask_BLS &= j > i - window
     if segment_ids_q is not None:
         mask_BLS &= segment_ids_q[:, :, None] == segment_ids_kv[:, None, :]
-    mask = mask_BLS[:, None, None]
-    s_BGRLS = jnp.where(mask, s_BGRLS, MASKED)
-    p = jnp.where(mask, jnp.exp(s_BGRLS - jnp.max(s_BGRLS, axis=-1, keepdims=True)), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0.0, 1.0, l)  # rows that see no key output 0, as in the kernel
+    sink = None if sinks is None else jnp.asarray(sinks, F32).reshape(1, G, H // G, 1, 1)
+    p = masked_softmax(s_BGRLS, mask_BLS[:, None, None], sink)  # rows that see no key output 0, as in the kernel
     o_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", p, v_BSGK.astype(F32), precision="highest")
     return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)

@@ -7,6 +7,16 @@ entirely. The forward keeps float32 running max / sum / accumulator (online
 softmax) and saves the log-sum-exp; the backward recomputes the
 probabilities from it, with delta = rowsum(dO * O).
 
+Two optional score transforms. Soft-capping (Gemma 2) replaces each scaled
+score s by softcap * tanh(s / softcap) before the mask; the backward
+recomputes it and multiplies dS by its derivative 1 - tanh^2. Attention sinks
+(gpt-oss) give each query head h one more logit sink_h that joins the softmax
+denominator and weighs no value: the forward starts its running max at sink_h
+and its running sum at exp(sink_h - sink_h) = 1, so the saved lse includes the
+sink and the dQ/dK/dV kernels need nothing new; the sinks' own gradient,
+-sum exp(sink_h - lse) * delta, is a reduction over lse and delta (`sink_grad`).
+A row that sees no key then outputs acc / 1 = 0, as without sinks.
+
 Grouped-query attention never repeats K/V: the forward and dQ programs of
 query head h read kv head h // (H/G) through the BlockSpec index map, and the
 dK/dV program of kv head g loops over its H/G query heads.
@@ -38,8 +48,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from meshwork.kernels.pallas_backend import F32, MASKED, dot, dot_precision, floor_div, launch, round_up
+from meshwork.kernels.pallas_backend import (
+    F32,
+    MASKED,
+    dot,
+    dot_precision,
+    floor_div,
+    launch,
+    round_up,
+    soft_cap,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +96,8 @@ class FlashConfig:
     poison: bool = False
     num_warps: int | None = None  # Triton launch parameters (GPU only; None: compiler_params' defaults)
     num_stages: int | None = None
+    softcap: float | None = None  # Gemma 2's logit cap: s -> softcap * tanh(s / softcap), before the mask
+    sinks: bool = False  # the forward takes an (H,) float32 array of per-head sink logits (gpt-oss)
 
     @property
     def padded_q_len(self) -> int:  # whole blocks of both the forward and the backward
@@ -120,6 +142,20 @@ def q_block_range(cfg, kv_start, bq, bk):
     return lo, hi
 
 
+def _scores(cfg, q, k, prec):
+    """The tile's scaled, and with cfg.softcap soft-capped, scores (float32)."""
+    return soft_cap(dot(q, k, (1, 1), prec) * cfg.scale, cfg.softcap)
+
+
+def _dscores(cfg, p, dp, delta, s):
+    """dL/d(scaled q.k) of a tile: softmax's p * (dP - delta), through the cap's 1 - tanh^2 with a softcap."""
+    ds = p * (dp - delta)
+    if cfg.softcap is not None:
+        t = s / cfg.softcap  # tanh of the uncapped score, recovered from the capped one
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
 def _split_refs(refs, n_in, segmented):
     ins, outs = refs[:n_in], refs[n_in:]
     if segmented:
@@ -128,7 +164,8 @@ def _split_refs(refs, n_in, segmented):
 
 
 def _fwd_kernel(*refs, cfg: FlashConfig):
-    (q_ref, k_ref, v_ref), sq_ref, skv_ref, (o_ref, lse_ref) = _split_refs(refs, 3 + 2 * cfg.segmented, cfg.segmented)
+    n_in = 3 + cfg.sinks + 2 * cfg.segmented
+    (q_ref, k_ref, v_ref, *sink_ref), sq_ref, skv_ref, (o_ref, lse_ref) = _split_refs(refs, n_in, cfg.segmented)
     bq, bk = cfg.blocks.q, cfg.blocks.kv
     q_start = pl.program_id(2) * bq
     q = q_ref[...]
@@ -139,7 +176,7 @@ def _fwd_kernel(*refs, cfg: FlashConfig):
         m, l, acc = carry
         kv_start = pl.multiple_of(j * bk, bk)
         k, v = k_ref[pl.ds(kv_start, bk), :], v_ref[pl.ds(kv_start, bk), :]
-        s = dot(q, k, (1, 1), prec) * cfg.scale
+        s = _scores(cfg, q, k, prec)
         mask = _visible(cfg, q_start, kv_start, bq, bk, seg_q, skv_ref[j] if cfg.segmented else None)
         s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -151,10 +188,15 @@ def _fwd_kernel(*refs, cfg: FlashConfig):
         acc = alpha * acc + dot(p.astype(v.dtype), v, (1, 0), prec)
         return m_new, l, acc
 
-    init = (jnp.full((bq, 1), MASKED, F32), jnp.zeros((bq, 1), F32), jnp.zeros((bq, cfg.head_dim), F32))
+    if cfg.sinks:  # the sink is the first "key" seen: max sink_h, sum exp(sink_h - sink_h) = 1, no value
+        init = (jnp.full((bq, 1), sink_ref[0][pl.program_id(1)], F32), jnp.ones((bq, 1), F32))
+    else:
+        init = (jnp.full((bq, 1), MASKED, F32), jnp.zeros((bq, 1), F32))
+    init = (*init, jnp.zeros((bq, cfg.head_dim), F32))
     m, l, acc = lax.fori_loop(*kv_block_range(cfg, q_start, bq, bk), step, init)
     # A row that sees no key (padding, or a segment absent from the keys)
     # outputs 0; lse = +inf makes the backward's exp(s - lse) vanish for it.
+    # With sinks l >= 1 for such a row: acc = 0 gives 0 and lse = sink_h.
     empty = l == 0.0
     l = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l).astype(o_ref.dtype)
@@ -174,8 +216,9 @@ def _dq_kernel(*refs, cfg: FlashConfig):
         kv_start = pl.multiple_of(j * bk, bk)
         k, v = k_ref[pl.ds(kv_start, bk), :], v_ref[pl.ds(kv_start, bk), :]
         mask = _visible(cfg, q_start, kv_start, bq, bk, seg_q, skv_ref[j] if cfg.segmented else None)
-        p = jnp.where(mask, jnp.exp(dot(q, k, (1, 1), prec) * cfg.scale - lse), 0.0)
-        ds = p * (dot(do, v, (1, 1), prec) - delta)
+        s = _scores(cfg, q, k, prec)
+        p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+        ds = _dscores(cfg, p, dot(do, v, (1, 1), prec), delta, s)
         return dq + dot(ds.astype(k.dtype), k, (1, 0), prec)
 
     dq = lax.fori_loop(*kv_block_range(cfg, q_start, bq, bk), step, jnp.zeros((bq, cfg.head_dim), F32))
@@ -202,9 +245,10 @@ def _dkdv_kernel(*refs, cfg: FlashConfig):
             lse, delta = lse_ref[r, pl.ds(q_start, bq), :], delta_ref[r, pl.ds(q_start, bq), :]
             seg_q = sq_ref[pl.ds(q_start, bq), :] if cfg.segmented else None
             mask = _visible(cfg, q_start, kv_start, bq, bk, seg_q, seg_kv)
-            p = jnp.where(mask, jnp.exp(dot(q, k, (1, 1), prec) * cfg.scale - lse), 0.0)
+            s = _scores(cfg, q, k, prec)
+            p = jnp.where(mask, jnp.exp(s - lse), 0.0)
             dv = dv + dot(p.astype(do.dtype), do, (0, 0), prec)
-            ds = p * (dot(do, v, (1, 1), prec) - delta)
+            ds = _dscores(cfg, p, dot(do, v, (1, 1), prec), delta, s)
             dk = dk + dot(ds.astype(q.dtype), q, (0, 0), prec)
             return dk, dv
 
@@ -259,8 +303,18 @@ def _seg_args(cfg, seg_q, seg_kv, bq, bk, per_kv_block):
     return (col, rows), specs
 
 
-def flash_forward(q, k, v, seg_q, seg_kv, cfg):
-    """(o, lse) of padded (and, on TPU, heads-major) inputs; lse is (B, H, L, 1) float32."""
+def _sink_spec(cfg, H):
+    """The (H,) sink logits, whole: each program reads its head's scalar (TPU: from SMEM)."""
+    if cfg.heads_major:
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec((H,), lambda b, h, i: (0,))
+
+
+def flash_forward(q, k, v, seg_q, seg_kv, cfg, sinks=None):
+    """(o, lse) of padded (and, on TPU, heads-major) inputs; lse is (B, H, L, 1) float32.
+
+    sinks: (H,) float32 sink logits, given iff cfg.sinks; lse then includes them.
+    """
     B, H = q.shape[0], q.shape[1 if cfg.heads_major else 2]
     L, S = q.shape[2 if cfg.heads_major else 1], k.shape[2 if cfg.heads_major else 1]
     bq = cfg.blocks.q
@@ -275,6 +329,7 @@ def flash_forward(q, k, v, seg_q, seg_kv, cfg):
             _seq_spec(cfg, bq, lambda b, h, i: (h, i)),
             _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
             _seq_spec(cfg, S, lambda b, h, i: (floor_div(h, rep), 0)),
+            *([_sink_spec(cfg, H)] if cfg.sinks else []),
             *seg_specs,
         ],
         out_specs=[
@@ -282,8 +337,24 @@ def flash_forward(q, k, v, seg_q, seg_kv, cfg):
             pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, L, 1), F32)],
-        args=(q, k, v, *seg_args),
+        args=(q, k, v, *((sinks.astype(F32),) if cfg.sinks else ()), *seg_args),
     )
+
+
+def row_delta(o, do, cfg):
+    """delta = rowsum(dO * O) in float32, (B, H, L, 1) like lse."""
+    delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)
+    return (delta if cfg.heads_major else delta.transpose(0, 2, 1))[..., None]
+
+
+def sink_grad(sinks, lse, delta):
+    """d sink_h = -sum over batch and queries of exp(sink_h - lse) * delta.
+
+    The sink is one more softmax column whose value is 0: its dP is 0, so its
+    dS = p_sink * (0 - delta). lse, delta: (B, H, L, 1) float32 (padded rows
+    have delta = 0); sinks: (H,).
+    """
+    return -jnp.sum(jnp.exp(sinks.astype(F32)[None, :, None, None] - lse) * delta, axis=(0, 2, 3))
 
 
 def flash_backward(q, k, v, seg_q, seg_kv, o, lse, do, cfg):
@@ -292,8 +363,7 @@ def flash_backward(q, k, v, seg_q, seg_kv, o, lse, do, cfg):
     L, S = q.shape[2 if cfg.heads_major else 1], k.shape[2 if cfg.heads_major else 1]
     G, rep = H // cfg.rep, cfg.rep
     bq, bk = cfg.blocks.bwd_q, cfg.blocks.bwd_kv
-    delta = jnp.sum(o.astype(F32) * do.astype(F32), axis=-1)
-    delta = (delta if cfg.heads_major else delta.transpose(0, 2, 1))[..., None]  # (B, H, L, 1) like lse
+    delta = row_delta(o, do, cfg)
 
     seg_args, seg_specs = _seg_args(cfg, seg_q, seg_kv, bq, bk, per_kv_block=False)
     row_stat = pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))

@@ -16,7 +16,9 @@ are (query token, query head of one kv head) pairs, so grouped K/V heads are
 read once for all their H/G query heads. The page loop runs only over the
 pages some row of the block can see; its range is split into `pages_per_split`
 programs for parallelism on long contexts (flash-decoding) and the splits are
-merged exactly (decode_attention.merge_chunks). Inference only: no gradient.
+merged exactly (decode_attention.merge_chunks). Soft-capping (Gemma 2) caps
+the scores in the kernel; attention sinks (gpt-oss) join the merge as one
+more split with output 0 and lse = the row's sink. Inference only: no gradient.
 
 Backends (see pallas_backend.py): GPU (Triton) and the CPU interpreter index
 the pool in place, with the layer and page as scalar offsets; TPU (Mosaic)
@@ -47,12 +49,15 @@ from meshwork.kernels.decode_attention import merge_chunks, online_softmax_step
 from meshwork.kernels.pallas_backend import (
     F32,
     MASKED,
+    check_features,
     compiler_params,
     dot,
     dot_precision,
     floor_div,
+    masked_softmax,
     resolve_backend,
     round_up,
+    soft_cap,
 )
 
 # Untuned: keys per split program ~512 on GPU (as flash-decoding's chunk), the
@@ -73,6 +78,7 @@ class _Config:
     interpret: object
     window: int | None = None
     poison: bool = False
+    softcap: float | None = None  # Gemma 2: scores -> softcap * tanh(scores / softcap), before the mask
 
 
 def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
@@ -100,7 +106,7 @@ def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v
         m, l, acc = carry
         page = table_ref[b, j]
         k, v = load(k_ref, page).astype(q.dtype), load(v_ref, page).astype(q.dtype)
-        scores = dot(q, k, (1, 1), prec) * cfg.scale
+        scores = soft_cap(dot(q, k, (1, 1), prec) * cfg.scale, cfg.softcap)
         key = j * T + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         mask = key <= pos
         if cfg.window:
@@ -151,6 +157,8 @@ def paged_attention(
     layer: jax.Array | int = 0,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
     block_rows: int | None = None,
     pages_per_split: int | None = None,
     backend: str | None = None,
@@ -167,9 +175,13 @@ def paged_attention(
     scale: default 1/sqrt(K). block_rows: query rows (tokens x H/G heads) per
     program. pages_per_split: pages per program along the sequence (default
     ~DEFAULT_KEYS_PER_SPLIT keys). backend, interpret: as in `flash_attention`.
+    softcap, sinks: Gemma 2's logit cap and gpt-oss's (H,) per-head sink
+    logits, as in `flash_attention`.
 
     >>> q = jnp.ones((1, 3, 4, 16)); pool = jnp.ones((5, 8, 1, 16))
     >>> paged_attention(q, pool, pool, jnp.array([[3, 1, 4, 2]]), jnp.array([[9, 10, 11]]), window=4).shape
+    (1, 3, 4, 16)
+    >>> paged_attention(q, pool, pool, jnp.array([[3, 1, 4, 2]]), jnp.array([[9, 10, 11]]), sinks=jnp.zeros(4)).shape
     (1, 3, 4, 16)
     """
     k_pool, v_pool = _check(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
@@ -177,6 +189,7 @@ def paged_attention(
         raise ValueError(f"paged_attention window={window}: a window must see at least the query's own key (>= 1)")
     backend, interpret = resolve_backend(backend, interpret)
     (B, L, H, K), (_, _, T, G, _), P = q_BLHK.shape, k_pool.shape, page_table_BP.shape[1]
+    check_features(softcap, sinks, H)
     R = H // G
     if backend == "gpu" and (T < 16 or T & (T - 1) or K < 16 or K & (K - 1)):
         raise ValueError(
@@ -201,9 +214,14 @@ def paged_attention(
         backend=backend,
         interpret=interpret,
         window=window,
+        softcap=None if softcap is None else float(softcap),
     )
     o, lse = _paged_splits(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL, jnp.asarray(layer), tokens, cfg)
-    o = merge_chunks(o, lse, axis=3)  # (B, G, C, rows, K)
+    sink = None
+    if sinks is not None:  # (1, G, 1, 1, rows, 1): row token * R + r of kv head g is query head g * R + r
+        sink = jnp.tile(jnp.asarray(sinks, F32).reshape(G, R), (1, tokens))
+        sink = jnp.pad(sink, ((0, 0), (0, rows - tokens * R)))[None, :, None, None, :, None]
+    o = merge_chunks(o, lse, axis=3, sink=sink)  # (B, G, C, rows, K)
     C = o.shape[2]
     o = o[:, :, :, : tokens * R].reshape(B, G, C * tokens, R, K)[:, :, :L]
     return o.transpose(0, 2, 1, 3, 4).reshape(B, L, H, K).astype(q_BLHK.dtype)
@@ -294,6 +312,8 @@ def paged_attention_reference(
     layer: jax.Array | int = 0,
     scale: float | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
     block_rows: int | None = None,
     pages_per_split: int | None = None,
     backend: str | None = None,
@@ -310,19 +330,18 @@ def paged_attention_reference(
     del block_rows, pages_per_split, backend, interpret
     k_pool, v_pool = _check(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
     (B, L, H, K), G = q_BLHK.shape, k_pool.shape[3]
+    check_features(softcap, sinks, H)
     scale = K**-0.5 if scale is None else scale
     k, v = gather_pages(k_pool, page_table_BP, layer), gather_pages(v_pool, page_table_BP, layer)
     q_BLGRK = q_BLHK.astype(F32).reshape(B, L, G, H // G, K)
-    s = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k.astype(F32), precision="highest") * scale
+    s = soft_cap(jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k.astype(F32), precision="highest") * scale, softcap)
     key_S, pos_BL1 = jnp.arange(k.shape[1]), positions_BL[:, :, None]
     visible_BLS = key_S <= pos_BL1
     if window is not None:
         visible_BLS &= key_S > pos_BL1 - window
-    mask = visible_BLS[:, None, None]
-    s = jnp.where(mask, s, MASKED)
-    p = jnp.where(mask, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("BGRLS,BSGK->BLGRK", p / jnp.where(l == 0.0, 1.0, l), v.astype(F32), precision="highest")
+    sink = None if sinks is None else jnp.asarray(sinks, F32).reshape(1, G, H // G, 1, 1)
+    p = masked_softmax(s, visible_BLS[:, None, None], sink)
+    o = jnp.einsum("BGRLS,BSGK->BLGRK", p, v.astype(F32), precision="highest")
     return o.reshape(B, L, H, K).astype(q_BLHK.dtype)
 
 

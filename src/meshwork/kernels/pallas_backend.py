@@ -4,7 +4,8 @@ One kernel body serves every backend: Triton on GPU, Mosaic on TPU, the Pallas
 interpreter on CPU. This module holds what differs per backend (which one runs,
 its compiler parameters, the block lengths it accepts, the `pallas_call` that
 launches a kernel) and the arithmetic helpers the kernel bodies and the
-pure-JAX references share (float32-accumulating dots, the masked-score value).
+pure-JAX references share (float32-accumulating dots, the masked-score value,
+Gemma 2's soft cap, the references' softmax with gpt-oss's sinks).
 
     >>> resolve_backend("cuda", None)
     ('gpu', False)
@@ -168,6 +169,51 @@ def dot_precision(dtype):
     # float32 inputs are compared to a float32 reference: keep Triton off TF32
     # and TPU off single-pass bf16. bfloat16 inputs run at native precision.
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def masked_softmax(scores, mask, sink=None):
+    """The references' softmax over the last axis, in the scores' dtype (float32 there).
+
+    Entries where `mask` is False weigh 0 and a row with no visible entry is all
+    0. sink: one more logit per row (broadcastable to scores[..., :1]) that joins
+    the denominator but weighs no value (gpt-oss's attention sinks), which equals
+    Hugging Face's softmax over the scores with the sink appended as a column,
+    the column then dropped.
+
+    >>> masked_softmax(jnp.zeros((1, 2)), jnp.array([[True, True]]), sink=jnp.zeros((1, 1)))
+    Array([[0.33333334, 0.33333334]], dtype=float32)
+    """
+    scores = jnp.where(mask, scores, MASKED)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    m = lax.stop_gradient(m)  # any m gives the same ratio; not differentiating it keeps the gradients clean
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + jnp.exp(sink - m)
+    return p / jnp.where(l == 0.0, 1.0, l)
+
+
+def soft_cap(scores, softcap: float | None):
+    """Gemma 2's logit soft-capping, softcap * tanh(scores / softcap); scores unchanged when softcap is None.
+
+    Applied to the scaled scores before the mask, as Hugging Face's eager attention does.
+
+    >>> round(float(soft_cap(jnp.float32(100.0), 50.0)), 3)  # 50 * tanh(2)
+    48.201
+    """
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def check_features(softcap, sinks, H):
+    """Raises unless softcap is None or positive and sinks None or (H,), one logit per query head."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap}: the cap must be a positive number (Gemma 2 uses 50.0), or None for none")
+    if sinks is not None and jnp.shape(sinks) != (H,):
+        raise ValueError(
+            f"sinks has shape {jnp.shape(sinks)}; attention sinks are one logit per query head, shape ({H},)"
+        )
 
 
 def floor_div(a, b):
