@@ -107,10 +107,10 @@ def test_hf_layout_round_trips_bit_exactly():
     ours = from_hf(tensors, cfg)
     back = to_hf(ours, cfg)
     assert set(back) == set(tensors) and all(np.array_equal(back[n], tensors[n]) for n in tensors)
-    # Value head h reads key head h // R: v of head 3 is key group 1's second block of Kv rows.
-    G, Kk, Kv = cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim
+    # Grouped by key head: key group 1's rows are w_qkvz[:, 1] ([q, k, v of its value heads, z of them]).
+    G = cfg.num_k_heads
     group_1 = tensors["in_proj_qkvz.weight"].reshape(G, -1, hf["hidden_size"])[1]
-    np.testing.assert_array_equal(ours["wv"][:, 3], group_1[2 * Kk + Kv : 2 * Kk + 2 * Kv].T)
+    np.testing.assert_array_equal(ours["w_qkvz"][:, 1], group_1.T)
 
 
 def test_prefill_then_decode_equals_the_full_forward():
@@ -155,7 +155,7 @@ def test_gradients_reach_the_decay_parameters():
     graphdef, params = nnx.split(layer)
     x = jax.random.normal(jax.random.key(3), (2, 10, D))
     (_, _), grads = jax.jit(loss_and_grads(graphdef, x))(params, x)
-    for name in ("A_log", "dt_bias", "wa", "wb", "conv_q"):
+    for name in ("A_log", "dt_bias", "w_ba", "conv"):
         g = np.asarray(grads[name][...])
         assert np.isfinite(g).all() and np.abs(g).min() > 0, name
 
@@ -179,8 +179,9 @@ def test_sharded_forward_and_gradients_equal_one_device():
             params,
             is_leaf=lambda v: isinstance(v, nnx.Variable),
         )
-        assert placed["wv"][...].addressable_shards[0].data.shape == (D, 2, 6)
-        assert placed["conv_q"][...].addressable_shards[0].data.shape == (4, 1, 8)
+        full = placed["w_qkvz"][...].shape
+        assert placed["w_qkvz"][...].addressable_shards[0].data.shape == (D, full[1] // 2, full[2])
+        assert placed["wo"][...].addressable_shards[0].data.shape[0] == placed["wo"][...].shape[0] // 2
         x_sharded = jax.device_put(x, logical_to_sharding(("act_batch", "act_seq", "act_embed"), mesh, rules))
         (loss_n, y_n), grads_n = jax.jit(f)(placed, x_sharded)
     assert y_n.addressable_shards[0].data.shape[0] == 1

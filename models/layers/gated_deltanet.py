@@ -118,10 +118,9 @@ def _log_uniform(low: float, high: float):
 class GatedDeltaNet(nnx.Module):
     """Qwen3-Next's Gated DeltaNet layer.
 
-    Parameters (D model width, G/H key/value heads, Kk/Kv their widths, W conv taps):
-    `wq`, `wk` (D, G, Kk); `wv`, `wz` (D, H, Kv); `wb`, `wa` (D, H); `conv_q`, `conv_k` (W, G, Kk) and
-    `conv_v` (W, H, Kv), tap W - 1 on the current token; `A_log`, `dt_bias` (H,); `norm.scale` (Kv,);
-    `wo` (H, Kv, D). Inits as transformers': dt_bias ones, A = exp(A_log) uniform in [0.01, 16],
+    Parameters (D model width, G/H key/value heads, R = H/G, Kk/Kv their widths, W conv taps), as the
+    checkpoint fuses them: `w_qkvz` (D, G, 2Kk + 2RKv), `w_ba` (D, G, 2R), `conv` (W, 2GKk + HKv), tap
+    W - 1 on the current token; `A_log`, `dt_bias` (H,); `norm.scale` (Kv,); `wo` (H, Kv, D). Inits as transformers': dt_bias ones, A = exp(A_log) uniform in [0.01, 16],
     the convolution uniform in +-W^-1/2, the norm's scale ones.
     """
 
@@ -138,17 +137,15 @@ class GatedDeltaNet(nnx.Module):
         rngs: nnx.Rngs,
     ):
         D, G, H, Kk, Kv, W = d_model, cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_kernel
+        R = H // G
         p = lambda init, shape, names: param(init, rngs.params(), shape, param_dtype, names)  # noqa: E731
-        self.wq = p(normal(init_std), (D, G, Kk), ("embed", "linear_k_heads", "head_dim"))
-        self.wk = p(normal(init_std), (D, G, Kk), ("embed", "linear_k_heads", "head_dim"))
-        self.wv = p(normal(init_std), (D, H, Kv), ("embed", "linear_heads", "head_dim"))
-        self.wz = p(normal(init_std), (D, H, Kv), ("embed", "linear_heads", "head_dim"))
-        self.wb = p(normal(init_std), (D, H), ("embed", "linear_heads"))
-        self.wa = p(normal(init_std), (D, H), ("embed", "linear_heads"))
-        conv = _uniform(W**-0.5)
-        self.conv_q = p(conv, (W, G, Kk), ("conv_kw", "linear_k_heads", "head_dim"))
-        self.conv_k = p(conv, (W, G, Kk), ("conv_kw", "linear_k_heads", "head_dim"))
-        self.conv_v = p(conv, (W, H, Kv), ("conv_kw", "linear_heads", "head_dim"))
+        # Fused as the checkpoint keeps them, grouped by key head: [q, k, v of its R value heads, z of
+        # them] and [b of its R value heads, a of them]; a split of the key heads over `tensor` keeps
+        # every value head beside its key head.
+        self.w_qkvz = p(normal(init_std), (D, G, 2 * Kk + 2 * R * Kv), ("embed", "linear_k_heads", None))
+        self.w_ba = p(normal(init_std), (D, G, 2 * R), ("embed", "linear_k_heads", None))
+        # The convolution's channels [q (G Kk), k (G Kk), v (H Kv)]: small, replicated, sliced per use.
+        self.conv = p(_uniform(W**-0.5), (W, 2 * G * Kk + H * Kv), ("conv_kw", None))
         self.A_log = p(_log_uniform(0.01, 16.0), (H,), ("linear_heads",))
         self.dt_bias = p(nnx.initializers.ones, (H,), ("linear_heads",))
         self.norm = RMSNorm(Kv, eps=norm_eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs, axis="head_dim")
@@ -159,25 +156,38 @@ class GatedDeltaNet(nnx.Module):
 
     def _projections(self, x_BLD: jax.Array):
         """(q, k, v before the convolution, z, b, a) of every token."""
+        cfg = self.cfg
+        G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+        B, L, _ = x_BLD.shape
+        qkvz_BLGX = matmul("BLD,DGX->BLGX", x_BLD, self.w_qkvz, self.dtype)
+        q_BLGK, k_BLGK, v_BLGX, z_BLGX = jnp.split(qkvz_BLGX, np.cumsum([Kk, Kk, (H // G) * Kv]), axis=-1)
+        ba_BLGX = matmul("BLD,DGX->BLGX", x_BLD, self.w_ba, self.dtype)
+        b_BLH, a_BLH = (t.reshape(B, L, H) for t in jnp.split(ba_BLGX, 2, axis=-1))
         # Named as attention's projections, so remat policies that save those save these too.
-        q_BLGK = checkpoint_name(matmul("BLD,DGK->BLGK", x_BLD, self.wq, self.dtype), QKV_PROJ[0])
-        k_BLGK = checkpoint_name(matmul("BLD,DGK->BLGK", x_BLD, self.wk, self.dtype), QKV_PROJ[1])
-        v_BLHK = checkpoint_name(matmul("BLD,DHK->BLHK", x_BLD, self.wv, self.dtype), QKV_PROJ[2])
-        z_BLHK = matmul("BLD,DHK->BLHK", x_BLD, self.wz, self.dtype)
-        b_BLH = matmul("BLD,DH->BLH", x_BLD, self.wb, self.dtype)
-        a_BLH = matmul("BLD,DH->BLH", x_BLD, self.wa, self.dtype)
+        q_BLGK, k_BLGK = checkpoint_name(q_BLGK, QKV_PROJ[0]), checkpoint_name(k_BLGK, QKV_PROJ[1])
+        v_BLHK = checkpoint_name(v_BLGX.reshape(B, L, H, Kv), QKV_PROJ[2])
+        z_BLHK = z_BLGX.reshape(B, L, H, Kv)
         kv_names = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
         names = ("act_batch", "act_seq", "act_heads", "act_head_dim")
         q_BLGK, k_BLGK = (with_logical_constraint(t, kv_names) for t in (q_BLGK, k_BLGK))
         v_BLHK, z_BLHK = (with_logical_constraint(t, names) for t in (v_BLHK, z_BLHK))
         return q_BLGK, k_BLGK, v_BLHK, z_BLHK, b_BLH, a_BLH
 
+    def _conv_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The convolution's q, k and v taps: (W, G, Kk), (W, G, Kk), (W, H, Kv)."""
+        cfg = self.cfg
+        G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+        w = self.conv[...]
+        W = w.shape[0]
+        cq, ck, cv = jnp.split(w, [G * Kk, 2 * G * Kk], axis=-1)
+        return cq.reshape(W, G, Kk), ck.reshape(W, G, Kk), cv.reshape(W, H, Kv)
+
     def _conv(self, x_BLHK: jax.Array, window_BSHK: jax.Array, weight, segment_ids_BL: jax.Array | None):
         """silu(depthwise causal convolution) of the L new inputs, the window (the W - 1 inputs before
         them) in front; a tap reaching into another document (segment id) reads zero."""
         W, L = self.cfg.conv_kernel, x_BLHK.shape[1]
         xs_BLHK = jnp.concatenate([window_BSHK.astype(x_BLHK.dtype), x_BLHK], axis=1)
-        w_WHK = weight[...].astype(self.dtype)
+        w_WHK = weight.astype(self.dtype)
         y_BLHK = jnp.zeros(x_BLHK.shape, jnp.float32)
         # W shifted multiply-adds (W = 4 in Qwen3-Next): elementwise per channel, so the heads' split over
         # the mesh carries through with no communication, and a document boundary is one mask per tap.
@@ -203,18 +213,24 @@ class GatedDeltaNet(nnx.Module):
         y_BLD = matmul("BLHK,HKD->BLD", gated_BLHK.astype(self.dtype), self.wo, self.dtype)
         return checkpoint_name(y_BLD, OUT_PROJ)
 
-    def _forward(self, x_BLD, state: GatedDeltaNetState, segment_ids_BL=None):
+    def _forward(self, x_BLD, state: GatedDeltaNetState, segment_ids_BL=None, valid_BL=None):
+        """`valid_BL`: which tokens are real, a prefix of each row (None: all); the others (a padded
+        prompt's tail, a finished row's decode step) leave the state as it was: their write strength
+        and decay are zeroed and the convolution window keeps the last real inputs."""
         q_BLGK, k_BLGK, v_BLHK, z_BLHK, b_BLH, a_BLH = self._projections(x_BLD)
+        conv_q, conv_k, conv_v = self._conv_weights()
         convolved = [
             self._conv(x, window, weight, segment_ids_BL)
             for x, window, weight in (
-                (q_BLGK, state.conv_q_BSGK, self.conv_q),
-                (k_BLGK, state.conv_k_BSGK, self.conv_k),
-                (v_BLHK, state.conv_v_BSHK, self.conv_v),
+                (q_BLGK, state.conv_q_BSGK, conv_q),
+                (k_BLGK, state.conv_k_BSGK, conv_k),
+                (v_BLHK, state.conv_v_BSHK, conv_v),
             )
         ]
         qc_BLGK, kc_BLGK, vc_BLHK = convolved
         qn_BLGK, kn_BLGK, beta_BLH, g_BLH = self._rule_inputs(qc_BLGK, kc_BLGK, b_BLH, a_BLH)
+        if valid_BL is not None:  # beta 0 writes nothing, g 0 decays nothing: the state passes through
+            beta_BLH, g_BLH = (jnp.where(valid_BL[..., None], t, 0.0) for t in (beta_BLH, g_BLH))
         if x_BLD.shape[1] == 1:
             o_BLHK, recurrent_BHKK = recurrent_gated_delta_rule(
                 qn_BLGK, kn_BLGK, vc_BLHK, g_BLH, beta_BLH, state.recurrent_BHKK
@@ -231,9 +247,10 @@ class GatedDeltaNet(nnx.Module):
                 segment_ids_BL=segment_ids_BL,
             )
         o_BLHK = with_logical_constraint(o_BLHK, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        # The next call's window: the last W - 1 inputs of (this window, these L tokens).
+        # The next call's window: the last W - 1 inputs of (this window, these L tokens), of the real ones.
+        n_B = x_BLD.shape[1] if valid_BL is None else jnp.sum(valid_BL, axis=1)
         windows = [
-            jnp.concatenate([window, x.astype(window.dtype)], axis=1)[:, x.shape[1] :]
+            _last_inputs(jnp.concatenate([window, x.astype(window.dtype)], axis=1), n_B, window.shape[1])
             for window, x in ((state.conv_q_BSGK, q_BLGK), (state.conv_k_BSGK, k_BLGK), (state.conv_v_BSHK, v_BLHK))
         ]
         new_state = GatedDeltaNetState(*windows, recurrent_BHKK)
@@ -272,6 +289,22 @@ class GatedDeltaNet(nnx.Module):
         lengths is prefilled row by row or in equal pieces."""
         return self._forward(x_BLD, state)
 
+    def cached_view(self, x_BLD: jax.Array, positions_BL: jax.Array, view):
+        """`cached` over the serving engine's per-layer view of its sequences' states
+        (src/meshwork/engine/kv_cache.py `cache.linear_layer(j)`): (y, the view with the new states).
+        Tokens the view says are not real (positions past the cache) leave their row's state as it was."""
+        state = GatedDeltaNetState(*view.read())
+        y_BLD, new = self._forward(x_BLD, state, valid_BL=view.valid(positions_BL))
+        return y_BLD, view.write(dataclasses.astuple(new))
+
+
+def _last_inputs(xs_BTNK: jax.Array, n_B, width: int) -> jax.Array:
+    """Rows' inputs n .. n + width - 1 of (window, new inputs): the window after n new real inputs."""
+    if isinstance(n_B, int):
+        return xs_BTNK[:, n_B : n_B + width]
+    index_BW = n_B[:, None] + jnp.arange(width)[None]
+    return jnp.take_along_axis(xs_BTNK, index_BW[:, :, None, None], axis=1)
+
 
 def _l2_normalize(x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
@@ -293,42 +326,26 @@ HF_NAMES = (
 
 
 def from_hf(tensors: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
-    """This layer's parameters (keys as `nnx.to_flat_state` paths joined by dots: `wq`, ...,
+    """This layer's parameters (keys as `nnx.to_flat_state` paths joined by dots: `w_qkvz`, ...,
     `norm.scale`) from one transformers `Qwen3NextGatedDeltaNet`'s tensors (keys without the
-    `model.layers.N.linear_attn.` prefix). Reshapes, transposes and slices only: bit-exact.
+    `model.layers.N.linear_attn.` prefix). Transposes and reshapes only: bit-exact.
 
     transformers' layout (torch Linear weights are (out, in)):
     - `in_proj_qkvz.weight` (G (2 Kk + 2 R Kv), D): per key head g, contiguous: q_g (Kk), k_g (Kk),
-      v of value heads gR .. gR + R - 1 (R Kv), z of the same heads (R Kv).
-      -> wq, wk (D, G, Kk); wv, wz (D, H, Kv).
-    - `in_proj_ba.weight` (G 2R, D): per key head g: b of its R value heads, then a of them.
-      -> wb, wa (D, H).
+      v of value heads gR .. gR + R - 1 (R Kv), z of the same heads (R Kv) -> w_qkvz (D, G, 2Kk + 2RKv).
+    - `in_proj_ba.weight` (G 2R, D): per key head g: b of its R value heads, then a -> w_ba (D, G, 2R).
     - `conv1d.weight` (2 G Kk + H Kv, 1, W): channels [q (G Kk), k (G Kk), v (H Kv)], head-major;
-      tap W - 1 multiplies the current token. -> conv_q, conv_k (W, G, Kk), conv_v (W, H, Kv).
+      tap W - 1 multiplies the current token -> conv (W, channels).
     - `A_log`, `dt_bias` (H,): as they are; `norm.weight` (Kv,) -> norm.scale.
     - `out_proj.weight` (D, H Kv) -> wo (H, Kv, D).
     """
-    G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-    R = H // G
+    G, H, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_v_dim
     qkvz = np.asarray(tensors["in_proj_qkvz.weight"]).T
     D = qkvz.shape[0]
-    qkvz_DGX = qkvz.reshape(D, G, 2 * Kk + 2 * R * Kv)
-    cuts = np.cumsum([Kk, Kk, R * Kv])
-    q_DGK, k_DGK, v_DGX, z_DGX = np.split(qkvz_DGX, cuts, axis=-1)
-    ba_DGX = np.asarray(tensors["in_proj_ba.weight"]).T.reshape(D, G, 2 * R)
-    conv = np.asarray(tensors["conv1d.weight"])[:, 0, :].T  # (W, channels)
-    W = conv.shape[0]
-    cq, ck, cv = np.split(conv, [G * Kk, 2 * G * Kk], axis=-1)
     return {
-        "wq": q_DGK,
-        "wk": k_DGK,
-        "wv": v_DGX.reshape(D, H, Kv),
-        "wz": z_DGX.reshape(D, H, Kv),
-        "wb": ba_DGX[..., :R].reshape(D, H),
-        "wa": ba_DGX[..., R:].reshape(D, H),
-        "conv_q": cq.reshape(W, G, Kk),
-        "conv_k": ck.reshape(W, G, Kk),
-        "conv_v": cv.reshape(W, H, Kv),
+        "w_qkvz": qkvz.reshape(D, G, -1),
+        "w_ba": np.asarray(tensors["in_proj_ba.weight"]).T.reshape(D, G, -1),
+        "conv": np.asarray(tensors["conv1d.weight"])[:, 0, :].T,
         "A_log": np.asarray(tensors["A_log"]),
         "dt_bias": np.asarray(tensors["dt_bias"]),
         "norm.scale": np.asarray(tensors["norm.weight"]),
@@ -338,18 +355,13 @@ def from_hf(tensors: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict
 
 def to_hf(params: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
     """The inverse of `from_hf`: transformers' tensors (contiguous arrays) from this layer's parameters."""
-    G, H, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_v_dim
+    H, Kv = cfg.num_v_heads, cfg.head_v_dim
     p = {name: np.asarray(value) for name, value in params.items()}
-    D = p["wq"].shape[0]
-    per_group = lambda name: p[name].reshape(D, G, -1)  # noqa: E731  (D, H, ...) -> (D, G, R ...)
-    qkvz = np.concatenate([p["wq"], p["wk"], per_group("wv"), per_group("wz")], axis=-1).reshape(D, -1)
-    ba = np.concatenate([per_group("wb"), per_group("wa")], axis=-1).reshape(D, -1)
-    W = p["conv_q"].shape[0]
-    conv = np.concatenate([p[name].reshape(W, -1) for name in ("conv_q", "conv_k", "conv_v")], axis=-1)
+    D = p["w_qkvz"].shape[0]
     out = {
-        "in_proj_qkvz.weight": qkvz.T,
-        "in_proj_ba.weight": ba.T,
-        "conv1d.weight": conv.T[:, None, :],
+        "in_proj_qkvz.weight": p["w_qkvz"].reshape(D, -1).T,
+        "in_proj_ba.weight": p["w_ba"].reshape(D, -1).T,
+        "conv1d.weight": p["conv"].T[:, None, :],
         "A_log": p["A_log"],
         "dt_bias": p["dt_bias"],
         "norm.weight": p["norm.scale"],
