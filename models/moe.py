@@ -23,6 +23,8 @@ assignments, and the per-expert load, per layer and averaged.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,8 +52,10 @@ from meshwork.sharding.parallel import with_logical_constraint
 class MoEBlock(Block):
     """Pre-norm block: attention, then a routed mixture of SwiGLU experts."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mlp=False)
+    def __init__(
+        self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs, linear: bool = False
+    ):
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mlp=False, linear=linear)
         self.moe = MoE(
             cfg.d_model,
             cfg.moe,
@@ -96,11 +100,11 @@ class MoETransformer(LMOutputs, nnx.Module):
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs, scale=embed_scale(cfg), **kw)
-        self.runs = cfg.moe.layer_runs(cfg.n_layers)
+        self.runs = cfg.layer_runs()
         if not any(run.moe for run in self.runs):
             raise ValueError(f"model.moe leaves no MoE layer in {cfg.n_layers} layers; use model.kind=transformer")
         for run in self.runs:
-            block = MoEBlock if run.moe else Block
+            block = functools.partial(MoEBlock if run.moe else Block, linear=run.linear)
             setattr(self, run.name, stack_layers(lambda r, block=block: block(cfg, rngs=r, **kw), run.count, rngs))
         self.head = LMHead(cfg, rngs=rngs, **kw)
         # DeepSeek-V3's MTP module's block is of the kind of the model's last layer.
@@ -191,9 +195,18 @@ class MoETransformer(LMOutputs, nnx.Module):
     def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache, hidden: bool = False):
         """Inference with a KV cache, as `Transformer.decode` (`hidden`: also the pre-norm hidden states)."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)
+        linear = set(self.cfg.linear_layers)
         for run in self.runs:  # the cache holds every layer; a run writes its layers' slices
+            # Attention layers' KV and linear layers' states are each numbered within their kind.
+            slot = sum((i in linear) == run.linear for i in range(run.start))
             x_BLD, cache = decode_layers(
-                *nnx.split(getattr(self, run.name)), x_BLD, positions_BL, cache, first_layer=run.start
+                *nnx.split(getattr(self, run.name)),
+                x_BLD,
+                positions_BL,
+                cache,
+                first_layer=run.start,
+                first_slot=slot,
+                linear=run.linear,
             )
         logits_BLV = self.head(x_BLD, self.embed)
         return (logits_BLV, x_BLD, cache) if hidden else (logits_BLV, cache)

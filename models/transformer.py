@@ -18,6 +18,7 @@ from flax import nnx
 from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ, Attention
 from meshwork.models.layers.embed import Embed
+from meshwork.models.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from meshwork.models.layers.layer_pattern import LayerPattern
 from meshwork.models.layers.mixed_matmul import MATMUL
 from meshwork.models.layers.mla import MLAttention
@@ -94,8 +95,21 @@ def make_attention(cfg: ModelConfig, **kw) -> nnx.Module:
         out_bias=cfg.attention_out_bias,
         scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
         norm_offset=cfg.norm_offset,
+        output_gate=cfg.attention_output_gate,
+        rotary_dim=int(cfg.resolved_head_dim * cfg.partial_rotary_factor),
         **common,
         **kw,
+    )
+
+
+def make_linear_attention(cfg: ModelConfig, **kw) -> nnx.Module:
+    """A Gated DeltaNet layer of the shape `cfg.linear_attention` gives (Qwen3-Next's linear layers)."""
+    la = cfg.linear_attention
+    shape = GatedDeltaNetConfig(
+        la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel, la.chunk_size
+    )
+    return GatedDeltaNet(
+        cfg.d_model, shape, init_std=cfg.init_std, out_std=residual_out_std(cfg), norm_eps=cfg.norm_eps, **kw
     )
 
 
@@ -103,11 +117,22 @@ class Block(nnx.Module):
     """Pre-norm block: attention, then a SwiGLU MLP (`mlp=False` leaves the
     feed-forward to a subclass, e.g. the MoE block)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs, mlp: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        mlp: bool = True,
+        linear: bool = False,
+    ):
+        """`linear`: the layer's attention is Gated DeltaNet (a hybrid model's linear layers)."""
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, **kw)
         self.attn_norm = RMSNorm(cfg.d_model, **norm)
-        self.attn = make_attention(cfg, **kw)
+        self.attn = make_linear_attention(cfg, **kw) if linear else make_attention(cfg, **kw)
+        self.linear = linear
         self.mlp_norm = RMSNorm(cfg.d_model, **norm)
         if cfg.sandwich_norm:  # Gemma 2/3: the sublayers' outputs are normed too, before the residual adds
             self.attn_out_norm = RMSNorm(cfg.d_model, **norm)
@@ -143,7 +168,9 @@ class Block(nnx.Module):
     def decode(self, x_BLD: jax.Array, positions_BL: jax.Array, kv) -> tuple[jax.Array, object]:
         """The block over new tokens whose earlier keys/values are in a KV cache (inference):
         (x, the cache with this layer's new keys/values written)."""
-        h_BLD, kv = self.attn.cached(self.attn_norm(x_BLD), positions_BL, kv)
+        # A linear layer reads and writes its sequences' recurrent states, an attention layer its KV cache.
+        cached = self.attn.cached_view if self.linear else self.attn.cached
+        h_BLD, kv = cached(self.attn_norm(x_BLD), positions_BL, kv)
         h_BLD = self._out_norm("attn", h_BLD)
         x_BLD = with_logical_constraint(x_BLD + self._adapt(self.attn_adapter, h_BLD), ACT_BLD)
         h_BLD = self._out_norm("mlp", self.feed_forward(self.mlp_norm(x_BLD)))
@@ -223,25 +250,38 @@ def apply_layers(
 
 
 def decode_layers(
-    graphdef: nnx.GraphDef, stacked: nnx.State, x_BLD: jax.Array, positions_BL: jax.Array, cache, first_layer: int = 0
+    graphdef: nnx.GraphDef,
+    stacked: nnx.State,
+    x_BLD: jax.Array,
+    positions_BL: jax.Array,
+    cache,
+    first_layer: int = 0,
+    *,
+    first_slot: int | None = None,
+    linear: bool = False,
 ) -> tuple[jax.Array, object]:
     """`apply_layers` for inference with a KV cache (src/meshwork/engine/kv_cache.py).
 
     The whole cache rides in the scan's carry and layer i writes only its own
     slice, so with the cache donated XLA updates it in place; scanning the
     cache as per-layer inputs/outputs instead would build a second copy.
+    `first_slot`: the first layer's index in the cache (None: `first_layer`); in a hybrid model the
+    attention layers' KV and the `linear` layers' recurrent states are each numbered by their kind.
     """
     n = jax.tree.leaves(stacked)[0].shape[0]
+    first_slot = first_layer if first_slot is None else first_slot
 
     def layer(carry, xs):
         x_BLD, cache = carry
-        layer_state, i = xs
+        layer_state, i, slot = xs
         block = nnx.merge(graphdef, layer_state)
         block.set_attributes(layer_index=i, raise_if_not_found=False)
-        x_BLD, kv = block.decode(x_BLD, positions_BL, cache.layer(i))
+        view = cache.linear_layer(slot) if linear else cache.layer(slot)
+        x_BLD, kv = block.decode(x_BLD, positions_BL, view)
         return (x_BLD, kv.cache), None
 
-    (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache), (stacked, first_layer + jnp.arange(n)))
+    xs = (stacked, first_layer + jnp.arange(n), first_slot + jnp.arange(n))
+    (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache), xs)
     return x_BLD, cache
 
 

@@ -119,6 +119,8 @@ class Attention(nnx.Module):
         out_bias: bool = False,
         scale: float | None = None,
         norm_offset: float = 0.0,
+        output_gate: bool = False,
+        rotary_dim: int | None = None,
     ):
         """qkv_bias: add learned biases to the q, k, v projections (Qwen2); they start at zero.
         qk_norm: RMSNorm (epsilon `norm_eps`, scale offset `norm_offset`) over each head's q and k
@@ -129,9 +131,13 @@ class Attention(nnx.Module):
         `rope_theta` and `rope_scaling`, for a stack whose layers differ in them (Gemma 2/3, gpt-oss).
         softcap: attention scores become softcap * tanh(score / softcap) (Gemma 2).
         sinks: a learned logit per query head in the softmax's denominator (gpt-oss).
-        out_bias: a bias on the output projection (gpt-oss). scale: the scores' scale (None: K ** -0.5)."""
+        out_bias: a bias on the output projection (gpt-oss). scale: the scores' scale (None: K ** -0.5).
+        output_gate: the output is multiplied by sigmoid of a per-head gate the query projection also
+        makes (Qwen3-Next: `wq` is (D, H, 2K), each head's [query, gate]).
+        rotary_dim: RoPE rotates only each head's first rotary_dim dims (Qwen3-Next's partial rotary)."""
         D, H, G, K = d_model, n_heads, n_kv_heads, head_dim
-        self.wq = param(normal(init_std), rngs.params(), (D, H, K), param_dtype, ("embed", "heads", "head_dim"))
+        Q = 2 * K if output_gate else K
+        self.wq = param(normal(init_std), rngs.params(), (D, H, Q), param_dtype, ("embed", "heads", "head_dim"))
         self.wk = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.wv = param(normal(init_std), rngs.params(), (D, G, K), param_dtype, ("embed", "kv_heads", "head_dim"))
         self.wo = param(normal(out_std), rngs.params(), (H, K, D), param_dtype, ("heads", "head_dim", "embed"))
@@ -150,6 +156,7 @@ class Attention(nnx.Module):
         self.qkv_bias, self.qk_norm, self.out_bias, self.has_sinks = qkv_bias, qk_norm, out_bias, sinks
         self.pattern = pattern or LayerPattern.uniform(window, rope_theta, rope_scaling)
         self.dtype, self.impl, self.softcap, self.scale = dtype, impl, softcap, scale
+        self.output_gate, self.rotary_dim = output_gate, rotary_dim if rotary_dim and rotary_dim < K else None
         # This layer's index in the stack, set on each layer's copy by the scan that runs it
         # (models/transformer.py), when the pattern has more than one kind of layer.
         self.layer_index = nnx.data(None)
@@ -174,6 +181,7 @@ class Attention(nnx.Module):
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag).
         segment_ids_BL: each token's document in a packed row; attention stays within one."""
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
+        q_BLHK, gate_BLHK = self._split_gate(q_BLHK)
         if self.prefix is not None:
             if segment_ids_BL is not None or self.window is not None or self.pattern.mixed:
                 raise NotImplementedError(
@@ -203,9 +211,18 @@ class Attention(nnx.Module):
             # the pattern's windows as a constant, chosen per layer by lax.switch.
             traced = self.impl == "xla" and not current_parallel().split("act_seq")
             o_BLHK = self.pattern.by_window(lambda window: attend_in(window=window), self.layer_index, traced)
-        return checkpoint_name(self._out(o_BLHK), OUT_PROJ)
+        return checkpoint_name(self._out(o_BLHK, gate_BLHK), OUT_PROJ)
 
-    def _out(self, o_BLHK: jax.Array) -> jax.Array:
+    def _split_gate(self, q_BLHQ: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(queries, the output gate's logits or None): a gated projection's [query, gate] halves per head."""
+        if not self.output_gate:
+            return q_BLHQ, None
+        K = q_BLHQ.shape[-1] // 2
+        return q_BLHQ[..., :K], q_BLHQ[..., K:]
+
+    def _out(self, o_BLHK: jax.Array, gate_BLHK: jax.Array | None = None) -> jax.Array:
+        if gate_BLHK is not None:
+            o_BLHK = o_BLHK * jax.nn.sigmoid(gate_BLHK.astype(jnp.float32)).astype(o_BLHK.dtype)
         y_BLD = matmul("BLHK,HKD->BLD", o_BLHK, self.wo, self.dtype)
         return y_BLD + self.bo[...].astype(self.dtype) if self.out_bias else y_BLD
 
@@ -223,6 +240,7 @@ class Attention(nnx.Module):
                 "generate with the full forward pass (model(tokens)) instead"
             )
         q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
+        q_BLHK, gate_BLHK = self._split_gate(q_BLHK)
         attend_kv = functools.partial(
             kv.attend,
             q_BLHK,
@@ -237,7 +255,7 @@ class Attention(nnx.Module):
         o_BLHK, kv = self.pattern.by_window(
             lambda window: attend_kv(window=window), self.layer_index, traced=self.impl == "xla"
         )
-        return self._out(o_BLHK), kv
+        return self._out(o_BLHK, gate_BLHK), kv
 
     def project_qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, ...]:
         """Queries, keys and values of x, with RoPE applied at `positions_BL` (None: 0..L-1)."""
@@ -250,9 +268,22 @@ class Attention(nnx.Module):
             w = lambda p: p[...].astype(self.dtype)  # noqa: E731
             q_BLHK, k_BLGK, v_BLGK = q_BLHK + w(self.bq), k_BLGK + w(self.bk), v_BLGK + w(self.bv)
         q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, name) for x, name in zip((q_BLHK, k_BLGK, v_BLGK), QKV_PROJ))
+        q_BLHK, gate_BLHK = self._split_gate(q_BLHK)
         if self.qk_norm:
             q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
-        rope = functools.partial(self.pattern.rope, positions_BL=rope_pos_BL, layer_index=self.layer_index)
-        q_BLHK = with_logical_constraint(rope(q_BLHK), ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        k_BLGK = with_logical_constraint(rope(k_BLGK), ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        q_BLHK = with_logical_constraint(
+            self._rope(q_BLHK, rope_pos_BL), ("act_batch", "act_seq", "act_heads", "act_head_dim")
+        )
+        k_BLGK = with_logical_constraint(
+            self._rope(k_BLGK, rope_pos_BL), ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+        )
+        if gate_BLHK is not None:  # handed on beside the queries, as the projection made them
+            q_BLHK = jnp.concatenate([q_BLHK, gate_BLHK], axis=-1)
         return q_BLHK, k_BLGK, v_BLGK
+
+    def _rope(self, x_BLNK: jax.Array, positions_BL: jax.Array) -> jax.Array:
+        """This layer's RoPE on x, on the first `rotary_dim` dims of each head when partial."""
+        rope = functools.partial(self.pattern.rope, positions_BL=positions_BL, layer_index=self.layer_index)
+        if self.rotary_dim is None:
+            return rope(x_BLNK)
+        return jnp.concatenate([rope(x_BLNK[..., : self.rotary_dim]), x_BLNK[..., self.rotary_dim :]], axis=-1)

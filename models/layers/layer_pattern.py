@@ -50,6 +50,8 @@ class LayerPattern:
             full_rope if cfg.local_rope_theta is None else (cfg.local_rope_theta, _items(cfg.local_rope_scaling))
         )
         by_kind = {"full_attention": (None, full_rope), "sliding_attention": (cfg.sliding_window, local_rope)}
+        # A hybrid's linear layers have no window or RoPE: they count as full layers here, never asked.
+        by_kind["linear_attention"] = by_kind["full_attention"]
         kinds = [by_kind[k] for k in cfg.attention_kinds]
         distinct = list(dict.fromkeys(kinds))
         if len(distinct) == 1:

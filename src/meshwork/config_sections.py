@@ -141,7 +141,7 @@ class MoEConfig(Section):
         """How many of the `n_layers` layers route to experts."""
         return n_layers - len(self.dense_layer_indices(n_layers))
 
-    def layer_runs(self, n_layers: int) -> tuple[LayerRun, ...]:
+    def layer_runs(self, n_layers: int, linear_layers: tuple[int, ...] = ()) -> tuple[LayerRun, ...]:
         """The model's layers as runs of consecutive layers of one kind, in order; the MoE model
         (models/moe.py) stacks and scans each run as one group, under the run's `name`.
 
@@ -153,18 +153,31 @@ class MoEConfig(Section):
         [('dense_blocks', False, 0, 1), ('moe_blocks', True, 1, 3)]
         >>> [r.name for r in MoEConfig(dense_layers=[0, 2]).layer_runs(4)]
         ['dense_blocks_0', 'moe_blocks_1', 'dense_blocks_2', 'moe_blocks_3']
+
+        `linear_layers`: the layers whose attention is linear (a hybrid model's Gated DeltaNet layers,
+        `ModelConfig.linear_layers`), which also end a run and name theirs `linear_..._<start>`.
+
+        >>> [r.name for r in MoEConfig().layer_runs(4, linear_layers=(0, 1, 2))]
+        ['linear_moe_blocks_0', 'moe_blocks_3']
         """
-        dense = set(self.dense_layer_indices(n_layers))
+        dense, linear = set(self.dense_layer_indices(n_layers)), set(linear_layers)
         runs: list[list] = []
         for i in range(n_layers):
-            if runs and runs[-1][0] == (i not in dense):
+            kind = (i not in dense, i in linear)
+            if runs and runs[-1][0] == kind:
                 runs[-1][2] += 1
             else:
-                runs.append([i not in dense, i, 1])
-        classic = [moe for moe, _, _ in runs] in ([True], [False, True])
+                runs.append([kind, i, 1])
+        classic = not linear and [moe for (moe, _), _, _ in runs] in ([True], [False, True])
         return tuple(
-            LayerRun(f"{'moe' if moe else 'dense'}_blocks" + ("" if classic else f"_{start}"), moe, start, n)
-            for moe, start, n in runs
+            LayerRun(
+                ("linear_" if lin else "") + f"{'moe' if moe else 'dense'}_blocks" + ("" if classic else f"_{start}"),
+                moe,
+                start,
+                n,
+                lin,
+            )
+            for (moe, lin), start, n in runs
         )
 
 
@@ -177,6 +190,8 @@ class LayerRun(NamedTuple):
     start: int
     """The index of the run's first layer in the model."""
     count: int
+    linear: bool = False
+    """The run's layers attend linearly (Gated DeltaNet: `ModelConfig.linear_attention`)."""
 
 
 class UNetConfig(Section):
@@ -238,6 +253,30 @@ class MLAConfig(Section):
         return value
 
 
+class LinearAttentionConfig(Section):
+    """Gated DeltaNet layers (Qwen3-Next; models/layers/gated_deltanet.py), for the layers
+    `model.layer_types` marks linear_attention: a fixed-size state per sequence instead of a KV cache."""
+
+    num_k_heads: int = pydantic.Field(2, gt=0)
+    """Query/key heads (transformers: linear_num_key_heads)."""
+    num_v_heads: int = pydantic.Field(4, gt=0)
+    """Value heads, a multiple of num_k_heads (linear_num_value_heads)."""
+    head_k_dim: int = pydantic.Field(32, gt=0)
+    head_v_dim: int = pydantic.Field(32, gt=0)
+    conv_kernel: int = pydantic.Field(4, gt=0)
+    """Taps of the causal depthwise convolution over q, k, v (linear_conv_kernel_dim)."""
+    chunk_size: int = pydantic.Field(64, gt=0)
+    """Tokens per chunk of the chunked form that training and prefill run (decoding runs the recurrence)."""
+
+    @pydantic.model_validator(mode="after")
+    def _heads_divide(self) -> LinearAttentionConfig:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"model.linear_attention.num_v_heads={self.num_v_heads} must be a multiple of num_k_heads={self.num_k_heads}"
+            )
+        return self
+
+
 class MTPConfig(Section):
     """Multi-token prediction (DeepSeek-V3; models/mtp.py): `depth` extra modules, module k
     predicting the token k + 1 places after the next from the previous depth's hidden state
@@ -282,10 +321,18 @@ class ModelConfig(Section):
     null attends to every earlier key. Honoured by every attention path and the KV cache."""
     tie_embeddings: bool = False
     """Reuse the input embedding as the output projection."""
-    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
-    """Each layer's attention, in Hugging Face's names: full causal attention, or within
-    `sliding_window` (Gemma 2 alternates them, Gemma 3 has 5 sliding to 1 full, gpt-oss alternates);
-    null: every layer sliding if `sliding_window` is set, else every layer full."""
+    layer_types: list[Literal["full_attention", "sliding_attention", "linear_attention"]] | None = None
+    """Each layer's attention, in Hugging Face's names: full causal attention, within
+    `sliding_window` (Gemma 2 alternates them, Gemma 3 has 5 sliding to 1 full, gpt-oss alternates),
+    or Gated DeltaNet (`linear_attention`; Qwen3-Next has 3 linear to 1 full); null: every layer
+    sliding if `sliding_window` is set, else every layer full."""
+    linear_attention: LinearAttentionConfig | None = None
+    """The shape of the linear_attention layers (needed when `layer_types` has any)."""
+    attention_output_gate: bool = False
+    """The attention output is multiplied by sigmoid of a per-head gate that q_proj also produces
+    (Qwen3-Next: q_proj's output per head is [query, gate])."""
+    partial_rotary_factor: float = pydantic.Field(1.0, gt=0, le=1)
+    """RoPE rotates the first partial_rotary_factor x head_dim dims of each head (Qwen3-Next: 0.25)."""
     local_rope_theta: float | None = pydantic.Field(None, gt=0)
     """RoPE base of the sliding_attention layers, when it differs from `rope_theta` (Gemma 3's
     rope_local_base_freq); those layers then take `local_rope_scaling`, not `rope_scaling`."""
@@ -336,7 +383,26 @@ class ModelConfig(Section):
                 )
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("model.layer_types has sliding_attention layers but no model.sliding_window; set one")
+            if "linear_attention" in self.layer_types:
+                if self.linear_attention is None:
+                    raise ValueError("model.layer_types has linear_attention layers; set model.linear_attention")
+                if self.kind != "moe":
+                    raise ValueError(
+                        "linear_attention layers are built in model.kind moe (Qwen3-Next's layout); "
+                        "use kind moe (moe.dense_layers can make any layer dense)"
+                    )
+                if self.mtp.depth or self.mla is not None:
+                    raise ValueError("linear_attention layers take neither model.mtp nor model.mla")
         return self
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The indices of the linear_attention (Gated DeltaNet) layers."""
+        return tuple(i for i, t in enumerate(self.layer_types or ()) if t == "linear_attention")
+
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """A MoE model's runs of consecutive layers of one kind (MoE or dense, linear or not)."""
+        return self.moe.layer_runs(self.n_layers, self.linear_layers)
 
     @property
     def norm_offset(self) -> float:
@@ -522,6 +588,12 @@ class TrainConfig(Section):
     """Model chunks per pipeline stage under pipeline=interleaved (Narayanan et al. 2021):
     stage s holds layer chunks s, s+P, s+2P, ... of n_layers / (stage x virtual_stages)
     layers each, and the bubble shrinks about v times; 1 for every other schedule."""
+    context_parallel: Literal["ring", "all_gather", "ulysses", "usp"] = "ring"
+    """How attention runs when the rules split the sequence (the cp preset; sharding/context_parallel.py):
+    ring (K/V blocks passed round the sequence axis, overlapped with the blocks' compute), all_gather
+    (K/V all-gathered, Llama 3's), ulysses (all-to-all to a head split: needs heads divisible by the
+    sequence axis), usp (act_seq split over two mesh axes: a ring over the first, Ulysses within the
+    second, e.g. rules.overrides act_seq=[sequence, tensor]). docs/parallelism.md says when to pick which."""
     remat: Literal[
         "none",
         "full",

@@ -139,7 +139,10 @@ class Generator:
 
     def _prefill_fn(self, state, tokens_BL, lengths_B, cache, arrays):
         B, L = tokens_BL.shape
-        logits_BLV, cache = self.apply(state, tokens_BL, jnp.broadcast_to(jnp.arange(L), (B, L)), cache)
+        positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L))
+        if cache.states is not None:  # padding sits past the cache, where a hybrid's linear layers skip it
+            positions_BL = jnp.where(positions_BL < lengths_B[:, None], positions_BL, cache.capacity)
+        logits_BLV, cache = self.apply(state, tokens_BL, positions_BL, cache)
         last_BV = logits_BLV[jnp.arange(B), lengths_B - 1]
         seen_BV = seen_tokens(tokens_BL, lengths_B, self.vocab_size)
         return Step(sample(last_BV, lengths_B, arrays, seen_BV), last_BV, cache, seen_BV)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +84,77 @@ def cache_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype) -> int:
 
 
 def cache_layers(cfg: ModelConfig) -> int:
-    """Layers a cache holds: the model's, then one per multi-token-prediction module (their draft)."""
-    return cfg.n_layers + cfg.mtp.depth
+    """Layers a cache holds: the model's attention layers (not a hybrid model's linear ones, which keep
+    `RecurrentStates` instead), then one per multi-token-prediction module (their draft)."""
+    return cfg.n_layers - len(cfg.linear_layers) + cfg.mtp.depth
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RecurrentStates:
+    """A hybrid model's linear-attention (Gated DeltaNet) layers' per-sequence states, beside its KV
+    cache: a fixed size per sequence however long it grows (models/layers/gated_deltanet.py's
+    `GatedDeltaNetState`, field by field, with leading (linear layers, rows)): the last W - 1 inputs of
+    the q, k and v convolutions, then the float32 (H, Kk, Kv) state of the delta rule."""
+
+    arrays: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, rows: int, dtype: jnp.dtype) -> RecurrentStates | None:
+        """Zeroed states of `rows` sequences for `cfg`'s linear layers (None when it has none)."""
+        if not cfg.linear_layers:
+            return None
+        la, n = cfg.linear_attention, len(cfg.linear_layers)
+        S, G, H = la.conv_kernel - 1, la.num_k_heads, la.num_v_heads
+        shapes = [(S, G, la.head_k_dim), (S, G, la.head_k_dim), (S, H, la.head_v_dim)]
+        conv = [jnp.zeros((n, rows, *shape), dtype) for shape in shapes]
+        return cls((*conv, jnp.zeros((n, rows, H, la.head_k_dim, la.head_v_dim), jnp.float32)))
+
+    def cleared(self, rows_B: jax.Array, when_B: jax.Array) -> RecurrentStates:
+        """The states with rows `rows_B` zeroed where `when_B` (a sequence starting afresh in its slot)."""
+        return RecurrentStates(
+            tuple(a.at[:, rows_B].set(jnp.where(_expand(when_B, a.ndim - 1), 0, a[:, rows_B])) for a in self.arrays)
+        )
+
+    @staticmethod
+    def bytes_per_sequence(cfg: ModelConfig, dtype: jnp.dtype) -> int:
+        """What one sequence's states take over all linear layers (models/layers/gated_deltanet.py `state_bytes`)."""
+        if not cfg.linear_layers:
+            return 0
+        la = cfg.linear_attention
+        conv = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim)
+        per_layer = conv * jnp.dtype(dtype).itemsize + la.num_v_heads * la.head_k_dim * la.head_v_dim * 4
+        return len(cfg.linear_layers) * per_layer
+
+
+def _expand(x_B: jax.Array, ndim: int) -> jax.Array:
+    return x_B.reshape(x_B.shape + (1,) * (ndim - 1))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _StateLayer:
+    """Linear layer j's view of a cache's `RecurrentStates`, for the batch's rows (the cache's `rows`:
+    which slot each batch row is; None: rows 0..B-1)."""
+
+    cache: Any
+    j: jax.Array
+
+    def read(self) -> tuple[jax.Array, ...]:
+        rows = self.cache.rows
+        return tuple(a[self.j] if rows is None else a[self.j, rows] for a in self.cache.states.arrays)
+
+    def valid(self, positions_BL: jax.Array) -> jax.Array:
+        """Real tokens: those at positions the cache can hold (padding and finished rows sit past it)."""
+        return positions_BL < self.cache.capacity
+
+    def write(self, new: tuple[jax.Array, ...]) -> _StateLayer:
+        rows = self.cache.rows
+        arrays = tuple(
+            a.at[self.j].set(x.astype(a.dtype)) if rows is None else a.at[self.j, rows].set(x.astype(a.dtype))
+            for a, x in zip(self.cache.states.arrays, new, strict=True)
+        )
+        return _StateLayer(dataclasses.replace(self.cache, states=RecurrentStates(arrays)), self.j)
 
 
 def _zero_pair(
@@ -202,6 +272,8 @@ class KVCache:
 
     k: jax.Array  # (layers, batch, max_len, kv_heads, head_dim)
     v: jax.Array
+    states: RecurrentStates | None = None  # a hybrid model's linear layers' states, one per row
+    rows: jax.Array | None = None  # always None: row b is sequence b
 
     @classmethod
     def zeros(
@@ -212,7 +284,14 @@ class KVCache:
         dtype: jnp.dtype = jnp.float32,
         sharding: NamedSharding | None = None,
     ) -> KVCache:
-        return cls(*_zero_pair(cfg, (batch, max_len), dtype, sharding))
+        return cls(*_zero_pair(cfg, (batch, max_len), dtype, sharding), RecurrentStates.zeros(cfg, batch, dtype))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def linear_layer(self, j: jax.Array) -> _StateLayer:
+        return _StateLayer(self, j)
 
     @staticmethod
     def shardings(mesh: Mesh, rules: Rules, latent: bool = False) -> KVCache:
@@ -255,7 +334,7 @@ class _ContiguousLayer:
             window,
             **modifiers,
         )
-        return o_BLHK, _ContiguousLayer(KVCache(k, v), self.i)
+        return o_BLHK, _ContiguousLayer(dataclasses.replace(self.cache, k=k, v=v), self.i)
 
     def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None, impl="xla"):
         """MLA's absorbed attention (models/layers/mla.py): writes each token's [latent, RoPE key] at its
@@ -264,7 +343,7 @@ class _ContiguousLayer:
         rows_B1 = jnp.arange(positions_BL.shape[0])[:, None]
         k = self.cache.k.at[self.i, rows_B1, positions_BL, 0].set(entry_BLC.astype(self.cache.k.dtype), mode="drop")
         o_BLHR = latent_attention(q_BLHC, k[self.i, :, :, 0], positions_BL, scale=scale, values=values, window=window)
-        return o_BLHR, _ContiguousLayer(KVCache(k, self.cache.v), self.i)
+        return o_BLHR, _ContiguousLayer(dataclasses.replace(self.cache, k=k), self.i)
 
 
 @jax.tree_util.register_dataclass
@@ -276,6 +355,8 @@ class PagedKVCache:
     k: jax.Array  # (layers, n_pages, page_size, kv_heads, head_dim)
     v: jax.Array
     page_table: jax.Array  # (batch, pages_per_seq) int32; NULL_PAGE where nothing is allocated
+    states: RecurrentStates | None = None  # a hybrid model's linear layers' states, one per slot
+    rows: jax.Array | None = None  # the slot of each batch row (None: row b is slot b)
 
     @classmethod
     def zeros(
@@ -289,7 +370,8 @@ class PagedKVCache:
         sharding: NamedSharding | None = None,
     ) -> PagedKVCache:
         k, v = _zero_pair(cfg, (n_pages, page_size), dtype, sharding)
-        return cls(k, v, jnp.full((batch, pages_per_seq), NULL_PAGE, jnp.int32))
+        table = jnp.full((batch, pages_per_seq), NULL_PAGE, jnp.int32)
+        return cls(k, v, table, RecurrentStates.zeros(cfg, batch, dtype))
 
     @staticmethod
     def shardings(mesh: Mesh, rules: Rules, latent: bool = False) -> PagedKVCache:
@@ -300,6 +382,14 @@ class PagedKVCache:
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """Positions a row's page table reaches (past them a write goes to the null page)."""
+        return self.page_table.shape[1] * self.page_size
+
+    def linear_layer(self, j: jax.Array) -> _StateLayer:
+        return _StateLayer(self, j)
 
     def layer(self, i: jax.Array) -> _PagedLayer:
         return _PagedLayer(self, i)
@@ -332,7 +422,7 @@ class _PagedLayer:
             o_BLHK, k, v = attend(*args, traced_window, sinks_H)
         else:
             o_BLHK, k, v = _attend_per_replica(attend, rules, dict(mesh.shape), *args, extras=(traced_window, sinks_H))
-        return o_BLHK, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
+        return o_BLHK, _PagedLayer(dataclasses.replace(c, k=k, v=v), self.i)
 
     def attend_latent(self, q_BLHC, entry_BLC, positions_BL, *, scale, values, window=None, impl="xla"):
         """MLA's absorbed attention over the sequence's pages, as `_ContiguousLayer.attend_latent`. With
@@ -347,7 +437,7 @@ class _PagedLayer:
             o_BLHR, k, v = attend(*args)
         else:
             o_BLHR, k, v = _attend_per_replica(attend, rules, dict(mesh.shape), *args, latent=True)
-        return o_BLHR, _PagedLayer(PagedKVCache(k, v, c.page_table), self.i)
+        return o_BLHR, _PagedLayer(dataclasses.replace(c, k=k, v=v), self.i)
 
 
 def _write_pages(new_BLGK, positions_BL, pool, table_BP, i):

@@ -232,6 +232,15 @@ class Server:
             self.cfg, n_pages, page_size, slots, self.pages_per_seq, self.gen.cache_dtype, sharding
         )
         self.k, self.v = pool.k, pool.v
+        # A hybrid model's linear layers keep a fixed-size state per slot instead of pages: zeroed when a
+        # sequence starts in the slot (prefill from position 0), recomputed by re-prefilling after a
+        # preemption, and not rebuilt from shared pages, so prefix caching and speculation are refused.
+        self.states = pool.states
+        if self.states is not None and (prefix_caching or drafter is not None):
+            raise ConfigError(
+                "a model with linear-attention layers keeps per-sequence recurrent states that shared prefix "
+                "pages and rejected drafts cannot restore: serve it without prefix caching and speculation"
+            )
         # The draft's own pool, if it keeps one: the same pages as the target's (one page table for both).
         self.draft_pool = (
             drafter.new_pool(n_pages, page_size, slots, self.pages_per_seq, sharding) if drafter is not None else None
@@ -258,9 +267,9 @@ class Server:
         self._set_seen = jax.jit(lambda seen, row, slot: seen.at[slot].set(row), donate_argnums=0)
         # The last argument, `top`, is static: 0, or MAX_TOP_LOGPROBS when a request in the call asks for
         # alternatives (two compiled variants each; the common path never runs lax.top_k).
-        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5, 11), static_argnums=(9,))
+        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5, 11, 13), static_argnums=(9,))
         self._round = jax.jit(self._round_fn, donate_argnums=(3, 4, 5, 11), static_argnums=(0,))
-        self._loop = jax.jit(self._loop_fn, donate_argnums=(3, 4, 6), static_argnums=(9,))
+        self._loop = jax.jit(self._loop_fn, donate_argnums=(3, 4, 6, 10), static_argnums=(9,))
         self._table: tuple[np.ndarray, jax.Array] | None = None  # the last page table sent, on the device
 
     # -- requests ---------------------------------------------------------------
@@ -357,14 +366,21 @@ class Server:
 
     # -- the jitted pieces ------------------------------------------------------------
 
-    def _chunk_fn(self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V, top, weights, draft, slot):
+    def _chunk_fn(
+        self, state, tokens_1C, start, n_real, k, v, table_1P, arrays, seen_1V, top, weights, draft, slot, states
+    ):
         """Prefills tokens at positions start.. (the first n_real are real) over the cached ones before
         them; samples the token after the last real one (used when this chunk ends the prompt) and
         returns it with its log-probability and the `top` (static) alternatives (`token_log_probs`).
-        A drafter observes the chunk (its `weights` and pool `draft`, None without one)."""
+        A drafter observes the chunk (its `weights` and pool `draft`, None without one). `states`: a
+        hybrid model's recurrent states (None without linear layers), slot `slot`'s zeroed at start 0."""
         C = tokens_1C.shape[1]
         positions_1C = start + jnp.arange(C, dtype=jnp.int32)[None]
         cache = PagedKVCache(k, v, table_1P)
+        if states is not None:
+            # The padding after the real tokens sits past the table, where linear layers skip it.
+            positions_1C = jnp.where(jnp.arange(C)[None] < n_real, positions_1C, cache.capacity)
+            cache = PagedKVCache(k, v, table_1P, states.cleared(slot[None], (start == 0)[None]), slot[None])
         hidden = self.drafter is not None and self.drafter.needs_hidden
         logits_1CV, hidden_1CD, cache = target_forward(self.gen, hidden, state, tokens_1C, positions_1C, cache)
         last_1V = jax.lax.dynamic_index_in_dim(logits_1CV, n_real - 1, axis=1, keepdims=False)
@@ -372,31 +388,32 @@ class Server:
         if self.drafter is not None:
             seen = Verified(tokens_1C, positions_1C, n_real[None], hidden_1CD, token_1, slot[None], True)
             draft, cache = self.drafter.observe(weights, state, with_table(draft, table_1P), cache, seen)
-        return (token_1, *token_log_probs(last_1V, token_1, top)), cache.k, cache.v, draft
+        return (token_1, *token_log_probs(last_1V, token_1, top)), cache.k, cache.v, draft, cache.states
 
-    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BN, top):
+    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BN, top, states):
         """Up to n_steps decode steps on the device. Row b feeds tokens_B[b] at positions_B[b] and is
         done after remaining_B[b] tokens or a stop token; a done row writes to the null page from then
         on. The loop ends when every row is done, or (halt_on_finish) after a step in which one finished.
         rows_3B = (tokens, positions, remaining) and control_2 = (n_steps, halt_on_finish) travel as one
         array each (a transfer per argument is a cost per dispatch). Returns the (N, B) tokens (-1 where a
         row was done; a step ran iff its row has a token), their (N, B) float32 log-probabilities and the
-        (N, B, top) alternatives' log-probabilities and ids (`token_log_probs`; top static), the pool
-        and seen."""
+        (N, B, top) alternatives' log-probabilities and ids (`token_log_probs`; top static), the pool,
+        seen and a hybrid model's recurrent states (`states`, None without linear layers)."""
         (tokens_B, positions_B, remaining_B), n_steps, halt_on_finish = rows_3B, control_2[0], control_2[1] != 0
         B, N = tokens_B.shape[0], self.steps_per_dispatch
         beyond = table_BP.shape[1] * self.page_size  # past the page table: writes go to the null page
 
         def cond(carry):
-            i, _, _, remaining_B, _, _, _, _, _, halted = carry
+            i, _, _, remaining_B, _, _, _, _, _, halted, _ = carry
             return (i < n_steps) & jnp.any(remaining_B > 0) & ~halted
 
         def body(carry):
-            i, tokens_B, positions_B, remaining_B, k, v, seen_BV, out_NB, scores, _ = carry
+            i, tokens_B, positions_B, remaining_B, k, v, seen_BV, out_NB, scores, _, states = carry
             active_B = remaining_B > 0
             at_B = jnp.where(active_B, positions_B, beyond)
             seen_BV = mark_seen(seen_BV, tokens_B)
-            logits_B1V, cache = self.gen.apply(state, tokens_B[:, None], at_B[:, None], PagedKVCache(k, v, table_BP))
+            cache = PagedKVCache(k, v, table_BP, states)
+            logits_B1V, cache = self.gen.apply(state, tokens_B[:, None], at_B[:, None], cache)
             new_B = sample(logits_B1V[:, 0], at_B + 1, arrays, seen_BV)
             out_NB = out_NB.at[i].set(jnp.where(active_B, new_B, -1))
             scores = tuple(x.at[i].set(y) for x, y in zip(scores, token_log_probs(logits_B1V[:, 0], new_B, top)))
@@ -414,6 +431,7 @@ class Server:
                 out_NB,
                 scores,
                 halt_on_finish & finished,
+                cache.states,
             )
 
         carry = (
@@ -427,9 +445,10 @@ class Server:
             jnp.full((N, B), -1, jnp.int32),
             (jnp.zeros((N, B), jnp.float32), jnp.zeros((N, B, top), jnp.float32), jnp.zeros((N, B, top), jnp.int32)),
             jnp.bool_(False),
+            states,
         )
-        _, _, _, _, k, v, seen_BV, out_NB, scores, _ = jax.lax.while_loop(cond, body, carry)
-        return (out_NB, *scores), k, v, seen_BV
+        _, _, _, _, k, v, seen_BV, out_NB, scores, _, states = jax.lax.while_loop(cond, body, carry)
+        return (out_NB, *scores), k, v, seen_BV, states
 
     # -- one iteration ------------------------------------------------------------
 
@@ -520,7 +539,7 @@ class Server:
         table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
         table[0, : len(s.pages)] = s.pages
         top = MAX_TOP_LOGPROBS if s.request.params.logprobs else 0
-        scored, self.k, self.v, self.draft_pool = self.gen.run_in_context(
+        scored, self.k, self.v, self.draft_pool, self.states = self.gen.run_in_context(
             self._chunk,
             self.gen.state,
             jnp.asarray(tokens),
@@ -535,6 +554,7 @@ class Server:
             self.drafter.weights() if self.drafter is not None else None,
             self.draft_pool,
             jnp.int32(i),
+            self.states,
         )
         s.length += n
         self.prefill_tokens += n
@@ -582,7 +602,7 @@ class Server:
             self._table = table, jnp.asarray(table)
         arrays, stops = self._sampling_arrays()
         top = MAX_TOP_LOGPROBS if any(self.slots[i].request.params.logprobs for i in live) else 0
-        scored, self.k, self.v, self.seen = self.gen.run_in_context(
+        scored, self.k, self.v, self.seen, self.states = self.gen.run_in_context(
             self._loop,
             self.gen.state,
             jnp.asarray(rows),
@@ -594,6 +614,7 @@ class Server:
             arrays,
             stops,
             top,
+            self.states,
         )
         out, lp, top_NBK, ids_NBK = jax.device_get(scored)  # one copy per dispatch
         count = int((out >= 0).any(axis=1).sum())

@@ -1,0 +1,113 @@
+"""Qwen3-Next checkpoints in and out: parity with transformers, greedy decoding through the serving
+engine (recurrent states per slot beside the paged KV of the full-attention layers), the export round
+trip, refusals.
+
+The fixtures (tests/fixtures/make_qwen3_next_golden.py) are two tiny random float32 hybrids:
+`qwen3_next` (3 Gated DeltaNet layers then a gated full-attention layer, GQA, quarter-rotary heads, 4
+experts top-2 beside a gated shared expert) and `qwen3_next_alt` (linear, full, linear; MHA,
+half-rotary; top-1 of 3 experts, un-normalized; a dense middle layer; tied).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT
+from safetensors.numpy import load_file
+
+from meshwork.config import ConfigError
+from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import RecurrentStates, cache_layers
+from meshwork.engine.sampling import SamplingArrays, SamplingParams
+from meshwork.engine.serving import Request, Server
+from meshwork.inference.hf_export import export_hf
+from meshwork.models.hf import load_hf_checkpoint, load_hf_config, model_from_hf
+from meshwork.models.hf.config import config_from_hf
+
+FIXTURES = ROOT / "tests/fixtures/hf"
+NAMES = ("qwen3_next", "qwen3_next_alt")
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def loaded(request):
+    cfg, model = model_from_hf(FIXTURES / request.param)
+    return request.param, cfg, model, np.load(FIXTURES / request.param / "golden.npz")
+
+
+def test_logits_equal_transformers_at_1_7_and_24_tokens(loaded):
+    name, cfg, model, golden = loaded
+    assert cfg.linear_layers and cfg.attention_output_gate and cfg.partial_rotary_factor < 1
+    forward = jax.jit(lambda t: model(t))
+    for n in (1, 7, 24):
+        want = golden[f"logits_{n}"]
+        err = np.abs(np.asarray(forward(jnp.asarray(golden[f"input_ids_{n}"]))) - want).max() / np.abs(want).max()
+        print(f"{name} L={n}: max |logit error| / max |logit| = {err:.1e}")
+        assert err <= 1e-5, (name, n)
+
+
+def test_greedy_through_the_serving_engine_equals_transformers(loaded):
+    """16 greedy tokens from the paged server, prompts prefilled in 3-token chunks (each chunk continues
+    its slot's recurrent state; its padding leaves the state alone) while another slot decodes."""
+    name, cfg, model, golden = loaded
+    server = Server(model, slots=2, max_len=64, page_size=4, prefill_chunk=3)
+    assert server.k.shape[0] == cache_layers(cfg) == cfg.n_layers - len(cfg.linear_layers)
+    prompt = golden["prompt"][0].tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    results = server.run([Request(0, prompt, params), Request(1, prompt[:5], params), Request(2, prompt, params)])
+
+    assert list(results[0].tokens) == golden["generated"].tolist() == list(results[2].tokens), name
+
+
+def test_batched_prefill_with_padding_equals_one_row_at_a_time(loaded):
+    """The contiguous generator prefills right-padded prompts of different lengths in one batch: the
+    padding sits past the cache, so each row's states and first token equal the prompt run alone."""
+    name, cfg, model, golden = loaded
+    gen = Generator(model)
+    prompt = golden["prompt"][0]
+    tokens = np.zeros((2, 8), np.int32)
+    tokens[0], tokens[1, :5] = prompt, prompt[:5]
+    arrays = SamplingArrays.stack([SamplingParams(temperature=0.0)] * 2)
+    batch = gen.prefill(tokens, np.array([8, 5]), gen.new_cache(2, 32), arrays)
+    alone = gen.prefill(tokens[1:, :5], np.array([5]), gen.new_cache(1, 32), SamplingArrays.stack([SamplingParams()]))
+    assert int(batch.tokens[0]) == int(golden["generated"][0])
+    np.testing.assert_allclose(np.asarray(batch.logits[1]), np.asarray(alone.logits[0]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(batch.cache.states.arrays, alone.cache.states.arrays):
+        np.testing.assert_allclose(np.asarray(a[:, 1]), np.asarray(b[:, 0]), rtol=1e-5, atol=1e-6)
+
+
+def test_export_round_trip_is_bit_exact(loaded, tmp_path):
+    name, cfg, model, _ = loaded
+    out = export_hf(cfg, model, tmp_path / "out")
+    _, first = load_hf_checkpoint(FIXTURES / name)
+    _, again = load_hf_checkpoint(out)
+    assert jax.tree.structure(first) == jax.tree.structure(again)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    want, got = load_file(FIXTURES / name / "model.safetensors"), load_file(out / "model.safetensors")
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+    assert load_hf_config(out) == cfg
+
+
+def test_states_are_a_fixed_size_per_sequence_and_prefix_caching_is_refused(loaded):
+    name, cfg, model, _ = loaded
+    states = RecurrentStates.zeros(cfg, 3, jnp.float32)
+    assert sum(a.nbytes for a in states.arrays) == 3 * RecurrentStates.bytes_per_sequence(cfg, jnp.float32)
+    with pytest.raises(ConfigError, match="prefix caching"):
+        Server(model, slots=2, max_len=32, page_size=4, prefix_caching=True)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"layer_types": ["sliding_attention"] * 4}, "layer_types"),
+        ({"linear_num_value_heads": 3}, "num_v_heads"),
+    ],
+)
+def test_what_meshwork_cannot_compute_is_refused_by_name(change, key):
+    config = json.loads((FIXTURES / "qwen3_next" / "config.json").read_text()) | change
+    with pytest.raises(ValueError, match=key):
+        config_from_hf(config)
