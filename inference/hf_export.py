@@ -2,9 +2,10 @@
 
 The inverse of `models.hf.load_hf_checkpoint`: a dense Transformer becomes a
 Llama checkpoint (Mistral with a sliding window, Qwen2 with q/k/v biases, Qwen3
-with q/k norms) and a Mixtral-style MoE model a Mixtral one (Qwen3-MoE with q/k
-norms, Qwen2-MoE with a gated shared expert; their dense layers, leading or not, as
-decoder_sparse_step and mlp_only_layers), in the hub's tensor names and layouts. Both
+with q/k norms, Gemma 2 / 3 with sandwich norms) and a Mixtral-style MoE model a Mixtral one
+(Qwen3-MoE with q/k norms, Qwen2-MoE with a gated shared expert; their dense layers, leading
+or not, as decoder_sparse_step and mlp_only_layers; gpt-oss with attention sinks, biased router
+and experts and the clamped SwiGLU: models/hf/gpt_oss.py), in the hub's tensor names and layouts. Both
 directions follow one table, `models.hf.layout.hf_layout`, so export then load gives
 back the same parameters:
 
@@ -42,6 +43,7 @@ from safetensors.numpy import save_file
 
 from meshwork.config_sections import ModelConfig
 from meshwork.models.hf.gemma import GEMMA_TYPES, gemma_hf_config, gemma_problems, gemma_type
+from meshwork.models.hf.gpt_oss import gpt_oss_hf_config, gpt_oss_problems, is_gpt_oss
 from meshwork.models.hf.layout import (
     HF_DTYPE_NAMES,
     as_pure_dict,
@@ -51,6 +53,7 @@ from meshwork.models.hf.layout import (
     mtp_shared_copies,
     split_buffers,
 )
+from meshwork.models.hf.qwen3_next import is_qwen3_next, qwen3_next_hf_config, qwen3_next_problems
 from meshwork.models.hf.rope import rope_to_hf
 from meshwork.models.layers.moe_routing import RouterBias
 
@@ -65,6 +68,8 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 NAMES = {
     "llama": "Llama",
@@ -77,14 +82,17 @@ NAMES = {
     "deepseek_v3": "DeepSeek-V3",
     "gemma2": "Gemma 2",
     "gemma3_text": "Gemma 3",
+    "gpt_oss": "gpt-oss",
+    "qwen3_next": "Qwen3-Next",
 }
 
 
 def hf_model_type(cfg: ModelConfig, *, allow_dropless: bool = False) -> str:
     """The Hugging Face architecture that computes what `cfg` computes: "llama" (kind transformer),
     "qwen2" (with q/k/v biases), "qwen3" (with q/k norms), "mixtral" (kind moe), "qwen3_moe"
-    (kind moe with q/k norms) or "qwen2_moe" (kind moe with a gated shared expert). ValueError
-    names every setting that it cannot express.
+    (kind moe with q/k norms), "qwen2_moe" (kind moe with a gated shared expert), "gemma2" /
+    "gemma3_text" (sandwich norms) or "gpt_oss" (kind moe with attention sinks, router or expert
+    biases or the clamped SwiGLU). ValueError names every setting that it cannot express.
 
     >>> from meshwork.config_sections import MoEConfig
     >>> hf_model_type(ModelConfig(kind="moe", moe=MoEConfig(router="softmax")))
@@ -114,6 +122,17 @@ moe.first_dense_layers=1 (every Mixtral layer is a MoE layer)
         if problems := gemma_problems(cfg, gemma):
             raise ValueError(f"cannot export to {NAMES[gemma]}: {'; '.join(problems)}")
         return gemma
+    if is_qwen3_next(cfg):
+        if problems := qwen3_next_problems(cfg):
+            raise ValueError(f"cannot export to Qwen3-Next: {'; '.join(problems)}")
+        return "qwen3_next"
+    if is_gpt_oss(cfg):
+        problems = gpt_oss_problems(cfg)
+        if cfg.moe.capacity_factor is not None and not allow_dropless:
+            problems.append(f"{_dropless(cfg.moe.capacity_factor, 'gpt-oss')}; allow_dropless=True writes it anyway)")
+        if problems:
+            raise ValueError(f"cannot export to gpt-oss: {'; '.join(problems)}")
+        return "gpt_oss"
     if cfg.kind == "transformer":  # Llama has no sliding window; Mistral is Llama with one
         model_type = (
             "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
@@ -212,6 +231,8 @@ def _deepseek_v3_type(cfg: ModelConfig, allow_dropless: bool) -> str:
                 f"moe.d_shared={m.d_shared} (DeepSeek-V3's shared experts are n_shared_experts x d_expert wide)",
             ),
             (m.capacity_factor is None or allow_dropless, _dropless(m.capacity_factor or 0, "DeepSeek-V3") + ")"),
+            (not m.router_bias and not m.expert_bias, "moe.router_bias/expert_bias (gpt-oss's, not DeepSeek-V3's)"),
+            (m.activation == "swiglu", f"moe.activation={m.activation!r} (DeepSeek-V3's experts are SwiGLU)"),
         ]
     checks.append(
         (
@@ -304,6 +325,8 @@ def hf_config(
         return _deepseek_v3_config(cfg, c)
     if model_type in GEMMA_TYPES:
         return gemma_hf_config(cfg, model_type, c)
+    if model_type == "gpt_oss":
+        return gpt_oss_hf_config(cfg, c)
     if model_type == "mistral":
         return c | {"sliding_window": cfg.sliding_window}
     full_attention = {
@@ -337,6 +360,8 @@ def hf_config(
     }
     if model_type == "qwen3_moe":
         return c | full_attention | qwen_moe | {"attention_bias": False}
+    if model_type == "qwen3_next":
+        return qwen3_next_hf_config(cfg, c, qwen_moe)
     if model_type == "qwen2_moe":
         return (
             c
@@ -425,7 +450,7 @@ def export_hf(
         for key, part in tree.items():
             for i, layer in enumerate(part) if isinstance(part, list) else [(None, part)]:
                 jax.tree.map(
-                    lambda spec, x: tensors.update(spec.write(np.asarray(x if i is None else x[i]))), layer, values[key]
+                    lambda spec, x: spec.write_into(tensors, np.asarray(x if i is None else x[i])), layer, values[key]
                 )
     for copy, source in mtp_shared_copies(cfg).items():  # DeepSeek's MTP layers store the shared tensors again
         tensors[copy] = tensors[source]

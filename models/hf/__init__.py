@@ -1,8 +1,9 @@
 """Hugging Face checkpoints (config.json + *.safetensors) as meshwork models.
 
 Reads Llama (`model_type` "llama"), Mistral ("mistral"), Qwen2 ("qwen2"), Qwen3 ("qwen3"),
-Mixtral ("mixtral"), Qwen2-MoE ("qwen2_moe") and Qwen3-MoE ("qwen3_moe") checkpoints in the hub's layout, memory-mapped with safetensors
-(numpy; no torch), into meshwork models:
+Mixtral ("mixtral"), Qwen2-MoE ("qwen2_moe"), Qwen3-MoE ("qwen3_moe"), DeepSeek-V3 ("deepseek_v3"),
+Gemma 2 / 3 ("gemma2", "gemma3_text") and gpt-oss ("gpt_oss") checkpoints in the hub's layout,
+memory-mapped with safetensors (numpy; no torch), into meshwork models:
 
     cfg, model = load_hf_model("path/to/checkpoint_dir")        # Transformer or MoETransformer
     logits_BLV = model(tokens_BL)
@@ -40,6 +41,10 @@ Conventions matched (checked to 1e-4 on float32 logits by tests/test_hf_parity.p
   sigmoid(x . w_shared_gate). Layers in `mlp_only_layers` (or off the
   `decoder_sparse_step` grid) use a dense SwiGLU of `intermediate_size`: meshwork's
   `moe.first_dense_layers` when they lead, else `moe.dense_layers`.
+- gpt-oss (models/hf/gpt_oss.py): q/k/v/o biases, per-head attention sinks, alternating
+  sliding and full layers, a biased router softmaxed over its top-k logits, biased experts with
+  the clamped SwiGLU, stored stacked with gate and up interleaved in one `gate_up_proj` (each read
+  as columns of it: `HFTensor.columns`, which the export writes back interleaved).
 
 Which config.json settings are ignored and which are refused: models/hf/config.py.
 """

@@ -2,8 +2,8 @@
 
 `config_from_hf` reads Llama ("llama"), Mistral ("mistral"), Mixtral
 ("mixtral"), Qwen2 ("qwen2"), Qwen2-MoE ("qwen2_moe"), Qwen3 ("qwen3"),
-Qwen3-MoE ("qwen3_moe"), DeepSeek-V3 ("deepseek_v3"), Gemma 2 ("gemma2") and Gemma 3's text model
-("gemma3_text"; models/hf/gemma.py) configs. Training-only settings (dropout, Mixtral's
+Qwen3-MoE ("qwen3_moe"), DeepSeek-V3 ("deepseek_v3"), Gemma 2 ("gemma2"), Gemma 3's text model
+("gemma3_text"; models/hf/gemma.py) and gpt-oss ("gpt_oss"; models/hf/gpt_oss.py) configs. Training-only settings (dropout, Mixtral's
 router jitter, output_router_logits) are ignored; anything that changes the
 forward pass and that meshwork does not implement (RoPE scalings other than llama3,
 linear, dynamic and yarn (models/hf/rope.py), a sliding window in only some
@@ -18,6 +18,8 @@ from typing import Any
 
 from meshwork.config_sections import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 from meshwork.models.hf.gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config
+from meshwork.models.hf.gpt_oss import GPT_OSS_DEFAULTS, GPT_OSS_TYPES, gpt_oss_config
+from meshwork.models.hf.qwen3_next import QWEN3_NEXT_DEFAULTS, qwen3_next_config
 from meshwork.models.hf.rope import rope_from_hf
 
 # model_type -> (rms_norm_eps, rope_theta) that transformers assumes when config.json omits them.
@@ -31,6 +33,8 @@ DEFAULTS = {
     "qwen3_moe": (1e-6, 10000.0),
     "deepseek_v3": (1e-6, 10000.0),
     **GEMMA_DEFAULTS,
+    "qwen3_next": QWEN3_NEXT_DEFAULTS,
+    **GPT_OSS_DEFAULTS,
 }
 SUPPORTED = tuple(DEFAULTS)
 _QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -64,8 +68,12 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         if not ok:
             raise ValueError(f"{kind} config {key}={c.get(key)!r}: {why}")
 
+    if kind == "qwen3_next":
+        return qwen3_next_config(c, need, refuse, _qwen_moe_dense_layers)
     if kind in GEMMA_TYPES:
         return gemma_config(c, need, refuse)
+    if kind in GPT_OSS_TYPES:  # its experts' activation is fixed; no module reads hidden_act
+        return gpt_oss_config(c, need, refuse)
     refuse("hidden_act", c.get("hidden_act", "silu") == "silu", "meshwork's MLP is SwiGLU (silu) only")
     if kind == "deepseek_v3":
         return _deepseek_v3(c, need, refuse)

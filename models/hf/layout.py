@@ -20,6 +20,8 @@ import numpy as np
 
 from meshwork.config_sections import ModelConfig
 from meshwork.models.hf.gemma import GEMMA_TYPES, gemma_layer
+from meshwork.models.hf.gpt_oss import gpt_oss_moe
+from meshwork.models.hf.qwen3_next import linear_attention_tensors
 
 if TYPE_CHECKING:
     from meshwork.models.hf.files import TensorReader
@@ -37,13 +39,20 @@ class HFTensor:
     """One meshwork parameter of one layer and the checkpoint tensor(s) holding it.
 
     `name` may contain "{e}": then the file has one tensor per expert (`experts`
-    of them), stacked on meshwork's leading expert axis. `read` and `write` are
+    of them), stacked on meshwork's leading expert axis. `read` and `write_into` are
     each other's inverse, so the loader and `inference.hf_export` share this one
-    description of the layout.
+    description of the layout. With `columns`, several parameters share one file
+    tensor (gpt-oss's fused, interleaved gate_up_proj), each reading and writing its
+    columns of it.
 
     >>> t = HFTensor("q_proj.weight", shape=(64, 4, 24), hf_shape=(96, 64), linear=True)
     >>> t.write(np.zeros(t.shape, np.float32))["q_proj.weight"].shape
     (96, 64)
+    >>> gate, up = (HFTensor("gate_up", (2, 3), (2, 6), columns=(c, 2)) for c in (0, 1))
+    >>> tensors = {}
+    >>> gate.write_into(tensors, np.zeros((2, 3))); up.write_into(tensors, np.ones((2, 3)))
+    >>> tensors["gate_up"][0].tolist()
+    [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     """
 
     name: str
@@ -59,6 +68,15 @@ class HFTensor:
     file's row rows[m] (DeepSeek's interleaved RoPE pairs as meshwork's halves)."""
     buffer: bool = False
     """Not a trained parameter but a model buffer (DeepSeek-V3's expert selection bias, a RouterBias)."""
+    columns: tuple[int, int] | None = None
+    """(start, step): meshwork's array is the file tensor's last-axis columns start, start + step, ...
+    (`file[..., start::step]`; gpt-oss's gate at (0, 2), up at (1, 2)); the parameters sharing the
+    file tensor together write all of its columns. Only for a tensor stored as meshwork keeps it
+    (not `linear`, no `rows`)."""
+
+    def __post_init__(self):
+        if self.columns is not None and (self.linear or self.rows is not None):
+            raise ValueError(f"{self.name}: columns of a linear or row-permuted tensor are not implemented")
 
     def names(self) -> list[str]:
         return [self.name.format(e=e) for e in range(self.experts)] if self.experts else [self.name]
@@ -66,13 +84,18 @@ class HFTensor:
     def read(self, t: TensorReader) -> np.ndarray:
         """meshwork's array, from the tensor(s) in the file (a view of what `t` read, where possible)."""
         parts = [t.get(n, self.hf_shape) for n in self.names()]
+        if self.columns is not None:
+            start, step = self.columns
+            parts = [x[..., start::step] for x in parts]
         if self.rows is not None:
             parts = [x[np.asarray(self.rows)] for x in parts]
         parts = [(x.T if self.linear else x).reshape(self.shape[1:] if self.experts else self.shape) for x in parts]
         return np.stack(parts) if self.experts else parts[0]
 
     def write(self, x: np.ndarray) -> dict[str, np.ndarray]:
-        """The file's tensor(s), contiguous, holding meshwork's array `x`."""
+        """The file's tensor(s), contiguous, holding meshwork's array `x` (not for `columns`: `write_into`)."""
+        if self.columns is not None:
+            raise ValueError(f"{self.name} holds only some columns of its file tensor; use write_into")
 
         def one(x: np.ndarray) -> np.ndarray:
             x = x.reshape(self.hf_shape[::-1]).T if self.linear else x.reshape(self.hf_shape)
@@ -80,6 +103,18 @@ class HFTensor:
 
         parts = [one(x[e]) for e in range(self.experts)] if self.experts else [one(x)]
         return dict(zip(self.names(), parts, strict=True))
+
+    def write_into(self, tensors: dict[str, np.ndarray], x: np.ndarray) -> None:
+        """Adds the file's tensor(s) holding `x` to `tensors`; with `columns`, fills this parameter's
+        columns of a file tensor that `tensors` holds (made, in x's dtype, by the first to write)."""
+        if self.columns is None:
+            tensors.update(self.write(x))
+            return
+        start, step = self.columns
+        for e, name in enumerate(self.names()):
+            whole = tensors.setdefault(name, np.zeros(self.hf_shape, x.dtype))
+            part = x[e] if self.experts else x
+            whole[..., start::step] = part.reshape(whole[..., start::step].shape)
 
 
 def _linear(
@@ -134,11 +169,13 @@ def _mla(cfg: ModelConfig, a: str, interleaved: bool) -> dict[str, Any]:
 
 
 def _gqa(cfg: ModelConfig, a: str) -> dict[str, Any]:
-    """Grouped-query attention's projections (with Qwen2's biases, Qwen3's q/k norms)."""
+    """Grouped-query attention's projections (with Qwen2's biases, Qwen3's q/k norms, gpt-oss's
+    output bias and sinks)."""
     D, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    Q = 2 * K if cfg.attention_output_gate else K  # Qwen3-Next: each head's [query, gate]
     # HF's projection outputs are head-major (head h owns rows h*K .. h*K+K-1).
     attn = {
-        "wq": _linear(a + "q_proj.weight", H * K, D, (D, H, K)),
+        "wq": _linear(a + "q_proj.weight", H * Q, D, (D, H, Q)),
         "wk": _linear(a + "k_proj.weight", G * K, D, (D, G, K)),
         "wv": _linear(a + "v_proj.weight", G * K, D, (D, G, K)),
         "wo": _linear(a + "o_proj.weight", D, H * K, (H, K, D)),
@@ -149,6 +186,10 @@ def _gqa(cfg: ModelConfig, a: str) -> dict[str, Any]:
             "bk": _vector(a + "k_proj.bias", (G, K)),
             "bv": _vector(a + "v_proj.bias", (G, K)),
         }
+    if cfg.attention_out_bias:
+        attn["bo"] = _vector(a + "o_proj.bias", (D,))
+    if cfg.attention_sinks:  # one logit per query head
+        attn["sinks"] = _vector(a + "sinks", (H,))
     if cfg.qk_norm:  # Qwen3: one scale over head_dim, shared by the heads
         attn |= {
             "q_norm": {"scale": _vector(a + "q_norm.weight", (K,))},
@@ -161,13 +202,19 @@ def _layer(cfg: ModelConfig, model_type: str, i: int, *, moe: bool, interleaved:
     p, a, D = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", cfg.d_model
     if model_type in GEMMA_TYPES:
         return gemma_layer(cfg, i, _vector, _gqa) | {"mlp": _swiglu(p + "mlp.", D, cfg.d_ff)}
+    if i in cfg.linear_layers:  # Qwen3-Next's Gated DeltaNet layers
+        attention = linear_attention_tensors(cfg, p + "linear_attn.", _linear, _vector, HFTensor)
+    else:
+        attention = _mla(cfg, a, interleaved) if cfg.mla is not None else _gqa(cfg, a)
     layer = {
         "attn_norm": {"scale": _vector(p + "input_layernorm.weight", (D,))},
-        "attn": _mla(cfg, a, interleaved) if cfg.mla is not None else _gqa(cfg, a),
+        "attn": attention,
         "mlp_norm": {"scale": _vector(p + "post_attention_layernorm.weight", (D,))},
     }
     if not moe:
         return layer | {"mlp": _swiglu(p + "mlp.", D, cfg.d_ff)}
+    if model_type == "gpt_oss":
+        return layer | {"moe": gpt_oss_moe(cfg, p + "mlp.", HFTensor)}
     m = cfg.moe
     if model_type == "mixtral":
         q, names = p + "block_sparse_moe.", ("w1", "w3", "w2")  # w1: gate, w3: up, w2: down
@@ -254,7 +301,7 @@ def hf_layout(cfg: ModelConfig, model_type: str, interleaved: bool = True) -> di
     if cfg.kind == "transformer":
         layout["blocks"] = [_layer(cfg, model_type, i, moe=False, interleaved=interleaved) for i in range(cfg.n_layers)]
         return layout
-    for run in cfg.moe.layer_runs(cfg.n_layers):
+    for run in cfg.layer_runs():
         layout[run.name] = [
             _layer(cfg, model_type, i, moe=run.moe, interleaved=interleaved)
             for i in range(run.start, run.start + run.count)

@@ -1,0 +1,197 @@
+"""gpt-oss checkpoints in and out: parity with transformers, greedy decoding through the paged cache,
+the export round trip, refusals, and a training step through the gpt-oss-only parameters.
+
+The fixtures (tests/fixtures/make_family_golden.py) are two tiny random float32 models: `gpt_oss`
+(GQA 4:2, head_dim 12, window 4 alternating with full layers, q/k/v/o biases, YaRN with truncate
+false, 4 experts top-2, swiglu_limit 1 so the clamp bites) and `gpt_oss_mha` (MHA, every layer
+sliding, no attention biases, default RoPE, 3 experts top-1, tied embeddings). Both have random
+attention sinks and router and expert biases. Lengths 1, 7 and 24 (past every window).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import ROOT
+from flax import nnx
+from safetensors.numpy import load_file
+
+from meshwork.config_sections import ModelConfig, MoEConfig
+from meshwork.engine.sampling import SamplingParams
+from meshwork.engine.serving import Request, Server
+from meshwork.inference.hf_export import export_hf, hf_model_type
+from meshwork.models.hf import load_hf_checkpoint, load_hf_config, model_from_hf
+from meshwork.models.hf.config import config_from_hf
+from meshwork.models.hf.gpt_oss_experts import moe_params_from_hf
+from meshwork.objectives.next_token import next_token_loss
+
+FIXTURES = ROOT / "tests/fixtures/hf"
+NAMES = ("gpt_oss", "gpt_oss_mha")
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def loaded(request):
+    cfg, model = model_from_hf(FIXTURES / request.param)
+    return request.param, cfg, model, np.load(FIXTURES / request.param / "golden.npz")
+
+
+def test_logits_equal_transformers_at_1_7_and_past_the_window(loaded):
+    name, cfg, model, golden = loaded
+    forward = jax.jit(lambda t: model(t))
+    for n in (1, 7, 24):
+        want = golden[f"logits_{n}"]
+        got = np.asarray(forward(jnp.asarray(golden[f"input_ids_{n}"])))
+        err = np.abs(got - want).max() / np.abs(want).max()
+        print(f"{name} L={n}: max |logit error| / max |logit| = {err:.1e}")
+        assert err <= 1e-5, (name, n)
+
+
+def test_greedy_through_the_paged_cache_equals_transformers(loaded):
+    """16 greedy tokens from the paged server (prefix caching, 3-token prefill chunks): each layer
+    attends within its own window, with its sinks, and routes each step's token."""
+    name, cfg, model, golden = loaded
+    server = Server(model, slots=2, max_len=64, page_size=4, prefix_caching=True, prefill_chunk=3)
+    prompt = golden["prompt"][0].tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    results = server.run([Request(0, prompt, params), Request(1, prompt, params)])
+    for r in results.values() if isinstance(results, dict) else results:
+        assert list(r.tokens) == golden["generated"].tolist(), name
+
+
+def test_export_round_trip_is_bit_exact(loaded, tmp_path):
+    """Load -> export -> load gives the same parameters bit for bit, and the file comes back tensor for
+    tensor (gate and up interleaved again in gate_up_proj); the exported config reads back as the
+    same model config."""
+    name, cfg, model, _ = loaded
+    out = export_hf(cfg, model, tmp_path / "out")
+    _, first = load_hf_checkpoint(FIXTURES / name)
+    _, again = load_hf_checkpoint(out)
+    assert jax.tree.structure(first) == jax.tree.structure(again)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    want, got = load_file(FIXTURES / name / "model.safetensors"), load_file(out / "model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+    assert load_hf_config(out) == cfg
+
+
+def test_layout_reads_the_experts_as_the_gpt_oss_helper_splits_them():
+    """The layout's column reads of gate_up_proj give models/hf/gpt_oss_experts.py's split."""
+    _, params = load_hf_checkpoint(FIXTURES / "gpt_oss")
+    tensors = load_file(FIXTURES / "gpt_oss" / "model.safetensors")
+    for i in range(3):
+        want = moe_params_from_hf(tensors, f"model.layers.{i}.mlp.")
+        got = {k: v[i] for k, v in params["moe_blocks"]["moe"].items()}
+        assert got.keys() == want.keys()
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_one_training_step_reaches_the_gpt_oss_parameters(loaded):
+    """The LM loss's gradients are finite and nonzero for the sinks, the output bias, the router and
+    expert biases (top-1 routing passes no gradient to the router: its one weight is 1), and an
+    Adam step lowers the loss on its batch."""
+    name, cfg, model, golden = loaded
+    tokens = jnp.asarray(golden["input_ids_24"])
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+    loss_fn = next_token_loss(graphdef)
+    optimizer = optax.adam(1e-3)
+
+    @jax.jit
+    def step(params, opt_state):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, buffers, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), loss, grads
+
+    new_params, loss, grads = step(params, optimizer.init(params))
+    g = nnx.to_pure_dict(grads)["moe_blocks"]
+    names = {"sinks": g["attn"]["sinks"], **{k: g["moe"][k] for k in ("b_gate", "b_up", "b_down")}}
+    if cfg.attention_out_bias:
+        names["bo"] = g["attn"]["bo"]
+    if cfg.moe.top_k > 1:
+        names["b_router"] = g["moe"]["b_router"]
+    for key, grad in names.items():
+        assert np.isfinite(grad).all() and np.abs(grad).max() > 0, (name, key)
+    after, _ = jax.jit(loss_fn)(new_params, buffers, batch)
+    assert float(after) < float(loss), name
+
+
+def _config(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config.*dequantize"),
+        ({"layer_types": ["chunked_attention"] * 3}, "layer_types"),
+        ({"layer_types": ["sliding_attention"] * 2}, "layer_types"),
+        ({"sliding_window": None}, "sliding_window"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+    ],
+)
+def test_what_meshwork_cannot_compute_is_refused_by_name(change, key):
+    with pytest.raises(ValueError, match=key):
+        config_from_hf(_config("gpt_oss") | change)
+
+
+def test_released_defaults_fill_what_config_json_omits():
+    """transformers' GptOssConfig defaults: head_dim 64, 8 KV heads, window 128 alternating (sliding
+    first), YaRN 32 over 4096 with truncate false at base 150000; the aux loss only with
+    output_router_logits, k times transformers' coefficient."""
+    sizes = {k: _config("gpt_oss")[k] for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size")}
+    cfg = config_from_hf(
+        sizes | {"num_hidden_layers": 2, "num_attention_heads": 16, "num_local_experts": 4, "num_experts_per_tok": 2}
+    )
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.sliding_window) == (64, 8, 128)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    assert cfg.rope_theta == 150000.0 and cfg.rope_scaling["truncate"] is False
+    assert (cfg.rope_scaling["factor"], cfg.rope_scaling["original_max_position_embeddings"]) == (32.0, 4096)
+    assert cfg.moe.aux_loss_coef == 0.0
+    routed = config_from_hf(_config("gpt_oss") | {"output_router_logits": True, "router_aux_loss_coef": 0.01})
+    assert routed.moe.aux_loss_coef == 0.02
+
+
+GPT_OSS = ModelConfig(
+    kind="moe",
+    attention_sinks=True,
+    qkv_bias=True,
+    attention_out_bias=True,
+    moe=MoEConfig(router_bias=True, expert_bias=True, activation="clamped_swiglu", aux_loss_coef=0.0),
+)
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"qk_norm": True}, "qk_norm"),
+        ({"attention_out_bias": False}, "attention_bias biases q, k, v and o together"),
+        ({"attention_sinks": False}, "attention_sinks=False"),
+        ({"moe": GPT_OSS.moe.model_copy(update={"first_dense_layers": 1})}, "dense layers"),
+        ({"moe": GPT_OSS.moe.model_copy(update={"activation": "swiglu"})}, "moe.activation='swiglu'"),
+        ({"moe": GPT_OSS.moe.model_copy(update={"capacity_factor": 1.25})}, "capacity_factor"),
+    ],
+)
+def test_export_refuses_what_gpt_oss_cannot_express(change, why):
+    assert hf_model_type(GPT_OSS) == "gpt_oss"
+    with pytest.raises(ValueError, match=f"cannot export to gpt-oss: .*{why}"):
+        hf_model_type(GPT_OSS.model_copy(update=change))
+
+
+def test_other_families_refuse_the_gpt_oss_attention():
+    with pytest.raises(ValueError, match="attention_sinks"):
+        hf_model_type(ModelConfig(attention_sinks=True))
+
+
+def test_doctests(monkeypatch):
+    import doctest
+
+    import meshwork.models.hf.gpt_oss
+
+    monkeypatch.chdir(ROOT)
+    assert doctest.testmod(meshwork.models.hf.gpt_oss, optionflags=doctest.ELLIPSIS).failed == 0
