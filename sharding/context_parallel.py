@@ -133,11 +133,12 @@ def _in_order(pos_BL, *xs):
     return order, [None if x is None else take(x) for x in xs]
 
 
-def ulysses_shard(attend, q_BLHK, k_BSGK, v_BSGK, pos_BL, seg_BL, sinks_H, *, axis: str):
+def ulysses_shard(attend, q_BLHK, k_BSGK, v_BSGK, pos_BL, seg_BL, sinks_H, *, axis: str, in_order: bool = False):
     """Ulysses on this device's block: all-to-all from sequence-split to head-split over `axis`,
     `attend(q, k, v, positions, segment ids, sinks)` on the whole stretch of tokens the axis holds
     for H/n heads (their sinks), and the all-to-all back. Kv heads fewer than the axis are
-    repeated (`kv_repeats`); their gradients sum back through the repeat."""
+    repeated (`kv_repeats`); their gradients sum back through the repeat. `in_order`: the tokens
+    are in order 0..L-1, so each device makes the row's positions instead of gathering them."""
     n = jax.lax.axis_size(axis)
     H, G = q_BLHK.shape[2], k_BSGK.shape[2]
     check_heads("ulysses", H, G, n)
@@ -148,7 +149,9 @@ def ulysses_shard(attend, q_BLHK, k_BSGK, v_BSGK, pos_BL, seg_BL, sinks_H, *, ax
     if sinks_H is not None:
         sinks_H = jax.lax.dynamic_slice_in_dim(sinks_H, jax.lax.axis_index(axis) * (H // n), H // n)
     seg = None if seg_BL is None else gather(seg_BL)
-    o = attend(to_heads(q_BLHK), to_heads(k_BSGK), to_heads(v_BSGK), gather(pos_BL), seg, sinks_H)
+    B, L = pos_BL.shape[0], pos_BL.shape[1] * n
+    pos = jnp.broadcast_to(jnp.arange(L, dtype=pos_BL.dtype), (B, L)) if in_order else gather(pos_BL)
+    o = attend(to_heads(q_BLHK), to_heads(k_BSGK), to_heads(v_BSGK), pos, seg, sinks_H)
     return jax.lax.all_to_all(o, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
@@ -239,13 +242,27 @@ def context_parallel_attention(
             )
         )
     in_order = positions_BL is None
-    if positions_BL is None:
-        B, L = q_BLHK.shape[:2]
-        positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     manual = manual_axes()
-    if any(a in manual for a in seq_axes):
+    in_stage = any(a in manual for a in seq_axes)
+    if positions_BL is None:
+        # Tokens in order: the whole row's positions, or (inside a stage, which holds its shard
+        # of the sequence) this shard's.
+        B, L = q_BLHK.shape[:2]
+        first = jax.lax.axis_index(seq_axes[0]) * L if in_stage else 0
+        positions_BL = jnp.broadcast_to(first + jnp.arange(L, dtype=jnp.int32), (B, L))
+    if in_stage:
         return _in_stage(
-            algorithm, local, q_BLHK, k_BSGK, v_BSGK, positions_BL, segment_ids_BL, sinks_H, seq_axes[0], opaque
+            algorithm,
+            local,
+            q_BLHK,
+            k_BSGK,
+            v_BSGK,
+            positions_BL,
+            segment_ids_BL,
+            sinks_H,
+            seq_axes[0],
+            opaque,
+            in_order,
         )
     batch = tuple(a for a in batch_axes if a not in manual)
     heads = tuple(a for a in head_axes if a not in manual)
@@ -268,7 +285,7 @@ def context_parallel_attention(
     if algorithm == "all_gather":
         body = functools.partial(gathered_kv_shard, local, axis=seq_axes[0])
     elif algorithm == "ulysses":
-        body = functools.partial(ulysses_shard, _local_on_rows(local, in_order), axis=seq_axes[0])
+        body = functools.partial(ulysses_shard, _local_on_rows(local, in_order), axis=seq_axes[0], in_order=in_order)
     else:
         ring = _ring_on_rows(seq_axes[0], causal=causal, scale=scale, window=window, softcap=softcap)
         body = functools.partial(ulysses_shard, ring, axis=seq_axes[1])
@@ -302,7 +319,7 @@ def _shard_mapped(body, q, k, v, pos, seg, sinks, seq_axes, batch, heads):
     )(q, k, v, pos, *(x for x, _ in optional))
 
 
-def _in_stage(algorithm, local, q, k, v, pos, seg, sinks, axis, opaque):
+def _in_stage(algorithm, local, q, k, v, pos, seg, sinks, axis, opaque, in_order):
     """Inside a pipeline stage, whose shard_map is already manual over the sequence axis (and the data
     axes): the bodies run as they are, the heads left to the compiler. The ring runs as all_gather."""
     if opaque:
@@ -313,7 +330,7 @@ def _in_stage(algorithm, local, q, k, v, pos, seg, sinks, axis, opaque):
     if algorithm in ("ring", "all_gather"):
         return gathered_kv_shard(local, q, k, v, pos, seg, sinks, axis=axis)
     if algorithm == "ulysses":
-        return ulysses_shard(_local_on_rows(local, False), q, k, v, pos, seg, sinks, axis=axis)
+        return ulysses_shard(_local_on_rows(local, in_order), q, k, v, pos, seg, sinks, axis=axis, in_order=in_order)
     raise ValueError(
         "train.context_parallel=usp inside a pipeline stage is not built (its ring cannot run inside the "
         "schedule's branches); use all_gather or ulysses with train.pipeline, or usp without it"

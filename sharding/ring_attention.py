@@ -1,8 +1,9 @@
 """Context parallelism: ring attention over a `sequence` mesh axis.
 
 The sequence is split over mesh axis `sequence` (size n). Every device keeps
-its query block; key/value blocks, with their token positions, travel round
-the ring with `ppermute`, one hop per step, for n steps. Each step folds one
+its query block; key/value blocks travel round the ring with `ppermute`, one
+hop per step, for n steps (their positions and segment ids are all-gathered
+once, and each hop slices the visiting block's). Each step folds one
 K/V block into running softmax statistics (max, sum, float32 accumulator), so
 no device ever holds more than two K/V blocks or a score matrix wider than a
 block. The backward pass is a second ring: K/V travel again together with
@@ -261,24 +262,34 @@ def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec: _Spec):
+def _block_meta(kv_pos_all, kv_seg_all, t, Lk: int, spec: _Spec):
+    """The positions and segment ids of the block this device holds at hop t (the block that
+    started on device d - t), sliced from the row's gathered ones and cut into sub-blocks."""
+    n = jax.lax.axis_size(spec.axis_name)
+    start = ((jax.lax.axis_index(spec.axis_name) - t) % n) * Lk
+    cut = lambda x: _split(None if x is None else jax.lax.dynamic_slice_in_dim(x, start, Lk, 1), spec.sub_blocks, 1)  # noqa: E731
+    return cut(kv_pos_all), cut(kv_seg_all)
+
+
+def _ring_forward(q, k, v, q_pos, kv_pos_all, q_seg, kv_seg_all, sinks, spec: _Spec):
     B, Lq, H, K = q.shape
-    G = k.shape[2]
+    Lk, G = k.shape[1], k.shape[2]
     n, sb = jax.lax.axis_size(spec.axis_name), spec.sub_blocks
     perm = _ring_perm(n)
     q, k, v = _to_internal(q, k, v, G)
     qs, qps, qss = _split(q, sb, 3), _split(q_pos, sb, 1), _split(q_seg, sb, 1)
-    kv = (_split(k, sb, 2), _split(v, sb, 2), _split(kv_pos, sb, 1), _split(kv_seg, sb, 1))
+    kv = (_split(k, sb, 2), _split(v, sb, 2))
 
     stats = tuple(
         (jnp.full(qa.shape[:-1], -jnp.inf, F32), jnp.zeros(qa.shape[:-1], F32), jnp.zeros(qa.shape, F32)) for qa in qs
     )
-    stats = vary_like(stats, q, k, v, q_pos, kv_pos)
+    stats = vary_like(stats, q, k, v, q_pos, kv_pos_all)
 
-    def fold(stats, kv):
+    def fold(stats, kv, t):
+        kps, kss = _block_meta(kv_pos_all, kv_seg_all, t, Lk, spec)
         out = []
         for qa, qpa, qsa, st in zip(qs, qps, qss, stats):
-            for kb, vb, kpb, ksb in zip(*kv):
+            for kb, vb, kpb, ksb in zip(*kv, kps, kss):
                 update = functools.partial(
                     _fwd_block, q=qa, q_pos=qpa, q_seg=qsa, k=kb, v=vb, kv_pos=kpb, kv_seg=ksb, spec=spec
                 )
@@ -286,16 +297,16 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec: _Spec):
             out.append(st)
         return tuple(out)
 
-    def step(_, carry):
+    def step(t, carry):
         stats, kv = carry
         # The next block is requested before this one is used: the two are
         # independent, so the collective-permute overlaps the compute.
         nxt = jax.lax.ppermute(kv, spec.axis_name, perm)
-        return fold(stats, kv), nxt
+        return fold(stats, kv, t), nxt
 
     # n-1 hops suffice; the last block is folded after the loop.
     stats, kv = jax.lax.fori_loop(0, n - 1, step, (stats, kv))
-    stats = fold(stats, kv)
+    stats = fold(stats, kv, n - 1)
 
     m, l, acc = (jnp.concatenate(x, axis=3) for x in zip(*stats))
     if sinks is not None:
@@ -313,9 +324,9 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec: _Spec):
 
 
 def _ring_backward(spec: _Spec, res, d_out):
-    q0, k0, v0, q_pos, kv_pos, q_seg, kv_seg, sinks, out, lse = res
+    q0, k0, v0, q_pos, kv_pos_all, q_seg, kv_seg_all, sinks, out, lse = res
     B, Lq, H, K = q0.shape
-    G = k0.shape[2]
+    Lk, G = k0.shape[1], k0.shape[2]
     n, sb = jax.lax.axis_size(spec.axis_name), spec.sub_blocks
     perm = _ring_perm(n)
     q, k, v = _to_internal(q0, k0, v0, G)
@@ -327,16 +338,17 @@ def _ring_backward(spec: _Spec, res, d_out):
 
     qs, qps, qss = _split(q, sb, 3), _split(q_pos, sb, 1), _split(q_seg, sb, 1)
     dos, lses, deltas = _split(do, sb, 3), _split(lse, sb, 3), _split(delta, sb, 3)
-    kv = (_split(k, sb, 2), _split(v, sb, 2), _split(kv_pos, sb, 1), _split(kv_seg, sb, 1))
+    kv = (_split(k, sb, 2), _split(v, sb, 2))
     dq = tuple(jnp.zeros(qa.shape, F32) for qa in qs)
-    dkv = tuple(tuple(jnp.zeros(kb.shape, F32) for kb in ks) for ks in kv[:2])
-    dq, dkv = vary_like((dq, dkv), q, k, v, q_pos, kv_pos, do)
+    dkv = tuple(tuple(jnp.zeros(kb.shape, F32) for kb in ks) for ks in kv)
+    dq, dkv = vary_like((dq, dkv), q, k, v, q_pos, kv_pos_all, do)
 
-    def accumulate(dq, kv, dkv):
+    def accumulate(dq, kv, dkv, t):
+        kps, kss = _block_meta(kv_pos_all, kv_seg_all, t, Lk, spec)
         dks, dvs = list(dkv[0]), list(dkv[1])
         dq = list(dq)
         for a, (qa, qpa, qsa, doa, lsea, dela) in enumerate(zip(qs, qps, qss, dos, lses, deltas)):
-            for b, (kb, vb, kpb, ksb) in enumerate(zip(*kv)):
+            for b, (kb, vb, kpb, ksb) in enumerate(zip(*kv, kps, kss)):
                 update = functools.partial(
                     _bwd_block,
                     q=qa,
@@ -354,17 +366,17 @@ def _ring_backward(spec: _Spec, res, d_out):
                 dq[a], dks[b], dvs[b] = _maybe(_skippable(spec, qpa, kpb), update, (dq[a], dks[b], dvs[b]))
         return tuple(dq), (tuple(dks), tuple(dvs))
 
-    def step(_, carry):
+    def step(t, carry):
         dq, kv, dkv = carry
         nxt = jax.lax.ppermute(kv, spec.axis_name, perm)
-        dq, dkv = accumulate(dq, kv, dkv)
+        dq, dkv = accumulate(dq, kv, dkv, t)
         # dK/dV travel with their block: after n hops they are back on the
         # device that owns that block. They travel in float32 (twice the bytes
         # of bf16 K/V) so that n partial sums do not round n times.
         return dq, nxt, jax.lax.ppermute(dkv, spec.axis_name, perm)
 
     dq, kv, dkv = jax.lax.fori_loop(0, n - 1, step, (dq, kv, dkv))
-    dq, dkv = accumulate(dq, kv, dkv)
+    dq, dkv = accumulate(dq, kv, dkv, n - 1)
     dkv = jax.lax.ppermute(dkv, spec.axis_name, perm)
 
     dq = jnp.concatenate(dq, axis=3).transpose(0, 3, 1, 2, 4).reshape(B, Lq, H, K).astype(q0.dtype)
@@ -378,16 +390,17 @@ def _ring_backward(spec: _Spec, res, d_out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec):
-    return _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec)[0]
+def _ring(q, k, v, q_pos, kv_pos_all, q_seg, kv_seg_all, sinks, spec):
+    return _ring_forward(q, k, v, q_pos, kv_pos_all, q_seg, kv_seg_all, sinks, spec)[0]
 
 
-def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec):
+def _ring_fwd(q, k, v, q_pos, kv_pos_all, q_seg, kv_seg_all, sinks, spec):
     # Residuals are this device's blocks, its output and one log-sum-exp per
     # query: O(L/n) memory, where autodiff through the loop would keep every
-    # visiting K/V block and every probability block (O(L^2/n)).
-    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec)
-    return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, out, lse)
+    # visiting K/V block and every probability block (O(L^2/n)); and the row's
+    # positions (and segment ids), integers, which the backward slices as the forward did.
+    out, lse = _ring_forward(q, k, v, q_pos, kv_pos_all, q_seg, kv_seg_all, sinks, spec)
+    return out, (q, k, v, q_pos, kv_pos_all, q_seg, kv_seg_all, sinks, out, lse)
 
 
 _ring.defvjp(_ring_fwd, _ring_backward)
@@ -468,7 +481,12 @@ def ring_attention_shard(
         # The sinks are the same on every device of the ring; made varying like q, their
         # cotangents (one per device) are summed by the transpose of that cast.
         sinks = vary_like(sinks, q)
-    return _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec)
+    # Only K/V go round the ring: the keys' positions and segment ids (small integers) are
+    # all-gathered once, and each hop slices those of the block it holds. A model's layers all
+    # gather the same ones, so XLA hoists the gather out of the layer loop: once per step.
+    gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, axis=1, tiled=True)
+    kv_seg_all = None if kv_seg is None else gather(kv_seg)
+    return _ring(q, k, v, q_pos, gather(kv_pos), q_seg, kv_seg_all, sinks, spec)
 
 
 # --------------------------------------------------------------------------

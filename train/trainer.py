@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from meshwork.config import Config, ConfigError
 from meshwork.models.build import ema_decay
 from meshwork.partitioning import abstract_with_shardings, indivisible, logical_specs
 from meshwork.perf.hardware import device_memory_bytes
+from meshwork.sharding.context_parallel import check_heads
 from meshwork.sharding.mesh import MESH_AXES, MeshSizeError, make_mesh, resolve_mesh_shape
 from meshwork.sharding.overlap import compiler_options
 from meshwork.sharding.parallel import ParallelContext, use_parallel
@@ -83,21 +85,52 @@ def check_runtime(cfg: Config, devices: list | None = None) -> LMTask | Diffusio
             "train.pipeline: expert parallelism (ep) inside a pipeline stage is not supported; "
             "drop ep from rules.preset (the experts stay whole on each stage) or set train.pipeline=none"
         )
-    if len(seq_axes) > 1:
-        raise ConfigError(f"rules.preset: the sequence is split over {seq_axes}; context parallelism uses one axis")
-    if seq_axes and cfg.data.source in ("text", "chat"):
-        raise ConfigError(
-            f"rules.preset: context parallelism (ring attention over {seq_axes[0]}) takes no packed "
-            f"documents, which data.source={cfg.data.source} makes; drop cp from rules.preset"
-        )
-    if seq_axes and cfg.data.seq_len % (2 * mesh_shape[seq_axes[0]]):
-        raise ConfigError(
-            f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x {seq_axes[0]}="
-            f"{mesh_shape[seq_axes[0]]} for context parallelism's zigzag layout"
-        )
+    if seq_axes:
+        _check_context_parallel(cfg, seq_axes, mesh_shape, split_axes("act_heads", rules, mesh_shape))
     check_comm(cfg, mesh_shape)
     check_base(cfg)
     return make_task(cfg)
+
+
+def _check_context_parallel(cfg: Config, seq_axes: tuple[str, ...], mesh_shape: dict, head_axes: tuple) -> None:
+    """train.context_parallel against the sequence split, the model's heads and the attention impl."""
+    cp, m, L = cfg.train.context_parallel, cfg.model, cfg.data.seq_len
+    want = 2 if cp == "usp" else 1
+    if len(seq_axes) != want:
+        raise ConfigError(
+            f"train.context_parallel: {cp} needs act_seq split over {want} mesh axis(es), the rules split it over "
+            f"{list(seq_axes)}; "
+            + (
+                "split it over two, the ring's then Ulysses', e.g. rules.overrides act_seq=[sequence, tensor] "
+                "(and act_norm_seq alike), or use ring"
+                if cp == "usp"
+                else "use train.context_parallel=usp (a ring over the first, Ulysses within the second)"
+            )
+        )
+    ring = mesh_shape[seq_axes[0]]
+    if cp != "ulysses" and L % (2 * ring):
+        raise ConfigError(
+            f"data.seq_len: {L} must be a multiple of 2 x {seq_axes[0]}={ring} for context parallelism's zigzag layout"
+        )
+    if cp == "ulysses" and L % ring:
+        raise ConfigError(f"data.seq_len: {L} must be a multiple of {seq_axes[0]}={ring} for Ulysses")
+    if cp in ("ulysses", "usp") and m.kind != "unet":
+        heads, kv_heads = (m.n_heads, m.n_heads) if m.mla is not None else (m.n_heads, m.n_kv_heads)
+        tensor = math.prod(mesh_shape[a] for a in head_axes)
+        try:
+            check_heads(cp, heads, kv_heads, mesh_shape[seq_axes[-1]], tensor)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if (cp == "all_gather" or cfg.train.pipeline != "none") and m.attention != "xla":
+        raise ConfigError(
+            f"model.attention: {m.attention} masks keys by index, and context parallelism by all-gathered keys "
+            f"(train.context_parallel=all_gather, and any inside a pipeline) masks them by position; "
+            "use model.attention=xla, or train.context_parallel=ulysses or ring without a pipeline"
+        )
+    if cp == "usp" and cfg.train.pipeline != "none":
+        raise ConfigError(
+            "train.context_parallel: usp inside a pipeline is not built; use all_gather or ulysses with train.pipeline"
+        )
 
 
 def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
@@ -275,10 +308,12 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
     rules_by_role = {role: rules_for(preset, cfg.rules.overrides, role) for role in ROLES}
     rules = rules_by_role["params"]
     # Context parallelism: tokens are laid out in zigzag order so every
-    # device on the ring gets the same share of causal attention work;
-    # the model reads each token's true position from `positions`.
+    # device on the ring (or all-gathering) gets the same share of causal attention work
+    # (usp: zigzag over its ring axis); the model reads each token's true position from
+    # `positions`. Ulysses gives every device whole rows: the tokens stay in order.
     seq_axes = split_axes("act_seq", rules, dict(mesh.shape))
-    seq_perm = zigzag_permutation(cfg.data.seq_len, mesh.shape[seq_axes[0]]) if len(seq_axes) == 1 else None
+    zigzag = seq_axes and cfg.train.context_parallel != "ulysses"
+    seq_perm = zigzag_permutation(cfg.data.seq_len, mesh.shape[seq_axes[0]]) if zigzag else None
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     inner_tx = None
     if cfg.comm.local_steps > 1:  # DiLoCo: AdamW runs inside each replica, the state's optimizer is the outer one
@@ -288,7 +323,9 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
     graphdef, abstract = abstract_state(cfg, tx)
     if uses_comm(cfg):
         abstract = abstract.replace(comm=jax.eval_shape(_comm_initializer(cfg, mesh, inner_tx), abstract.params))
-    parallel = ParallelContext(rules, collective_matmul=cfg.comm.collective_matmul)
+    parallel = ParallelContext(
+        rules, collective_matmul=cfg.comm.collective_matmul, context_parallel=cfg.train.context_parallel
+    )
     with jax.set_mesh(mesh), use_parallel(parallel):
         shardings = state_shardings(abstract, mesh, rules_by_role, cfg.train.offload)
         if uses_comm(cfg):

@@ -16,7 +16,9 @@ Pure arithmetic on the config and a hardware data sheet
 Step time (seconds), with `PlanOptions` saying how efficient and overlapped:
 
     compute    = (model FLOPs + remat recompute) / devices / (peak x efficiency)
-    critical   = compute + exposed activation collectives (tp, sp, ep, pipeline)
+    critical   = compute + exposed activation collectives (tp, sp, ep, pipeline; context
+                 parallelism's all-gathers and all-to-alls, and what of the ring's hops the
+                 attention compute they overlap, half the attention FLOPs (causal), cannot cover)
     bubble     = critical x idle / (1 - idle)  idle: idle_fraction of the schedule table the
                                                executor runs (GPipe, 1F1B: (P-1)/(M+P-1), so
                                                critical x (P-1)/M; interleaved, zb-h1: less)
@@ -52,7 +54,12 @@ from typing import Any
 import yaml
 
 from meshwork.config import Config, ConfigError, validate
-from meshwork.perf.flops import attention_dims, mla_padding_flops_per_token, train_flops_per_token
+from meshwork.perf.flops import (
+    attention_dims,
+    attention_flops_per_token,
+    mla_padding_flops_per_token,
+    train_flops_per_token,
+)
 from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_comm import Collective, CommOptions, collective_time, placement, step_collectives, summarize
 from meshwork.perf.planner_layout import REMATS, Layout, layout_from_config, make_layout
@@ -68,6 +75,7 @@ from meshwork.perf.planner_memory import (
 from meshwork.perf.planner_pipeline import pipeline_schedule
 from meshwork.perf.planner_remat import kept_during_backward, recompute_fraction
 from meshwork.perf.planner_weights import indivisible, model_weights, shard_size
+from meshwork.sharding.context_parallel import check_heads
 from meshwork.sharding.mesh import MESH_AXES
 
 __all__ = [
@@ -148,6 +156,7 @@ class Plan:
                 "pipeline": self.layout.pipeline,
                 "virtual_stages": self.layout.virtual_stages,
                 "remat": self.layout.remat,
+                "context_parallel": self.layout.context_parallel,
             },
             "hardware": self.hardware.name,
             "memory": self.memory,
@@ -344,8 +353,11 @@ def plan(
         (c, *collective_time(c, layout, hw, dpn, options.algorithm))
         for c in step_collectives(cfg, layout, options.comm, acc)
     ]
-    critical_comm = sum(t for c, t, _ in timed if not c.overlappable)
-    background = sum(t for c, t, _ in timed if c.overlappable)
+    # Ring attention's hops overlap the attention compute of their layer: what that cannot cover is exposed.
+    ring = sum(t for c, t, _ in timed if c.under_attention)
+    ring_hidden = min(ring, _attention_time(cfg, layout, peak * options.efficiency))
+    critical_comm = sum(t for c, t, _ in timed if not c.overlappable and not c.under_attention) + ring - ring_hidden
+    background = sum(t for c, t, _ in timed if c.overlappable and not c.under_attention)
     work = compute + recompute + critical_comm
     sched = pipeline_schedule(layout)  # the executor's own table: its idle share is the bubble
     bubble = work * sched.bubble_ratio if sched is not None else 0.0
@@ -357,6 +369,8 @@ def plan(
         "compute": compute,
         "recompute": recompute,
         "activation_comm": critical_comm,
+        "ring_attention_comm": ring,
+        "ring_attention_hidden": ring_hidden,
         "bubble": bubble,
         "grad_weight_comm": background,
         "hidden_comm": hidden,
@@ -387,6 +401,13 @@ def plan(
     )
 
 
+def _attention_time(cfg: Config, layout: Layout, flops_per_s: float) -> float:
+    """Seconds per step one device spends in the attention scores and values, forward and backward:
+    what ring attention's hops overlap. Causal attention computes half of PaLM's square."""
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    return 0.5 * attention_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / layout.devices / flops_per_s
+
+
 # ---------------------------------------------------------------------------
 # Search
 
@@ -414,8 +435,8 @@ def layout_problem(cfg: Config, layout: Layout) -> str | None:
         m.n_layers % (s["stage"] * layout.virtual_stages) or layout.microbatches % s["stage"]
     ):
         return "interleaving needs layers divisible by stage x virtual stages and microbatches by stage"
-    if s["sequence"] > 1 and (cfg.data.seq_len % (2 * s["sequence"]) or layout.pipeline != "none"):
-        return "context parallelism needs seq_len divisible by 2 x sequence and no pipeline"
+    if s["sequence"] > 1 and (problem := _context_parallel_problem(cfg, layout)):
+        return problem
     if s["expert"] > 1 and (m.kind != "moe" or m.moe.n_experts % s["expert"]):
         return "expert parallelism needs experts divisible by the expert axis"
     heads = layout.ways("heads")
@@ -429,6 +450,27 @@ def layout_problem(cfg: Config, layout: Layout) -> str | None:
     return f"{bad} does not divide evenly" if bad else None
 
 
+def _context_parallel_problem(cfg: Config, layout: Layout) -> str | None:
+    """Why `layout`'s context parallelism cannot run `cfg` (as train/trainer.py check_runtime says), or None."""
+    m, cp, seq = cfg.model, layout.context_parallel, layout.split("act_seq")
+    if layout.pipeline != "none":
+        return "the planner's context parallelism runs without a pipeline"
+    if len(seq) != (2 if cp == "usp" else 1):
+        return f"context_parallel={cp} with act_seq over {seq}"
+    ring = layout.sizes[seq[0]]
+    if cfg.data.seq_len % (ring if cp == "ulysses" else 2 * ring):
+        return f"context parallelism needs seq_len divisible by {'' if cp == 'ulysses' else '2 x '}sequence"
+    if cp == "all_gather" and m.attention != "xla":
+        return f"context_parallel=all_gather masks by position, which model.attention={m.attention} does not"
+    if cp in ("ulysses", "usp"):
+        heads, kv_heads = (m.n_heads, m.n_heads) if m.mla is not None else (m.n_heads, m.n_kv_heads)
+        try:
+            check_heads(cp, heads, kv_heads, layout.sizes[seq[-1]], layout.ways("act_heads"))
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def candidate_layouts(cfg: Config, n_devices: int, devices_per_node: int):
     """Every layout worth planning on `n_devices`: mesh factorizations (tensor
     within a node), ZeRO stage, sequence parallelism, remat, microbatches."""
@@ -439,7 +481,11 @@ def candidate_layouts(cfg: Config, n_devices: int, devices_per_node: int):
         if stage > 1 and m.kind != "transformer":
             continue
         zeros = (3,) if fsdp > 1 else ((0, 1, 2) if data > 1 else (0,))
-        for zero, sp, remat in itertools.product(zeros, (False, True) if tensor > 1 else (False,), REMATS):
+        # Context parallelism's four algorithms; usp spends `tensor` on the sequence (Ulysses).
+        cps = ("ring",) if sequence == 1 else ("ring", "all_gather", "ulysses", "usp")[: 4 if tensor > 1 else 3]
+        for zero, sp, remat, cp in itertools.product(zeros, (False, True) if tensor > 1 else (False,), REMATS, cps):
+            if cp == "usp" and sp:
+                continue  # tensor is no tensor-parallel axis under usp
             base = dict(
                 stage=stage,
                 data=data,
@@ -450,6 +496,7 @@ def candidate_layouts(cfg: Config, n_devices: int, devices_per_node: int):
                 zero=zero,
                 sequence_parallel=sp,
                 remat=remat,
+                context_parallel=cp,
             )
             per_shard = cfg.train.global_batch // max(1, data * fsdp * (expert if expert > 1 else 1))
             mbs = [mb for mb in _divisors(per_shard) if mb <= 64]
@@ -505,7 +552,7 @@ def search(
 _PARTS = {
     "compute": "compute",
     "recompute": "remat/pipeline recompute",
-    "activation_comm": "tp/sp/ep/pipeline communication",
+    "activation_comm": "tp/sp/cp/ep/pipeline communication",
     "bubble": "pipeline bubble",
     "exposed_grad_weight_comm": "exposed gradient/weight communication",
     "optimizer": "optimizer update",
@@ -595,6 +642,12 @@ def format_plan(p: Plan) -> str:
             if t[k]
         )
         + f" (of which hidden under compute {_secs(t['hidden_comm'])}), optimizer {_secs(t['optimizer'])}"
+        + (
+            f"; ring attention hops {_secs(t['ring_attention_comm'])}, "
+            f"{_secs(t['ring_attention_hidden'])} of them under the attention compute"
+            if t["ring_attention_comm"]
+            else ""
+        )
     )
     lines.append(
         f"step {_secs(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
@@ -608,12 +661,18 @@ def config_for(cfg: Config, layout: Layout) -> Config:
     raw = cfg.to_dict()
     raw["mesh"] = dict(layout.sizes)
     raw["rules"] = {**raw["rules"], "preset": layout.preset}
+    if layout.overrides:  # e.g. usp's act_seq over two axes
+        raw["rules"]["overrides"] = {
+            **raw["rules"].get("overrides", {}),
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in layout.overrides},
+        }
     raw["train"] = {
         **raw["train"],
         "microbatches": layout.microbatches,
         "pipeline": layout.pipeline,
         "virtual_stages": layout.virtual_stages,
         "remat": layout.remat,
+        "context_parallel": layout.context_parallel,
     }
     return validate(raw, "planned layout")
 

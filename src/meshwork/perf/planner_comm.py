@@ -40,8 +40,11 @@ Where each comes from (g: the devices of the mesh axes involved):
   all-gathers + 2 reduce-scatters forward, and backward one reduce-scatter
   per input gradient plus 4 all-gathers (saved sharded inputs, output
   gradients). The vocab-parallel embedding and logits add two all-reduces.
-- context parallelism (ring attention): per layer the key and value blocks go
-  round the ring, 2(c-1) permutes forward and 4(c-1) + 2 backward.
+- context parallelism (`train.context_parallel`, planner_context.py): per layer
+  the ring's K/V blocks (with their positions) go round, c-1 hops forward and
+  c-1 + c (float32 dK/dV) backward, hidden under the layer's attention compute
+  as far as it lasts; all_gather all-gathers K/V forward and reduce-scatters
+  dK/dV backward; ulysses all-to-alls q, k, v and the output each way; usp both.
 - expert parallelism: per MoE layer an all-to-all to dispatch and one to
   combine, forward and backward; meshwork's dropless dispatch pads each
   destination's buffer to the no-drop worst case (N x T k rows).
@@ -72,6 +75,7 @@ import math
 from meshwork.config import Config
 from meshwork.perf.flops import attention_dims, mtp_block_is_moe
 from meshwork.perf.hardware import Accelerator
+from meshwork.perf.planner_context import AttentionShard, cp_collectives
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_memory import ITEMSIZE, StateBytes, token_shape
 from meshwork.perf.planner_pipeline import pipeline_schedule
@@ -94,8 +98,11 @@ class Collective:
     count: float
     what: str
     overlappable: bool = True
-    """Can run while other work computes (gradients, weight gathers, ring
-    attention); activations of tp/sp/ep and pipeline sends are on the critical path."""
+    """Can run while other work computes (gradients, weight gathers); activations
+    of tp/sp/ep/cp and pipeline sends are on the critical path."""
+    under_attention: bool = False
+    """Overlaps the attention compute of its layer (ring attention's hops): exposed
+    only where the hops take longer than that compute (`plan`)."""
 
     @property
     def sent_bytes(self) -> float:
@@ -135,19 +142,19 @@ def step_collectives(
     acc = accounting or StateBytes.meshwork(cfg)
     out: dict[tuple, list] = {}
 
-    def add(kind, axes, payload, count, what, overlappable=True):
+    def add(kind, axes, payload, count, what, overlappable=True, under_attention=False):
         axes = tuple(a for a in MESH_AXES if a in axes)
         group = math.prod(layout.sizes[a] for a in axes)
         if group <= 1 and kind != "collective-permute" or count == 0 or payload == 0:
             return
-        key = (kind, axes, what, overlappable, count)
+        key = (kind, axes, what, overlappable, under_attention, count)
         out.setdefault(key, [0.0])[0] += payload
 
     _weight_collectives(cfg, layout, options, acc, add)
     _activation_collectives(cfg, layout, options, add)
     return [
-        Collective(kind, axes, math.prod(layout.sizes[a] for a in axes), payload[0], count, what, ovl)
-        for (kind, axes, what, ovl, count), payload in out.items()
+        Collective(kind, axes, math.prod(layout.sizes[a] for a in axes), payload[0], count, what, ovl, attn)
+        for (kind, axes, what, ovl, attn, count), payload in out.items()
     ]
 
 
@@ -248,13 +255,19 @@ def _activation_collectives(cfg, layout, options, add) -> None:
 
     cp = layout.split("act_seq")
     if cp:
-        c = layout.ways("act_seq")
-        if m.mla is None:
-            kv_block = ts.tokens * m.n_kv_heads * m.resolved_head_dim / ts.t_kv * p
-        else:  # training's expanded form: keys and values per head, padded to one width
-            dq, dv = attention_dims(m)
-            kv_block = ts.tokens * m.n_heads * max(dq, dv) / ts.t_heads * p
-        add("collective-permute", cp, kv_block, (6 * (c - 1) + 2) * layers * M, "ring attention k/v")
+        shard = attention_shard(cfg, layout)
+        # Under a remat policy the layer's backward runs its attention's forward again, collectives
+        # included (planner_context.forward_runs_under).
+        for c in cp_collectives(layout.context_parallel, shard, cp, layout.sizes, remat=layout.remat):
+            add(
+                c.kind,
+                c.axes,
+                c.payload_bytes,
+                c.count * (layers if c.per_layer else 1) * M,
+                c.what,
+                False,
+                c.overlap == "attention",
+            )
 
     ep = layout.split("expert")
     if ep and n_moe:
@@ -269,6 +282,27 @@ def _activation_collectives(cfg, layout, options, add) -> None:
     if (sched := pipeline_schedule(layout)) is not None:
         steps = sched.steps  # 2(M + P - 1) for GPipe and 1F1B
         add("collective-permute", ("stage",), act / ts.t_norm, 2 * steps, "pipeline sends", False)
+
+
+def attention_shard(cfg: Config, layout: Layout) -> AttentionShard:
+    """One device's attention inputs per microbatch under `layout` (before context parallelism)."""
+    m, ts = cfg.model, token_shape(cfg, layout)
+    if m.mla is None:
+        heads, kv_heads, width = m.n_heads // ts.t_heads, m.n_kv_heads // ts.t_kv, m.resolved_head_dim
+    else:  # training's expanded form: keys and values per head, padded to one width
+        heads = kv_heads = m.n_heads // ts.t_heads
+        width = max(attention_dims(m))
+    return AttentionShard(
+        b=ts.b,
+        s=ts.s,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=width,
+        itemsize=ITEMSIZE[cfg.train.compute_dtype],
+        segments=cfg.data.source in ("text", "chat"),
+        # The trainer lays tokens out in zigzag order (with positions) except under Ulysses.
+        positions=layout.context_parallel != "ulysses",
+    )
 
 
 def summarize(collectives: list[Collective]) -> dict[str, dict[str, float]]:

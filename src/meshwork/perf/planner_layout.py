@@ -48,6 +48,8 @@ class Layout:
     overrides: tuple[tuple[str, object], ...] = ()
     virtual_stages: int = 1
     """Model chunks per stage (train.virtual_stages) under the interleaved schedule."""
+    context_parallel: str = "ring"
+    """How attention runs over a split sequence (train.context_parallel: ring, all_gather, ulysses, usp)."""
 
     @functools.cached_property
     def sizes(self) -> dict[str, int]:
@@ -102,6 +104,8 @@ class Layout:
             extra.append(f"mb={self.microbatches}")
         if self.pipeline != "none":
             extra.append(self.pipeline + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.split("act_seq"):
+            extra.append(f"cp={self.context_parallel}")
         return ", ".join([mesh, self.preset, *extra])
 
 
@@ -127,6 +131,10 @@ def _table(preset: str, overrides: tuple, role: str) -> dict[str, tuple[str, ...
     return {name: axes_of(name, _rules(preset, overrides, role)) for name, _ in _rules(preset, overrides, role)}
 
 
+# usp in a search: act_seq (and the residual stream's) over sequence (the ring) and tensor (Ulysses).
+USP_OVERRIDES = (("act_norm_seq", ("sequence", "tensor")), ("act_seq", ("sequence", "tensor")))
+
+
 def make_layout(
     *,
     data: int = 1,
@@ -141,26 +149,34 @@ def make_layout(
     remat: str = "none",
     schedule: str = "1f1b",
     virtual_stages: int = 1,
+    context_parallel: str = "ring",
 ) -> Layout:
     """A Layout from parallelism degrees, with the preset meshwork needs for them.
 
     `zero` (0, 1, 2) is the ZeRO stage over the data-parallel axes when
     `fsdp` is 1; `fsdp` > 1 is ZeRO-3 over `fsdp` (hybrid with `data`).
     `tensor` > 1 adds `tp` (`sp` with `sequence_parallel`), `sequence` > 1
-    `cp`, `expert` > 1 `ep`; `stage` > 1 runs the pipeline `schedule` (with
-    `virtual_stages` chunks per stage under "interleaved").
+    `cp` (attention by `context_parallel`), `expert` > 1 `ep`; `stage` > 1 runs
+    the pipeline `schedule` (with `virtual_stages` chunks per stage under
+    "interleaved"). `context_parallel="usp"` spends `tensor` on the sequence
+    instead (the ring over `sequence`, Ulysses over `tensor`: act_seq over both).
 
     >>> make_layout(data=2, fsdp=2, tensor=2).preset
     'fsdp+tp'
     >>> make_layout(data=8, zero=2).preset
     'zero2'
+    >>> make_layout(sequence=4, tensor=2, context_parallel="usp").split("act_seq")
+    ('sequence', 'tensor')
     """
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero={zero}: the ZeRO stages are 0, 1, 2 and 3 (= fsdp)")
     if remat not in POLICIES:
         raise ConfigError(f"remat={remat!r}; choose one of {', '.join(POLICIES)}")
+    usp = context_parallel == "usp"
+    if usp and (sequence < 2 or tensor < 2):
+        raise ConfigError(f"context_parallel=usp needs sequence and tensor > 1 (got {sequence}, {tensor})")
     parts = ["fsdp" if fsdp > 1 or zero == 3 else ("dp", "zero1", "zero2")[zero]]
-    if tensor > 1:
+    if tensor > 1 and not usp:
         parts.append("sp" if sequence_parallel else "tp")
     if sequence > 1:
         parts.append("cp")
@@ -173,7 +189,9 @@ def make_layout(
         microbatches,
         schedule if stage > 1 else "none",
         remat,
+        USP_OVERRIDES if usp else (),
         virtual_stages=virtual_stages if stage > 1 else 1,
+        context_parallel=context_parallel,
     )
 
 
@@ -194,6 +212,7 @@ def layout_from_config(cfg: Config, n_devices: int) -> Layout:
         cfg.train.remat,
         overrides,
         cfg.train.virtual_stages,
+        cfg.train.context_parallel,
     )
     try:
         layout.rules()

@@ -304,6 +304,14 @@ def kept_by_layers(cfg: Config, layout: Layout, remat: str, one: bool = False) -
     return (m.n_layers - n_moe) * per_dense + n_moe * per_moe
 
 
+def _kv_width(m: ModelConfig, ts: TokenShape) -> float:
+    """Elements per token of one of K, V on a device (MLA's expanded form: every head, padded)."""
+    if m.mla is None:
+        return m.n_kv_heads / ts.t_kv * m.resolved_head_dim
+    e = m.mla
+    return m.n_heads / ts.t_heads * max(e.qk_nope_head_dim + e.qk_rope_head_dim, e.v_head_dim)
+
+
 def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     """Per-device activation bytes at the peak of the backward pass.
 
@@ -342,6 +350,11 @@ def activation_memory(cfg: Config, layout: Layout) -> dict[str, float]:
     else:
         out["layers"] = kept_by_layers(cfg, layout, layout.remat) + working
     out["logits"] = 2 * ts.tokens * _loss_rows_fraction(cfg, layout) * m.vocab_size / ts.t_vocab * 4
+    if layout.context_parallel == "all_gather" and layout.split("act_seq") and layout.pipeline == "none":
+        # The all-gathered keys and values are the local formula's residuals: each layer keeps the
+        # other devices' n-1 blocks too (only the layer being recomputed under a remat policy).
+        layers = m.n_layers if layout.remat == "none" else 1
+        out["cp_gathered_kv"] = layers * (layout.ways("act_seq") - 1) * 2 * ts.tokens * _kv_width(m, ts) * p
     if m.mtp.depth:
         out["mtp"] = mtp_activation_bytes(cfg, layout)
     return out
