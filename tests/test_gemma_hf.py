@@ -85,3 +85,19 @@ def test_what_meshwork_cannot_compute_is_refused_by_name(tmp_path, change, key):
     config = json.loads((FIXTURES / "gemma3_text" / "config.json").read_text()) | change
     with pytest.raises(ValueError, match=key):
         config_from_hf(config)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+def test_the_pallas_kernels_give_transformers_logits_and_tokens(name):
+    """model.attention pallas (interpret mode here): the flash kernel soft-caps and windows per layer
+    (one lax.switch branch per window), and the paged decode kernel does the same."""
+    cfg, model = model_from_hf(FIXTURES / name, attention="pallas")
+    assert cfg.attention == "pallas"
+    golden = np.load(FIXTURES / name / "golden.npz")
+    want = golden["logits_7"]
+    got = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(golden["input_ids_7"])))
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
+    server = Server(model, slots=1, max_len=32, page_size=4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    result = server.run([Request(0, golden["prompt"][0].tolist(), params)])[0]
+    assert list(result.tokens) == golden["generated"][:6].tolist()

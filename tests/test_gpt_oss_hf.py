@@ -195,3 +195,17 @@ def test_doctests(monkeypatch):
 
     monkeypatch.chdir(ROOT)
     assert doctest.testmod(meshwork.models.hf.gpt_oss, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_the_pallas_kernels_give_transformers_logits_and_tokens():
+    """model.attention pallas (interpret mode here): the flash kernel takes the sinks (and the sliding
+    layers' window, per layer), and the paged decode kernel does the same."""
+    cfg, model = model_from_hf(FIXTURES / "gpt_oss", attention="pallas")
+    golden = np.load(FIXTURES / "gpt_oss" / "golden.npz")
+    want = golden["logits_7"]
+    got = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(golden["input_ids_7"])))
+    assert cfg.attention_sinks and np.abs(got - want).max() / np.abs(want).max() <= 1e-5
+    server = Server(model, slots=1, max_len=32, page_size=4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    result = server.run([Request(0, golden["prompt"][0].tolist(), params)])[0]
+    assert list(result.tokens) == golden["generated"][:6].tolist()
