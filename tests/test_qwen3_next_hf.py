@@ -98,6 +98,22 @@ def test_states_are_a_fixed_size_per_sequence_and_prefix_caching_is_refused(load
         Server(model, slots=2, max_len=32, page_size=4, prefix_caching=True)
 
 
+def test_the_mtp_layer_of_a_released_checkpoint_is_left_unread(tmp_path):
+    """Released Qwen3-Next folders also hold an MTP layer (`mtp.*`), which transformers does not run:
+    the loader leaves it, and the model is the same."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "qwen3_next"
+    shutil.copytree(FIXTURES / "qwen3_next", folder)
+    save_file({"mtp.fc.weight": np.ones((4, 8), np.float32)}, folder / "mtp.safetensors")
+    _, with_mtp = load_hf_checkpoint(folder)
+    _, plain = load_hf_checkpoint(FIXTURES / "qwen3_next")
+    for a, b in zip(jax.tree.leaves(with_mtp), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     "change, key",
     [

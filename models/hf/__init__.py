@@ -83,7 +83,9 @@ from meshwork.models.hf.layout import (
 from meshwork.sharding.rules import Rules, tree_shardings
 
 # Tensors some checkpoints carry that hold no weights meshwork needs.
-_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+# Tensors no meshwork model reads: RoPE tables some exports keep, and Qwen3-Next's MTP layer
+# (`mtp.*`, which transformers does not run either).
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq|mtp\..*")
 
 # ---------------------------------------------------------------- reading
 
