@@ -60,6 +60,18 @@ def test_greedy_through_the_serving_engine_equals_transformers(loaded):
     assert list(results[0].tokens) == golden["generated"].tolist() == list(results[2].tokens), name
 
 
+def test_preempted_requests_recompute_their_states(loaded):
+    """A pool too small for three 24-token sequences preempts one; it returns to a slot whose states
+    are zeroed and re-prefills its prompt and tokens, so every request still gets transformers' tokens."""
+    name, cfg, model, golden = loaded
+    server = Server(model, slots=3, max_len=32, page_size=4, n_pages=14)
+    prompt = golden["prompt"][0].tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    results = server.run([Request(i, prompt, params) for i in range(3)])
+    assert server.preemptions >= 1
+    assert all(list(results[i].tokens) == golden["generated"].tolist() for i in range(3)), name
+
+
 def test_batched_prefill_with_padding_equals_one_row_at_a_time(loaded):
     """The contiguous generator prefills right-padded prompts of different lengths in one batch: the
     padding sits past the cache, so each row's states and first token equal the prompt run alone."""
