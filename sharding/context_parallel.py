@@ -156,14 +156,16 @@ def ulysses_shard(attend, q_BLHK, k_BSGK, v_BSGK, pos_BL, seg_BL, sinks_H, *, ax
 
 
 def _local_on_rows(local, in_order: bool):
-    """`attend` for Ulysses: the formula on whole rows. XLA's masks by the positions; a kernel (which
-    masks by index) gets the tokens sorted by position, and its output goes back to their layout."""
+    """`attend` for Ulysses: the formula on whole rows. Tokens in order (the layer passed no
+    positions, so its formula assumes 0..L-1 too): the formula as it is, causal fast paths and
+    kernels alike. Otherwise XLA's masks by the positions, and a kernel (which masks by index) gets
+    the tokens sorted by position, its output going back to their layout."""
+    if in_order:
+        return lambda q, k, v, pos, seg, sinks: local(q, k, v, seg, sinks)
     if masks_by_position(local):
         return lambda q, k, v, pos, seg, sinks: local(q, k, v, seg, sinks, positions=(pos, pos))
 
     def sorted_rows(q, k, v, pos, seg, sinks):
-        if in_order:
-            return local(q, k, v, seg, sinks)
         order, (q, k, v, seg) = _in_order(pos, q, k, v, seg)
         o = local(q, k, v, seg, sinks)
         back = jnp.argsort(order, axis=1)

@@ -359,6 +359,32 @@ def test_train_step_hlo_bytes_equal_the_planner(tmp_path, algorithm, mesh_name, 
     assert got == pytest.approx(want, rel=1e-9)
 
 
+# --- inside a pipeline stage --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_device_4_layers(tmp_path_factory):
+    from test_sharded_step import one_step
+
+    return one_step(tmp_path_factory.mktemp("ref4"), ["mesh.data=1", "model.n_layers=4"], 1)
+
+
+@pytest.mark.parametrize("algorithm", ["ulysses", pytest.param("all_gather", marks=pytest.mark.slow)])
+def test_pipeline_stage_step_equals_one_device(tmp_path, one_device_4_layers, algorithm):
+    """2 stages x data 2 x sequence 2, 1F1B over 2 microbatches, 3 optimizer steps: each stage
+    holds half of every row's tokens; ulysses all-to-alls inside the stage's shard_map (the tokens
+    in order, with positions: a stage sees only its shard), all_gather gathers K/V there."""
+    from test_sharded_step import assert_same_step, one_step
+
+    pipeline = ["model.n_layers=4", "mesh.stage=2", "mesh.data=2", "mesh.sequence=2", "rules.preset=cp"]
+    got = one_step(
+        tmp_path, [*pipeline, "train.pipeline=1f1b", "train.microbatches=2", f"train.context_parallel={algorithm}"], 8
+    )
+    kind = {"ulysses": "all-to-all", "all_gather": "all-gather"}[algorithm]
+    assert collective_summary(got[3].step_fn.as_text())[kind]["count"] > 0
+    assert_same_step(got, one_device_4_layers)
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 
@@ -392,6 +418,23 @@ def _runtime(tmp_path, *overrides):
         ([*LM, "train.context_parallel=ring", *STEP_MESHES["ring4 x ulysses2"]], "use train.context_parallel=usp"),
         (["train.context_parallel=all_gather", "model.attention=pallas", *STEP_MESHES["seq8"]], "model.attention=xla"),
         (["train.context_parallel=ring", "data.seq_len=40", *STEP_MESHES["seq8"]], "zigzag"),
+        (
+            [
+                "model.n_layers=4",
+                "mesh.stage=2",
+                "train.pipeline=1f1b",
+                "train.microbatches=2",
+                "model.attention=pallas",
+            ]
+            + ["mesh.data=1", "mesh.sequence=4", "rules.preset=cp", "train.context_parallel=ulysses"],
+            "inside a pipeline",
+        ),
+        (
+            ["model.n_layers=4", "mesh.stage=2", "train.pipeline=1f1b", "train.microbatches=2", *LM]
+            + ["mesh.data=1", "mesh.sequence=2", "mesh.tensor=2", "rules.preset=cp", *USP_OVERRIDES]
+            + ["train.context_parallel=usp"],
+            "usp inside a pipeline",
+        ),
     ],
     ids=[
         "ulysses heads",
@@ -401,6 +444,8 @@ def _runtime(tmp_path, *overrides):
         "two axes",
         "all_gather pallas",
         "seq_len",
+        "pipeline pallas",
+        "pipeline usp",
     ],
 )
 def test_impossible_combinations_are_refused_in_one_line(tmp_path, overrides, phrase):

@@ -310,10 +310,14 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
     # Context parallelism: tokens are laid out in zigzag order so every
     # device on the ring (or all-gathering) gets the same share of causal attention work
     # (usp: zigzag over its ring axis); the model reads each token's true position from
-    # `positions`. Ulysses gives every device whole rows: the tokens stay in order.
+    # `positions`. Ulysses gives every device whole rows: the tokens stay in order (with
+    # positions all the same inside a pipeline, whose stages see only their shard of each row).
     seq_axes = split_axes("act_seq", rules, dict(mesh.shape))
-    zigzag = seq_axes and cfg.train.context_parallel != "ulysses"
-    seq_perm = zigzag_permutation(cfg.data.seq_len, mesh.shape[seq_axes[0]]) if zigzag else None
+    seq_perm = None
+    if seq_axes and cfg.train.context_parallel != "ulysses":
+        seq_perm = zigzag_permutation(cfg.data.seq_len, mesh.shape[seq_axes[0]])
+    elif seq_axes and cfg.train.pipeline != "none":
+        seq_perm = np.arange(cfg.data.seq_len)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     inner_tx = None
     if cfg.comm.local_steps > 1:  # DiLoCo: AdamW runs inside each replica, the state's optimizer is the outer one
