@@ -499,3 +499,14 @@ def test_planner_search_picks_among_the_algorithms():
     assert set(best) == set(ALGORITHMS)
     assert best["ring"].times["ring_attention_hidden"] > 0 and best["ulysses"].times["ring_attention_comm"] == 0
     assert plans[0].layout.split("act_seq")  # at 64K tokens the search chooses context parallelism
+
+
+def test_docstring_examples():
+    import doctest
+
+    import meshwork.perf.planner_context
+    import meshwork.sharding.context_parallel
+
+    for module in (meshwork.sharding.context_parallel, meshwork.perf.planner_context):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted and result.failed == 0, module.__name__

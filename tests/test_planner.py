@@ -372,3 +372,19 @@ def test_cli_plans_the_configs_own_layout():
     assert report["memory"]["params"] == pytest.approx(
         4 * param_counts(load_config(ROOT / "configs/llama7b.yaml").model)["total"] / 64, rel=0.001
     )
+
+
+@pytest.mark.parametrize("seq_len, hidden", [(1024, "partly"), (65536, "all")])
+def test_ring_attention_hops_hide_under_the_attention_compute(seq_len, hidden):
+    """The ring's hops overlap their layer's attention compute (half of PaLM's square, causal):
+    at 1K tokens on sequence=8 most of their time is exposed, at 64K all of it is hidden, while
+    all_gather and ulysses pay theirs on the critical path at any length."""
+    cfg = load_config(ROOT / "configs/llama7b.yaml", [f"data.seq_len={seq_len}", "train.global_batch=64"])
+    plans = {cp: plan(cfg, make_layout(fsdp=8, sequence=8, context_parallel=cp), H100, 8) for cp in ("ring", "ulysses")}
+    t = plans["ring"].times
+    assert 0 < t["ring_attention_hidden"] <= t["ring_attention_comm"]
+    assert (t["ring_attention_hidden"] == t["ring_attention_comm"]) == (hidden == "all")
+    u = plans["ulysses"].times
+    assert u["ring_attention_comm"] == 0 and u["activation_comm"] > 0
+    cp = [c for c in plans["ulysses"].collectives if c[0].what.startswith("cp ulysses")]
+    assert cp and all(c[0].kind == "all-to-all" and not c[0].overlappable for c in cp)
