@@ -117,7 +117,7 @@ def chunked_gated_delta_rule(
     The sequence is padded to a multiple of the chunk with tokens that neither decay nor write
     (g = 0, beta = 0), so the final state is the last real token's. Within a chunk, with
     gc_i = g_1 + ... + g_i and Gamma_ij = exp(gc_i - gc_j) for i >= j:
-      T = (I + strictly_lower(beta_i k_i.k_j Gamma_ij))^-1   (one triangular solve)
+      T = (I + strictly_lower(beta_i k_i.k_j Gamma_ij))^-1   (`unit_lower_solve`)
       u = T beta v,  w = T beta k exp(gc)                     (the chunk's writes, before the old state)
       v_new = u - w S,  o = (q exp(gc)) S + (q k^T o Gamma) v_new,
       S' = exp(gc_C) S + (k exp(gc_C - gc))^T v_new.
@@ -169,12 +169,9 @@ def intra_chunk_terms(q_BLHK, k_BLHK, v_BLHK, g_BLH, beta_BLH, chunk_size, segme
     kbeta_BHClK = k_BHClK * beta_BHCl[..., None]
     strict_ll = jnp.tril(jnp.ones((l, l), bool), -1)
     lower_BHCll = jnp.where(strict_ll, (kbeta_BHClK @ jnp.swapaxes(k_BHClK, -1, -2)) * decay_BHCll, 0.0)
-    eye_ll = jnp.eye(l, dtype=F32)
     in_state_BHCl = jnp.where(reads_state_B1Cl, jnp.exp(gc_BHCl), 0.0)
     rhs_BHClK = jnp.concatenate([v_BHClK * beta_BHCl[..., None], kbeta_BHClK * in_state_BHCl[..., None]], axis=-1)
-    solved_BHClK = jax.lax.linalg.triangular_solve(
-        eye_ll + lower_BHCll, rhs_BHClK, left_side=True, lower=True, unit_diagonal=True
-    )
+    solved_BHClK = unit_lower_solve(lower_BHCll, rhs_BHClK)
     Kv = v_BLHK.shape[-1]
     u_BHClK, w_BHClK = solved_BHClK[..., :Kv], solved_BHClK[..., Kv:]
     attn_BHCll = (q_BHClK @ jnp.swapaxes(k_BHClK, -1, -2)) * decay_BHCll
@@ -184,6 +181,28 @@ def intra_chunk_terms(q_BLHK, k_BLHK, v_BLHK, g_BLH, beta_BLH, chunk_size, segme
     k_write_BHClK = k_BHClK * to_end_BHCl[..., None]
     keep_BHC = jnp.where(reads_state_B1Cl[..., -1], jnp.exp(gc_last_BHC1[..., 0]), 0.0)
     return u_BHClK, w_BHClK, q_read_BHClK, attn_BHCll, k_write_BHClK, keep_BHC
+
+
+def unit_lower_solve(strict_lower_Nll: jax.Array, rhs_NlK: jax.Array) -> jax.Array:
+    """x with (I + S) x = rhs, S strictly lower triangular (batched over leading dims), by matrix
+    products alone: S is nilpotent, so (I + S)^-1 = (I - S)(I + S^2)(I + S^4)... up to the power l - 1,
+    log2(l) squarings and products. Not `lax.linalg.triangular_solve`: on CPU that is a LAPACK call,
+    which deadlocked intermittently (idle threads) inside XLA's thread pool under autodiff here; on
+    GPU these are tensor-core matmuls of chunk-sized tiles.
+
+    >>> s = jnp.array([[0.0, 0.0], [0.5, 0.0]]); x = unit_lower_solve(s, jnp.array([[1.0], [1.0]]))
+    >>> [round(float(v), 3) for v in x[:, 0]]
+    [1.0, 0.5]
+    """
+    l = strict_lower_Nll.shape[-1]
+    power = -strict_lower_Nll  # (-S)^1
+    x = rhs_NlK + power @ rhs_NlK  # (I - S) rhs: the powers below 2
+    covered = 2
+    while covered < l:
+        power = power @ power  # (-S)^covered
+        x = x + power @ x  # now the powers below 2 covered
+        covered *= 2
+    return x
 
 
 def inter_chunk_scan(terms: tuple, state_BHKK: jax.Array) -> tuple[jax.Array, jax.Array]:
