@@ -2,8 +2,8 @@
 
 `attend` is the single entry point for the attention math: the single-device formulas (XLA,
 Pallas flash attention, cuDNN, the reference) are chosen here by `impl`, and the current
-ParallelContext (sharding/parallel.py) runs the chosen one on the mesh (ring attention, all-gathered
-keys and values, per-device `shard_map`), so the model never changes when a kernel or a parallel
+ParallelContext (sharding/parallel.py) runs the chosen one on the mesh (ring, all-gathered keys and
+values, Ulysses' all-to-alls, per-device `shard_map`), so the model never changes when a kernel or a parallel
 implementation lands.
 """
 
@@ -58,10 +58,11 @@ def _attend(
       per device inside `shard_map` (batch and heads split as the rules say);
     - "cudnn": cuDNN's fused attention (GPU only);
     - "reference": the plain formula, materializing the L x S scores.
-    How it runs on the mesh is the current ParallelContext's choice (sharding/parallel.py): whatever
-    `impl`, a sequence split over the mesh (context parallelism, the `cp` preset) goes to ring
-    attention, whose causal mask comes from `positions_BL`, so any token layout (e.g. the
-    load-balancing zigzag) is correct.
+    How it runs on the mesh is the current ParallelContext's choice (sharding/parallel.py): a
+    sequence split over the mesh (context parallelism, the `cp` preset) goes to the algorithm
+    `train.context_parallel` names (ring, all_gather, ulysses, usp: sharding/context_parallel.py),
+    each masking causally by `positions_BL`, so any token layout (e.g. the load-balancing zigzag)
+    is correct.
 
     segment_ids_BL: the document each token belongs to, when several are packed
     into one row (data.source: text); a token sees only keys of its own document.

@@ -310,8 +310,8 @@ class ModelConfig(Section):
     attention: Literal["xla", "pallas", "cudnn", "reference"] = "xla"
     """Attention kernel: XLA's fusion of jax.nn.dot_product_attention; meshwork's Pallas flash
     attention (interpret mode on CPU: slow, for tests); cuDNN's (GPU only); or the plain
-    reference that materializes the scores. A sequence split by context parallelism always
-    uses ring attention."""
+    reference that materializes the scores. A sequence split by context parallelism attends by
+    `train.context_parallel` (ring, all_gather, ulysses or usp; sharding/context_parallel.py)."""
     qkv_bias: bool = False
     """Biases on the q, k, v projections (Qwen2)."""
     qk_norm: bool = False
