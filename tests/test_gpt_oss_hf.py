@@ -17,13 +17,12 @@ import optax
 import pytest
 from conftest import ROOT
 from flax import nnx
+from hf_family import assert_export_round_trip, assert_greedy_tokens, assert_logits_match
 from safetensors.numpy import load_file
 
 from meshwork.config_sections import ModelConfig, MoEConfig
-from meshwork.engine.sampling import SamplingParams
-from meshwork.engine.serving import Request, Server
-from meshwork.inference.hf_export import export_hf, hf_model_type
-from meshwork.models.hf import load_hf_checkpoint, load_hf_config, model_from_hf
+from meshwork.inference.hf_export import hf_model_type
+from meshwork.models.hf import load_hf_checkpoint, model_from_hf
 from meshwork.models.hf.config import config_from_hf
 from meshwork.models.hf.gpt_oss_experts import moe_params_from_hf
 from meshwork.objectives.next_token import next_token_loss
@@ -40,42 +39,20 @@ def loaded(request):
 
 def test_logits_equal_transformers_at_1_7_and_past_the_window(loaded):
     name, cfg, model, golden = loaded
-    forward = jax.jit(lambda t: model(t))
-    for n in (1, 7, 24):
-        want = golden[f"logits_{n}"]
-        got = np.asarray(forward(jnp.asarray(golden[f"input_ids_{n}"])))
-        err = np.abs(got - want).max() / np.abs(want).max()
-        print(f"{name} L={n}: max |logit error| / max |logit| = {err:.1e}")
-        assert err <= 1e-5, (name, n)
+    assert_logits_match(name, model, golden)
 
 
 def test_greedy_through_the_paged_cache_equals_transformers(loaded):
     """16 greedy tokens from the paged server (prefix caching, 3-token prefill chunks): each layer
     attends within its own window, with its sinks, and routes each step's token."""
     name, cfg, model, golden = loaded
-    server = Server(model, slots=2, max_len=64, page_size=4, prefix_caching=True, prefill_chunk=3)
-    prompt = golden["prompt"][0].tolist()
-    params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    results = server.run([Request(0, prompt, params), Request(1, prompt, params)])
-    for r in results.values() if isinstance(results, dict) else results:
-        assert list(r.tokens) == golden["generated"].tolist(), name
+    assert_greedy_tokens(name, model, golden, prefix_caching=True, prefill_chunk=3)
 
 
 def test_export_round_trip_is_bit_exact(loaded, tmp_path):
-    """Load -> export -> load gives the same parameters bit for bit, and the file comes back tensor for
-    tensor (gate and up interleaved again in gate_up_proj); the exported config reads back as the
-    same model config."""
+    """Also: gate and up come back interleaved in gate_up_proj."""
     name, cfg, model, _ = loaded
-    out = export_hf(cfg, model, tmp_path / "out")
-    _, first = load_hf_checkpoint(FIXTURES / name)
-    _, again = load_hf_checkpoint(out)
-    assert jax.tree.structure(first) == jax.tree.structure(again)
-    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
-        np.testing.assert_array_equal(a, b)
-    want, got = load_file(FIXTURES / name / "model.safetensors"), load_file(out / "model.safetensors")
-    assert want.keys() == got.keys()
-    assert all(np.array_equal(want[k], got[k]) for k in want)
-    assert load_hf_config(out) == cfg
+    assert_export_round_trip(FIXTURES / name, cfg, model, tmp_path / "out")
 
 
 def test_layout_reads_the_experts_as_the_gpt_oss_helper_splits_them():
@@ -205,7 +182,4 @@ def test_the_pallas_kernels_give_transformers_logits_and_tokens():
     want = golden["logits_7"]
     got = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(golden["input_ids_7"])))
     assert cfg.attention_sinks and np.abs(got - want).max() / np.abs(want).max() <= 1e-5
-    server = Server(model, slots=1, max_len=32, page_size=4)
-    params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    result = server.run([Request(0, golden["prompt"][0].tolist(), params)])[0]
-    assert list(result.tokens) == golden["generated"][:6].tolist()
+    assert_greedy_tokens("gpt_oss", model, golden, prompts=1, new_tokens=6, slots=1, max_len=32)

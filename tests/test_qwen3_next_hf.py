@@ -15,15 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT
-from safetensors.numpy import load_file
+from hf_family import assert_export_round_trip, assert_logits_match
 
 from meshwork.config import ConfigError
 from meshwork.engine.generate import Generator
 from meshwork.engine.kv_cache import RecurrentStates, cache_layers
 from meshwork.engine.sampling import SamplingArrays, SamplingParams
 from meshwork.engine.serving import Request, Server
-from meshwork.inference.hf_export import export_hf
-from meshwork.models.hf import load_hf_checkpoint, load_hf_config, model_from_hf
+from meshwork.models.hf import load_hf_checkpoint, model_from_hf
 from meshwork.models.hf.config import config_from_hf
 
 FIXTURES = ROOT / "tests/fixtures/hf"
@@ -39,12 +38,7 @@ def loaded(request):
 def test_logits_equal_transformers_at_1_7_and_24_tokens(loaded):
     name, cfg, model, golden = loaded
     assert cfg.linear_layers and cfg.attention_output_gate and cfg.partial_rotary_factor < 1
-    forward = jax.jit(lambda t: model(t))
-    for n in (1, 7, 24):
-        want = golden[f"logits_{n}"]
-        err = np.abs(np.asarray(forward(jnp.asarray(golden[f"input_ids_{n}"]))) - want).max() / np.abs(want).max()
-        print(f"{name} L={n}: max |logit error| / max |logit| = {err:.1e}")
-        assert err <= 1e-5, (name, n)
+    assert_logits_match(name, model, golden)
 
 
 def test_greedy_through_the_serving_engine_equals_transformers(loaded):
@@ -91,15 +85,7 @@ def test_batched_prefill_with_padding_equals_one_row_at_a_time(loaded):
 
 def test_export_round_trip_is_bit_exact(loaded, tmp_path):
     name, cfg, model, _ = loaded
-    out = export_hf(cfg, model, tmp_path / "out")
-    _, first = load_hf_checkpoint(FIXTURES / name)
-    _, again = load_hf_checkpoint(out)
-    assert jax.tree.structure(first) == jax.tree.structure(again)
-    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
-        np.testing.assert_array_equal(a, b)
-    want, got = load_file(FIXTURES / name / "model.safetensors"), load_file(out / "model.safetensors")
-    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
-    assert load_hf_config(out) == cfg
+    assert_export_round_trip(FIXTURES / name, cfg, model, tmp_path / "out")
 
 
 def test_states_are_a_fixed_size_per_sequence_and_prefix_caching_is_refused(loaded):
