@@ -345,6 +345,11 @@ if [ -z "${SMOKE:-}" ]; then
 fi
 # The paged-attention kernel compiled for the GPU: error vs the gather path, time, K/V bandwidth.
 step paged_attention 60 python3 benchmarks/paged_attention_gpu.py
+# Soft-capping and sinks in the Pallas kernels vs XLA (errors, times); the chunked Gated DeltaNet in
+# XLA vs its recurrence and softmax attention (benchmarks/gpu_attention_2026.sh runs just these two).
+step attention_features 120 python3 benchmarks/attention_features_gpu.py ${SMOKE:+--smoke} \
+  --out "$OUT/attention_features.json"
+step gated_deltanet 120 python3 benchmarks/gated_deltanet_gpu.py ${SMOKE:+--smoke} --out "$OUT/gated_deltanet.json"
 
 # ---------------------------------------------------------------- 8. quantized projections on the GPU
 if [ -n "${SMOKE:-}" ]; then QZ=(--train-steps 5 --repeats 3 --matmul 256 512 --val-batches 1)
