@@ -14,6 +14,7 @@ from flax import nnx
 
 from meshwork.engine.generate import place
 from meshwork.models.hf import model_from_hf
+from meshwork.perf.flops import param_counts
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for
@@ -75,3 +76,11 @@ def test_a_sharded_step_equals_one_device(name, preset):
     noise = batch_noise(model, tokens_BL)
     print(f"{name} on {axes}: loss {float(loss_1):.4f}, worst gradient error {worst:.1e}, batch noise {noise:.1e}")
     assert worst < max(1e-5, 10 * noise)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss", "qwen3_next", "qwen3_next_alt"])
+def test_the_parameter_formula_counts_the_built_model(name):
+    """perf/flops.py's count (printed at start-up, used by the planner) equals the loaded model's,
+    with sandwich norms, q/k norms, sinks, output biases and gates, and Gated DeltaNet layers."""
+    cfg, model = model_from_hf(FIXTURES / name)
+    assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -113,7 +113,31 @@ def attention_params(cfg: ModelConfig) -> int:
             a.qk_rope_head_dim,
             a.v_head_dim,
         )
-    return gqa_attention_params(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias)
+    D, H, K = cfg.d_model, cfg.n_heads, cfg.resolved_head_dim
+    extras = (
+        H * K * D * cfg.attention_output_gate  # Qwen3-Next: q_proj also makes the output gate
+        + 2 * K * cfg.qk_norm
+        + H * cfg.attention_sinks
+        + D * cfg.attention_out_bias
+    )
+    return gqa_attention_params(D, H, cfg.n_kv_heads, K, cfg.qkv_bias) + extras
+
+
+def linear_attention_params(cfg: ModelConfig) -> int:
+    """Parameters of one Gated DeltaNet layer (models/layers/gated_deltanet.py): the fused q/k/v/z and
+    b/a projections, the convolution over q, k and v, A_log and dt_bias, the output norm, the output
+    projection."""
+    la, D = cfg.linear_attention, cfg.d_model
+    G, H, Kk, Kv, W = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel
+    channels = 2 * G * Kk + H * Kv
+    return D * (2 * G * Kk + 2 * H * Kv) + D * 2 * H + W * channels + 2 * H + Kv + H * Kv * D
+
+
+def _layer_extras(cfg: ModelConfig) -> int:
+    """What the layers hold beyond `lm_param_counts`' uniform attention: the Gated DeltaNet layers'
+    own count in place of attention's, and Gemma's two sandwich norms per layer."""
+    linear = len(cfg.linear_layers) * (linear_attention_params(cfg) - attention_params(cfg)) if cfg.linear_layers else 0
+    return linear + 2 * cfg.d_model * cfg.n_layers * cfg.sandwich_norm
 
 
 def _moe_kw(cfg: ModelConfig) -> dict:
@@ -172,6 +196,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         counts = lm_param_counts(**kw)
     else:
         counts = lm_param_counts(**kw, n_moe_layers=cfg.moe.n_moe_layers(cfg.n_layers), **_moe_kw(cfg))
+    counts = {k: v + _layer_extras(cfg) for k, v in counts.items()}
     if not cfg.mtp.depth:
         return counts
     mtp = mtp_param_counts(cfg)
