@@ -9,6 +9,7 @@ from conftest import ROOT
 from meshwork.engine.generate import Generator
 from meshwork.engine.sampling import SamplingParams
 from meshwork.models.hf import model_from_hf
+from meshwork.models.layers.layer_pattern import LayerPattern
 
 FIXTURES = ROOT / "tests/fixtures/hf/llama_rope"
 # Llama with each scaling, and Qwen2 and Qwen3 with yarn (their long-context setting).
@@ -38,9 +39,9 @@ def test_logits_match_transformers(loaded, length):
 
 def test_scaling_matters_past_the_original_context(loaded):
     """Plain RoPE on the same weights is far off at 40 positions: the test sees the scaling."""
-    name, _, _, golden = loaded
+    name, cfg, _, golden = loaded
     plain = model_from_hf(FIXTURES / name)[1]
-    plain.blocks.attn.rope_scaling = None
+    plain.blocks.attn.pattern = LayerPattern.uniform(cfg.sliding_window, cfg.rope_theta, None)
     want = golden["logits_40"]
     assert np.abs(np.asarray(plain(golden["input_ids_40"])) - want).max() > 1e-3 * np.abs(want).max()
 

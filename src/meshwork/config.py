@@ -96,6 +96,12 @@ class Config(Section):
                 "stage's hidden states and the first stage's embedding, which the pipeline does not route; "
                 "set model.mtp.depth=0 or train.pipeline=none",
             )
+        if t.pipeline != "none" and m.layer_types is not None and len(set(m.layer_types)) > 1:
+            raise _KeyError(
+                "model.layer_types",
+                f"layers of different kinds ({', '.join(sorted(set(m.layer_types)))}) with train.pipeline="
+                f"{t.pipeline}: pipeline stages do not pass each layer its kind yet; set train.pipeline=none",
+            )
         if m.mla is not None and self.finetune.method == "prefix":
             raise _KeyError(
                 "finetune.method",

@@ -150,7 +150,7 @@ class MoEConfig(Section):
         pattern names each run by its kind and first layer (`dense_blocks_0`, `moe_blocks_1`, ...).
 
         >>> [tuple(r) for r in MoEConfig(first_dense_layers=1).layer_runs(4)]
-        [('dense_blocks', False, 0, 1), ('moe_blocks', True, 1, 3)]
+        [('dense_blocks', False, 0, 1, False), ('moe_blocks', True, 1, 3, False)]
         >>> [r.name for r in MoEConfig(dense_layers=[0, 2]).layer_runs(4)]
         ['dense_blocks_0', 'moe_blocks_1', 'dense_blocks_2', 'moe_blocks_3']
 
@@ -784,7 +784,7 @@ def chunk_runs(runs: tuple[LayerRun, ...], n_chunks: int) -> tuple[LayerRun, ...
 
     >>> [tuple(r) for r in chunk_runs((LayerRun("a", False, 0, 1), LayerRun("b", True, 1, 1),
     ...                                LayerRun("c", False, 2, 1), LayerRun("d", True, 3, 1)), 2)]
-    [('run0', False, 0, 1), ('run1', True, 1, 1)]
+    [('run0', False, 0, 1, False), ('run1', True, 1, 1, False)]
     >>> chunk_runs((LayerRun("a", False, 0, 1), LayerRun("b", True, 1, 3)), 2) is None
     True
     """

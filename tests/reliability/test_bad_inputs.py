@@ -351,9 +351,14 @@ CASES = [
     ),
     P(
         "train",
-        text_argv("data.text_files=[x.txt]", "rules.preset=cp", "mesh.data=2", "mesh.sequence=4"),
-        r"rules\.preset: context parallelism .* takes no packed documents",
-        id="text-with-context-parallelism",
+        train_argv(
+            "model.layer_types=[sliding_attention,full_attention]",
+            "model.sliding_window=8",
+            "train.pipeline=gpipe",
+            "mesh.stage=2",
+        ),
+        r"model\.layer_types: layers of different kinds .* train\.pipeline=gpipe",
+        id="layer-pattern-with-a-pipeline",
     ),
     # --- run directories and checkpoints
     P(
