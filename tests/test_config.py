@@ -3,9 +3,11 @@
 import pathlib
 import subprocess
 
+import pydantic
 import pytest
 
 from meshwork.config import Config, ConfigError, load_config
+from meshwork.config_sections import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -112,3 +114,28 @@ def test_dry_run_json_has_state_bytes_and_collectives(tmp_path, capsys):
     # fp32 Adam under ZeRO-3 on 8 devices: 16 bytes per parameter / 8 per device.
     assert abs(state["total"] / (state["params"] * 4) - 1) < 0.01
     assert report["collectives"]["all-gather"]["count"] > 0 and report["temp_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(n_layers=3, layer_types=["full_attention"] * 2), "has 2 entries for n_layers=3"),
+        (dict(n_layers=2, layer_types=["sliding_attention", "full_attention"]), "no model.sliding_window"),
+        (
+            dict(n_layers=2, kind="moe", layer_types=["linear_attention", "full_attention"]),
+            "set model.linear_attention",
+        ),
+        (
+            dict(n_layers=2, layer_types=["linear_attention", "full_attention"], linear_attention={}),
+            "built in model.kind moe",
+        ),
+        (
+            dict(n_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4, mla={}),
+            "does not take",
+        ),
+    ],
+)
+def test_layer_types_that_cannot_be_built_are_refused(fields, message):
+    """model.layer_types (Gemma, gpt-oss, Qwen3-Next patterns): each impossible combination is one error."""
+    with pytest.raises(pydantic.ValidationError, match=message):
+        ModelConfig(**fields)

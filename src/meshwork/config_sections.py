@@ -383,6 +383,11 @@ class ModelConfig(Section):
                 )
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("model.layer_types has sliding_attention layers but no model.sliding_window; set one")
+            if self.mla is not None and len(set(self.layer_types)) > 1:
+                raise ValueError(
+                    "model.layer_types mixes kinds of layers, which multi-head latent attention (model.mla) "
+                    "does not take; drop layer_types or model.mla"
+                )
             if "linear_attention" in self.layer_types:
                 if self.linear_attention is None:
                     raise ValueError("model.layer_types has linear_attention layers; set model.linear_attention")
