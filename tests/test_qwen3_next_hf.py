@@ -19,7 +19,8 @@ from hf_family import assert_export_round_trip, assert_greedy_tokens, assert_log
 
 from meshwork.config import ConfigError
 from meshwork.engine.generate import Generator
-from meshwork.engine.kv_cache import RecurrentStates, cache_layers
+from meshwork.engine.kv_cache import cache_layers
+from meshwork.engine.recurrent_states import RecurrentStates
 from meshwork.engine.sampling import SamplingArrays, SamplingParams
 from meshwork.engine.serving import Request, Server
 from meshwork.models.hf import load_hf_checkpoint, model_from_hf

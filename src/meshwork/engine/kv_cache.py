@@ -41,13 +41,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshwork.config_sections import ModelConfig
+from meshwork.engine.recurrent_states import RecurrentStates, StateLayerView
 from meshwork.kernels.decode_attention import decode_attention
 from meshwork.kernels.paged_attention import gather_pages, paged_attention
 from meshwork.kernels.score_modifiers import soft_cap, softmax_with_sinks
@@ -87,74 +87,6 @@ def cache_layers(cfg: ModelConfig) -> int:
     """Layers a cache holds: the model's attention layers (not a hybrid model's linear ones, which keep
     `RecurrentStates` instead), then one per multi-token-prediction module (their draft)."""
     return cfg.n_layers - len(cfg.linear_layers) + cfg.mtp.depth
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class RecurrentStates:
-    """A hybrid model's linear-attention (Gated DeltaNet) layers' per-sequence states, beside its KV
-    cache: a fixed size per sequence however long it grows (models/layers/gated_deltanet.py's
-    `GatedDeltaNetState`, field by field, with leading (linear layers, rows)): the last W - 1 inputs of
-    the q, k and v convolutions, then the float32 (H, Kk, Kv) state of the delta rule."""
-
-    arrays: tuple[jax.Array, ...]
-
-    @classmethod
-    def zeros(cls, cfg: ModelConfig, rows: int, dtype: jnp.dtype) -> RecurrentStates | None:
-        """Zeroed states of `rows` sequences for `cfg`'s linear layers (None when it has none)."""
-        if not cfg.linear_layers:
-            return None
-        la, n = cfg.linear_attention, len(cfg.linear_layers)
-        S, G, H = la.conv_kernel - 1, la.num_k_heads, la.num_v_heads
-        shapes = [(S, G, la.head_k_dim), (S, G, la.head_k_dim), (S, H, la.head_v_dim)]
-        conv = [jnp.zeros((n, rows, *shape), dtype) for shape in shapes]
-        return cls((*conv, jnp.zeros((n, rows, H, la.head_k_dim, la.head_v_dim), jnp.float32)))
-
-    def cleared(self, rows_B: jax.Array, when_B: jax.Array) -> RecurrentStates:
-        """The states with rows `rows_B` zeroed where `when_B` (a sequence starting afresh in its slot)."""
-        return RecurrentStates(
-            tuple(a.at[:, rows_B].set(jnp.where(_expand(when_B, a.ndim - 1), 0, a[:, rows_B])) for a in self.arrays)
-        )
-
-    @staticmethod
-    def bytes_per_sequence(cfg: ModelConfig, dtype: jnp.dtype) -> int:
-        """What one sequence's states take over all linear layers (models/layers/gated_deltanet.py `state_bytes`)."""
-        if not cfg.linear_layers:
-            return 0
-        la = cfg.linear_attention
-        conv = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim)
-        per_layer = conv * jnp.dtype(dtype).itemsize + la.num_v_heads * la.head_k_dim * la.head_v_dim * 4
-        return len(cfg.linear_layers) * per_layer
-
-
-def _expand(x_B: jax.Array, ndim: int) -> jax.Array:
-    return x_B.reshape(x_B.shape + (1,) * (ndim - 1))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class _StateLayer:
-    """Linear layer j's view of a cache's `RecurrentStates`, for the batch's rows (the cache's `rows`:
-    which slot each batch row is; None: rows 0..B-1)."""
-
-    cache: Any
-    j: jax.Array
-
-    def read(self) -> tuple[jax.Array, ...]:
-        rows = self.cache.rows
-        return tuple(a[self.j] if rows is None else a[self.j, rows] for a in self.cache.states.arrays)
-
-    def valid(self, positions_BL: jax.Array) -> jax.Array:
-        """Real tokens: those at positions the cache can hold (padding and finished rows sit past it)."""
-        return positions_BL < self.cache.capacity
-
-    def write(self, new: tuple[jax.Array, ...]) -> _StateLayer:
-        rows = self.cache.rows
-        arrays = tuple(
-            a.at[self.j].set(x.astype(a.dtype)) if rows is None else a.at[self.j, rows].set(x.astype(a.dtype))
-            for a, x in zip(self.cache.states.arrays, new, strict=True)
-        )
-        return _StateLayer(dataclasses.replace(self.cache, states=RecurrentStates(arrays)), self.j)
 
 
 def _zero_pair(
@@ -290,8 +222,8 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def linear_layer(self, j: jax.Array) -> _StateLayer:
-        return _StateLayer(self, j)
+    def linear_layer(self, j: jax.Array) -> StateLayerView:
+        return StateLayerView(self, j)
 
     @staticmethod
     def shardings(mesh: Mesh, rules: Rules, latent: bool = False) -> KVCache:
@@ -388,8 +320,8 @@ class PagedKVCache:
         """Positions a row's page table reaches (past them a write goes to the null page)."""
         return self.page_table.shape[1] * self.page_size
 
-    def linear_layer(self, j: jax.Array) -> _StateLayer:
-        return _StateLayer(self, j)
+    def linear_layer(self, j: jax.Array) -> StateLayerView:
+        return StateLayerView(self, j)
 
     def layer(self, i: jax.Array) -> _PagedLayer:
         return _PagedLayer(self, i)
