@@ -18,7 +18,7 @@ from flax import nnx
 from meshwork.config_sections import ModelConfig
 from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ, Attention
 from meshwork.models.layers.embed import Embed
-from meshwork.models.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from meshwork.models.layers.gated_deltanet import GatedDeltaNet
 from meshwork.models.layers.layer_pattern import LayerPattern
 from meshwork.models.layers.mixed_matmul import MATMUL
 from meshwork.models.layers.mla import MLAttention
@@ -104,12 +104,13 @@ def make_attention(cfg: ModelConfig, **kw) -> nnx.Module:
 
 def make_linear_attention(cfg: ModelConfig, **kw) -> nnx.Module:
     """A Gated DeltaNet layer of the shape `cfg.linear_attention` gives (Qwen3-Next's linear layers)."""
-    la = cfg.linear_attention
-    shape = GatedDeltaNetConfig(
-        la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel, la.chunk_size
-    )
     return GatedDeltaNet(
-        cfg.d_model, shape, init_std=cfg.init_std, out_std=residual_out_std(cfg), norm_eps=cfg.norm_eps, **kw
+        cfg.d_model,
+        cfg.linear_attention,
+        init_std=cfg.init_std,
+        out_std=residual_out_std(cfg),
+        norm_eps=cfg.norm_eps,
+        **kw,
     )
 
 

@@ -16,13 +16,14 @@ from safetensors.numpy import load_file
 
 import meshwork.kernels.gated_delta_rule
 import meshwork.models.layers.gated_deltanet
+from meshwork.config_sections import LinearAttentionConfig
+from meshwork.engine.recurrent_states import state_bytes
 from meshwork.kernels.gated_delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from meshwork.models.layers.gated_deltanet import (
     GatedDeltaNet,
-    GatedDeltaNetConfig,
     GatedDeltaNetState,
     from_hf,
-    state_bytes,
+    linear_attention_from_hf,
     to_hf,
 )
 from meshwork.sharding.mesh import make_mesh
@@ -31,7 +32,7 @@ from meshwork.sharding.rules import logical_to_sharding, rules_for
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "gated_deltanet"
 D = 16
-CFG = GatedDeltaNetConfig(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4, chunk_size=4)
+CFG = LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4, chunk_size=4)
 
 
 def rel_err(a, b) -> float:
@@ -92,7 +93,7 @@ def test_layer_equals_transformers(L):
     """Qwen3NextGatedDeltaNet's output (torch's chunked path, chunks of 64) at 1, 7 and 70 tokens, read
     through `from_hf`; chunks of 16 here, so 70 tokens cross four chunk boundaries and a ragged end."""
     hf = json.loads((FIXTURE / "config.json").read_text())
-    cfg = GatedDeltaNetConfig.from_hf(hf, chunk_size=16)
+    cfg = linear_attention_from_hf(hf, chunk_size=16)
     layer = make_layer(cfg, hf["hidden_size"], eps=hf["rms_norm_eps"])
     load(layer, from_hf(load_file(FIXTURE / "layer.safetensors"), cfg))
     golden = np.load(FIXTURE / "golden.npz")
@@ -102,7 +103,7 @@ def test_layer_equals_transformers(L):
 
 def test_hf_layout_round_trips_bit_exactly():
     hf = json.loads((FIXTURE / "config.json").read_text())
-    cfg = GatedDeltaNetConfig.from_hf(hf)
+    cfg = linear_attention_from_hf(hf)
     tensors = load_file(FIXTURE / "layer.safetensors")
     ours = from_hf(tensors, cfg)
     back = to_hf(ours, cfg)
@@ -199,8 +200,8 @@ def test_state_bytes_are_what_init_state_allocates():
 
 
 def test_value_heads_must_be_a_multiple_of_key_heads():
-    with pytest.raises(ValueError, match="num_v_heads \\(6\\) must be a multiple of num_k_heads \\(4\\)"):
-        GatedDeltaNetConfig(num_k_heads=4, num_v_heads=6)
+    with pytest.raises(ValueError, match="num_v_heads=6 must be a multiple of num_k_heads=4"):
+        LinearAttentionConfig(num_k_heads=4, num_v_heads=6)
 
 
 @pytest.mark.parametrize("module", [meshwork.kernels.gated_delta_rule, meshwork.models.layers.gated_deltanet])

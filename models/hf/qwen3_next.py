@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshwork.config_sections import LinearAttentionConfig, ModelConfig, MoEConfig
+from meshwork.config_sections import ModelConfig, MoEConfig
 from meshwork.models.hf.rope import rope_from_hf
+from meshwork.models.layers.gated_deltanet import linear_attention_from_hf
 
 QWEN3_NEXT_DEFAULTS = (1e-6, 10000.0)
 
@@ -56,13 +57,9 @@ def qwen3_next_config(c: dict[str, Any], need, refuse, dense_layers) -> ModelCon
         dense_layers=tuple(dense) or None,
         **(dict(n_shared_experts=1, d_shared=d_shared, shared_expert_gate=True) if d_shared else {}),
     )
-    linear = LinearAttentionConfig(
-        num_k_heads=need("linear_num_key_heads"),
-        num_v_heads=need("linear_num_value_heads"),
-        head_k_dim=need("linear_key_head_dim"),
-        head_v_dim=need("linear_value_head_dim"),
-        conv_kernel=c.get("linear_conv_kernel_dim", 4),
-    )
+    for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
+        need(key)
+    linear = linear_attention_from_hf(c)
     return ModelConfig(
         kind="moe",
         vocab_size=need("vocab_size"),

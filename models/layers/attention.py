@@ -181,8 +181,7 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         """positions_BL: each token's position, when the layout is not simply 0..L-1 (e.g. zigzag).
         segment_ids_BL: each token's document in a packed row; attention stays within one."""
-        q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
-        q_BLHK, gate_BLHK = self._split_gate(q_BLHK)
+        q_BLHK, k_BLGK, v_BLGK, gate_BLHK = self.project_qkv(x_BLD, positions_BL)
         if self.prefix is not None:
             if segment_ids_BL is not None or self.window is not None or self.pattern.mixed:
                 raise NotImplementedError(
@@ -240,8 +239,7 @@ class Attention(nnx.Module):
                 "KV-cache decoding of a prefix-tuned model is not implemented; "
                 "generate with the full forward pass (model(tokens)) instead"
             )
-        q_BLHK, k_BLGK, v_BLGK = self.project_qkv(x_BLD, positions_BL)
-        q_BLHK, gate_BLHK = self._split_gate(q_BLHK)
+        q_BLHK, k_BLGK, v_BLGK, gate_BLHK = self.project_qkv(x_BLD, positions_BL)
         attend_kv = functools.partial(
             kv.attend,
             q_BLHK,
@@ -259,7 +257,8 @@ class Attention(nnx.Module):
         return self._out(o_BLHK, gate_BLHK), kv
 
     def project_qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, ...]:
-        """Queries, keys and values of x, with RoPE applied at `positions_BL` (None: 0..L-1)."""
+        """Queries, keys and values of x, with RoPE applied at `positions_BL` (None: 0..L-1), and the
+        output gate's logits (None without `output_gate`)."""
         B, L, _ = x_BLD.shape
         rope_pos_BL = positions_BL if positions_BL is not None else jnp.broadcast_to(jnp.arange(L), (B, L))
         q_BLHK = matmul("BLD,DHK->BLHK", x_BLD, self.wq, self.dtype)
@@ -278,9 +277,7 @@ class Attention(nnx.Module):
         k_BLGK = with_logical_constraint(
             self._rope(k_BLGK, rope_pos_BL), ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
         )
-        if gate_BLHK is not None:  # handed on beside the queries, as the projection made them
-            q_BLHK = jnp.concatenate([q_BLHK, gate_BLHK], axis=-1)
-        return q_BLHK, k_BLGK, v_BLGK
+        return q_BLHK, k_BLGK, v_BLGK, gate_BLHK
 
     def _rope(self, x_BLNK: jax.Array, positions_BL: jax.Array) -> jax.Array:
         """This layer's RoPE on x, on the first `rotary_dim` dims of each head when partial."""

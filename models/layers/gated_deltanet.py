@@ -30,6 +30,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from meshwork.config_sections import LinearAttentionConfig
+from meshwork.engine.recurrent_states import state_shapes
 from meshwork.kernels.gated_delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ
 from meshwork.models.layers.norm import RMSNorm
@@ -37,37 +39,21 @@ from meshwork.models.layers.params import matmul, normal, param
 from meshwork.sharding.parallel import with_logical_constraint
 
 
-@dataclasses.dataclass(frozen=True)
-class GatedDeltaNetConfig:
-    """The shape of one Gated DeltaNet layer (defaults: Qwen3-Next-80B-A3B's)."""
+def linear_attention_from_hf(config: Mapping, chunk_size: int = 64) -> LinearAttentionConfig:
+    """The layer shape of a Qwen3-Next config.json's `linear_*` keys.
 
-    num_k_heads: int = 16  # G: query/key heads (transformers: linear_num_key_heads)
-    num_v_heads: int = 32  # H: value heads, a multiple of G (linear_num_value_heads)
-    head_k_dim: int = 128  # Kk: width of a query/key head (linear_key_head_dim)
-    head_v_dim: int = 128  # Kv: width of a value head (linear_value_head_dim)
-    conv_kernel: int = 4  # W: taps of the causal depthwise convolution (linear_conv_kernel_dim)
-    chunk_size: int = 64  # tokens per chunk of the chunked form (training, prefill); any value >= 1
-
-    def __post_init__(self):
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads ({self.num_k_heads})")
-
-    @classmethod
-    def from_hf(cls, config: Mapping, chunk_size: int = 64) -> GatedDeltaNetConfig:
-        """From a Qwen3-Next config.json's `linear_*` keys.
-
-        >>> GatedDeltaNetConfig.from_hf({"linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        ...     "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4}).num_v_heads
-        4
-        """
-        return cls(
-            num_k_heads=config["linear_num_key_heads"],
-            num_v_heads=config["linear_num_value_heads"],
-            head_k_dim=config["linear_key_head_dim"],
-            head_v_dim=config["linear_value_head_dim"],
-            conv_kernel=config["linear_conv_kernel_dim"],
-            chunk_size=chunk_size,
-        )
+    >>> linear_attention_from_hf({"linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    ...     "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4}).num_v_heads
+    4
+    """
+    return LinearAttentionConfig(
+        num_k_heads=config["linear_num_key_heads"],
+        num_v_heads=config["linear_num_value_heads"],
+        head_k_dim=config["linear_key_head_dim"],
+        head_v_dim=config["linear_value_head_dim"],
+        conv_kernel=config.get("linear_conv_kernel_dim", 4),
+        chunk_size=chunk_size,
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -95,18 +81,6 @@ class GatedDeltaNetState:
         }
 
 
-def state_bytes(cfg: GatedDeltaNetConfig, dtype: jnp.dtype) -> int:
-    """Bytes of one sequence's `GatedDeltaNetState` for one layer: the convolution window in `dtype`
-    (the compute dtype) plus the float32 recurrent state; independent of the sequence's length.
-
-    >>> state_bytes(GatedDeltaNetConfig(), jnp.bfloat16)   # Qwen3-Next: 3 x 8192 x 2 B + 32 x 128 x 128 x 4 B
-    2146304
-    """
-    G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-    conv = (cfg.conv_kernel - 1) * (2 * G * Kk + H * Kv) * jnp.dtype(dtype).itemsize
-    return conv + H * Kk * Kv * 4
-
-
 def _uniform(bound: float):
     return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
 
@@ -127,7 +101,7 @@ class GatedDeltaNet(nnx.Module):
     def __init__(
         self,
         d_model: int,
-        cfg: GatedDeltaNetConfig,
+        cfg: LinearAttentionConfig,
         *,
         init_std: float,
         out_std: float,
@@ -260,16 +234,10 @@ class GatedDeltaNet(nnx.Module):
 
     def init_state(self, batch: int, dtype: jnp.dtype | None = None) -> GatedDeltaNetState:
         """Zeros: the state before a sequence's first token (conv window in `dtype`, the compute dtype
-        by default; the recurrent state float32)."""
-        cfg, S = self.cfg, self.cfg.conv_kernel - 1
-        dtype = dtype or self.dtype
-        G, H, Kk, Kv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-        return GatedDeltaNetState(
-            jnp.zeros((batch, S, G, Kk), dtype),
-            jnp.zeros((batch, S, G, Kk), dtype),
-            jnp.zeros((batch, S, H, Kv), dtype),
-            jnp.zeros((batch, H, Kk, Kv), jnp.float32),
-        )
+        by default; the recurrent state float32); what the serving engine keeps per slot
+        (src/meshwork/engine/recurrent_states.py `state_shapes`)."""
+        shapes = state_shapes(self.cfg, dtype or self.dtype)
+        return GatedDeltaNetState(*(jnp.zeros((batch, *shape), dt) for shape, dt in shapes))
 
     def __call__(
         self, x_BLD: jax.Array, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
@@ -325,7 +293,7 @@ HF_NAMES = (
 )
 
 
-def from_hf(tensors: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
+def from_hf(tensors: Mapping[str, np.ndarray], cfg: LinearAttentionConfig) -> dict[str, np.ndarray]:
     """This layer's parameters (keys as `nnx.to_flat_state` paths joined by dots: `w_qkvz`, ...,
     `norm.scale`) from one transformers `Qwen3NextGatedDeltaNet`'s tensors (keys without the
     `model.layers.N.linear_attn.` prefix). Transposes and reshapes only: bit-exact.
@@ -353,7 +321,7 @@ def from_hf(tensors: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict
     }
 
 
-def to_hf(params: Mapping[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
+def to_hf(params: Mapping[str, np.ndarray], cfg: LinearAttentionConfig) -> dict[str, np.ndarray]:
     """The inverse of `from_hf`: transformers' tensors (contiguous arrays) from this layer's parameters."""
     H, Kv = cfg.num_v_heads, cfg.head_v_dim
     p = {name: np.asarray(value) for name, value in params.items()}

@@ -11,12 +11,13 @@ hold: the engine parks padding and finished rows past it) and writes the new sta
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from meshwork.config_sections import ModelConfig
+from meshwork.config_sections import LinearAttentionConfig, ModelConfig
 
 
 @jax.tree_util.register_dataclass
@@ -34,11 +35,8 @@ class RecurrentStates:
         """Zeroed states of `rows` sequences for `cfg`'s linear layers (None when it has none)."""
         if not cfg.linear_layers:
             return None
-        la, n = cfg.linear_attention, len(cfg.linear_layers)
-        S, G, H = la.conv_kernel - 1, la.num_k_heads, la.num_v_heads
-        shapes = [(S, G, la.head_k_dim), (S, G, la.head_k_dim), (S, H, la.head_v_dim)]
-        conv = [jnp.zeros((n, rows, *shape), dtype) for shape in shapes]
-        return cls((*conv, jnp.zeros((n, rows, H, la.head_k_dim, la.head_v_dim), jnp.float32)))
+        n = len(cfg.linear_layers)
+        return cls(tuple(jnp.zeros((n, rows, *shape), dt) for shape, dt in state_shapes(cfg.linear_attention, dtype)))
 
     def cleared(self, rows_B: jax.Array, when_B: jax.Array) -> RecurrentStates:
         """The states with rows `rows_B` zeroed where `when_B` (a sequence starting afresh in its slot)."""
@@ -48,13 +46,31 @@ class RecurrentStates:
 
     @staticmethod
     def bytes_per_sequence(cfg: ModelConfig, dtype: jnp.dtype) -> int:
-        """What one sequence's states take over all linear layers (models/layers/gated_deltanet.py `state_bytes`)."""
-        if not cfg.linear_layers:
-            return 0
-        la = cfg.linear_attention
-        conv = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim)
-        per_layer = conv * jnp.dtype(dtype).itemsize + la.num_v_heads * la.head_k_dim * la.head_v_dim * 4
-        return len(cfg.linear_layers) * per_layer
+        """What one sequence's states take over all linear layers."""
+        return len(cfg.linear_layers) * state_bytes(cfg.linear_attention, dtype) if cfg.linear_layers else 0
+
+
+def state_shapes(la: LinearAttentionConfig, dtype: jnp.dtype) -> tuple[tuple[tuple[int, ...], jnp.dtype], ...]:
+    """(shape, dtype) of each array of one sequence's state in one linear layer, in the order of
+    models/layers/gated_deltanet.py's `GatedDeltaNetState`: the last W - 1 inputs of the q, k and v
+    convolutions (in `dtype`, the compute or cache dtype), then the float32 (H, Kk, Kv) delta-rule state."""
+    S, G, H = la.conv_kernel - 1, la.num_k_heads, la.num_v_heads
+    return (
+        ((S, G, la.head_k_dim), dtype),
+        ((S, G, la.head_k_dim), dtype),
+        ((S, H, la.head_v_dim), dtype),
+        ((H, la.head_k_dim, la.head_v_dim), jnp.float32),
+    )
+
+
+def state_bytes(la: LinearAttentionConfig, dtype: jnp.dtype) -> int:
+    """Bytes of one sequence's state in one linear layer; independent of the sequence's length.
+
+    >>> la = LinearAttentionConfig(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)
+    >>> state_bytes(la, jnp.bfloat16)   # Qwen3-Next: 3 x 8192 x 2 B + 32 x 128 x 128 x 4 B
+    2146304
+    """
+    return sum(math.prod(shape) * jnp.dtype(dt).itemsize for shape, dt in state_shapes(la, dtype))
 
 
 def _expand(x_B: jax.Array, ndim: int) -> jax.Array:
