@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, tiny_overrides
+from test_sharded_step import Lazy
 
 from meshwork.config import ConfigError, load_config
 from meshwork.models.layers.attention_local import local_attention
@@ -46,7 +47,6 @@ FEATURES = {
     "softcap+sinks": dict(softcap=5.0, sinks=True),
     "all": dict(documents=True, window=6, softcap=5.0, sinks=True),
 }
-ERRORS: dict[str, float] = {}  # test id -> max relative error (printed with -s)
 
 
 def rel_err(got, want) -> float:
@@ -136,7 +136,6 @@ QUICK = {("all", 0), ("all", 1), ("causal", 0)}
 )
 def test_attention_equals_one_device(inputs, algorithm, mesh_index, feature, request):
     err = compare(inputs, algorithm, MESHES_OF[algorithm][mesh_index], **FEATURES[feature])
-    ERRORS[request.node.callspec.id] = err
     print(f"{request.node.callspec.id}: max relative error {err:.2e}")
     assert err < TOL
 
@@ -254,16 +253,6 @@ def lm_grads(tmp_path, overrides, n_devices, documents=False, lower_only=False):
             return None, None, compiled.as_text(), cfg
         loss, grads = compiled(state.params, state.buffers, sharded)
     return float(loss), jax.device_get(grads), compiled.as_text(), cfg
-
-
-class Lazy(dict):
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
-
-    def __missing__(self, key):
-        self[key] = self.make(key)
-        return self[key]
 
 
 @pytest.fixture(scope="module")

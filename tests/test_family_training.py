@@ -15,6 +15,7 @@ from flax import nnx
 from meshwork.engine.generate import place
 from meshwork.models.hf import model_from_hf
 from meshwork.perf.flops import param_counts
+from meshwork.perf.planner_weights import model_weights
 from meshwork.sharding.mesh import make_mesh
 from meshwork.sharding.parallel import use_rules
 from meshwork.sharding.rules import rules_for
@@ -79,8 +80,15 @@ def test_a_sharded_step_equals_one_device(name, preset):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss", "qwen3_next", "qwen3_next_alt"])
-def test_the_parameter_formula_counts_the_built_model(name):
-    """perf/flops.py's count (printed at start-up, used by the planner) equals the loaded model's,
-    with sandwich norms, q/k norms, sinks, output biases and gates, and Gated DeltaNet layers."""
+def test_the_parameter_formula_and_the_planners_weights_are_the_built_models(name):
+    """perf/flops.py's count (printed at start-up) equals the loaded model's, and the planner's weight
+    list (perf/planner_weights.py) names its every parameter with its shape and logical axes: sandwich
+    norms, q/k norms, sinks, output biases and gates, and Gated DeltaNet layers."""
     cfg, model = model_from_hf(FIXTURES / name)
-    assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    params = nnx.state(model, nnx.Param)
+    assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(params))
+    real = {
+        ".".join(map(str, path)): (tuple(v.shape), tuple(v.get_metadata()["out_sharding"]))
+        for path, v in nnx.to_flat_state(params)
+    }
+    assert {w.path: (w.shape, w.names) for w in model_weights(cfg)} == real

@@ -24,6 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
+from meshwork.kernels.score_modifiers import soft_cap  # noqa: F401  (the kernels' one soft-cap)
+
 F32 = jnp.float32
 # A finite "minus infinity" for masked scores: with -inf, a row that has not
 # yet seen a visible key would compute exp(-inf - -inf) = NaN when rescaling.
@@ -193,17 +195,6 @@ def masked_softmax(scores, mask, sink=None):
     if sink is not None:
         l = l + jnp.exp(sink - m)
     return p / jnp.where(l == 0.0, 1.0, l)
-
-
-def soft_cap(scores, softcap: float | None):
-    """Gemma 2's logit soft-capping, softcap * tanh(scores / softcap); scores unchanged when softcap is None.
-
-    Applied to the scaled scores before the mask, as Hugging Face's eager attention does.
-
-    >>> round(float(soft_cap(jnp.float32(100.0), 50.0)), 3)  # 50 * tanh(2)
-    48.201
-    """
-    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def check_features(softcap, sinks, H):

@@ -40,26 +40,39 @@ class Weight:
         return "layers" in self.names
 
 
-def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool) -> list[Weight]:
+def _block_weights(m: ModelConfig, prefix: str, n: int, moe: bool, linear: bool = False) -> list[Weight]:
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.resolved_head_dim
+    Q = 2 * K if m.attention_output_gate else K  # Qwen3-Next's q_proj also makes the output gate
     L = ("layers",)
     w = [Weight(f"{prefix}.attn_norm.scale", (n, D), L + ("embed",), "norm")]
-    if m.mla is not None:
+    if linear:
+        w += _linear_attention_weights(m, prefix, n)
+    elif m.mla is not None:
         w += _mla_weights(m, prefix, n)
     else:
         w += [
-            Weight(f"{prefix}.attn.wq", (n, D, H, K), L + ("embed", "heads", "head_dim")),
+            Weight(f"{prefix}.attn.wq", (n, D, H, Q), L + ("embed", "heads", "head_dim")),
             Weight(f"{prefix}.attn.wk", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
             Weight(f"{prefix}.attn.wv", (n, D, G, K), L + ("embed", "kv_heads", "head_dim")),
             Weight(f"{prefix}.attn.wo", (n, H, K, D), L + ("heads", "head_dim", "embed")),
         ]
-    if m.qkv_bias and m.mla is None:
+    attention = m.mla is None and not linear
+    if m.attention_out_bias and attention:
+        w.append(Weight(f"{prefix}.attn.bo", (n, D), L + ("embed",)))
+    if m.attention_sinks and attention:
+        w.append(Weight(f"{prefix}.attn.sinks", (n, H), L + ("heads",)))
+    if m.sandwich_norm:
+        w += [
+            Weight(f"{prefix}.{name}.scale", (n, D), L + ("embed",), "norm")
+            for name in ("attn_out_norm", "mlp_out_norm")
+        ]
+    if m.qkv_bias and attention:
         w += [
             Weight(f"{prefix}.attn.bq", (n, H, K), L + ("heads", "head_dim")),
             Weight(f"{prefix}.attn.bk", (n, G, K), L + ("kv_heads", "head_dim")),
             Weight(f"{prefix}.attn.bv", (n, G, K), L + ("kv_heads", "head_dim")),
         ]
-    if m.qk_norm and m.mla is None:
+    if m.qk_norm and attention:
         # Reached by every token of every head: its gradient sums over the batch, sequence and head splits,
         # which the "dense" kind counts as the batch and sequence axes (head_dim-sized: negligible).
         w += [
@@ -149,6 +162,22 @@ def _mtp_weights(m: ModelConfig) -> list[Weight]:
     return w
 
 
+def _linear_attention_weights(m: ModelConfig, prefix: str, n: int) -> list[Weight]:
+    """A Gated DeltaNet layer's weights (models/layers/gated_deltanet.py), fused as the checkpoint keeps them."""
+    la, D, L = m.linear_attention, m.d_model, ("layers",)
+    G, H, Kk, Kv, W = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel
+    R = H // G
+    return [
+        Weight(f"{prefix}.attn.w_qkvz", (n, D, G, 2 * Kk + 2 * R * Kv), L + ("embed", "linear_k_heads", None)),
+        Weight(f"{prefix}.attn.w_ba", (n, D, G, 2 * R), L + ("embed", "linear_k_heads", None)),
+        Weight(f"{prefix}.attn.conv", (n, W, 2 * G * Kk + H * Kv), L + ("conv_kw", None)),
+        Weight(f"{prefix}.attn.A_log", (n, H), L + ("linear_heads",)),
+        Weight(f"{prefix}.attn.dt_bias", (n, H), L + ("linear_heads",)),
+        Weight(f"{prefix}.attn.norm.scale", (n, Kv), L + ("head_dim",)),
+        Weight(f"{prefix}.attn.wo", (n, H, Kv, D), L + ("linear_heads", "head_dim", "embed")),
+    ]
+
+
 def model_weights(m: ModelConfig) -> tuple[Weight, ...]:
     """Every trainable weight of meshwork's Transformer / MoETransformer for `m`,
     with the logical names models/ gives it (checked against the real model by
@@ -168,8 +197,8 @@ def _model_weights(model_json: str) -> tuple[Weight, ...]:
     D, V = m.d_model, m.vocab_size
     w = [Weight("embed.table", (V, D), ("vocab", "embed"), "embedding")]
     if m.kind == "moe":
-        for run in m.moe.layer_runs(m.n_layers):  # models/moe.py's stacks, one per run of one kind
-            w += _block_weights(m, run.name, run.count, moe=run.moe)
+        for run in m.layer_runs():  # models/moe.py's stacks, one per run of one kind
+            w += _block_weights(m, run.name, run.count, moe=run.moe, linear=run.linear)
     else:
         w += _block_weights(m, "blocks", m.n_layers, moe=False)
     w.append(Weight("head.final_norm.scale", (D,), ("embed",), "norm"))
