@@ -318,7 +318,7 @@ def build_trainer(cfg: Config, task: LMTask | DiffusionTask, devices: list | Non
         seq_perm = zigzag_permutation(cfg.data.seq_len, mesh.shape[seq_axes[0]])
     elif seq_axes and cfg.train.pipeline != "none":
         seq_perm = np.arange(cfg.data.seq_len)
-    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, rules_by_role["opt_state"])
     inner_tx = None
     if cfg.comm.local_steps > 1:  # DiLoCo: AdamW runs inside each replica, the state's optimizer is the outer one
         inner_tx, tx = tx, outer_optimizer(cfg)

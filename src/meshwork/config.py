@@ -191,6 +191,8 @@ class Config(Section):
             raise _KeyError("data.train_path", "data.source=tokens needs data.train_path and data.val_path")
         if self.data.source in ("text", "chat"):
             _check_packed_documents(self)
+        if self.optimizer.name == "muon":
+            _check_muon(self)
         if t.objective == "dpo":
             _check_dpo(self)
         if t.objective == "grpo":
@@ -334,6 +336,28 @@ def _check_packed_documents(cfg: Config) -> None:
         )
     if source == "chat" and not cfg.data.messages_field:
         raise _KeyError("data.messages_field", "is empty; name the JSON field holding the messages (e.g. messages)")
+
+
+def _check_muon(cfg: Config) -> None:
+    """What Muon (optimizer.name=muon) trains: the language models' full weight matrices."""
+    m, ft, t = cfg.model, cfg.finetune, cfg.train
+    if m.kind == "unet":
+        raise _KeyError(
+            "optimizer.name",
+            "muon orthogonalizes the language models' weight matrices, not model.kind=unet's convolutions; use adamw",
+        )
+    if ft.method not in ("none", "full"):
+        raise _KeyError(
+            "optimizer.name",
+            f"muon trains whole weight matrices, and finetune.method={ft.method} trains adapters; "
+            "use optimizer.name=adamw or finetune.method full",
+        )
+    if t.offload.optimizer or cfg.comm.local_steps > 1:
+        raise _KeyError(
+            "optimizer.name",
+            "muon with train.offload.optimizer or comm.local_steps > 1 is not supported; "
+            "use optimizer.name=adamw or turn them off",
+        )
 
 
 def _check_dpo(cfg: Config) -> None:

@@ -55,14 +55,12 @@ class RunConfig(Section):
     @pydantic.field_validator("allow_changes")
     @classmethod
     def _only_optimizer_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
-        fields = OptimizerConfig.model_fields
+        # optimizer.name is not one of them: another optimizer's state has another shape.
+        allowed = [f"optimizer.{f}" for f in OptimizerConfig.model_fields if f not in ("name", "muon")]
+        allowed += [f"optimizer.muon.{f}" for f in MuonConfig.model_fields]
         for key in keys:
-            section, _, name = key.partition(".")
-            if section != "optimizer" or name not in fields:
-                raise ValueError(
-                    f"{key!r} cannot change within a run; name optimizer keys only "
-                    f"({', '.join('optimizer.' + f for f in fields)})"
-                )
+            if key not in allowed:
+                raise ValueError(f"{key!r} cannot change within a run; name optimizer keys only ({', '.join(allowed)})")
         return keys
 
 
@@ -470,7 +468,35 @@ class DataConfig(Section):
         return [value] if isinstance(value, str) else value
 
 
+class MuonConfig(Section):
+    """Muon (src/meshwork/optimizers/muon.py): momentum orthogonalized by a Newton-Schulz iteration
+    for the weight matrices (per layer of a scanned stack, per expert), AdamW (the fields of
+    `optimizer`) for the embedding, the head, norms, biases and other non-matrix weights."""
+
+    newton_schulz: Literal["gather", "sharded"] = "gather"
+    """How the iteration runs on a sharded matrix (optimizers/newton_schulz.py). gather: each
+    matrix is assembled whole on one owner device (owners round-robin over every device that holds
+    a piece or a copy of it, by all-to-alls), iterated there, and sent back. sharded: every device
+    iterates on its own shard; the Gram products are all-reduced over the sharded dimension."""
+    ns_steps: int = pydantic.Field(5, gt=0)
+    """Newton-Schulz iterations per step (the quintic of Jordan et al., 2024)."""
+    beta: float = pydantic.Field(0.95, ge=0, lt=1)
+    """Momentum of the matrices' gradients."""
+    nesterov: bool = True
+    """Orthogonalize beta * momentum + gradient (Nesterov) instead of the momentum itself."""
+    lr: float | None = pydantic.Field(None, gt=0)
+    """Peak learning rate of the matrices (same warmup and decay as `optimizer.lr`); null: `optimizer.lr`."""
+    scaling: Literal["rms_match", "shape"] = "rms_match"
+    """Scale of the orthogonalized update of an m x n matrix. rms_match (Moonlight): 0.2 sqrt(max(m, n)),
+    an update as large as AdamW's, so AdamW's learning rate and weight decay carry over; shape (Jordan
+    et al.): sqrt(max(1, n / m)) for n outputs, m inputs, with learning rates near 0.02."""
+
+
 class OptimizerConfig(Section):
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw for every weight; muon: Muon for the weight matrices, AdamW for the rest (`optimizer.muon`)."""
+    muon: MuonConfig | None = None
+    """Muon's own settings (only with name: muon; null there means the defaults)."""
     lr: float = pydantic.Field(3e-3, gt=0)
     """Peak learning rate, reached after `warmup_steps`."""
     init_lr_ratio: float = pydantic.Field(0.0, ge=0, le=1)
@@ -485,6 +511,14 @@ class OptimizerConfig(Section):
     """Decoupled (AdamW) decay; norm scales are not decayed."""
     clip_norm: float | None = pydantic.Field(1.0, ge=0)
     """Global-norm gradient clipping; null disables it."""
+
+    @pydantic.model_validator(mode="after")
+    def _muon_fields_need_muon(self) -> OptimizerConfig:
+        if self.muon is not None and self.name != "muon":
+            raise ValueError(
+                f"optimizer.muon is set but optimizer.name is {self.name}; set optimizer.name=muon or remove optimizer.muon"
+            )
+        return self
 
 
 class OffloadConfig(Section):
