@@ -45,6 +45,9 @@ def test_include_and_overrides(tmp_path):
         ("train.pipeline=1f1b mesh.stage=2 model.kind=unet", "train.pipeline"),
         ("train.pipeline=1f1b mesh.stage=2 model.kind=moe model.moe.first_dense_layers=1", "model.moe"),
         ("train.pipeline=1f1b mesh.stage=2 model.kind=moe model.moe.router=noisy", "model.moe.router"),
+        ("optimizer.name=muon train.offload.optimizer=true", "optimizer.name"),
+        ("optimizer.name=muon model.kind=unet", "optimizer.name"),
+        ("run.allow_changes=[optimizer.name]", "run.allow_changes"),
     ],
 )
 def test_bad_values_name_their_key(override, key):
@@ -76,6 +79,14 @@ def _cli(capsys, *args) -> subprocess.CompletedProcess:
             "data.source=tokens data.train_path=/nonexistent/train.bin data.val_path=/nonexistent/val.bin",
             "data.train_path",
         ),  # missing data file
+        ("optimizer.muon.ns_steps=3", "optimizer.muon is set but optimizer.name is adamw"),  # Muon's fields with AdamW
+        ("optimizer.name=muon optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps"),  # no iteration
+        ("optimizer.name=muon optimizer.muon.ns_steps=-2", "optimizer.muon.ns_steps"),
+        (
+            "optimizer.name=muon optimizer.muon.newton_schulz=allgather",
+            "optimizer.muon.newton_schulz",
+        ),  # no such variant
+        ("optimizer.name=sgd", "optimizer.name"),  # no such optimizer
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, capsys, override, key):

@@ -38,8 +38,6 @@ def make_optimizer(
         muon_lr = cfg.muon.lr if cfg.muon is not None else None
         tx = muon(cfg, schedule, lr_schedule(cfg, total_steps, muon_lr), _decay_mask, rules)
     else:
-        tx = optax.adamw(
-            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask
-        )
+        tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask)
     clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
     return optax.chain(clip, tx), schedule

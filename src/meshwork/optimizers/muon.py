@@ -68,7 +68,9 @@ def orthogonalize_tree(tree: Any, cfg: MuonConfig, rules: Rules | None) -> Any:
     mesh_shape = {} if mesh.empty else dict(mesh.shape)
     layouts = [matrix_layout(_names(v)) for v in variables]
     placements = [
-        placement(lay, a.shape, logical_to_spec(_names(v), rules) if rules and mesh_shape else PartitionSpec(), mesh_shape)
+        placement(
+            lay, a.shape, logical_to_spec(_names(v), rules) if rules and mesh_shape else PartitionSpec(), mesh_shape
+        )
         for lay, a, v in zip(layouts, arrays, variables, strict=True)
     ]
     done = orthogonalize(arrays, placements, cfg.newton_schulz, cfg.ns_steps)

@@ -158,7 +158,7 @@ def _gathered(blocks, placements, steps, mesh_shape):
         _, r, c = p.layout.shape(x.shape)
         groups.setdefault((r, c, p.rows, p.cols, p.copies), []).append(i)
     out = list(blocks)
-    for (r, c, rows, cols, copies), members in groups.items():
+    for (_, _, rows, cols, copies), members in groups.items():
         stacks = [blocks[i].reshape(placements[i].layout.shape(blocks[i].shape)) for i in members]
         done = _through_owners(jnp.concatenate(stacks), rows, cols, copies, steps, mesh_shape)
         start = 0
