@@ -33,6 +33,10 @@ How the collectives are counted:
   as one reduce-scatter and one all-reduce.
 - Native `reduce-scatter` ops and async `*-start` ops (counted once, by their
   start) are read as they are.
+- By scope. Each collective keeps the `op_name` of its HLO metadata, the
+  `jax.named_scope` path of the code that made it, so `scope="optimizer"` keeps
+  what the train step's optimizer update sends (`in_scope`; an op XLA combined
+  from several counts as inside only when all of its parts were).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 # An HLO instruction `%name = type op(...)`; async pairs count once, by their -start.
 _OP = re.compile(r"=\s*[^=]*?\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _MATCHED_RS = "all-reduce + dynamic-slice"
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 # Ops that move or relabel a value without changing which elements it holds.
 _PASS_THROUGH = {"bitcast", "reshape", "copy", "transpose"}
@@ -80,6 +85,8 @@ class Collective:
     computation: str
     name: str
     matched_as: str
+    op_name: str = ""
+    """The op's `metadata={op_name=...}`: jit name and named scopes, e.g. `jit(step)/optimizer/psum`."""
 
     @property
     def sent_bytes(self) -> float:
@@ -92,6 +99,47 @@ def _ring_bytes(kind: str, g: int, payload: int) -> float:
     if g <= 1:
         return 0.0
     return (2.0 if kind == "all-reduce" else 1.0) * (g - 1) / g * payload
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """`text` split at each `sep` outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def _paths(op_name: str) -> list[list[str]]:
+    """The scope paths an op_name stands for: one, or one per part of an op XLA combined from
+    several, which it names `common/prefix/(rest_1:rest_2:...)`."""
+    parts = _split_top(op_name, "/")
+    for i, part in enumerate(parts):
+        if part.startswith("(") and part.endswith(")") and len(_split_top(part[1:-1], ":")) > 1:
+            rest = "/".join(parts[i + 1 :])
+            return [
+                parts[:i] + path
+                for alt in _split_top(part[1:-1], ":")
+                for path in _paths(alt + ("/" + rest if rest else ""))
+            ]
+    return [parts]
+
+
+def in_scope(op_name: str, scope: str) -> bool:
+    """Whether an op named `op_name` ran inside `jax.named_scope` path `scope` (one name, or nested
+    ones joined by "/"); an op combined from several must have every part inside.
+
+    >>> in_scope("jit(step)/cond/branch_1_fun/optimizer/shard_map/psum", "optimizer/shard_map")
+    True
+    >>> in_scope("jit(step)/(optimizer/reduce_sum:jvp(loss)/reduce_sum)", "optimizer")
+    False
+    """
+    want = scope.split("/")
+    n = len(want)
+    paths = _paths(op_name)
+    return bool(op_name) and all(any(p[i : i + n] == want for i in range(len(p) - n + 1)) for p in paths)
 
 
 def _group_size(attrs: str, n_devices: int) -> int:
@@ -264,8 +312,10 @@ class _Module:
                 g = _group_size(instr.attrs, self.n_devices)
                 shapes = self.operand_shapes(comp, instr)
 
-                def make(k, group, nbytes, how=instr.op, comp=comp, mult=mult, name=instr.name):
-                    return Collective(k, group, int(nbytes), mult, comp, name, how)
+                op_name = _OP_NAME.search(instr.attrs)
+
+                def make(k, group, nbytes, how=instr.op, comp=comp, mult=mult, name=instr.name, op=op_name):
+                    return Collective(k, group, int(nbytes), mult, comp, name, how, op.group(1) if op else "")
 
                 if kind == "all-gather":  # payload: the gathered output, g inputs' worth
                     out = instr.shapes if instr.op == kind else [sh for sh in shapes for _ in range(g)]
@@ -295,20 +345,23 @@ class _Module:
         return out
 
 
-def list_collectives(hlo_text: str) -> list[Collective]:
+def list_collectives(hlo_text: str, scope: str | None = None) -> list[Collective]:
     """Every collective in optimized HLO, as GPU/TPU would run it (see the
-    module docstring for how all-reduce + dynamic-slice becomes reduce-scatter).
+    module docstring for how all-reduce + dynamic-slice becomes reduce-scatter);
+    with `scope`, only those made inside that `jax.named_scope` (`in_scope`).
 
     >>> cs = list_collectives(jax.jit(f).lower(x).compile().as_text())  # doctest: +SKIP
     >>> [(c.kind, c.group_size, c.multiplier) for c in cs]             # doctest: +SKIP
     [('all-reduce', 2, 1)]
     """
-    return _Module(hlo_text).collectives()
+    found = _Module(hlo_text).collectives()
+    return found if scope is None else [c for c in found if in_scope(c.op_name, scope)]
 
 
-def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
+def collective_summary(hlo_text: str, scope: str | None = None) -> dict[str, dict[str, int]]:
     """{kind: {"count", "bytes", "payload_bytes"}} per run of the program, for
-    all five kinds: counts and bytes sent per device, loop trip counts included.
+    all five kinds: counts and bytes sent per device, loop trip counts included
+    (with `scope`: of the collectives made inside that named scope).
 
     >>> hlo = '''HloModule m, num_partitions=4
     ... ENTRY %main (p: f32[8]) -> f32[8] {
@@ -319,7 +372,7 @@ def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
     {'count': 1, 'bytes': 32, 'payload_bytes': 32}
     """
     out = {k: {"count": 0, "bytes": 0, "payload_bytes": 0} for k in COLLECTIVES}
-    for c in list_collectives(hlo_text):
+    for c in list_collectives(hlo_text, scope):
         out[c.kind]["count"] += c.multiplier
         out[c.kind]["bytes"] += round(c.sent_bytes * c.multiplier)
         out[c.kind]["payload_bytes"] += c.payload_bytes * c.multiplier

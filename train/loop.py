@@ -35,6 +35,7 @@ from meshwork.train.hooks.preemption import Preemption
 from meshwork.train.hooks.run import Run
 from meshwork.train.hooks.samples import Samples
 from meshwork.train.logger import StepLogger
+from meshwork.train.optimizer_report import optimizer_lines, optimizer_report
 from meshwork.train.preemption import PreemptionGuard
 from meshwork.train.rollouts import engine_plan_of, split_placement
 from meshwork.train.run_dir import (
@@ -124,10 +125,13 @@ def _train(
         trainer = trainer.compile()
     if dry_run:  # True: human-readable; "json": one JSON object
         engine = engine_plan_of(trainer)  # grpo: the serving engine's pages and sync traffic beside it
+        optimizer = optimizer_report(trainer)  # its state and Newton-Schulz traffic beside the planner's
         if dry_run == "json":
-            print(json.dumps({**trainer.report_dict(), **({"engine": engine.to_dict()} if engine else {})}))
+            engine_part = {"engine": engine.to_dict()} if engine else {}
+            print(json.dumps({**trainer.report_dict(), "optimizer": optimizer, **engine_part}))
         else:
-            print("\n".join([trainer.report(), *(engine.lines() if engine else [])]))
+            lines = [trainer.report(), *optimizer_lines(optimizer), *(engine.lines() if engine else [])]
+            print("\n".join(lines))
         return {"dry_run": True}
     check_fits(trainer)
     if guard.signal is not None:  # asked to stop while starting: nothing new exists yet, so nothing to save

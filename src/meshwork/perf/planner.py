@@ -35,7 +35,9 @@ their 6N), a partial policy the products it does not keep (planner_remat.py;
 pipeline recomputes each stage's forward inside its backward (twice under
 zb-h1: in the input and in the weight half). The
 optimizer update is memory-bound: it reads and writes the state once
-(bytes / HBM bandwidth).
+(bytes / HBM bandwidth); under Muon it adds the configured Newton-Schulz
+variant's collectives and matrix products (`planner_optimizer`), and the plan
+shows both variants' bytes, FLOPs and time so the cheaper can be chosen.
 
     >>> from meshwork.config import Config
     >>> from meshwork.perf.hardware import get_hardware
@@ -72,6 +74,7 @@ from meshwork.perf.planner_memory import (
     offload_memory,
     state_memory,
 )
+from meshwork.perf.planner_optimizer import muon_problem, newton_schulz_cost, optimizer_lines, optimizer_plan
 from meshwork.perf.planner_pipeline import pipeline_schedule
 from meshwork.perf.planner_remat import kept_during_backward, recompute_fraction
 from meshwork.perf.planner_weights import indivisible, model_weights, shard_size
@@ -142,6 +145,8 @@ class Plan:
     tokens_per_s: float
     fits: bool
     hbm_usable: float
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """planner_optimizer.optimizer_plan: the optimizer and, under Muon, both Newton-Schulz variants."""
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Collectives per kind, in `sharding/report.py`'s format."""
@@ -182,6 +187,7 @@ class Plan:
             "step_time_s": self.step_time,
             "mfu": self.mfu,
             "tokens_per_s": self.tokens_per_s,
+            "optimizer": self.optimizer,
         }
 
 
@@ -297,7 +303,8 @@ def compiled_step_flops(cfg: Config, layout: Layout) -> float:
     if layout.pipeline == "none":
         f /= layout.microbatches  # the accumulation loop's body, one microbatch, is counted once too
     local_params = sum(shard_size(w, layout, "opt_state") for w in model_weights(cfg.model))
-    return f + OPTIMIZER_FLOPS_PER_PARAM * local_params
+    muon = newton_schulz_cost(cfg, layout).flops if cfg.optimizer.name == "muon" else 0.0
+    return f + OPTIMIZER_FLOPS_PER_PARAM * local_params + muon
 
 
 # ---------------------------------------------------------------------------
@@ -356,14 +363,21 @@ def plan(
     # Ring attention's hops overlap the attention compute of their layer: what that cannot cover is exposed.
     ring = sum(t for c, t, _ in timed if c.under_attention)
     ring_hidden = min(ring, _attention_time(cfg, layout, peak * options.efficiency))
-    critical_comm = sum(t for c, t, _ in timed if not c.overlappable and not c.under_attention) + ring - ring_hidden
+    critical_comm = (
+        sum(t for c, t, _ in timed if not c.overlappable and not c.under_attention and not c.optimizer)
+        + ring
+        - ring_hidden
+    )
     background = sum(t for c, t, _ in timed if c.overlappable and not c.under_attention)
     work = compute + recompute + critical_comm
     sched = pipeline_schedule(layout)  # the executor's own table: its idle share is the bubble
     bubble = work * sched.bubble_ratio if sched is not None else 0.0
     hidden = min(options.overlap * background, compute + recompute)
     state = mem["params"] + mem["grads"] + mem["opt_state"]
-    optimizer = 2 * state / hw.hbm_bandwidth
+    opt = optimizer_plan(cfg, layout, hw, dpn, options.algorithm, options.efficiency)
+    ns = opt.get("newton_schulz")
+    # Muon: the configured variant's collectives and products, after the backward pass.
+    optimizer = 2 * state / hw.hbm_bandwidth + (ns["variants"][ns["configured"]]["time_s"] if ns else 0.0)
     step = work + bubble + background - hidden + optimizer
     times = {
         "compute": compute,
@@ -398,6 +412,7 @@ def plan(
         tokens / step,
         mem["total"] <= usable,
         usable,
+        opt,
     )
 
 
@@ -447,7 +462,9 @@ def layout_problem(cfg: Config, layout: Layout) -> str | None:
     if cfg.train.global_batch % batch:
         return f"global batch {cfg.train.global_batch} does not split into {batch} (batch shards x microbatches)"
     bad = indivisible(model_weights(m), layout)
-    return f"{bad} does not divide evenly" if bad else None
+    if bad:
+        return f"{bad} does not divide evenly"
+    return muon_problem(cfg, layout)
 
 
 def _context_parallel_problem(cfg: Config, layout: Layout) -> str | None:
@@ -653,6 +670,8 @@ def format_plan(p: Plan) -> str:
         f"step {_secs(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
         f"(model {p.flops['model']:.3e} FLOPs/step)"
     )
+    if p.optimizer:
+        lines += optimizer_lines(p.optimizer, p.memory["opt_state"], _fmt_bytes, _secs)
     return "\n".join(lines)
 
 

@@ -48,6 +48,9 @@ Where each comes from (g: the devices of the mesh axes involved):
 - expert parallelism: per MoE layer an all-to-all to dispatch and one to
   combine, forward and backward; meshwork's dropless dispatch pads each
   destination's buffer to the no-drop worst case (N x T k rows).
+- optimizer: Muon's Newton-Schulz (`optimizer.muon.newton_schulz`), the all-to-alls and
+  all-gathers of gather or the Gram all-reduces of sharded, as planner_optimizer.py counts them;
+  AdamW sends nothing beyond the gradients' reduction (the clipping norm's few scalars aside).
 - pipeline: meshwork's executor permutes an activation forward and a
   cotangent backward at each time step of its schedule table (2(M + P - 1)
   for GPipe and 1F1B; `planner_pipeline`). Interleaving also moves the
@@ -78,6 +81,7 @@ from meshwork.perf.hardware import Accelerator
 from meshwork.perf.planner_context import AttentionShard, cp_collectives
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_memory import ITEMSIZE, StateBytes, token_shape
+from meshwork.perf.planner_optimizer import merged, newton_schulz_cost
 from meshwork.perf.planner_pipeline import pipeline_schedule
 from meshwork.perf.planner_weights import model_weights, shard_size, token_axes
 from meshwork.sharding.mesh import MESH_AXES
@@ -103,6 +107,9 @@ class Collective:
     under_attention: bool = False
     """Overlaps the attention compute of its layer (ring attention's hops): exposed
     only where the hops take longer than that compute (`plan`)."""
+    optimizer: bool = False
+    """Sent by the optimizer update, after the backward pass (Muon's Newton-Schulz): the planner
+    counts its time with the update's, outside the pipeline bubble and the overlap."""
 
     @property
     def sent_bytes(self) -> float:
@@ -152,10 +159,13 @@ def step_collectives(
 
     _weight_collectives(cfg, layout, options, acc, add)
     _activation_collectives(cfg, layout, options, add)
-    return [
+    listed = [
         Collective(kind, axes, math.prod(layout.sizes[a] for a in axes), payload[0], count, what, ovl, attn)
         for (kind, axes, what, ovl, attn, count), payload in out.items()
     ]
+    if cfg.optimizer.name == "muon":  # the configured variant's Newton-Schulz (planner_optimizer.py)
+        listed += merged(c for c in newton_schulz_cost(cfg, layout).collectives if c.group > 1)
+    return listed
 
 
 def _weight_collectives(cfg, layout, options, acc, add) -> None:

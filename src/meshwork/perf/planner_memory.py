@@ -1,11 +1,12 @@
 """Planner: what one device holds under a layout, in bytes.
 
 - state: every weight's shard (`planner_weights.shard_size`) under its role's
-  rules, parameters, gradients and Adam's two moments. Bytes per element follow
-  `StateBytes`: meshwork's own accounting (parameters, gradients and both
-  moments in `train.param_dtype`) or the ZeRO paper's mixed precision
-  (2 + 2 bytes of fp16 parameters and gradients, K = 12 bytes of fp32 master
-  copy and moments; Rajbhandari et al. 2020, "ZeRO", section 3.1).
+  rules, parameters, gradients and the optimizer's moments: Adam's two, or under
+  Muon one momentum for each matrix stack (`planner_optimizer.moments`). Bytes
+  per element follow `StateBytes`: meshwork's own accounting (parameters,
+  gradients and moments in `train.param_dtype`) or the ZeRO paper's mixed
+  precision (2 + 2 bytes of fp16 parameters and gradients, K = 12 bytes of fp32
+  master copy and moments; Rajbhandari et al. 2020, "ZeRO", section 3.1).
 - activations: `layer_activation_bytes`, the Korthikanti et al. (2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4)
   accounting applied to meshwork's block (pre-norm RMSNorm, grouped-query
@@ -55,18 +56,31 @@ class StateBytes:
     param: float
     grad: float
     optimizer: float
+    """Optimizer bytes per element of a weight that AdamW updates (its two moments and any master copy)."""
     name: str = ""
     counters: int = 0
     """Bytes of replicated scalars in the optimizer state."""
+    moment: float | None = None
+    """Bytes per element of one moment (None: half of `optimizer`): a Muon matrix keeps one
+    moment fewer than AdamW's two."""
 
     @classmethod
     def meshwork(cls, cfg: Config) -> StateBytes:
+        from meshwork.perf.planner_optimizer import counter_bytes
+
         b = ITEMSIZE[cfg.train.param_dtype]
-        # + optax's adamw step count and the schedule's: two int32 scalars.
-        return cls(b, b, 2 * b, f"meshwork ({cfg.train.param_dtype} params, grads, Adam moments)", 8)
+        moments = "Muon momentum, Adam moments" if cfg.optimizer.name == "muon" else "Adam moments"
+        # + optax's int32 step counters (planner_optimizer.COUNTERS: adamw's two, muon's three).
+        return cls(
+            b, b, 2 * b, f"meshwork ({cfg.train.param_dtype} params, grads, {moments})", counter_bytes(cfg.optimizer), b
+        )
+
+    def optimizer_bytes(self, moments: int) -> float:
+        """Bytes per element of a weight whose optimizer keeps `moments` moments (AdamW 2, Muon 1)."""
+        return self.optimizer - (2 - moments) * (self.optimizer / 2 if self.moment is None else self.moment)
 
 
-MIXED_PRECISION_ADAM = StateBytes(2, 2, 12, "ZeRO mixed precision (2 + 2 + K=12 bytes/param)")
+MIXED_PRECISION_ADAM = StateBytes(2, 2, 12, "ZeRO mixed precision (2 + 2 + K=12 bytes/param)", moment=4)
 
 
 def state_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = None) -> dict[str, float]:
@@ -80,12 +94,14 @@ def state_memory(cfg: Config, layout: Layout, accounting: StateBytes | None = No
     >>> round(dp["opt_state"] / z3["opt_state"])
     8
     """
+    from meshwork.perf.planner_optimizer import moments
+
     acc = accounting or StateBytes.meshwork(cfg)
     weights = model_weights(cfg.model)
     params = sum(shard_size(w, layout, "params") for w in weights)
     grads = sum(shard_size(w, layout, "grads") for w in weights)
-    opt = sum(shard_size(w, layout, "opt_state") for w in weights)
-    out = {"params": params * acc.param, "grads": grads * acc.grad, "opt_state": opt * acc.optimizer + acc.counters}
+    opt = sum(shard_size(w, layout, "opt_state") * acc.optimizer_bytes(moments(cfg.optimizer, w)) for w in weights)
+    out = {"params": params * acc.param, "grads": grads * acc.grad, "opt_state": opt + acc.counters}
     out["total"] = out["params"] + out["grads"] + out["opt_state"]
     return out
 
