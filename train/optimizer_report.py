@@ -4,9 +4,12 @@ The bytes agree exactly; the sharded variant's all-reduces may number fewer in t
 where XLA joins a matrix's norm all-reduce with another's Gram all-reduce (same bytes).
 
 The compiled side is read from the step's HLO by scope (sharding/hlo.py `in_scope`): train/step.py
-runs the update under `jax.named_scope("optimizer")`, and inside it Muon's orthogonalization is the
-one `shard_map` (optimizers/newton_schulz.py), so "optimizer/shard_map" is Newton-Schulz and the
-rest of "optimizer" is the update's other collectives (gradient clipping's norm, a few scalars).
+runs the update under `jax.named_scope("optimizer")`, and inside it Muon's orthogonalization runs
+under `newton_schulz.SCOPE`, so "optimizer/newton_schulz" is Newton-Schulz and the rest of
+"optimizer" is the update's other collectives (gradient clipping's norm, a few scalars). The names
+are metadata, which jax's persistent compilation cache does not key on: an executable compiled
+before a scope was renamed comes back from the cache with the old names (and nothing in the new
+scope), so after renaming one, empty the cache (`$MESHWORK_CACHE`'s jax-* folder for the tests).
 
     python -m train --config configs/lm_tiny.yaml optimizer.name=muon mesh.data=1 mesh.fsdp=8 \\
         rules.preset=fsdp --dry-run
@@ -17,11 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from meshwork.config import ConfigError
+from meshwork.optimizers.newton_schulz import SCOPE
 from meshwork.sharding.hlo import COLLECTIVES, collective_summary
 from meshwork.sharding.report import state_bytes
 
 OPTIMIZER_SCOPE = "optimizer"
-NEWTON_SCHULZ_SCOPE = "optimizer/shard_map"
+NEWTON_SCHULZ_SCOPE = f"optimizer/{SCOPE}"
 
 
 def optimizer_report(trainer) -> dict[str, Any]:
