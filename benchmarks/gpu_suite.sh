@@ -376,6 +376,12 @@ if [ -z "${SMOKE:-}" ]; then
 fi
 step step_profile 90 python3 benchmarks/train_step.py --profile --steps 3
 
+# ---------------------------------------------------------------- 11. Muon's step (issue #49)
+# AdamW vs Muon on one GPU at a d1024 x 8 step: what five Newton-Schulz iterations per matrix add
+# (one device: nothing is split, both variants are the same program).
+step muon_step 90 python3 benchmarks/optimizer_step.py --steps 10 --layouts "1 device" \
+  model.d_model=1024 model.n_layers=8 model.n_heads=8 model.n_kv_heads=8 model.d_ff=4096 data.seq_len=512
+
 tar -C /tmp/suite -czf "$OUT/logs.tgz" . 2>/dev/null
 echo
 echo "=== summary after $(($(date +%s) - T0))s (budget ${BUDGET}s)"

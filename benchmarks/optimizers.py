@@ -6,7 +6,9 @@ For each config, trains with optimizer.name=adamw and =muon over a small learnin
 (the same steps, batch and data order, so the same tokens), keeps each optimizer's best
 learning rate by final validation loss, prints a markdown table of every run (final and
 best-run curves) and draws the best runs' validation curves into docs/muon_vs_adamw.png.
-Each run is `python3 -m train` in a subprocess; its metrics.jsonl is what is read.
+Each run is `python3 -m train` in a subprocess into --out/CONFIG_OPTIMIZER_LR; its metrics.jsonl
+is what is read. A run already finished there is not trained again (the trainer's own resume), so
+widening a sweep trains only the new rates; the wall time is the run's own (`time_wall_s`).
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ import json
 import pathlib
 import subprocess
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SWEEP = {"adamw": (1e-3, 3e-3, 1e-2), "muon": (1e-3, 3e-3, 1e-2)}
+# Each optimizer's sweep brackets its best rate (the best is not at an end of its own sweep).
+SWEEP = {"adamw": (1e-3, 3e-3, 1e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
 
 
 def val_curve(run_dir: pathlib.Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+
+
+def wall_time(run_dir: pathlib.Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return sum(r["time_wall_s"] for r in rows if "time_wall_s" in r)
 
 
 def train(config: str, optimizer: str, lr: float, steps: int, out: pathlib.Path) -> tuple[list, float]:
@@ -34,14 +41,12 @@ def train(config: str, optimizer: str, lr: float, steps: int, out: pathlib.Path)
         f"optimizer.lr={lr}",
         f"train.steps={steps}",
         f"run.dir={run_dir}",
-        "run.overwrite=true",
         f"log.eval_every={max(steps // 8, 1)}",
         f"checkpoint.every={steps}",
     ]
-    start = time.perf_counter()
     cmd = [sys.executable, "-m", "train", "--config", str(ROOT / "configs" / f"{config}.yaml"), *overrides]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    return val_curve(run_dir), time.perf_counter() - start
+    return val_curve(run_dir), wall_time(run_dir)
 
 
 def plot(best: dict, path: pathlib.Path, steps: int) -> None:

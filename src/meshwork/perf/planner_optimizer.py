@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from meshwork.config import Config, ConfigError
 from meshwork.config_sections import MuonConfig, OptimizerConfig
 from meshwork.optimizers.matrices import matrix_layout
-from meshwork.optimizers.newton_schulz import Placement, placement
+from meshwork.optimizers.newton_schulz import VARIANTS, Placement, placement
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_memory import ITEMSIZE
 from meshwork.perf.planner_weights import Weight, model_weights, shard_size
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from meshwork.perf.hardware import Accelerator
     from meshwork.perf.planner_comm import Collective
 
-VARIANTS = ("gather", "sharded")
 # int32 scalars in the optax state (checked against jax.eval_shape of train/optim.py's tx.init).
 COUNTERS = {"adamw": 2, "muon": 3}
 
