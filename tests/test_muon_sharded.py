@@ -92,23 +92,24 @@ def test_sharded_newton_schulz_trains_like_one_device(tmp_path, references, layo
     assert worst <= 1e-5, worst
 
 
+@pytest.mark.over_budget("three runs (straight, stopped, resumed) of a Muon fsdp step: ~18 s cold", seconds=35)
 def test_a_stopped_muon_run_resumes_bit_for_bit(tmp_path):
-    """Muon's momentum is saved and restored with its shardings (Orbax): 6 straight steps equal 3 + 3 resumed."""
+    """Muon's momentum is saved and restored with its shardings (Orbax): 4 straight steps equal 2 + 2 resumed."""
     from meshwork.run.metrics import read_metrics
     from meshwork.train.loop import train as run
 
     def cfg(name, *extra):
-        overrides = ["train.steps=6", "checkpoint.every=3", "log.every=1", "log.eval_every=3", "mesh.data=1"]
+        overrides = ["train.steps=4", "checkpoint.every=2", "log.every=1", "log.eval_every=2", "mesh.data=1"]
         overrides += ["mesh.fsdp=8", "rules.preset=fsdp", "optimizer.muon.newton_schulz=sharded", *extra]
         return load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path / name), *MUON, *overrides])
 
     straight = run(cfg("straight"))
-    run(cfg("resumed", "train.stop_after=3"))
+    run(cfg("resumed", "train.stop_after=2"))
     resumed = run(cfg("resumed"))
-    assert resumed["resumed_from"] == 3
+    assert resumed["resumed_from"] == 2
     losses = lambda d: [(r["step"], r["loss"]) for r in read_metrics(tmp_path / d) if "loss" in r]  # noqa: E731
-    assert losses("straight") == losses("resumed") and len(losses("straight")) == 6
+    assert losses("straight") == losses("resumed") and len(losses("straight")) == 4
     momentum = resumed["state"].opt_state[1].inner_states["muon"].inner_state[0].momentum
-    assert momentum["blocks"]["mlp"]["w_up"].value.sharding.spec[1] == "fsdp"
+    assert momentum["blocks"]["mlp"]["w_up"][...].sharding.spec[1] == "fsdp"
     for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -62,10 +62,10 @@ def _iterate(x, steps: int, reduce, *, gram_of_rows: bool):
     x = x / (jnp.sqrt(reduce(jnp.sum(jnp.square(x), axis=(1, 2), keepdims=True))) + EPS)
     for _ in range(steps):
         if gram_of_rows:
-            gram = reduce(jnp.einsum("kmi,kmj->kij", x, x))
+            gram = reduce(jnp.swapaxes(x, 1, 2) @ x)
             x = a * x + x @ (b * gram + c * gram @ gram)
         else:
-            gram = reduce(jnp.einsum("kim,kjm->kij", x, x))
+            gram = reduce(x @ jnp.swapaxes(x, 1, 2))
             x = a * x + (b * gram + c * gram @ gram) @ x
     return x
 
