@@ -163,6 +163,34 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tokens", type=int, default=256, help="most new tokens one request may ask for")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
     s.add_argument(
+        "--api-key",
+        default=None,
+        help="require Authorization: Bearer KEY on every /v1 request (shows in ps and shell history: "
+        "prefer --api-key-file or $MESHWORK_API_KEY)",
+    )
+    s.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
+    s.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a --host other machines reach without an API key (refused otherwise)",
+    )
+    s.add_argument(
+        "--max-body-bytes", type=int, default=4 * 2**20, help="longest request body; longer ones get 413 unread"
+    )
+    s.add_argument("--max-messages", type=int, default=256, help="most chat messages in one request")
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take from arrival to its last token; then it is cancelled (504)",
+    )
+    s.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a connection to send a request's head, and for its body to arrive (408)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,

@@ -57,6 +57,8 @@ from meshwork.engine.sampling import SamplingParams
 from meshwork.engine.serving import Request, Result
 from meshwork.engine.validation import RequestError, check_request
 from meshwork.inference.http_bodies import ChatCompletionRequest, CompletionRequest, parse_body
+from meshwork.inference.http_guard import KeyGuard
+from meshwork.inference.http_limits import BodyTooLarge, read_body
 from meshwork.inference.serve_engine import Engine, QueueFull
 
 # ----------------------------------------------------------------------------- text in, text out
@@ -184,6 +186,10 @@ def error_body(
 class Limits:
     max_tokens: int = 256  # the most tokens one request may ask for
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    max_body_bytes: int = 4 * 2**20  # a longer body gets 413 before it is read whole
+    max_messages: int = 256  # chat messages in one request
+    request_timeout: float = 600.0  # seconds from a request's arrival to its last token; then 504, its pages freed
+    read_timeout: float = 30.0  # seconds for a request's body to arrive (its head: uvicorn's timeout, http_limits.py)
 
 
 def prompt_ids(body: CompletionRequest | ChatCompletionRequest, served: Served) -> list[int]:
@@ -224,8 +230,9 @@ def openai_param(e: RequestError, body: CompletionRequest | ChatCompletionReques
 # ----------------------------------------------------------------------------- the app
 
 
-def create_app(engine: Engine, served: Served, limits: Limits | None = None):
-    """The FastAPI application serving `engine` (its thread starts and stops with the app's lifespan)."""
+def create_app(engine: Engine, served: Served, limits: Limits | None = None, api_key: str | None = None):
+    """The FastAPI application serving `engine` (its thread starts and stops with the app's lifespan);
+    with `api_key`, every path but /health answers 401 to a request without it (http_guard.py)."""
     import contextlib
 
     limits = limits or Limits()
@@ -239,7 +246,14 @@ def create_app(engine: Engine, served: Served, limits: Limits | None = None):
         yield
         engine.stop()
 
-    app = FastAPI(title="meshwork", lifespan=lifespan)
+    # No /docs or /openapi.json: nothing beyond the API itself is served.
+    app = FastAPI(title="meshwork", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(KeyGuard, key=api_key)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: HTTPRequest, exc: Exception):  # a bug, answered in OpenAI's shape, not text
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__})", "server_error"), 500)
 
     @app.exception_handler(404)
     async def not_found(request: HTTPRequest, exc):
@@ -297,12 +311,30 @@ def _bad(e: RequestError | _Refused, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
 
 
-async def _read_body(request: HTTPRequest, chat: bool, served: Served) -> CompletionRequest | ChatCompletionRequest:
-    """The body, parsed whatever its Content-Type says (as OpenAI does), then validated into its model."""
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def _read_body(
+    request: HTTPRequest, chat: bool, served: Served, limits: Limits
+) -> CompletionRequest | ChatCompletionRequest:
+    """The body, at most --max-body-bytes within --read-timeout, parsed whatever its Content-Type says
+    (as OpenAI does), then validated into its model."""
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not JSON ({e})") from None
+        raw = await read_body(request, limits.max_body_bytes, limits.read_timeout)
+    except BodyTooLarge as e:
+        raise _Refused(str(e), None, 413, "request_too_large") from None
+    except TimeoutError:
+        raise _Refused(
+            f"the request body did not arrive within {limits.read_timeout:g} s (the server's --read-timeout)",
+            None,
+            408,
+            "request_timeout",
+        ) from None
+    try:  # NaN and Infinity are Python's extensions of JSON; nesting deep enough overflows the parser's stack
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"the request body is not JSON ({str(e)[:200]})") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     if body.get("model") not in (None, served.name):  # 404 before any field's 400
@@ -329,7 +361,8 @@ async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Serve
     whole."""
     body, submitted = None, []
     try:
-        body = await _read_body(request, chat, served)
+        deadline = asyncio.get_running_loop().time() + limits.request_timeout
+        body = await _read_body(request, chat, served, limits)
         prompt = prompt_ids(body, served)
         params = sampling_params(body, served, limits, len(prompt), engine.server.max_len)
         stops = stop_strings(body, served)
@@ -360,11 +393,10 @@ async def _serve(request: HTTPRequest, chat: bool, engine: Engine, served: Serve
         len(prompt),
         params.logprobs if body.alternatives() is not None else None,
     )
+    waiting = _Waiting(request, events, deadline, limits.request_timeout)
     if body.stream:
-        return StreamingResponse(
-            _sse(request, engine, events, reply, body.include_usage()), media_type="text/event-stream"
-        )
-    return await _whole(request, engine, events, reply)
+        return StreamingResponse(_sse(waiting, engine, reply, body.include_usage()), media_type="text/event-stream")
+    return await _whole(waiting, engine, reply)
 
 
 def _sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
@@ -372,11 +404,11 @@ def _sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
     return lambda kind, x: loop.call_soon_threadsafe(events.put_nowait, (index, kind, x))
 
 
-async def _whole(request: HTTPRequest, engine: Engine, events: asyncio.Queue, reply: _Reply):
+async def _whole(waiting: _Waiting, engine: Engine, reply: _Reply):
     """A non-streamed request's answer, once each choice's last token (or a stop string) arrives."""
     try:
         while not reply.done:
-            _, c, kind, x = reply.take(await _next(request, events))
+            _, c, kind, x = reply.take(await waiting.next())
             if c is not None and kind == "token":
                 c.push(x)
                 if c.stream.stopped:  # a stop string: this choice ends here
@@ -385,6 +417,10 @@ async def _whole(request: HTTPRequest, engine: Engine, events: asyncio.Queue, re
     except _Gone:
         reply.cancel(engine)
         return JSONResponse(error_body("client disconnected"), 499)
+    except _TimedOut:
+        reply.cancel(engine)  # its slots and pages freed before the next step
+        # A retry would time out again: the openai client retries a 504 unless told not to.
+        return JSONResponse(waiting.timeout_error(), 504, headers={"x-should-retry": "false"})
     failed = reply.failed()
     if failed is not None:
         reply.cancel(engine)
@@ -396,27 +432,53 @@ class _Gone(Exception):
     pass
 
 
-async def _next(request, events: asyncio.Queue) -> tuple[int, str, Any]:
-    """The request's next event; _Gone when its client has disconnected meanwhile.
+class _TimedOut(Exception):
+    pass
 
-    `asyncio.wait_for(events.get(), t)` could drop an event (a get that completes as the timeout
-    cancels it loses its item), so one pending get lives across the polls and is never cancelled
-    while it may hold an item."""
-    if await request.is_disconnected():
-        raise _Gone
-    if not events.empty():
-        return events.get_nowait()
-    getter = asyncio.ensure_future(events.get())
-    try:
-        while True:
-            done, _ = await asyncio.wait({getter}, timeout=0.2)
-            if done:
-                return getter.result()
-            if await request.is_disconnected():
-                raise _Gone
-    finally:
-        if not getter.done():
-            getter.cancel()
+
+@dataclass
+class _Waiting:
+    """A handler waiting for its request's events: until its client leaves (_Gone) or its deadline
+    passes (_TimedOut), checked at least every 0.2 s."""
+
+    request: HTTPRequest
+    events: asyncio.Queue
+    deadline: float  # the event loop's clock
+    timeout: float
+
+    async def next(self) -> tuple[int, str, Any]:
+        """The request's next event.
+
+        `asyncio.wait_for(events.get(), t)` could drop an event (a get that completes as the timeout
+        cancels it loses its item), so one pending get lives across the polls and is never cancelled
+        while it may hold an item."""
+        loop = asyncio.get_running_loop()
+        if await self.request.is_disconnected():
+            raise _Gone
+        if not self.events.empty():
+            return self.events.get_nowait()
+        getter = asyncio.ensure_future(self.events.get())
+        try:
+            while True:
+                left = self.deadline - loop.time()
+                if left <= 0:
+                    raise _TimedOut
+                done, _ = await asyncio.wait({getter}, timeout=min(0.2, left))
+                if done:
+                    return getter.result()
+                if await self.request.is_disconnected():
+                    raise _Gone
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    def timeout_error(self) -> dict:
+        return error_body(
+            f"the request ran past the server's --request-timeout of {self.timeout:g} s and was cancelled; "
+            "ask for fewer tokens",
+            "server_error",
+            code="request_timeout",
+        )
 
 
 @dataclass
@@ -554,7 +616,7 @@ def _token_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-async def _sse(request, engine: Engine, events: asyncio.Queue, reply: _Reply, usage: bool):
+async def _sse(waiting: _Waiting, engine: Engine, reply: _Reply, usage: bool):
     """Server-sent events: one chunk per token (each of one choice, with its index), a last one per
     choice with its finish reason, then the usage (if asked) and [DONE]."""
     try:
@@ -562,7 +624,7 @@ async def _sse(request, engine: Engine, events: asyncio.Queue, reply: _Reply, us
             for c in reply.choices:
                 yield reply.chunk(c, "", 0, None, first=True)
         while not reply.done:
-            _, c, kind, x = reply.take(await _next(request, events))
+            _, c, kind, x = reply.take(await waiting.next())
             if c is None:
                 continue
             if kind == "token":
@@ -581,5 +643,7 @@ async def _sse(request, engine: Engine, events: asyncio.Queue, reply: _Reply, us
         yield "data: [DONE]\n\n"
     except _Gone:
         pass
+    except _TimedOut:  # the status is sent already: the stream ends with an error event
+        yield f"data: {json.dumps(waiting.timeout_error())}\n\n"
     finally:  # the client left, a choice failed, or the server is shutting down: free the slots and pages
         reply.cancel(engine)

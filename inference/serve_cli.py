@@ -15,6 +15,8 @@ import time
 
 from meshwork.config import ConfigError
 from meshwork.engine.serving import Server
+from meshwork.inference.http_guard import check_bind, resolve_api_key
+from meshwork.inference.http_limits import uvicorn_options
 from meshwork.inference.http_server import Limits, Served, chat_template_of, create_app
 from meshwork.inference.serve_engine import Engine
 from meshwork.inference.speculation import make_drafter
@@ -62,8 +64,28 @@ def _mesh_options(args) -> dict:
     return {"mesh": mesh, "rules": rules_for("tp" if args.tensor > 1 else "dp")}
 
 
+def _limits(args) -> Limits:
+    """--max-tokens, --max-body-bytes, --max-messages, --request-timeout, --read-timeout as the app's Limits."""
+    for flag, value in (
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--max-messages", args.max_messages),
+        ("--request-timeout", args.request_timeout),
+        ("--read-timeout", args.read_timeout),
+    ):
+        if not value > 0:  # a NaN too
+            raise ConfigError(f"{flag} {value}: give a positive number")
+    return Limits(
+        max_tokens=args.max_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_messages=args.max_messages,
+        request_timeout=args.request_timeout,
+        read_timeout=args.read_timeout,
+    )
+
+
 def serve(args) -> int:
     """Loads the checkpoint, binds the port, serves until SIGTERM/SIGINT, and returns 0."""
+    import os
     import signal
     import socket
     import sys
@@ -96,6 +118,9 @@ def serve(args) -> int:
             f"--slots {args.slots}: each of the --data {args.data} replicas serves its own slots; "
             f"give a multiple of {args.data}"
         )
+    limits = _limits(args)
+    key = resolve_api_key(args.api_key, args.api_key_file, os.environ)
+    warning = check_bind(args.host, key, args.allow_unauthenticated)  # before anything is bound or loaded
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:  # before loading the model: a taken port fails at once
@@ -123,11 +148,19 @@ def serve(args) -> int:
         ),
         max_queue=args.max_queue,
     )
-    app = create_app(engine, served, Limits(max_tokens=args.max_tokens))
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    app = create_app(engine, served, limits, api_key=key)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        **uvicorn_options(args.read_timeout),
+    )
     host, port = sock.getsockname()[:2]
     layout = f", data {args.data} x tensor {args.tensor}" if options else ""
     layout += f", speculative {args.speculative} k={args.speculative_k}" if drafter is not None else ""
+    layout += ", API key required" if key is not None else ""
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     print(
         f"serving {served.name} on http://{host}:{port}/v1 (slots {args.slots}, max_len {args.max_len}, "
         f"pages {engine.server.pages.usable} of {args.page_size} tokens{layout})",
@@ -150,7 +183,7 @@ class ThreadedServer:
         with ThreadedServer(create_app(engine, served)) as url: OpenAI(base_url=url + "/v1", api_key="-")
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, read_timeout: float = Limits.read_timeout):
         import socket
 
         import uvicorn
@@ -159,7 +192,7 @@ class ThreadedServer:
         self.sock.bind((host, port))
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_options(read_timeout)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> str:
