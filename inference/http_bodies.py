@@ -22,12 +22,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from meshwork.engine.sampling import SamplingParams
 from meshwork.engine.validation import RequestError
 
 COMPLETION_MAX_LOGPROBS = 5  # the legacy completions API's bound on `logprobs`
+# Bounds on what one body may hold, so that no field reaches a loop or an array of any size: the
+# stop strings are searched for in the text after every token, the stop ids are a (slots, ids)
+# array on the device, and the messages are each rendered by the chat template.
+MAX_STOP_STRINGS = 4  # OpenAI's
+MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 256  # the default of `parse_body`'s max_messages (the server's --max-messages)
+MAX_CONTENT_PARTS = 64  # content parts of one message
 
 
 class _Body(BaseModel):
@@ -62,9 +70,10 @@ class _Sampling(_Body):
     seed: int | None = None
     """The request's random seed (default: a fresh one per request)."""
     stop: str | list[str] | None = None
-    """Up to 4 strings that end the text (matched in the text, which ends before the first one)."""
-    stop_token_ids: list[int] | None = None
-    """Token ids that end the sequence, besides the model's own (unless ignore_eos)."""
+    """Up to 4 strings of at most 256 characters that end the text (matched in the text, which ends
+    before the first one)."""
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    """Up to 64 token ids that end the sequence, besides the model's own (unless ignore_eos)."""
     ignore_eos: bool | None = None
     """Do not stop at the model's end-of-sequence tokens."""
     n: int | None = None
@@ -79,8 +88,13 @@ class _Sampling(_Body):
     @classmethod
     def _stop(cls, stop):
         stops = [] if stop in (None, "") else [stop] if isinstance(stop, str) else stop
-        if len(stops) > 4 or not all(stops):
-            raise ValueError("stop: give a string or a list of up to 4 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise ValueError(f"stop: give a string or a list of up to {MAX_STOP_STRINGS} non-empty strings")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop: a stop string of {longest:,} characters; give strings of at most {MAX_STOP_CHARS} characters"
+            )
         return stop
 
     @field_validator("n")
@@ -193,7 +207,17 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart]
-    """Text, or content parts (the text ones are joined; others are ignored)."""
+    """Text, or up to 64 content parts (the text ones are joined; others are ignored)."""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, content):
+        # Before pydantic validates each part: a list of any length is refused at the cost of len().
+        if isinstance(content, list) and len(content) > MAX_CONTENT_PARTS:
+            raise ValueError(
+                f"messages: a message of {len(content):,} content parts; give at most {MAX_CONTENT_PARTS} per message"
+            )
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -205,6 +229,17 @@ class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`: messages, rendered by the checkpoint's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    """The conversation: at most `parse_body`'s max_messages (MAX_MESSAGES unless the server says)."""
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, messages, info: ValidationInfo):
+        # Before pydantic validates each message, so that a list of any length costs only len().
+        limit = (info.context or {}).get("max_messages", MAX_MESSAGES)
+        if isinstance(messages, list) and len(messages) > limit:
+            raise ValueError(f"messages: {len(messages):,} messages; give at most {limit} per request")
+        return messages
+
     max_completion_tokens: int | None = Field(None, ge=1)
     """OpenAI's newer name of max_tokens (it wins when both are given)."""
     logprobs: bool | None = None
@@ -235,7 +270,7 @@ _FIELD_HINTS = {
     "messages": "give a non-empty list of {role, content} objects",
     "messages[]": "give an object with a string role and text content",
     "stop": "give a string or a list of up to 4 non-empty strings",
-    "stop_token_ids": "give a list of token ids",
+    "stop_token_ids": f"give a list of up to {MAX_STOP_TOKEN_IDS} token ids",
     "stream_options": 'give an object like {"include_usage": true}',
 }
 _TYPE_PHRASES = {
@@ -247,10 +282,15 @@ _TYPE_PHRASES = {
 }
 
 
-def parse_body(model: type[_Body], body: dict[str, Any]) -> Any:
-    """`body` validated into `model`, or RequestError: one line naming the first bad field, `param` that field."""
+def parse_body(model: type[_Body], body: dict[str, Any], *, max_messages: int = MAX_MESSAGES) -> Any:
+    """`body` validated into `model`, or RequestError: one line naming the first bad field, `param` that field.
+
+    A chat body may hold at most `max_messages` messages (the server's --max-messages).
+
+        parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}, max_messages=64)
+    """
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, context={"max_messages": max_messages})
     except ValidationError as e:
         raise request_error(e) from None
 

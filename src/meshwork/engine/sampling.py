@@ -75,21 +75,34 @@ class SamplingParams:
     which tokens are sampled."""
 
     def check(self, vocab_size: int) -> None:
-        """Raise RequestError (one line naming the field and the fix; `param`: OpenAI's name) on a bad setting."""
+        """Raise RequestError (one line naming the field and the fix; `param`: OpenAI's name) on a bad setting.
+
+        Every number must also fit the device arrays it becomes (`SamplingArrays.stack`: float32,
+        int32, uint32): a value that did not would fail on the engine's thread, not here."""
         problems = [
             (
-                not self.temperature >= 0,
+                not 0 <= self.temperature <= FLOAT32_MAX,
                 "temperature",
-                f"temperature={self.temperature}: use 0 (greedy) or a positive value",
+                f"temperature={self.temperature}: use 0 (greedy) or a positive finite value (at most {FLOAT32_MAX:.3g})",
             ),
-            (self.top_k < 0, "top_k", f"top_k={self.top_k}: use 0 (off) or a positive count"),
+            (
+                not 0 <= self.top_k <= INT32_MAX,
+                "top_k",
+                f"top_k={self.top_k}: use 0 (off) or a positive count (at most {INT32_MAX}; past the "
+                "vocabulary it keeps every token)",
+            ),
             (not 0 < self.top_p <= 1, "top_p", f"top_p={self.top_p}: use a value in (0, 1]; 1.0 turns it off"),
             (
-                not self.repetition_penalty > 0,
+                not 0 < self.repetition_penalty <= FLOAT32_MAX,
                 "repetition_penalty",
-                f"repetition_penalty={self.repetition_penalty}: use a positive value; 1.0 turns it off",
+                f"repetition_penalty={self.repetition_penalty}: use a positive finite value (at most {FLOAT32_MAX:.3g}); "
+                "1.0 turns it off",
             ),
-            (self.max_new_tokens < 1, "max_tokens", f"max_new_tokens={self.max_new_tokens}: use at least 1"),
+            (
+                not 1 <= self.max_new_tokens <= INT32_MAX,
+                "max_tokens",
+                f"max_new_tokens={self.max_new_tokens}: use at least 1 (and at most {INT32_MAX})",
+            ),
             (not 0 <= self.seed < 2**32, "seed", f"seed={self.seed}: use an integer in [0, 2**32)"),
             (
                 not 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
@@ -98,8 +111,12 @@ class SamplingParams:
             ),
         ]
         bad_stops = [t for t in self.stop_tokens if not 0 <= t < vocab_size]
+        # The first few bad ids only: a request may carry thousands, and the message is one line.
+        shown = ", ".join(map(str, bad_stops[:3])) + (
+            f", ... ({len(bad_stops):,} in all)" if len(bad_stops) > 3 else ""
+        )
         problems.append(
-            (bool(bad_stops), "stop_token_ids", f"stop_tokens={bad_stops}: token ids must lie in [0, {vocab_size})")
+            (bool(bad_stops), "stop_token_ids", f"stop_tokens=[{shown}]: token ids must lie in [0, {vocab_size})")
         )
         for bad, param, message in problems:
             if bad:
@@ -134,6 +151,8 @@ class SamplingArrays:
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+INT32_MAX = 2**31 - 1  # top_k and the token budget become int32 arrays
+FLOAT32_MAX = 3.4028234663852886e38  # temperature and the penalty become float32 arrays (and must be finite)
 TOP_K_BOUND = 64  # ranks read by lax.top_k; top-k and nuclei within them need no threshold search
 
 

@@ -793,11 +793,16 @@ class Server:
         return [(s.request.id, token)]
 
     def _sampling_arrays(self) -> tuple[SamplingArrays, jax.Array]:
-        """Each slot's sampling settings and stop tokens (B, S), padded with -1 (matches no token)."""
+        """Each slot's sampling settings and stop tokens (B, S), padded with -1 (matches no token).
+
+        S is a power of two: the decode loop compiles once per S, so stop lists of any lengths (the
+        HTTP body's up to 64 ids, plus the model's own) cost one compile per power of two, not one
+        per length."""
         if self._arrays is None:
             idle = SamplingParams(temperature=0.0)
             params = [s.request.params if s else idle for s in self.slots]
-            stops = np.full((len(params), max([1] + [len(p.stop_tokens) for p in params])), -1, np.int32)
+            widest = max([1] + [len(p.stop_tokens) for p in params])
+            stops = np.full((len(params), 1 << (widest - 1).bit_length()), -1, np.int32)
             for i, p in enumerate(params):
                 stops[i, : len(p.stop_tokens)] = p.stop_tokens
             self._arrays = SamplingArrays.stack(params), jnp.asarray(stops)
