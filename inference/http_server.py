@@ -344,7 +344,7 @@ async def _read_body(
             404,
             "model_not_found",
         )
-    return parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
+    return parse_body(ChatCompletionRequest if chat else CompletionRequest, body, max_messages=limits.max_messages)
 
 
 def choice_params(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams, slots: int):

@@ -38,7 +38,9 @@ class Secured:
     def __init__(self, checkpoint):
         model, self.served = load_served(str(checkpoint))
         self.engine = Engine(Server(model, slots=2, page_size=8, max_len=128), max_queue=8)
-        self.limits = Limits(max_tokens=100, max_body_bytes=BODY_LIMIT, request_timeout=120, read_timeout=30)
+        self.limits = Limits(
+            max_tokens=100, max_body_bytes=BODY_LIMIT, max_messages=4, request_timeout=120, read_timeout=30
+        )
         self.http = ThreadedServer(create_app(self.engine, self.served, self.limits, api_key=KEY), read_timeout=1.0)
         self.url = self.http.__enter__()
 
@@ -117,6 +119,15 @@ def test_the_right_key_serves_completions_chat_and_streams(secured):
     assert status == 404 and body["error"]["code"] == "not_found"  # past the key, the app's own answers
 
 
+def test_more_messages_than_the_servers_limit_get_400(secured):
+    messages = [{"role": "user", "content": "hi"}] * 5  # the fixture's --max-messages is 4
+    with pytest.raises(openai.BadRequestError) as e:
+        secured.client().chat.completions.create(model=secured.served.name, messages=messages, max_tokens=2)
+    assert e.value.body["param"] == "messages" and "at most 4" in e.value.body["message"], e.value.body
+    ok = secured.client().chat.completions.create(model=secured.served.name, messages=messages[:4], max_tokens=2)
+    assert ok.choices[0].message.role == "assistant"
+
+
 def test_key_sources_and_open_binds(tmp_path):
     path = tmp_path / "key"
     path.write_text(KEY + "\n")
@@ -143,6 +154,7 @@ def test_key_sources_and_open_binds(tmp_path):
         (["--host", "::"], "no API key is set"),
         (["--api-key", ""], "empty"),
         (["--max-body-bytes", "0"], "--max-body-bytes"),
+        (["--max-messages", "0"], "--max-messages"),
         (["--request-timeout", "nan"], "--request-timeout"),
         (["--read-timeout", "-1"], "--read-timeout"),
     ],
