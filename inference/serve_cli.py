@@ -65,13 +65,9 @@ def _mesh_options(args) -> dict:
 
 
 def _limits(args) -> Limits:
-    """--max-tokens, --max-body-bytes, --max-messages, --request-timeout, --read-timeout as the app's Limits."""
-    for flag, value in (
-        ("--max-body-bytes", args.max_body_bytes),
-        ("--max-messages", args.max_messages),
-        ("--request-timeout", args.request_timeout),
-        ("--read-timeout", args.read_timeout),
-    ):
+    """--max-tokens, --max-body-bytes, --max-messages, --request-timeout, --read-timeout as the app's
+    Limits (the counts were checked with the other counts in `serve`)."""
+    for flag, value in (("--request-timeout", args.request_timeout), ("--read-timeout", args.read_timeout)):
         if not value > 0:  # a NaN too
             raise ConfigError(f"{flag} {value}: give a positive number")
     return Limits(
@@ -98,6 +94,8 @@ def serve(args) -> int:
         ("--page-size", args.page_size, 1),
         ("--max-tokens", args.max_tokens, 1),
         ("--max-queue", args.max_queue, 1),
+        ("--max-body-bytes", args.max_body_bytes, 1),
+        ("--max-messages", args.max_messages, 1),
         ("--data", args.data, 1),
         ("--tensor", args.tensor, 1),
     ):

@@ -165,10 +165,10 @@ def test_refused_serve_flags_exit_2_with_one_line(lm_tiny_runs, capsys, flags, w
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and word in err[0], err
 
 
-def _send_body(s: Secured, total: int, chunked: bool) -> tuple[int, dict]:
-    """POSTs a `total`-byte body, 1 MiB at a time (the same buffer: the client holds one), reading
-    the answer whenever it comes; (status, JSON body)."""
-    sock = socket.create_connection(s.address(), timeout=30)
+def _send_body(address: tuple[str, int], total: int, chunked: bool) -> tuple[int, dict]:
+    """POSTs a `total`-byte body to the server at `address`, 1 MiB at a time (the same buffer: the
+    client holds one), reading the answer whenever it comes; (status, JSON body)."""
+    sock = socket.create_connection(address, timeout=30)
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
     sock.sendall(
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
@@ -189,7 +189,7 @@ def _send_body(s: Secured, total: int, chunked: bool) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_a_body_over_the_limit_gets_413_before_it_is_read(secured, chunked):
-    status, body = _send_body(secured, 64 * 2**20, chunked)
+    status, body = _send_body(secured.address(), 64 * 2**20, chunked)
     assert status == 413 and body["error"]["code"] == "request_too_large", body
     assert f"{BODY_LIMIT:,} bytes" in body["error"]["message"]
     assert secured.health()["status"] == "ok"
@@ -264,19 +264,17 @@ def test_an_exposed_server_process_warns_refuses_a_large_body_in_bounded_memory_
     try:
         first = proc.stdout.readline()
         port = int(first.split("/v1")[0].rsplit(":", 1)[1])
-        s = Secured.__new__(Secured)
-        s.url = f"http://127.0.0.1:{port}"
 
         def rss(field: str) -> int:
             line = next(ln for ln in open(f"/proc/{proc.pid}/status") if ln.startswith(field))
             return int(line.split()[1]) * 1024
 
-        assert fetch(s.url + "/health")[0] == 200  # the handlers' first use done before measuring
+        assert fetch(f"http://127.0.0.1:{port}/health")[0] == 200  # the handlers' first use done before measuring
         before = rss("VmRSS")
         with open(f"/proc/{proc.pid}/clear_refs", "w") as f:
             f.write("5")  # the peak (VmHWM) restarts from here, not from the model's loading
         for chunked in (False, True):
-            status, body = _send_body(s, 64 * 2**20, chunked)
+            status, body = _send_body(("127.0.0.1", port), 64 * 2**20, chunked)
             assert status == 413 and body["error"]["code"] == "request_too_large"
         grown = rss("VmHWM") - before
         print(

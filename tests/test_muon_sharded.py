@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import ROOT, tiny_overrides
+from test_sharded_step import Lazy
 
 from meshwork.config import load_config
 from meshwork.data.text import train_iterator
@@ -54,14 +55,8 @@ def train(tmp_path, overrides, n_devices):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    out = {}
-
-    def reference(moe: bool):
-        if moe not in out:
-            out[moe] = train(tmp_path_factory.mktemp("ref"), ["mesh.data=1", *(MOE if moe else [])], 1)
-        return out[moe]
-
-    return reference
+    """moe -> one device's run: each trained when a test first asks (a tier that needs one pays for one)."""
+    return Lazy(lambda moe: train(tmp_path_factory.mktemp("ref"), ["mesh.data=1", *(MOE if moe else [])], 1))
 
 
 def _relative(a, b) -> float:
@@ -85,7 +80,7 @@ def test_sharded_newton_schulz_trains_like_one_device(tmp_path, references, layo
     losses, params, _ = train(
         tmp_path, [*extra, *mesh, f"rules.preset={preset}", f"optimizer.muon.newton_schulz={variant}"], 8
     )
-    want_losses, want_params, _ = references(extra is MOE)
+    want_losses, want_params, _ = references[extra is MOE]
     assert losses[-1] < losses[0] - 0.5  # it trains
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     worst = max(_relative(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True))

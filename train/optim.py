@@ -34,10 +34,8 @@ def make_optimizer(
     """(the transformation, the learning-rate schedule the metrics report). `rules`: the optimizer
     state's logical-name table, which places Muon's orthogonalization on the mesh (None: one block)."""
     schedule = lr_schedule(cfg, total_steps)
-    if cfg.name == "muon":
-        muon_lr = cfg.muon.lr if cfg.muon is not None else None
-        tx = muon(cfg, schedule, lr_schedule(cfg, total_steps, muon_lr), _decay_mask, rules)
-    else:
-        tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask)
+    tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask)
+    if cfg.name == "muon":  # AdamW stays for what is not a matrix
+        tx = muon(cfg, tx, lr_schedule(cfg, total_steps, cfg.muon_settings.lr), rules)
     clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
     return optax.chain(clip, tx), schedule

@@ -50,7 +50,7 @@ def optimizer_report(trainer) -> dict[str, Any]:
     except ConfigError as e:  # what the planner does not model (a unet, fine-tuning): the compiled side alone
         out["planner_error"] = str(e)
     if cfg.optimizer.name == "muon":
-        out["variant"] = cfg.optimizer.muon.newton_schulz if cfg.optimizer.muon else "gather"
+        out["variant"] = cfg.optimizer.muon_settings.newton_schulz
         out["compiled"]["newton_schulz"] = ns
     return out
 

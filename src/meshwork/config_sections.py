@@ -512,6 +512,11 @@ class OptimizerConfig(Section):
     clip_norm: float | None = pydantic.Field(1.0, ge=0)
     """Global-norm gradient clipping; null disables it."""
 
+    @property
+    def muon_settings(self) -> MuonConfig:
+        """Muon's settings: `muon`, or the defaults where it is null."""
+        return self.muon or MuonConfig()
+
     @pydantic.model_validator(mode="after")
     def _muon_fields_need_muon(self) -> OptimizerConfig:
         if self.muon is not None and self.name != "muon":

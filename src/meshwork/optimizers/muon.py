@@ -9,7 +9,7 @@ logical names the weights carry (optimizers/matrices.py); where they lie on the 
 the same names through the optimizer state's rules, so the orthogonalization runs on the
 momentum's own blocks.
 
-    tx = muon(cfg.optimizer, schedule, muon_schedule, rules)   # train/optim.py builds it
+    tx = muon(cfg.optimizer, adamw, muon_schedule, rules)   # train/optim.py builds it
 """
 
 from __future__ import annotations
@@ -95,20 +95,14 @@ def scale_by_muon(cfg: MuonConfig, rules: Rules | None = None) -> optax.Gradient
 
 def muon(
     cfg: OptimizerConfig,
-    schedule: optax.Schedule,
+    adamw: optax.GradientTransformation,
     muon_schedule: optax.Schedule,
-    adamw_decay_mask: Any,
     rules: Rules | None = None,
 ) -> optax.GradientTransformation:
-    """Muon for the matrix stacks (decoupled weight decay, `muon_schedule`), AdamW with `cfg`'s
-    settings and `schedule` for every other weight."""
-    settings = cfg.muon or MuonConfig()
+    """Muon for the matrix stacks (decoupled weight decay, `muon_schedule`), `adamw` for every other weight."""
     matrices = optax.chain(
-        scale_by_muon(settings, rules),
+        scale_by_muon(cfg.muon_settings, rules),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(muon_schedule),
     )
-    rest = optax.adamw(
-        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=adamw_decay_mask
-    )
-    return optax.partition({"muon": matrices, "adamw": rest}, muon_labels)
+    return optax.partition({"muon": matrices, "adamw": adamw}, muon_labels)

@@ -85,6 +85,16 @@ class Placement:
     def splits(self) -> tuple[str, ...]:
         return self.rows + self.cols
 
+    def block(self, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> tuple[int, int, int]:
+        """(matrices, rows, columns) of the block one device holds of a weight of global `shape`."""
+        split = [d // axes_size(_axes(s), mesh_shape) for d, s in zip(shape, self.spec, strict=True)]
+        return self.layout.shape(split)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, one name, or a tuple; PartitionSpec keeps ("a",) as "a")."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
 
 def placement(
     layout: MatrixLayout, shape: Sequence[int], spec: PartitionSpec, mesh_shape: Mapping[str, int]
@@ -93,7 +103,7 @@ def placement(
     Raises ValueError when a row or column dimension other than the first of its group is split
     (its block would not be a contiguous block of the flattened matrix)."""
     spec = PartitionSpec(*tuple(spec) + (None,) * (len(shape) - len(spec)))
-    dims = [tuple(a for a in ((s,) if isinstance(s, str) else (s or ())) if mesh_shape[a] > 1) for s in spec]
+    dims = [tuple(a for a in _axes(s) if mesh_shape[a] > 1) for s in spec]
     first_row, first_col = layout.n_batch, layout.n_batch + layout.n_rows
     for d in range(first_row, len(shape)):
         if dims[d] and d not in (first_row, first_col):
@@ -103,7 +113,8 @@ def placement(
     return Placement(layout, PartitionSpec(*(d or None for d in dims)), dims[first_row], dims[first_col], copies)
 
 
-def _size(axes: Sequence[str], mesh_shape: Mapping[str, int]) -> int:
+def axes_size(axes: Sequence[str], mesh_shape: Mapping[str, int]) -> int:
+    """Devices along `axes` together."""
     return math.prod(mesh_shape[a] for a in axes)
 
 
@@ -142,7 +153,7 @@ def _sharded_one(block: jax.Array, p: Placement, steps: int, mesh_shape) -> jax.
     rows, cols = p.rows, p.cols
     gathered = None  # (dimension of x, its axes): split both ways, the side split over fewer devices is gathered
     if rows and cols:
-        gathered = (1, rows) if _size(rows, mesh_shape) < _size(cols, mesh_shape) else (2, cols)
+        gathered = (1, rows) if axes_size(rows, mesh_shape) < axes_size(cols, mesh_shape) else (2, cols)
         x = jax.lax.all_gather(x, gathered[1], axis=gathered[0], tiled=True)
         rows, cols = (() if gathered[0] == 1 else rows), (() if gathered[0] == 2 else cols)
     if rows or cols:
@@ -152,7 +163,7 @@ def _sharded_one(block: jax.Array, p: Placement, steps: int, mesh_shape) -> jax.
         x = newton_schulz(x, steps)
     if gathered is not None:
         dim, axes = gathered
-        n = x.shape[dim] // _size(axes, mesh_shape)
+        n = x.shape[dim] // axes_size(axes, mesh_shape)
         x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * n, n, axis=dim)
     return x.reshape(block.shape)
 
@@ -176,7 +187,7 @@ def _gathered(blocks, placements, steps, mesh_shape):
 
 def _through_owners(x, rows, cols, copies, steps, mesh_shape):
     """x (k, rows block, columns block): every matrix assembled on its owner, iterated, sent back."""
-    n = _size(rows + cols + copies, mesh_shape)
+    n = axes_size(rows + cols + copies, mesh_shape)
     k = x.shape[0]
     x = jnp.pad(x, ((0, -k % n), (0, 0), (0, 0)))
     # The minor axis of a dimension first: its blocks are the adjacent ones.
@@ -184,7 +195,7 @@ def _through_owners(x, rows, cols, copies, steps, mesh_shape):
         for axis in reversed(axes):
             x = jax.lax.all_to_all(x, axis, split_axis=0, concat_axis=dim, tiled=True)
     if copies:
-        share = x.shape[0] // _size(copies, mesh_shape)
+        share = x.shape[0] // axes_size(copies, mesh_shape)
         x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(copies) * share, share, axis=0)
     x = newton_schulz(x, steps)
     if copies:

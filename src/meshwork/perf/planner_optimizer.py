@@ -41,13 +41,12 @@ and the state to the built trainer's, byte for byte.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING
 
 from meshwork.config import Config, ConfigError
-from meshwork.config_sections import MuonConfig, OptimizerConfig
+from meshwork.config_sections import OptimizerConfig
 from meshwork.optimizers.matrices import matrix_layout
-from meshwork.optimizers.newton_schulz import VARIANTS, Placement, placement
+from meshwork.optimizers.newton_schulz import VARIANTS, Placement, axes_size, placement
 from meshwork.perf.planner_layout import Layout
 from meshwork.perf.planner_memory import ITEMSIZE
 from meshwork.perf.planner_weights import Weight, model_weights, shard_size
@@ -139,20 +138,6 @@ def muon_problem(cfg: Config, layout: Layout) -> str | None:
     return None
 
 
-def _size(axes, layout: Layout) -> int:
-    return math.prod(layout.sizes[a] for a in axes)
-
-
-def _local_shape(w: Weight, p: Placement, layout: Layout) -> tuple[int, int, int]:
-    """(matrices, rows, columns) of the block one device holds."""
-    block = [dim // _size(axes or (), layout) for dim, axes in zip(w.shape, _spec_axes(p), strict=True)]
-    return p.layout.shape(block)
-
-
-def _spec_axes(p: Placement) -> list[tuple[str, ...]]:
-    return [(s,) if isinstance(s, str) else tuple(s or ()) for s in p.spec]
-
-
 def _local_flops(k: float, m: int, n: int) -> float:
     """One iteration over k whole m x n matrices (newton_schulz: the Gram over the shorter side)."""
     s, lo = min(m, n), max(m, n)
@@ -164,7 +149,7 @@ def newton_schulz_cost(cfg: Config, layout: Layout, variant: str | None = None) 
     `variant` ("gather" or "sharded"; default: the config's optimizer.muon.newton_schulz)."""
     from meshwork.perf.planner_comm import Collective
 
-    settings = cfg.optimizer.muon or MuonConfig()
+    settings = cfg.optimizer.muon_settings
     variant = variant or settings.newton_schulz
     if variant not in VARIANTS:
         raise ConfigError(f"newton_schulz={variant!r}; choose one of {', '.join(VARIANTS)}")
@@ -175,7 +160,7 @@ def newton_schulz_cost(cfg: Config, layout: Layout, variant: str | None = None) 
 
     def add(kind, axes, payload, count):
         axes = tuple(a for a in MESH_AXES if a in axes)
-        found.append(Collective(kind, axes, _size(axes, layout), payload, count, what, False, optimizer=True))
+        found.append(Collective(kind, axes, axes_size(axes, layout.sizes), payload, count, what, False, optimizer=True))
 
     # The whole-matrix path (no mesh, or nothing split and nothing copied): local iterations alone.
     whole = layout.devices == 1 or all(not p.splits and not p.copies for _, p in placed)
@@ -204,33 +189,34 @@ def _gathered(placed, layout: Layout, item: int, steps: int, add) -> float:
     """newton_schulz._gathered: same-shape blocks through their owners together."""
     groups: dict[tuple, int] = {}
     for w, p in placed:
-        k, r, c = _local_shape(w, p, layout)
+        k, r, c = p.block(w.shape, layout.sizes)
         key = (r, c, p.rows, p.cols, p.copies)
         groups[key] = groups.get(key, 0) + k
     flops = 0.0
     for (r, c, rows, cols, copies), k in groups.items():
-        n = _size(rows + cols + copies, layout)
+        n = axes_size(rows + cols + copies, layout.sizes)
         k_pad = -(-k // n) * n
         S = k_pad * r * c * item
         for axis in rows + cols:  # one all-to-all per axis there and one back
             add("all-to-all", (axis,), S, 2)
         if copies:
             add("all-gather", copies, S, 1)
-        flops += steps * _local_flops(k_pad // n, r * _size(rows, layout), c * _size(cols, layout))
+        flops += steps * _local_flops(k_pad // n, r * axes_size(rows, layout.sizes), c * axes_size(cols, layout.sizes))
     return flops
 
 
 def _sharded_one(w: Weight, p: Placement, layout: Layout, item: int, steps: int, add) -> float:
     """newton_schulz._sharded_one: the Gram products all-reduced over the split side."""
-    k, r, c = _local_shape(w, p, layout)
+    k, r, c = p.block(w.shape, layout.sizes)
     rows, cols = p.rows, p.cols
+    n_rows, n_cols = axes_size(rows, layout.sizes), axes_size(cols, layout.sizes)
     if rows and cols:  # the side split over fewer devices is gathered (a tie: the columns)
-        if _size(rows, layout) < _size(cols, layout):
-            add("all-gather", rows, k * r * _size(rows, layout) * c * item, 1)
-            r, rows = r * _size(rows, layout), ()
+        if n_rows < n_cols:
+            add("all-gather", rows, k * r * n_rows * c * item, 1)
+            r, rows = r * n_rows, ()
         else:
-            add("all-gather", cols, k * r * c * _size(cols, layout) * item, 1)
-            c, cols = c * _size(cols, layout), ()
+            add("all-gather", cols, k * r * c * n_cols * item, 1)
+            c, cols = c * n_cols, ()
     if not (rows or cols):
         return steps * _local_flops(k, r, c)
     split = rows or cols
@@ -264,7 +250,7 @@ def optimizer_plan(
         variants[variant] = {**cost.to_dict(), "comm_s": comm, "compute_s": cost.flops / peak}
         variants[variant]["time_s"] = comm + cost.flops / peak
     out["newton_schulz"] = {
-        "configured": (cfg.optimizer.muon or MuonConfig()).newton_schulz,
+        "configured": cfg.optimizer.muon_settings.newton_schulz,
         "cheaper": min(VARIANTS, key=lambda v: variants[v]["time_s"]),
         "variants": variants,
     }
