@@ -15,6 +15,11 @@ The decode time per step is the run with --steps new tokens minus the same run
 with one (the prefill), over steps - 1: best of --repeats after a compiling
 run. Prints, per path and batch, ms per step, tokens/s and the fraction of the
 roofline reached; random weights (a step's cost does not depend on them).
+
+With `--slots S`, the server has S slots whatever the batch (as a server started with
+`--slots S` serves fewer requests than it could), and each row is measured twice in
+the same process: computing the running requests (the default) and every slot
+(`Server(fixed_batch=True)`, what every dispatch did before), with their ratio.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dispatch", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--impls", default="xla,pallas", help="attention paths: xla (gather), pallas (paged kernel)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--slots", type=int, default=None, help="the server's slots (default: the batch)")
     ap.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth measurement")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value (on configs/lm_tiny.yaml)")
     args = ap.parse_args(argv)
@@ -57,6 +63,7 @@ def main(argv: list[str]) -> int:
         ("--dispatch", args.dispatch),
         ("--repeats", args.repeats),
         *(("--batches", b) for b in args.batches),
+        *((("--slots", args.slots),) if args.slots is not None else ()),
     ):
         if value < (2 if name == "--steps" else 1):
             ap.error(f"{name} {value}: too small (--steps needs 2, the rest 1)")
@@ -72,37 +79,57 @@ def main(argv: list[str]) -> int:
 
     bandwidth = measure_bandwidth(args.bandwidth_mib * 2**20)
     print(f"{jax.devices()[0].device_kind}: measured read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
-    print("| attention | batch | ms/step | tok/s | steps/dispatch | roofline tok/s | of roofline |")
-    print("|---|---|---|---|---|---|---|")
+    if args.slots is not None and max(args.batches) > args.slots:
+        ap.error(f"--slots {args.slots}: fewer than the largest batch ({max(args.batches)}); use at least that")
+    modes = ["running rows", "every slot"] if args.slots is not None else ["running rows"]
+    print(
+        "| attention | batch | slots | rows computed | ms/step | tok/s | steps/dispatch | roofline tok/s | of roofline |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for impl in impls:
         model = build_model(configs[impl])
         total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         per_token = cache_bytes_per_token(model.cfg, model.dtype)
         for B in args.batches:
+            slots = args.slots or B
             max_len = args.prompt_len + args.steps + 16
-            server = Server(
-                model,
-                slots=B,
-                page_size=16,
-                max_len=max_len,
-                n_pages=B * -(-max_len // 16) + 1,
-                steps_per_dispatch=args.dispatch,
-            )
+            servers = {
+                mode: Server(
+                    model,
+                    slots=slots,
+                    page_size=16,
+                    max_len=max_len,
+                    n_pages=slots * -(-max_len // 16) + 1,
+                    steps_per_dispatch=args.dispatch,
+                    fixed_batch=mode == "every slot",
+                )
+                for mode in modes
+            }
             rng = np.random.default_rng(0)
-            serve_once(server, B, args.prompt_len, args.steps, "warm", rng)  # compiles
-            serve_once(server, B, args.prompt_len, 1, "warm1", rng)
-            runs = [decode_step_s(server, B, args, r) for r in range(args.repeats)]
-            step_s, per_dispatch = min(s for s, _ in runs), runs[0][1]
+            for server in servers.values():
+                serve_once(server, B, args.prompt_len, args.steps, "warm", rng)  # compiles
+                serve_once(server, B, args.prompt_len, 1, "warm1", rng)
+            # The modes take turns, so a disturbance of the shared machine hits them alike.
+            runs = {mode: [] for mode in modes}
+            for r in range(args.repeats):
+                for mode, server in servers.items():
+                    runs[mode].append(decode_step_s(server, B, args, r))
             bound = roofline(
                 weights_read_per_step(model, total, B), per_token, B, args.prompt_len + args.steps / 2, bandwidth
             )
-            tok_s = B / step_s
-            print(
-                f"| {impl} | {B} | {step_s * 1e3:.3f} | {tok_s:,.0f} | {per_dispatch:.2f} | "
-                f"{bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |",
-                flush=True,
-            )
-            del server
+            for mode in modes:
+                step_s, per_dispatch = min(s for s, _ in runs[mode]), runs[mode][0][1]
+                rows = max(servers[mode].batch_sizes)
+                tok_s = B / step_s
+                print(
+                    f"| {impl} | {B} | {slots} | {rows} ({mode}) | {step_s * 1e3:.3f} | {tok_s:,.0f} | "
+                    f"{per_dispatch:.2f} | {bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |",
+                    flush=True,
+                )
+            if len(modes) == 2:
+                ratio = min(s for s, _ in runs["every slot"]) / min(s for s, _ in runs["running rows"])
+                print(f"|  |  |  | every slot / running rows: {ratio:.2f}x the step time |  |  |  |  |  |", flush=True)
+            del servers
     return 0
 
 

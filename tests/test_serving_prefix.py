@@ -174,7 +174,9 @@ def test_several_decode_steps_per_dispatch_stop_on_stop_tokens(model, gen):
     results = server.run(requests)
     assert results["r1"].tokens == alone["r1"][:cut] and results["r1"].finish == "stop"
     assert results["r0"].tokens == alone["r0"] and results["r2"].tokens == alone["r2"]
-    assert server.steps == 19 and server.dispatches == 3  # 8 + 8 + 3 steps; not one dispatch per token
+    # 1 + 8 + 8 + 2 steps: one step in the dispatch after the prompts' prefill (their first tokens go
+    # out then, not after a burst), then whole dispatches; not one dispatch per token.
+    assert server.steps == 19 and server.dispatches == 4
     one = Server(model, slots=3, page_size=8, max_len=64, steps_per_dispatch=1)
     assert {k: v.tokens for k, v in one.run(requests).items()} == {k: v.tokens for k, v in results.items()}
     assert one.dispatches == one.steps == 19
@@ -188,10 +190,11 @@ def test_cancel_frees_the_slot_and_pages(model, gen):
     server = Server(model, slots=2, page_size=8, max_len=64, steps_per_dispatch=4, prefix_caching=True)
     for r in requests:
         server.submit(r)
-    server.step()
+    server.step()  # prefill (the first token) and one decode step
+    server.step()  # a dispatch of 4 steps
     assert server.cancel("r0") and server.cancel("r2")  # one running, one waiting
     assert not server.cancel("r0") and not server.cancel("nobody")
-    assert server.results["r0"].finish == "cancelled" and len(server.results["r0"].tokens) == 5
+    assert server.results["r0"].finish == "cancelled" and len(server.results["r0"].tokens) == 6
     assert server.results["r2"].finish == "cancelled" and server.results["r2"].tokens == []
     check_pool(server)
     results = server.run()

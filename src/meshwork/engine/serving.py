@@ -47,6 +47,11 @@ requests wait for a slot. The pages the next steps need are handed out before
 the call; when the pool cannot cover them, the server falls back to one step
 per call with preemption. So the host sees one call and one copy of tokens
 per dispatch, not per token. The sampler does not sort (sampling.py).
+A dispatch computes the running requests, not every slot: their rows, padded
+with idle slots to a power of two (`_batch_rows`), so one request on a server
+of 32 slots costs a 2-row step (`fixed_batch=True`: every slot, every time). The step that prefills a prompt runs one
+decode step rather than a dispatch, so the prompt's first token reaches its
+client after prefill + 1 step instead of with the next 8.
 
 Log-probabilities: every Result carries `logprobs`, the log-probability of each of its tokens under
 the model's own distribution, log_softmax of the logits the sampler was given, in float32, before
@@ -195,6 +200,7 @@ class Server:
         steps_per_dispatch: int = 8,
         drafter: Drafter | None = None,
         speculative_k: int = 4,
+        fixed_batch: bool = False,
     ):
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk={prefill_chunk}: use a positive token count, or None for whole prompts")
@@ -204,6 +210,7 @@ class Server:
         if drafter is not None:
             check_drafter(self.gen, drafter, speculative_k)
         self.drafter, self.speculative_k = drafter, speculative_k
+        self.fixed_batch = fixed_batch  # every dispatch computes every slot (_batch_rows)
         self.cfg, self.page_size, self.max_len = self.gen.cfg, page_size, max_len
         self.prefix_caching, self.prefill_chunk, self.steps_per_dispatch = (
             prefix_caching,
@@ -259,6 +266,7 @@ class Server:
         # Counters for measurements: calls of the decode loop, prompt tokens computed by prefill and
         # those found in the prefix cache instead.
         self.dispatches = self.prefill_tokens = self.cached_tokens = 0
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # decode dispatches per rows computed
         self._admitted = 0
         self._scores: dict[Hashable, _Scores] = {}  # per queued or running request
         # (log p, top alternatives) of each (id, token) pair the last `step` returned, in the same order.
@@ -390,17 +398,22 @@ class Server:
             draft, cache = self.drafter.observe(weights, state, with_table(draft, table_1P), cache, seen)
         return (token_1, *token_log_probs(last_1V, token_1, top)), cache.k, cache.v, draft, cache.states
 
-    def _loop_fn(self, state, rows_3B, control_2, k, v, table_BP, seen_BV, arrays, stop_BN, top, states):
+    def _loop_fn(self, state, rows_4B, control_2, k, v, table_BP, seen_SV, arrays_S, stop_SN, top, states):
         """Up to n_steps decode steps on the device. Row b feeds tokens_B[b] at positions_B[b] and is
         done after remaining_B[b] tokens or a stop token; a done row writes to the null page from then
         on. The loop ends when every row is done, or (halt_on_finish) after a step in which one finished.
-        rows_3B = (tokens, positions, remaining) and control_2 = (n_steps, halt_on_finish) travel as one
-        array each (a transfer per argument is a cost per dispatch). Returns the (N, B) tokens (-1 where a
+        rows_4B = (tokens, positions, remaining, slot) and control_2 = (n_steps, halt_on_finish) travel as
+        one array each (a transfer per argument is a cost per dispatch); row b computes slot slot_B[b],
+        whose seen row (S, V), sampling settings and stop list (S, N) it reads and writes back. Returns the (N, B) tokens (-1 where a
         row was done; a step ran iff its row has a token), their (N, B) float32 log-probabilities and the
         (N, B, top) alternatives' log-probabilities and ids (`token_log_probs`; top static), the pool,
         seen and a hybrid model's recurrent states (`states`, None without linear layers)."""
-        (tokens_B, positions_B, remaining_B), n_steps, halt_on_finish = rows_3B, control_2[0], control_2[1] != 0
+        (tokens_B, positions_B, remaining_B, slot_B), n_steps = rows_4B, control_2[0]
+        halt_on_finish = control_2[1] != 0
         B, N = tokens_B.shape[0], self.steps_per_dispatch
+        # The rows are slots `slot_B` (_batch_rows): their seen rows, settings and stop lists.
+        seen_BV, stop_BN = seen_SV[slot_B], stop_SN[slot_B]
+        arrays = jax.tree.map(lambda a: a[slot_B], arrays_S)
         beyond = table_BP.shape[1] * self.page_size  # past the page table: writes go to the null page
 
         def cond(carry):
@@ -448,7 +461,7 @@ class Server:
             states,
         )
         _, _, _, _, k, v, seen_BV, out_NB, scores, _, states = jax.lax.while_loop(cond, body, carry)
-        return (out_NB, *scores), k, v, seen_BV, states
+        return (out_NB, *scores), k, v, seen_SV.at[slot_B].set(seen_BV), states
 
     # -- one iteration ------------------------------------------------------------
 
@@ -459,7 +472,11 @@ class Server:
         self.last_scores = []
         events = self.admit()
         events += self._prefill()
-        return events + (self._speculate() if self.drafter is not None else self._decode())
+        if self.drafter is not None:
+            return events + self._speculate()
+        # A request whose prefill just sampled its first token waits for this step's return to see it:
+        # one decode step then, not a dispatch of many, so its first token comes after prefill + 1 step.
+        return events + self._decode(one_step=bool(events))
 
     def admit(self) -> list[tuple[Hashable, int]]:
         """Gives waiting requests free slots and the pages of their context (+1 position), reusing
@@ -564,15 +581,15 @@ class Server:
             return self._emit(i, int(token[0]), float(lp[0]), top_1K[0], ids_1K[0])
         return []
 
-    def _decode(self) -> list[tuple[Hashable, int]]:
-        """One dispatch of up to `steps_per_dispatch` decode steps for every prefilled slot."""
+    def _decode(self, one_step: bool = False) -> list[tuple[Hashable, int]]:
+        """One dispatch of up to `steps_per_dispatch` decode steps (one with `one_step`) for every prefilled slot."""
         T = self.page_size
 
         def ready() -> list[int]:
             return [i for i, s in enumerate(self.slots) if s and not s.prefilling]
 
         # One step at a time while a prompt is being prefilled in chunks, so its chunks keep coming.
-        n = 1 if any(s and s.prefilling for s in self.slots) else self.steps_per_dispatch
+        n = 1 if one_step or any(s and s.prefilling for s in self.slots) else self.steps_per_dispatch
         steps = {i: min(n, self.slots[i].request.params.max_new_tokens - len(self.slots[i].produced)) for i in ready()}
         short = {i: math.ceil((self.slots[i].length + steps[i]) / T) - len(self.slots[i].pages) for i in steps}
         wanted = collections.Counter()
@@ -591,13 +608,16 @@ class Server:
         live = [i for i in ready() if self.slots[i].length // T < len(self.slots[i].pages)]
         if not live:
             return []
-        B = len(self.slots)
-        rows = np.zeros((3, B), np.int32)  # tokens, positions, remaining
-        table = np.full((B, self.pages_per_seq), NULL_PAGE, np.int32)  # idle rows write to the null page
+        batch = self._batch_rows(live)  # the slots the loop computes, in its row order
+        self.batch_sizes[len(batch)] += 1
+        column = {slot: c for c, slot in enumerate(batch)}
+        rows = np.zeros((4, len(batch)), np.int32)  # tokens, positions, remaining, slot
+        rows[3] = batch
+        table = np.full((len(batch), self.pages_per_seq), NULL_PAGE, np.int32)  # idle rows write to the null page
         for i in live:
-            s = self.slots[i]
-            rows[:, i] = s.produced[-1], s.length, s.request.params.max_new_tokens - len(s.produced)
-            table[i, : len(s.pages)] = s.pages
+            s, c = self.slots[i], column[i]
+            rows[:3, c] = s.produced[-1], s.length, s.request.params.max_new_tokens - len(s.produced)
+            table[c, : len(s.pages)] = s.pages
         if self._table is None or not np.array_equal(self._table[0], table):
             self._table = table, jnp.asarray(table)
         arrays, stops = self._sampling_arrays()
@@ -623,15 +643,34 @@ class Server:
         events = []
         for j in range(count):
             for i in live:
-                s = self.slots[i]
-                if s is None or out[j, i] < 0:
+                s, c = self.slots[i], column[i]
+                if s is None or out[j, c] < 0:
                     continue
                 s.length += 1
-                events += self._emit(i, int(out[j, i]), float(lp[j, i]), top_NBK[j, i], ids_NBK[j, i])
+                events += self._emit(i, int(out[j, c]), float(lp[j, c]), top_NBK[j, c], ids_NBK[j, c])
         for i in live:
             if self.slots[i] is not None:
                 self._register(self.slots[i])
         return events
+
+    def _batch_rows(self, live: list[int]) -> list[int]:
+        """The slots a decode dispatch computes: the live ones, then idle ones up to a power of two
+        (at least 2, at most every slot), so a step costs what its running requests need rather than
+        what the server could hold: one request on 32 slots ran 32 rows per step. The loop compiles
+        once per size. Rows 2 to 32 are computed alike by XLA:CPU's matrix products (a row's result
+        does not depend on how many there are; one row takes the matrix-vector path, which sums in
+        another order), so a request's tokens do not change with the load below 33 running requests.
+        Data-parallel replicas each serve their own range of slots, and a hybrid model's recurrent
+        states are laid out per slot: those compute every slot, and so does a server built with
+        `fixed_batch=True`, whose requests' tokens then never depend on the load at any slot count."""
+        S = len(self.slots)
+        if self.fixed_batch or self.replicas > 1 or self.states is not None:
+            return list(range(S))
+        size = min(S, max(2, 1 << (len(live) - 1).bit_length()))
+        if size == S:
+            return list(range(S))
+        idle = [i for i in range(S) if self.slots[i] is None or i not in live]
+        return sorted(live) + idle[: size - len(live)]
 
     def _speculate(self) -> list[tuple[Hashable, int]]:
         """One speculative round (speculative.py) for every prefilled slot: the draft proposes
