@@ -22,8 +22,10 @@ from meshwork.run.metrics import read_metrics
 from meshwork.train.preemption import PREEMPTED_EXIT_STATUS
 
 # JAX's SIGTERM listener polls once a second, so the run must have more than a second of steps left
-# when the signal comes: steps take 0.1-0.5 s here (2 cores, gloo between the processes).
-STEPS = 40
+# when the signal comes: steps take 0.1-0.5 s here (2 cores, gloo between the processes). The 27
+# steps after SIGNAL_AFTER last 2.7 s at the fastest, over twice that second (on a loaded machine
+# the stop came at step 5); each step past that costs two runs, the relaunch and the straight one.
+STEPS = 30
 SIGNAL_AFTER = 2  # metrics.jsonl shows this step: both processes are in the step loop
 ARGS = [
     f"train.steps={STEPS}",

@@ -66,6 +66,27 @@ def run(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, timeout: float 
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+STOP = 30  # where `stopped_run` stops: checkpoints 25 and 30 committed, 10 steps left
+
+
+def stopped_run(cache: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """A copy at `dest` of the tiny run stopped by `train.stop_after=STOP` (a real trainer's clean
+    stop), for the tests that resume, damage or interrupt such a run. The run itself is trained once
+    per machine and code version (`cache_dirs.shared_run`, like the reference run), not once per
+    test: each test gets its own copy (mtimes kept), so the shared one is never written to."""
+    import shutil
+
+    import cache_dirs
+
+    def make(run_dir):
+        done = run(run_dir, cache, f"train.stop_after={STOP}")
+        assert done.returncode == 0, done.stderr[-2000:]
+        return {}
+
+    shared, _ = cache_dirs.shared_run(ROOT, "reliability_stopped", repr((TINY, f"train.stop_after={STOP}")), make)
+    return pathlib.Path(shutil.copytree(shared, dest, dirs_exist_ok=True))
+
+
 def final_state(run_dir: pathlib.Path) -> tuple[int, list[np.ndarray]]:
     """(step, leaves) of the newest verified checkpoint, read back as numpy."""
     import jax

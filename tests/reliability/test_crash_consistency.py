@@ -13,24 +13,34 @@ import time
 
 import numpy as np
 import pytest
-from harness import STEPS, final_state, launch, run
+from harness import STEPS, final_state, launch, run, stopped_run
 
 from meshwork.run.metrics import read_metrics
 
 KILLS = 10
 
 
+_LAST: dict = {}  # path -> ((size, mtime), step): `_kill_at` polls every 0.5 ms, on the trainer's cores
+
+
 def _logged_step(run_dir) -> int:
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    try:
+        st = path.stat()
+    except FileNotFoundError:
         return -1
-    lines = path.read_text().splitlines()
-    for ln in reversed(lines):
+    seen, step = _LAST.get(path, (None, -1))
+    if seen == (st.st_size, st.st_mtime_ns):  # unchanged since the last read
+        return step
+    step = -1
+    for ln in reversed(path.read_text().splitlines()):
         try:
-            return json.loads(ln)["step"]
+            step = json.loads(ln)["step"]
+            break
         except ValueError:
             continue
-    return -1
+    _LAST[path] = ((st.st_size, st.st_mtime_ns), step)
+    return step
 
 
 def _writing(run_dir) -> bool:
@@ -106,10 +116,8 @@ def _damage(step_dir, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["flip", pytest.param("truncate", marks=pytest.mark.slow)])
-@pytest.mark.over_budget("two trainer processes: 14-19 s", seconds=40)
 def test_damaged_checkpoint_is_skipped_and_the_previous_one_used(how, reference_run, compile_cache, tmp_path):
-    first = run(tmp_path, compile_cache, "train.stop_after=30")
-    assert first.returncode == 0, first.stderr[-2000:]
+    stopped_run(compile_cache, tmp_path)  # a run stopped at step 30
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [25, 30]
     damaged = _damage(tmp_path / "checkpoints" / "30", how)
 
