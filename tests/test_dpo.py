@@ -156,7 +156,9 @@ def test_loss_margin_accuracy_and_gradients_equal_a_numpy_reference(tmp_path, la
     params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
     batch = _batch(tmp_path)
     objective = dpo_objective(graphdef, beta=beta, label_smoothing=label_smoothing)
-    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, buffers, batch)
+    # Jitted, as the trainer runs it: run op by op, the loss, its gradient and the reference's
+    # forward and backward were hundreds of one-op programs, each traced and compiled (~8 s cold).
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params, buffers, batch)
 
     sides = ("chosen", "rejected")
     inputs, targets, mask = (
@@ -166,8 +168,11 @@ def test_loss_margin_accuracy_and_gradients_equal_a_numpy_reference(tmp_path, la
     def logits_of(p):
         return nnx.merge(graphdef, p, buffers).apply(jnp.asarray(inputs))[0]
 
-    policy_logits, vjp = jax.vjp(logits_of, params)
-    ref_logits = logits_of(jax.tree.map(jnp.zeros_like, params))
+    def vjp(cotangent):  # the policy's logits pulled back to its parameters
+        return jax.jit(lambda p, c: jax.vjp(logits_of, p)[1](c))(params, cotangent)
+
+    policy_logits = jax.jit(logits_of)(params)
+    ref_logits = jax.jit(logits_of)(jax.tree.map(jnp.zeros_like, params))
     pi, probs = _np_log_probs(policy_logits, targets, mask)
     ref, _ = _np_log_probs(ref_logits, targets, mask)
     B = len(pi) // 2
