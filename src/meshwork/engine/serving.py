@@ -49,9 +49,10 @@ per call with preemption. So the host sees one call and one copy of tokens
 per dispatch, not per token. The sampler does not sort (sampling.py).
 A dispatch computes the running requests, not every slot: their rows, padded
 with idle slots to a power of two (`_batch_rows`), so one request on a server
-of 32 slots costs a 2-row step (`fixed_batch=True`: every slot, every time). The step that prefills a prompt runs one
-decode step rather than a dispatch, so the prompt's first token reaches its
-client after prefill + 1 step instead of with the next 8.
+of 32 slots costs a 2-row step (`fixed_batch=True`: every slot, every time).
+The step that prefills a prompt runs one decode step rather than a dispatch,
+so the prompt's first token reaches its client after prefill + 1 step instead
+of with the next 8.
 
 Log-probabilities: every Result carries `logprobs`, the log-probability of each of its tokens under
 the model's own distribution, log_softmax of the logits the sampler was given, in float32, before
@@ -404,7 +405,8 @@ class Server:
         on. The loop ends when every row is done, or (halt_on_finish) after a step in which one finished.
         rows_4B = (tokens, positions, remaining, slot) and control_2 = (n_steps, halt_on_finish) travel as
         one array each (a transfer per argument is a cost per dispatch); row b computes slot slot_B[b],
-        whose seen row (S, V), sampling settings and stop list (S, N) it reads and writes back. Returns the (N, B) tokens (-1 where a
+        whose seen row (S, V), sampling settings and stop list (S, N) it reads (seen is written back).
+        Returns the (N, B) tokens (-1 where a
         row was done; a step ran iff its row has a token), their (N, B) float32 log-probabilities and the
         (N, B, top) alternatives' log-probabilities and ids (`token_log_probs`; top static), the pool,
         seen and a hybrid model's recurrent states (`states`, None without linear layers)."""
@@ -582,7 +584,8 @@ class Server:
         return []
 
     def _decode(self, one_step: bool = False) -> list[tuple[Hashable, int]]:
-        """One dispatch of up to `steps_per_dispatch` decode steps (one with `one_step`) for every prefilled slot."""
+        """One dispatch of up to `steps_per_dispatch` decode steps (one with `one_step`) for every
+        prefilled slot."""
         T = self.page_size
 
         def ready() -> list[int]:
@@ -669,7 +672,8 @@ class Server:
         size = min(S, max(2, 1 << (len(live) - 1).bit_length()))
         if size == S:
             return list(range(S))
-        idle = [i for i in range(S) if self.slots[i] is None or i not in live]
+        running = set(live)
+        idle = [i for i in range(S) if i not in running]
         return sorted(live) + idle[: size - len(live)]
 
     def _speculate(self) -> list[tuple[Hashable, int]]:
