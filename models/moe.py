@@ -192,6 +192,10 @@ class MoETransformer(LMOutputs, nnx.Module):
     def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
         return self.apply(tokens_BL, positions_BL)[0]
 
+    def layer_stacks(self) -> tuple[str, ...]:
+        """The attributes holding stacked blocks that `decode` runs (src/meshwork/engine/per_layer.py)."""
+        return tuple(run.name for run in self.runs)
+
     def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache, hidden: bool = False):
         """Inference with a KV cache, as `Transformer.decode` (`hidden`: also the pre-norm hidden states)."""
         x_BLD = with_logical_constraint(self.embed(tokens_BL), ACT_BLD)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.config_sections import ModelConfig
+from meshwork.engine.per_layer import is_per_layer, layer_slice
 from meshwork.models.layers.attention import OUT_PROJ, QKV_PROJ, Attention
 from meshwork.models.layers.embed import Embed
 from meshwork.models.layers.gated_deltanet import GatedDeltaNet
@@ -269,8 +270,20 @@ def decode_layers(
     `first_slot`: the first layer's index in the cache (None: `first_layer`); in a hybrid model the
     attention layers' KV and the `linear` layers' recurrent states are each numbered by their kind.
     """
-    n = jax.tree.leaves(stacked)[0].shape[0]
     first_slot = first_layer if first_slot is None else first_slot
+    if split := [x for x in jax.tree.leaves(stacked, is_leaf=is_per_layer) if is_per_layer(x)]:
+        # One array per layer (engine/per_layer.py): a loop, each layer reading its own weights in place.
+        n = split[0].shape[0]
+        for j in range(n):
+            layer_state = jax.tree.map(lambda x: layer_slice(x, j), stacked, is_leaf=is_per_layer)
+            block = nnx.merge(graphdef, layer_state)
+            block.set_attributes(layer_index=jnp.int32(first_layer + j), raise_if_not_found=False)
+            slot = jnp.int32(first_slot + j)
+            view = cache.linear_layer(slot) if linear else cache.layer(slot)
+            x_BLD, kv = block.decode(x_BLD, positions_BL, view)
+            cache = kv.cache
+        return x_BLD, cache
+    n = jax.tree.leaves(stacked)[0].shape[0]
 
     def layer(carry, xs):
         x_BLD, cache = carry
@@ -467,6 +480,10 @@ class Transformer(LMOutputs, nnx.Module):
     def aux_coefficients(self) -> dict[str, float]:
         """Weights of the auxiliary terms `apply` returns in the training objective."""
         return {"mtp_loss": self.cfg.mtp.loss_coef} if self.mtp is not None else {}
+
+    def layer_stacks(self) -> tuple[str, ...]:
+        """The attributes holding stacked blocks that `decode` runs (src/meshwork/engine/per_layer.py)."""
+        return ("blocks",)
 
     def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache, hidden: bool = False):
         """Inference: logits of new tokens at `positions_BL`, attending over the keys

@@ -27,6 +27,7 @@ from meshwork.config import load_config
 from meshwork.engine import kv_cache
 from meshwork.engine.generate import Generator
 from meshwork.engine.kv_cache import NULL_PAGE, PagedKVCache
+from meshwork.engine.per_layer import restack_layers
 from meshwork.kernels import paged_attention as pa
 from meshwork.kernels.paged_attention import paged_attention, paged_attention_reference
 from meshwork.kernels.pallas_backend import lowering_target
@@ -261,9 +262,10 @@ def test_paged_kernel_equals_gather_path_and_full_recomputation(models, sequence
 
 
 def page_gathers(hlo: str, page: tuple[int, ...]) -> list[str]:
-    """The shapes of an optimized HLO text's gathers whose output ends in whole pages (T, G, K)."""
+    """The shapes of an optimized HLO text's gathers whose output ends in `page`: whole pages, as
+    (T, G, K) blocks or as rows of T * G * K."""
     shapes = re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} gather\(", hlo)
-    return [s for s in shapes if tuple(int(d) for d in s.split(",") if d)[-3:] == page]
+    return [s for s in shapes if tuple(int(d) for d in s.split(",") if d)[-len(page) :] == page]
 
 
 def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
@@ -280,13 +282,56 @@ def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
         gen = Generator(model)
         # XLA's own fusion emitters (off for the session): its fusion decides the gathers' shapes.
         texts[name] = gen._forward.lower(*args(gen)).compile(compiler_options=XLA_EMITTERS).as_text()
-    # B x P pages of k and of v, in the scanned layer body (run once per layer).
-    assert page_gathers(texts["xla"], (T, G, K)) == [f"{B * P_MODEL},1,{T},{G},{K}"] * 2
-    assert page_gathers(texts["pallas"], (T, G, K)) == []
-    # The same step lowered for a GPU: one Triton call in the layer scan's body and no gather of pages.
+    # B x P whole pages (rows of T * G * K) of k and of v, per layer (a generator runs its layers
+    # unrolled, each on its own weights: src/meshwork/engine/per_layer.py).
+    n = cfg.n_layers
+    assert page_gathers(texts["xla"], (T * G * K,)) == [f"{B * P_MODEL},1,{T * G * K}"] * 2 * n
+    assert page_gathers(texts["pallas"], (T * G * K,)) == page_gathers(texts["pallas"], (T, G, K)) == []
+    # The same step lowered for a GPU: one Triton call per layer and no gather of pages.
     monkeypatch.setattr(kv_cache, "paged_attention", functools.partial(paged_attention, backend="gpu"))
     gen = Generator(models[0])
     with lowering_target("cuda"):
         text = jax.jit(gen.apply).trace(*args(gen)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert not [ln for ln in text.splitlines() if "stablehlo.gather" in ln and f"x{T}x{G}x{K}x" in ln]
+    assert text.count("__gpu$xla.gpu.triton") == n
+    assert not [ln for ln in text.splitlines() if "stablehlo.gather" in ln and f"x{T * G * K}x" in ln]
+
+
+def copies_of(hlo: str, shapes: set[tuple[int, ...]]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the instructions of an optimized HLO text (any computation) that produce an
+    array of one of `shapes`, its dimensions in any order and those of size 1 dropped, other than by
+    naming it: parameters, bitcasts and gathers are not copies."""
+    wanted = {tuple(sorted(s)) for s in shapes}
+    out = []
+    for name, dims, op in re.findall(r"%(\S+) = \w+\[([\d,]*)\]\S* ([\w-]+)\(", hlo):
+        shape = tuple(int(d) for d in dims.split(",") if d and int(d) != 1)
+        if tuple(sorted(shape)) in wanted and op not in ("parameter", "bitcast") and "gather" not in name:
+            out.append((name, shape))
+    return out
+
+
+def test_compiled_decode_step_copies_no_weight_and_no_page(models):
+    """A generator's decode step reads each layer's weights where they lie (one array per layer,
+    engine/per_layer.py) and its one-token attention reads the gathered keys and values as the
+    gather lays them out (kv_cache._one_token_attention): no instruction of the compiled step copies
+    a layer's weight or the gathered keys in any order. With the trainer's stacked weights the
+    same step runs a scan whose body copies every weight of the layer it runs."""
+    B, model = 4, models[1]
+    cfg = model.cfg
+    cache = PagedKVCache.zeros(cfg, n_pages=1 + B * P_MODEL, page_size=16, batch=B, pages_per_seq=P_MODEL)
+    gen = Generator(model)
+    layer_shapes = {
+        tuple(d for d in x.shape[1:] if d != 1)
+        for x in jax.tree.leaves(nnx.state(model.blocks, nnx.Param))
+        if x.ndim > 2  # the norms' (D,) scales have the activations' shape
+    }
+    S, G, K = P_MODEL * 16, cfg.n_kv_heads, cfg.resolved_head_dim
+    tokens = jnp.zeros((B, 1), jnp.int32)
+
+    def text(state):
+        return gen._forward.lower(state, tokens, tokens, cache).compile().as_text()
+
+    per_layer = text(gen.state)
+    assert copies_of(per_layer, layer_shapes) == []
+    assert copies_of(per_layer, {(B, S, G, K)}) == []
+    stacked = copies_of(text(restack_layers(gen.state)), layer_shapes)
+    assert {tuple(sorted(shape)) for _, shape in stacked} == {tuple(sorted(s)) for s in layer_shapes}

@@ -14,6 +14,7 @@ from flax import nnx
 
 from meshwork.config import load_config
 from meshwork.engine.generate import Generator
+from meshwork.engine.per_layer import abstract_stacked
 from meshwork.engine.sampling import SamplingParams
 from meshwork.engine.serving import Request, Server
 from meshwork.engine.weight_sync import WeightSync, missing_bytes, shard_bytes
@@ -108,7 +109,7 @@ def test_colocated_fsdp8_to_data4_tensor2():
 
     sync = WeightSync(engine, shardings)
     stats = run_sync(sync, params)
-    arrays = jax.tree.leaves(engine.state)
+    arrays = jax.tree.leaves(abstract_stacked(engine.state))  # the trainer's structure (layers stacked)
     per_device = sum(shard_bytes(x.shape, x.dtype, x.sharding) for x in arrays)
     assert stats.placement == "colocated" and stats.copied_bytes == 0
     lacking = missing_bytes(arrays, [x.sharding for x in jax.tree.leaves(params)], [x.sharding for x in arrays])
@@ -116,7 +117,7 @@ def test_colocated_fsdp8_to_data4_tensor2():
     assert stats.collective_bytes == stats.expected_bytes == per_device * 7 // 8
     # Without the waypoints GSPMD all-gathers every whole weight and slices it: 7/8 of the model.
     plain = jax.jit(lambda p: p, out_shardings=[x.sharding for x in arrays]).lower(jax.tree.leaves(params)).compile()
-    whole = sum(x.nbytes for x in arrays)
+    whole = sum(x.size * x.dtype.itemsize for x in arrays)
     assert sum(v["bytes"] for v in collective_summary(plain.as_text()).values()) == whole * 7 // 8
     assert stats.engine_bytes == per_device * len(devices)
 
@@ -153,7 +154,7 @@ def test_split_trainer_0_3_engine_4_7():
 
     sync = WeightSync(engine, shardings)
     stats = run_sync(sync, params)
-    arrays = jax.tree.leaves(engine.state)
+    arrays = jax.tree.leaves(abstract_stacked(engine.state))
     per_device = sum(shard_bytes(x.shape, x.dtype, x.sharding) for x in arrays)
     assert stats.placement == "split"
     assert stats.copied_bytes == stats.engine_bytes == 4 * per_device
@@ -193,8 +194,8 @@ def test_lora_moves_only_the_adapters():
 
     sync = WeightSync(engine, shardings, kind=LoRAParam)
     stats = run_sync(sync, params)
-    lora = jax.tree.leaves(nnx.filter_state(engine.state, LoRAParam))
-    everything = jax.tree.leaves(engine.state)
+    lora = jax.tree.leaves(nnx.filter_state(abstract_stacked(engine.state), LoRAParam))
+    everything = jax.tree.leaves(abstract_stacked(engine.state))
     assert stats.leaves == len(lora) == 4  # A and B of q and of v, the layers stacked in each
     assert stats.engine_bytes == sum(shard_bytes(x.shape, x.dtype, x.sharding) * 8 for x in lora)
     assert stats.engine_bytes < sum(shard_bytes(x.shape, x.dtype, x.sharding) * 8 for x in everything) // 10

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshwork.engine.kv_cache import KVCache, PagedKVCache, cache_bytes_per_token
+from meshwork.engine.per_layer import unstack_layers
 from meshwork.engine.sampling import SamplingArrays, SamplingParams, mark_seen, sample, seen_tokens
 from meshwork.engine.validation import RequestError, RequestLimits, check_request
 from meshwork.kernels.pallas_backend import round_up
@@ -87,7 +88,11 @@ class Generator:
         self.cfg, self.mesh, self.rules = model.cfg, mesh, rules
         self.parallel = ParallelContext(rules)  # how the layers run on `mesh`, for every trace of this generator
         self.cache_dtype = cache_dtype or model.dtype
-        self.graphdef, self.state = place(model, mesh, rules)
+        self.graphdef, state = place(model, mesh, rules)
+        # One array per layer for the stacked blocks: each decode step reads the weights in place
+        # instead of copying every layer's slice (engine/per_layer.py).
+        self.layer_stacks = tuple(getattr(model, "layer_stacks", tuple)())
+        self.state = unstack_layers(state, self.layer_stacks)
         self.vocab_size = self.cfg.vocab_size
         mesh_shape = dict(mesh.shape) if mesh is not None else {}
         self.batch_multiple = (

@@ -142,9 +142,44 @@ def cached_attention(
     mask_B1LS = key_S <= pos_B1L1
     if window is not None:
         mask_B1LS &= key_S > pos_B1L1 - window
+    if L == 1 and k_BSGK.shape[2] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
+        return _one_token_attention(q_BLHK, k_BSGK, v_BSGK, mask_B1LS[:, 0, 0], scale, softcap, sinks_H)
     if softcap is not None or sinks_H is not None:
         return _modified_attention(q_BLHK, k_BSGK, v_BSGK, mask_B1LS, scale, softcap, sinks_H)
     return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask=mask_B1LS, scale=scale)
+
+
+# One new token per row: up to this many kv heads, the block-diagonal form below (its dots do
+# kv-heads times the useful FLOPs, which one token per row can afford).
+BLOCK_DIAGONAL_MAX_KV_HEADS = 8
+
+
+def _one_token_attention(q_B1HK, k_BSGK, v_BSGK, mask_BS, scale, softcap, sinks_H):
+    """Attention of one query token per row, read straight from the (B, S, G, K) cache layout.
+
+    Per head it is a (1, K) x (K, S) product: XLA:CPU runs such dots batched over (row, head) only
+    after transposing the cache to put the heads before the positions, a strided copy of every key
+    and value that cost more than the rest of the decode step together. Instead the queries go
+    into a block-diagonal (G*K, H) matrix (head h's query in the rows of its kv group), so the
+    scores are one (S, G*K) x (G*K, H) product per row on the cache as it lies, and the output one
+    (H, S) x (S, G*K) product whose diagonal blocks are the heads' outputs. Scores and softmax in
+    float32, as `_modified_attention`."""
+    B, _, H, K = q_B1HK.shape
+    S, G = k_BSGK.shape[1:3]
+    R = H // G
+    eye_GG = jnp.eye(G, dtype=jnp.float32)
+    q_BGKR = jnp.swapaxes(q_B1HK[:, 0].astype(jnp.float32).reshape(B, G, R, K), 2, 3)
+    q_BXH = (q_BGKR[:, :, :, None, :] * eye_GG[None, :, None, :, None]).reshape(B, G * K, H)
+    s_BSH = jnp.einsum(
+        "BSX,BXH->BSH", k_BSGK.reshape(B, S, G * K), q_BXH.astype(k_BSGK.dtype), preferred_element_type=jnp.float32
+    ) * (K**-0.5 if scale is None else scale)
+    s_BSH = jnp.where(mask_BS[:, :, None], soft_cap(s_BSH, softcap), jnp.finfo(jnp.float32).min)
+    p_BHS = softmax_with_sinks(jnp.swapaxes(s_BSH, 1, 2), None if sinks_H is None else sinks_H[:, None])
+    o_BHX = jnp.einsum(
+        "BHS,BSX->BHX", p_BHS.astype(v_BSGK.dtype), v_BSGK.reshape(B, S, G * K), preferred_element_type=jnp.float32
+    )
+    o_BGRK = (o_BHX.reshape(B, G, R, G, K) * eye_GG[None, :, None, :, None]).sum(3)
+    return o_BGRK.reshape(B, 1, H, K).astype(q_B1HK.dtype)
 
 
 def _modified_attention(q_BLHK, k_BSGK, v_BSGK, mask_B1LS, scale, softcap, sinks_H):

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshwork.engine.per_layer import abstract_stacked, unstack_layers
 from meshwork.partitioning import per_leaf
 from meshwork.sharding.hlo import collective_summary
 
@@ -169,7 +170,8 @@ class WeightSync:
     def __init__(self, engine: Any, trainer_shardings: Any, *, kind: type = nnx.Param):
         self.engine, self.gen = engine, getattr(engine, "gen", engine)
         self.kind = kind  # the nnx.Variable type that moves
-        target = nnx.filter_state(self.gen.state, self.kind)
+        # The trainer's layout: stacked blocks (the engine holds them layer by layer, src/meshwork/engine/per_layer.py).
+        target = nnx.filter_state(abstract_stacked(self.gen.state), self.kind)
         arrays, self.treedef = jax.tree.flatten(target)
         if not arrays:
             raise ValueError(f"weight sync: the engine holds no {self.kind.__name__} to sync")
@@ -209,7 +211,8 @@ class WeightSync:
         if self.placement == "split":
             moved = jax.device_put(moved, self.dst)  # shard for shard: the indices already match
         moved = jax.block_until_ready(moved)
-        self.gen.state = nnx.merge_state(self.gen.state, jax.tree.unflatten(self.treedef, moved))
+        layered = unstack_layers(jax.tree.unflatten(self.treedef, moved), self.gen.layer_stacks)
+        self.gen.state = nnx.merge_state(self.gen.state, layered)
         if (pages := getattr(self.engine, "pages", None)) is not None:
             pages.forget_cached()  # a Server's prefix cache holds the old weights' keys and values
         return SyncStats(
