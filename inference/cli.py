@@ -125,7 +125,12 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="TCP port (0: any free port; the first line printed names it)"
     )
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the folder's name)")
-    s.add_argument("--slots", type=int, default=8, help="requests decoded together (batch rows)")
+    s.add_argument(
+        "--slots",
+        type=int,
+        default=64,
+        help="requests running at once (a decode step computes the running ones, not every slot)",
+    )
     s.add_argument("--max-len", type=int, default=512, help="longest sequence, prompt + new tokens")
     s.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     add_attention_argument(s)
@@ -133,7 +138,14 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--pages",
         type=int,
         default=None,
-        help="pages in the KV pool (default: half of slots x max-len, plus the null page)",
+        help="pages in the KV pool (default: every slot at --max-len, as far as --kv-cache-gib allows)",
+    )
+    s.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="memory per device for the KV pool when --pages is not given (default: a quarter of the "
+        "device's memory; on the CPU, of the host's)",
     )
     s.add_argument(
         "--prefill-chunk",

@@ -64,6 +64,29 @@ def _mesh_options(args) -> dict:
     return {"mesh": mesh, "rules": rules_for("tp" if args.tensor > 1 else "dp")}
 
 
+def default_pages(args, model) -> int:
+    """The KV pool's pages when --pages is not given, as vLLM sizes its cache: every slot at
+    --max-len (no request ever waits for pages), unless that exceeds --kv-cache-gib per device
+    (default: a quarter of the device's memory), which then sets the count. ConfigError when the
+    budget cannot hold one --max-len sequence per data replica."""
+    from meshwork.engine.kv_cache import cache_bytes_per_token
+    from meshwork.perf.hardware import device_memory_bytes
+
+    per_seq = -(-args.max_len // args.page_size)
+    full = args.slots * per_seq + args.data  # and a null page per replica
+    budget = device_memory_bytes() / 4 if args.kv_cache_gib is None else args.kv_cache_gib * 2**30
+    # A device holds its replica's pages (the pool is split over --data) and 1/--tensor of their heads.
+    page_bytes = args.page_size * cache_bytes_per_token(model.cfg, model.dtype) / args.tensor
+    fits = args.data * int(budget // page_bytes)
+    if fits < args.data * (per_seq + 1):
+        raise ConfigError(
+            f"--kv-cache-gib {budget / 2**30:.3g}: holds {fits} pages of {args.page_size} tokens, fewer than one "
+            f"--max-len {args.max_len} sequence per replica needs ({per_seq + 1} each); give more memory, "
+            "a smaller --max-len or --pages"
+        )
+    return min(full, fits)
+
+
 def _limits(args) -> Limits:
     """--max-tokens, --max-body-bytes, --max-messages, --request-timeout, --read-timeout as the app's
     Limits (the counts were checked with the other counts in `serve`)."""
@@ -111,6 +134,8 @@ def serve(args) -> int:
             f"--pages {args.pages}: the pool needs at least 2 pages per data replica (a null page "
             f"and one to hand out); give at least {2 * args.data}"
         )
+    if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
+        raise ConfigError(f"--kv-cache-gib {args.kv_cache_gib}: give a positive size in GiB")
     if args.slots % args.data:
         raise ConfigError(
             f"--slots {args.slots}: each of the --data {args.data} replicas serves its own slots; "
@@ -137,7 +162,7 @@ def serve(args) -> int:
             slots=args.slots,
             page_size=args.page_size,
             max_len=args.max_len,
-            n_pages=args.pages,
+            n_pages=args.pages or default_pages(args, model),
             prefill_chunk=args.prefill_chunk,
             prefix_caching=args.prefix_caching,
             drafter=drafter,

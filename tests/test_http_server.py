@@ -4,6 +4,7 @@ ones get 4xx errors in OpenAI's shape; chat goes through the checkpoint's templa
 fallback); a client that leaves frees its slot and pages; bad command lines exit 2; SIGTERM lets a
 running stream finish and exits 0."""
 
+import argparse
 import concurrent.futures
 import http.client
 import json
@@ -20,12 +21,15 @@ import openai
 import pytest
 from conftest import ROOT, hf_folder
 
+from meshwork.config import ConfigError
 from meshwork.engine.generate import Generator
+from meshwork.engine.kv_cache import cache_bytes_per_token
 from meshwork.engine.sampling import SamplingParams
 from meshwork.engine.serving import Request, Server
 from meshwork.inference.cli import main
 from meshwork.inference.http_server import Limits, create_app
-from meshwork.inference.serve_cli import ThreadedServer, load_served
+from meshwork.inference.runs import load_run
+from meshwork.inference.serve_cli import ThreadedServer, default_pages, load_served
 from meshwork.inference.serve_engine import Engine, QueueFull
 
 MAX_TOKENS = {"lm_tiny": 100, "hf_llama": 48}  # the servers' --max-tokens
@@ -343,11 +347,34 @@ def test_bad_command_lines_exit_2_with_one_line(tmp_path, lm_tiny_runs, capsys):
     assert code == 2 and len(err) == 1 and "--data 3 x --tensor 1 = 3 devices" in err[0]
     code, err = serve("--checkpoint", run_dir, "--data", "4", "--tensor", "2", "--slots", "6")
     assert code == 2 and len(err) == 1 and "give a multiple of 4" in err[0]
+    code, err = serve("--checkpoint", run_dir, "--kv-cache-gib", "0")
+    assert code == 2 and len(err) == 1 and "--kv-cache-gib 0.0" in err[0]
+    code, err = serve("--checkpoint", run_dir, "--port", "0", "--kv-cache-gib", "0.0001")  # 3 pages of lm_tiny's
+    assert code == 2 and len(err) == 1 and "fewer than one --max-len 512 sequence" in err[0]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         code, err = serve("--checkpoint", run_dir, "--port", str(taken.getsockname()[1]))
     assert code == 2 and len(err) == 1 and "cannot listen there" in err[0]
+
+
+def test_the_kv_pool_is_sized_from_memory(lm_tiny_runs):
+    """Without --pages, every slot gets --max-len of pages unless --kv-cache-gib (per device) holds
+    fewer; under --data the pages are counted per replica and under --tensor a device holds part of
+    each page's heads."""
+    model = load_run(lm_tiny_runs["1dev"]["run_dir"])[1]
+    page = 16 * cache_bytes_per_token(model.cfg, model.dtype)
+
+    def pages(gib=None, **kw):
+        args = dict(slots=4, max_len=64, page_size=16, data=1, tensor=1, kv_cache_gib=gib) | kw
+        return default_pages(argparse.Namespace(**args), model)
+
+    assert pages() == 4 * 4 + 1  # every slot at max_len, and the null page
+    assert pages(10.5 * page / 2**30) == 10  # what the budget holds
+    assert pages(10.5 * page / 2**30, data=2, slots=8) == 20  # per replica
+    assert pages(10.5 * page / 2**30, tensor=2) == 17  # half of each page per device: 21 fit
+    with pytest.raises(ConfigError, match="fewer than one --max-len 64 sequence"):
+        pages(4.5 * page / 2**30)
 
 
 @pytest.mark.slow
