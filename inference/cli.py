@@ -150,12 +150,16 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--prefill-chunk",
         type=int,
-        default=None,
-        help="prefill long prompts this many tokens per step, between decode steps (default: whole "
-        "prompts at admission)",
+        default=256,
+        help="prompt tokens prefilled per step, between decode steps, so new requests' first tokens "
+        "and running requests' next ones keep coming (default 256; 0: whole prompts at admission)",
     )
     s.add_argument(
-        "--prefix-caching", action="store_true", help="share the KV pages of equal prompt prefixes between requests"
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV pages of equal prompt prefixes between requests (default: on, except for "
+        "models with linear-attention layers and with --speculative, whose states cannot be shared)",
     )
     s.add_argument(
         "--data",

@@ -64,6 +64,12 @@ def _mesh_options(args) -> dict:
     return {"mesh": mesh, "rules": rules_for("tp" if args.tensor > 1 else "dp")}
 
 
+def sharable(model, drafter) -> bool:
+    """Whether prefix caching is on by default: a model with linear-attention layers keeps recurrent
+    states that shared pages cannot restore, and neither can a speculative draft's rejected tokens."""
+    return drafter is None and not model.cfg.linear_layers
+
+
 def default_pages(args, model) -> int:
     """The KV pool's pages when --pages is not given, as vLLM sizes its cache: every slot at
     --max-len (no request ever waits for pages), unless that exceeds --kv-cache-gib per device
@@ -127,8 +133,8 @@ def serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: give a TCP port in [0, 65535] (0: any free port)")
     options = _mesh_options(args)
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise ConfigError(f"--prefill-chunk {args.prefill_chunk}: give a positive token count")
+    if args.prefill_chunk < 0:
+        raise ConfigError(f"--prefill-chunk {args.prefill_chunk}: give a token count (0: whole prompts at admission)")
     if args.pages is not None and args.pages < 2 * args.data:
         raise ConfigError(
             f"--pages {args.pages}: the pool needs at least 2 pages per data replica (a null page "
@@ -163,14 +169,15 @@ def serve(args) -> int:
             page_size=args.page_size,
             max_len=args.max_len,
             n_pages=args.pages or default_pages(args, model),
-            prefill_chunk=args.prefill_chunk,
-            prefix_caching=args.prefix_caching,
+            prefill_chunk=args.prefill_chunk or None,
+            prefix_caching=args.prefix_caching if args.prefix_caching is not None else sharable(model, drafter),
             drafter=drafter,
             speculative_k=args.speculative_k,
             **options,
         ),
         max_queue=args.max_queue,
     )
+    del model  # the engine holds its own copy of the weights, one array per layer (engine/per_layer.py)
     app = create_app(engine, served, limits, api_key=key)
     config = uvicorn.Config(
         app,

@@ -21,7 +21,7 @@ import openai
 import pytest
 from conftest import ROOT, hf_folder
 
-from meshwork.config import ConfigError
+from meshwork.config import ConfigError, load_config
 from meshwork.engine.generate import Generator
 from meshwork.engine.kv_cache import cache_bytes_per_token
 from meshwork.engine.sampling import SamplingParams
@@ -29,8 +29,9 @@ from meshwork.engine.serving import Request, Server
 from meshwork.inference.cli import main
 from meshwork.inference.http_server import Limits, create_app
 from meshwork.inference.runs import load_run
-from meshwork.inference.serve_cli import ThreadedServer, default_pages, load_served
+from meshwork.inference.serve_cli import ThreadedServer, default_pages, load_served, sharable
 from meshwork.inference.serve_engine import Engine, QueueFull
+from meshwork.models.build import build_model
 
 MAX_TOKENS = {"lm_tiny": 100, "hf_llama": 48}  # the servers' --max-tokens
 TEMPLATE = (
@@ -347,6 +348,8 @@ def test_bad_command_lines_exit_2_with_one_line(tmp_path, lm_tiny_runs, capsys):
     assert code == 2 and len(err) == 1 and "--data 3 x --tensor 1 = 3 devices" in err[0]
     code, err = serve("--checkpoint", run_dir, "--data", "4", "--tensor", "2", "--slots", "6")
     assert code == 2 and len(err) == 1 and "give a multiple of 4" in err[0]
+    code, err = serve("--checkpoint", run_dir, "--prefill-chunk", "-1")
+    assert code == 2 and len(err) == 1 and "--prefill-chunk -1" in err[0]
     code, err = serve("--checkpoint", run_dir, "--kv-cache-gib", "0")
     assert code == 2 and len(err) == 1 and "--kv-cache-gib 0.0" in err[0]
     code, err = serve("--checkpoint", run_dir, "--port", "0", "--kv-cache-gib", "0.0001")  # 3 pages of lm_tiny's
@@ -375,6 +378,16 @@ def test_the_kv_pool_is_sized_from_memory(lm_tiny_runs):
     assert pages(10.5 * page / 2**30, tensor=2) == 17  # half of each page per device: 21 fit
     with pytest.raises(ConfigError, match="fewer than one --max-len 64 sequence"):
         pages(4.5 * page / 2**30)
+
+
+def test_prefix_caching_is_on_by_default_where_pages_can_be_shared(lm_tiny_runs):
+    """`serve` shares prefix pages unless the model keeps per-sequence recurrent states (linear
+    attention layers) or a draft speculates (Server refuses both with prefix caching)."""
+    model = load_run(lm_tiny_runs["1dev"]["run_dir"])[1]
+    hybrid = build_model(load_config(ROOT / "configs/qwen3_next_tiny.yaml"))
+    assert sharable(model, None) and not sharable(model, object()) and not sharable(hybrid, None)
+    with pytest.raises(ConfigError, match="linear-attention"):
+        Server(hybrid, slots=2, max_len=32, prefix_caching=True)
 
 
 @pytest.mark.slow

@@ -75,6 +75,8 @@ class Generator:
     their logits; `forward` returns the logits of any tokens at any positions; `apply` is the same
     computation as a pure function for a jitted program of one's own, run under `run_in_context`;
     `limits` and `check_request` say whether a request can be served (RequestError if not).
+    `state` holds the weights with the stacked blocks split one array per layer (engine/per_layer.py:
+    a decode step then reads each weight in place); `restack_layers(gen.state)` is the trainer's layout.
     """
 
     def __init__(
