@@ -115,7 +115,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
-    from meshwork.inference.lm import add_attention_argument
+    from meshwork.inference.lm import add_attention_argument, add_dtype_argument
 
     s.add_argument(
         "--checkpoint", required=True, help="the run.dir of a meshwork LM run, or a Hugging Face checkpoint folder"
@@ -134,6 +134,7 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-len", type=int, default=512, help="longest sequence, prompt + new tokens")
     s.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     add_attention_argument(s)
+    add_dtype_argument(s)
     s.add_argument(
         "--pages",
         type=int,

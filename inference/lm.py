@@ -82,9 +82,48 @@ def add_attention_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_lm(checkpoint: str | None, hf: str | None, attention: str | None = None) -> tuple[Any, Any, Any]:
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="weights, activations and KV cache in this dtype (logits and softmax stay float32; "
+        "default: the run's, float32 for a Hugging Face folder)",
+    )
+
+
+def load_lm(
+    checkpoint: str | None, hf: str | None, attention: str | None = None, dtype: str | None = None
+) -> tuple[Any, Any, Any]:
     """(model, tokenizer or None, default stop ids) from a run dir or a Hugging Face directory;
-    `attention` replaces the model's attention implementation (it changes no weight)."""
+    `attention` replaces the model's attention implementation (it changes no weight); `dtype`
+    (float32, bfloat16) the weights' and the computation's."""
+    model, tokenizer, stops, cfg = _load_lm(checkpoint, hf, attention, dtype)
+    if dtype is not None and cfg is not None:
+        model = _cast(model, cfg, checkpoint, dtype)
+    return model, tokenizer, stops
+
+
+def _cast(model, cfg, checkpoint: str, dtype: str):
+    """The run's model rebuilt in `dtype` (weights, compute and, through it, the KV cache), its
+    weights cast from the checkpoint's."""
+    import jax
+    from flax import nnx
+
+    from meshwork.models.build import build_model
+
+    if cfg.finetune.method not in ("none", "full"):
+        raise ConfigError(
+            f"--dtype {dtype}: {checkpoint} is a {cfg.finetune.method} fine-tuning run; serve it in its own "
+            "dtype (drop --dtype) or export it merged (python3 -m inference export-hf --merge) and serve that"
+        )
+    train = cfg.train.model_copy(update={"compute_dtype": dtype, "param_dtype": dtype})
+    cast = nnx.eval_shape(lambda: build_model(cfg.model_copy(update={"train": train})))  # shapes only
+    state = jax.tree.map(lambda x, ref: x.astype(ref.dtype), nnx.state(model), nnx.state(cast))
+    return nnx.merge(nnx.graphdef(cast), state)
+
+
+def _load_lm(checkpoint: str | None, hf: str | None, attention: str | None, dtype: str | None) -> tuple:
     if checkpoint is not None:
         from meshwork.data.text import ByteTokenizer
         from meshwork.inference.runs import load_run
@@ -108,17 +147,19 @@ def load_lm(checkpoint: str | None, hf: str | None, attention: str | None = None
             from meshwork.models.lora import merge_lora
 
             merge_lora(model)  # W0 + (alpha/r) B A: inference at the base model's cost
-        return model, tokenizer, stops
+        return model, tokenizer, stops, cfg
     path = pathlib.Path(hf).expanduser()
     if not path.is_dir():
         raise ConfigError(f"--hf: {path} is not a directory; pass a Hugging Face checkpoint directory")
+    from meshwork.models.build import DTYPES
     from meshwork.models.hf import model_from_hf
 
     try:
-        _, model = model_from_hf(path, attention=attention)
+        kw = {} if dtype is None else {"dtype": DTYPES[dtype], "param_dtype": DTYPES[dtype]}
+        _, model = model_from_hf(path, attention=attention, **kw)
     except ValueError as e:
         raise ConfigError(f"--hf: {e}") from None
-    return model, _hf_tokenizer(path), _hf_eos(path)
+    return model, _hf_tokenizer(path), _hf_eos(path), None
 
 
 class _HFTokenizer:

@@ -22,7 +22,7 @@ from meshwork.inference.serve_engine import Engine
 from meshwork.inference.speculation import make_drafter
 
 
-def load_served(checkpoint: str, name: str | None = None, attention: str | None = None):
+def load_served(checkpoint: str, name: str | None = None, attention: str | None = None, dtype: str | None = None):
     """(model, Served) from a meshwork run dir (checkpoints/) or a Hugging Face folder (config.json)."""
     import pathlib
 
@@ -30,11 +30,11 @@ def load_served(checkpoint: str, name: str | None = None, attention: str | None 
 
     path = pathlib.Path(checkpoint).expanduser()
     if (path / "checkpoints").is_dir() or (path / "config.yaml").is_file():
-        model, tokenizer, stops = load_lm(str(path), None, attention)
+        model, tokenizer, stops = load_lm(str(path), None, attention, dtype)
         folder = getattr(tokenizer, "path", None)  # the run's tokenizer.json: its folder has the template
         folder = folder.parent if folder is not None else None
     elif (path / "config.json").is_file():
-        model, tokenizer, stops = load_lm(None, str(path), attention)
+        model, tokenizer, stops = load_lm(None, str(path), attention, dtype)
         folder = path
     else:
         raise ConfigError(
@@ -160,7 +160,7 @@ def serve(args) -> int:
             f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror}); pick another "
             "port (0: any free one)"
         ) from None
-    model, served = load_served(args.checkpoint, args.model_name, args.attention)
+    model, served = load_served(args.checkpoint, args.model_name, args.attention, args.dtype)
     drafter = make_drafter(args, model, options.get("mesh"), options.get("rules"))
     engine = Engine(
         Server(

@@ -10,8 +10,9 @@ import pytest
 from conftest import ROOT, optimized_override
 from flax import nnx
 
-from meshwork.config import load_config
+from meshwork.config import ConfigError, load_config
 from meshwork.inference.runs import load_run
+from meshwork.inference.serve_cli import load_served
 from meshwork.run.metrics import read_metrics
 from meshwork.train.cli import main as train_main
 from meshwork.train.finetune import describe
@@ -220,6 +221,9 @@ def test_a_lora_run_generates_merged(tuned, capsys):
         == 0
     )
     assert capsys.readouterr().out == "The return statement" + bytes(unmerged[0]).decode(errors="replace") + "\n"
+    # Serving it in another dtype would rebuild the unmerged model: refused in one line.
+    with pytest.raises(ConfigError, match="--dtype bfloat16: .* is a lora fine-tuning run; .*export-hf --merge"):
+        load_served(run_dir, dtype="bfloat16")
 
 
 @pytest.mark.slow
