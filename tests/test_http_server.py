@@ -398,7 +398,7 @@ def test_serving_in_bfloat16_holds_bfloat16_and_predicts_as_float32(lm_tiny_runs
     """`serve --dtype bfloat16`: a run's weights (cast from its float32 checkpoint) and a Hugging Face
     folder's are bfloat16, so is the page pool; on held-out text the run's next-token loss is within
     0.5% of float32's and its top-1 predictions agree on at least 97% of positions (measured: +0.00%,
-    99.25%, benchmarks/RESULTS.md)."""
+    99.32% on other text, benchmarks/RESULTS.md)."""
     run_dir = str(lm_tiny_runs["1dev"]["run_dir"])
     text = np.frombuffer((ROOT / "README.md").read_bytes()[: 4 * 129], np.uint8).reshape(4, 129).astype(np.int32)
     losses, top1 = {}, {}
