@@ -4,6 +4,9 @@ Pre-norm blocks (RMSNorm -> grouped-query attention with RoPE -> residual,
 RMSNorm -> SwiGLU -> residual), stacked along a leading `layers` axis and
 applied with `jax.lax.scan`, so the program (and its compile time) has one
 block whatever the depth; `remat` picks what the backward pass recomputes.
+Decoding from a `Generator` runs the blocks in a loop instead, over weights
+split one array per layer (src/meshwork/engine/per_layer.py): a scan copies each
+layer's weights every step, which a decode step cannot hide.
 """
 
 from __future__ import annotations
