@@ -274,19 +274,6 @@ def decode_layers(
     attention layers' KV and the `linear` layers' recurrent states are each numbered by their kind.
     """
     first_slot = first_layer if first_slot is None else first_slot
-    if split := [x for x in jax.tree.leaves(stacked, is_leaf=is_per_layer) if is_per_layer(x)]:
-        # One array per layer (engine/per_layer.py): a loop, each layer reading its own weights in place.
-        n = split[0].shape[0]
-        for j in range(n):
-            layer_state = jax.tree.map(lambda x: layer_slice(x, j), stacked, is_leaf=is_per_layer)
-            block = nnx.merge(graphdef, layer_state)
-            block.set_attributes(layer_index=jnp.int32(first_layer + j), raise_if_not_found=False)
-            slot = jnp.int32(first_slot + j)
-            view = cache.linear_layer(slot) if linear else cache.layer(slot)
-            x_BLD, kv = block.decode(x_BLD, positions_BL, view)
-            cache = kv.cache
-        return x_BLD, cache
-    n = jax.tree.leaves(stacked)[0].shape[0]
 
     def layer(carry, xs):
         x_BLD, cache = carry
@@ -297,9 +284,18 @@ def decode_layers(
         x_BLD, kv = block.decode(x_BLD, positions_BL, view)
         return (x_BLD, kv.cache), None
 
+    leaves = jax.tree.leaves(stacked, is_leaf=is_per_layer)
+    n = leaves[0].shape[0]
+    carry = (x_BLD, cache)
+    if any(map(is_per_layer, leaves)):
+        # One array per layer (engine/per_layer.py): a loop, each layer reading its own weights in place.
+        for j in range(n):
+            layer_state = jax.tree.map(lambda x: layer_slice(x, j), stacked, is_leaf=is_per_layer)
+            carry, _ = layer(carry, (layer_state, jnp.int32(first_layer + j), jnp.int32(first_slot + j)))
+        return carry
     xs = (stacked, first_layer + jnp.arange(n), first_slot + jnp.arange(n))
-    (x_BLD, cache), _ = jax.lax.scan(layer, (x_BLD, cache), xs)
-    return x_BLD, cache
+    carry, _ = jax.lax.scan(layer, carry, xs)
+    return carry
 
 
 class LMHead(nnx.Module):

@@ -59,9 +59,11 @@ def unstack_layers(state: nnx.State, stacks: Iterable[str]) -> nnx.State:
     """`state` with every array under the top-level modules `stacks` (a model's stacked blocks,
     `model.layer_stacks()`) split into a PerLayer along its leading axis; the rest unchanged."""
     stacks = set(stacks)
+    if not stacks:
+        return state
 
     def split(path, x):
-        if not stacks or path[0].key not in stacks or not isinstance(x, jax.Array) or x.ndim == 0:
+        if path[0].key not in stacks or not isinstance(x, jax.Array) or x.ndim == 0:
             return x
         return PerLayer(tuple(x[i] for i in range(x.shape[0])))
 
