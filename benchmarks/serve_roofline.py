@@ -9,8 +9,11 @@ A decode step must read every weight once and each sequence's cached keys and
 values; at the device's read bandwidth that bounds it from below
 (benchmarks/generate.py's `roofline`, the bandwidth measured in this process).
 Here the step is the one `Server` (src/meshwork/engine/serving.py) runs: greedy rows,
-`--dispatch` decode steps per device call, the paged KV cache read by the
-gather (`attention=xla`) or by the paged-attention kernel (`attention=pallas`).
+`--dispatch` decode steps per device call, the paged KV cache read in place by
+the C++ kernel on the CPU (`xla`: attention=xla, kernels/cpu_paged_attention.py),
+by XLA after gathering each row's pages (`gather`: the same with that kernel
+switched off, what other platforms' attention=xla does) or by the Pallas
+paged-attention kernel (`pallas`: attention=pallas).
 The decode time per step is the run with --steps new tokens minus the same run
 with one (the prefill), over steps - 1: best of --repeats after a compiling
 run. Prints, per path and batch, ms per step, tokens/s and the fraction of the
@@ -25,6 +28,7 @@ the same process: computing the running requests (the default) and every slot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -39,6 +43,7 @@ from generate import measure_bandwidth, roofline, weights_read_per_step  # noqa:
 from meshwork.config import ConfigError, load_config  # noqa: E402
 from meshwork.engine.kv_cache import cache_bytes_per_token  # noqa: E402
 from meshwork.engine.serving import Server  # noqa: E402
+from meshwork.kernels import cpu_paged_attention  # noqa: E402
 from meshwork.models.build import build_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +55,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dispatch", type=int, default=8, help="decode steps per device call")
-    ap.add_argument("--impls", default="xla,pallas", help="attention paths: xla (gather), pallas (paged kernel)")
+    ap.add_argument(
+        "--impls", default="xla,gather,pallas", help="attention paths: xla (CPU kernel), gather, pallas (paged kernel)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--slots", type=int, default=None, help="the server's slots (default: the batch)")
     ap.add_argument("--bandwidth-mib", type=int, default=1024, help="array size of the bandwidth measurement")
@@ -67,11 +74,14 @@ def main(argv: list[str]) -> int:
     ):
         if value < (2 if name == "--steps" else 1):
             ap.error(f"{name} {value}: too small (--steps needs 2, the rest 1)")
-    if bad := [i for i in impls if i not in ("xla", "pallas")]:
-        ap.error(f"--impls: {bad[0]!r} is not a path; use xla and/or pallas")
+    if bad := [i for i in impls if i not in ("xla", "gather", "pallas")]:
+        ap.error(f"--impls: {bad[0]!r} is not a path; use xla, gather and/or pallas")
     try:
         configs = {
-            impl: load_config(os.path.join(ROOT, "configs/lm_tiny.yaml"), [*args.overrides, f"model.attention={impl}"])
+            impl: load_config(
+                os.path.join(ROOT, "configs/lm_tiny.yaml"),
+                [*args.overrides, f"model.attention={'xla' if impl == 'gather' else impl}"],
+            )
             for impl in impls
         }
     except ConfigError as e:
@@ -87,50 +97,57 @@ def main(argv: list[str]) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for impl in impls:
-        model = build_model(configs[impl])
-        total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        per_token = cache_bytes_per_token(model.cfg, model.dtype)
-        for B in args.batches:
-            slots = args.slots or B
-            max_len = args.prompt_len + args.steps + 16
-            servers = {
-                mode: Server(
-                    model,
-                    slots=slots,
-                    page_size=16,
-                    max_len=max_len,
-                    n_pages=slots * -(-max_len // 16) + 1,
-                    steps_per_dispatch=args.dispatch,
-                    fixed_batch=mode == "every slot",
-                )
-                for mode in modes
-            }
-            rng = np.random.default_rng(0)
-            for server in servers.values():
-                serve_once(server, B, args.prompt_len, args.steps, "warm", rng)  # compiles
-                serve_once(server, B, args.prompt_len, 1, "warm1", rng)
-            # The modes take turns, so a disturbance of the shared machine hits them alike.
-            runs = {mode: [] for mode in modes}
-            for r in range(args.repeats):
-                for mode, server in servers.items():
-                    runs[mode].append(decode_step_s(server, B, args, r))
-            bound = roofline(
-                weights_read_per_step(model, total, B), per_token, B, args.prompt_len + args.steps / 2, bandwidth
-            )
-            for mode in modes:
-                step_s, per_dispatch = min(s for s, _ in runs[mode]), runs[mode][0][1]
-                rows = max(servers[mode].batch_sizes)
-                tok_s = B / step_s
-                print(
-                    f"| {impl} | {B} | {slots} | {rows} ({mode}) | {step_s * 1e3:.3f} | {tok_s:,.0f} | "
-                    f"{per_dispatch:.2f} | {bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |",
-                    flush=True,
-                )
-            if len(modes) == 2:
-                ratio = min(s for s, _ in runs["every slot"]) / min(s for s, _ in runs["running rows"])
-                print(f"|  |  |  | every slot / running rows: {ratio:.2f}x the step time |  |  |  |  |  |", flush=True)
-            del servers
+        # Programs are traced at their first call, inside the context: `gather` keeps XLA's gather.
+        with cpu_paged_attention.disabled() if impl == "gather" else contextlib.nullcontext():
+            measure(impl, configs[impl], args, modes, bandwidth)
     return 0
+
+
+def measure(impl, cfg, args, modes, bandwidth) -> None:
+    """Prints one attention path's rows, for each batch."""
+    model = build_model(cfg)
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    per_token = cache_bytes_per_token(model.cfg, model.dtype)
+    for B in args.batches:
+        slots = args.slots or B
+        max_len = args.prompt_len + args.steps + 16
+        servers = {
+            mode: Server(
+                model,
+                slots=slots,
+                page_size=16,
+                max_len=max_len,
+                n_pages=slots * -(-max_len // 16) + 1,
+                steps_per_dispatch=args.dispatch,
+                fixed_batch=mode == "every slot",
+            )
+            for mode in modes
+        }
+        rng = np.random.default_rng(0)
+        for server in servers.values():
+            serve_once(server, B, args.prompt_len, args.steps, "warm", rng)  # compiles
+            serve_once(server, B, args.prompt_len, 1, "warm1", rng)
+        # The modes take turns, so a disturbance of the shared machine hits them alike.
+        runs = {mode: [] for mode in modes}
+        for r in range(args.repeats):
+            for mode, server in servers.items():
+                runs[mode].append(decode_step_s(server, B, args, r))
+        bound = roofline(
+            weights_read_per_step(model, total, B), per_token, B, args.prompt_len + args.steps / 2, bandwidth
+        )
+        for mode in modes:
+            step_s, per_dispatch = min(s for s, _ in runs[mode]), runs[mode][0][1]
+            rows = max(servers[mode].batch_sizes)
+            tok_s = B / step_s
+            print(
+                f"| {impl} | {B} | {slots} | {rows} ({mode}) | {step_s * 1e3:.3f} | {tok_s:,.0f} | "
+                f"{per_dispatch:.2f} | {bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |",
+                flush=True,
+            )
+        if len(modes) == 2:
+            ratio = min(s for s, _ in runs["every slot"]) / min(s for s, _ in runs["running rows"])
+            print(f"|  |  |  | every slot / running rows: {ratio:.2f}x the step time |  |  |  |  |  |", flush=True)
+        del servers
 
 
 if __name__ == "__main__":

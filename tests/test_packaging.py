@@ -55,11 +55,12 @@ def test_wheel_installs_one_top_level_name(wheel):
 
 
 def test_wheel_holds_every_module(wheel):
-    """pyproject lists packages explicitly: a package folder missing from the list would ship without it."""
+    """pyproject lists packages explicitly: a package folder missing from the list would ship without it,
+    and a kernel's C++ source (compiled on first use) missing from its package data without the kernel."""
     shipped = set(wheel.namelist())
     expected = set()
     for package, folder in FOLDERS.items():
-        for path in (ROOT / folder).rglob("*.py"):
+        for path in [*(ROOT / folder).rglob("*.py"), *(ROOT / folder).rglob("*.cc")]:
             rel = path.relative_to(ROOT / folder)
             if package == "meshwork" and rel.parts[0] in ("sharding", "models", "train", "inference"):
                 continue

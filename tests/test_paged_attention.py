@@ -28,6 +28,7 @@ from meshwork.engine import kv_cache
 from meshwork.engine.generate import Generator
 from meshwork.engine.kv_cache import NULL_PAGE, PagedKVCache
 from meshwork.engine.per_layer import restack_layers
+from meshwork.kernels import cpu_paged_attention
 from meshwork.kernels import paged_attention as pa
 from meshwork.kernels.paged_attention import paged_attention, paged_attention_reference
 from meshwork.kernels.pallas_backend import lowering_target
@@ -146,6 +147,50 @@ def test_kernel_equals_gather_and_contiguous_attention(config, L, window, featur
         assert rel_err(got[b], full) <= 1e-5, b
 
 
+# The C++ kernel XLA:CPU calls (kernels/cpu_paged_attention.py): decode and a chunk, each mask, and
+# soft-capping with sinks, in the quick tier; the other combinations in the slow one.
+NATIVE_CASES = [
+    pytest.param(
+        L,
+        w,
+        f,
+        id=f"{'decode' if L == 1 else f'chunk{L}'}-window{w}{'-softcap-sinks' if f else ''}",
+        marks=() if (L, w, f) in {(1, None, False), (5, 6, False), (5, 6, True)} else pytest.mark.slow,
+    )
+    for f in (False, True)
+    for L in (1, 5)
+    for w in (None, 6)
+]
+
+
+@pytest.mark.parametrize("L, window, features", NATIVE_CASES)
+def test_cpu_kernel_equals_gather_and_contiguous_attention(L, window, features):
+    """The same rows as the Pallas kernel's test, 4 query heads per kv head, padding rows (position
+    -1: zeros) and a position past the table (sees all P * T keys); within 1e-5 of both references."""
+    assert cpu_paged_attention.available(), cpu_paged_attention.unavailable_reason()
+    T, B, P, H, G, K = 4, 3, 4, 8, 2, 16
+    last = [2 * T + 1, L - 1, 3 * T + 2]
+    k_pool, v_pool, table, k_seq, v_seq = pool_with_shared_prefix(T, P, G, K, [p + 1 for p in last], shared_pages=2)
+    positions = np.asarray([np.arange(p - L + 1, p + 1) for p in last], np.int32)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((B, L, H, K)), jnp.float32)
+    sinks = jnp.asarray(np.linspace(-1.0, 4.0, H), jnp.float32)
+    feats = dict(window=window, softcap=SOFTCAP, sinks=sinks) if features else dict(window=window)
+    kernel = jax.jit(lambda *a: cpu_paged_attention.cpu_paged_attention(*a, layer=1, **feats))
+    got = kernel(q, k_pool, v_pool, table, jnp.asarray(positions))
+    want = paged_attention_reference(q, k_pool, v_pool, table, jnp.asarray(positions), layer=1, **feats)
+    assert rel_err(got, want) <= 1e-5
+    for b in range(B):
+        full = contiguous_attention(q[b], k_seq[b], v_seq[b], positions[b], **feats)
+        assert rel_err(got[b], full) <= 1e-5, b
+    padded = positions.copy()
+    padded[1] = -1  # a padding row
+    padded[0, -1] = P * T + 3  # past the table
+    got = np.asarray(kernel(q, k_pool, v_pool, table, jnp.asarray(padded)))
+    assert (got[1] == 0).all()
+    want = paged_attention_reference(q, k_pool, v_pool, table, jnp.asarray(padded), layer=1, **feats)
+    assert rel_err(got[0], want[0]) <= 1e-5
+
+
 def test_every_output_element_is_written():
     """Outputs start as NaN (poisoned); splits past a row's pages and padding rows must still be written."""
     T, B, P, H, G, K = 4, 3, 4, 4, 2, 16
@@ -245,8 +290,11 @@ def paged_run(model, sequences) -> list[np.ndarray]:
 
 
 def test_paged_kernel_equals_gather_path_and_full_recomputation(models, sequences):
+    """The Pallas kernel, the C++ kernel (attention impl xla on the CPU) and the gather path without it."""
     pallas_model, xla_model = models
-    kernel, gather = paged_run(pallas_model, sequences), paged_run(xla_model, sequences)
+    kernel, native = paged_run(pallas_model, sequences), paged_run(xla_model, sequences)
+    with cpu_paged_attention.disabled():
+        gather = paged_run(xla_model, sequences)
     # One causal forward over the batch right-padded to the longest row (no cache).
     tokens = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
     for b, s in enumerate(sequences):
@@ -257,6 +305,7 @@ def test_paged_kernel_equals_gather_path_and_full_recomputation(models, sequence
     for b in range(len(sequences)):
         assert kernel[b].shape == full[b].shape
         assert rel_err(kernel[b], gather[b]) <= 1e-5, b
+        assert rel_err(native[b], gather[b]) <= 1e-5, b
         assert rel_err(kernel[b], full[b]) <= 1e-5, b
         assert rel_err(gather[b], full[b]) <= 1e-5, b
 
@@ -269,7 +318,8 @@ def page_gathers(hlo: str, page: tuple[int, ...]) -> list[str]:
 
 
 def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
-    """The XLA path gathers every row's whole page table (B x P pages) per layer; the kernel path none."""
+    """Neither kernel path gathers pages: Pallas, nor XLA:CPU's C++ kernel (one call per layer). The
+    gather path it replaces copies every row's whole page table (B x P pages) per layer."""
     B, cfg = 4, models[0].cfg
     T, G, K = 16, cfg.n_kv_heads, cfg.resolved_head_dim
     cache = PagedKVCache.zeros(cfg, n_pages=1 + B * P_MODEL, page_size=T, batch=B, pages_per_seq=P_MODEL)
@@ -277,16 +327,21 @@ def test_compiled_decode_step_gathers_no_pages(models, monkeypatch):
     def args(gen):
         return (gen.state, jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.int32), cache)
 
-    texts = {}
-    for name, model in zip(("pallas", "xla"), models):
+    def compiled(model):
         gen = Generator(model)
         # XLA's own fusion emitters (off for the session): its fusion decides the gathers' shapes.
-        texts[name] = gen._forward.lower(*args(gen)).compile(compiler_options=XLA_EMITTERS).as_text()
+        return gen._forward.lower(*args(gen)).compile(compiler_options=XLA_EMITTERS).as_text()
+
+    texts = {"pallas": compiled(models[0]), "xla": compiled(models[1])}
+    with cpu_paged_attention.disabled():
+        texts["gather"] = compiled(models[1])
     # B x P whole pages (rows of T * G * K) of k and of v, per layer (a generator runs its layers
     # unrolled, each on its own weights: src/meshwork/engine/per_layer.py).
     n = cfg.n_layers
-    assert page_gathers(texts["xla"], (T * G * K,)) == [f"{B * P_MODEL},1,{T * G * K}"] * 2 * n
-    assert page_gathers(texts["pallas"], (T * G * K,)) == page_gathers(texts["pallas"], (T, G, K)) == []
+    assert page_gathers(texts["gather"], (T * G * K,)) == [f"{B * P_MODEL},1,{T * G * K}"] * 2 * n
+    for name in ("pallas", "xla"):
+        assert page_gathers(texts[name], (T * G * K,)) == page_gathers(texts[name], (T, G, K)) == [], name
+    assert texts["xla"].count(f'custom_call_target="{cpu_paged_attention.TARGET}"') == n
     # The same step lowered for a GPU: one Triton call per layer and no gather of pages.
     monkeypatch.setattr(kv_cache, "paged_attention", functools.partial(paged_attention, backend="gpu"))
     gen = Generator(models[0])
@@ -311,10 +366,10 @@ def copies_of(hlo: str, shapes: set[tuple[int, ...]]) -> list[tuple[str, tuple[i
 
 def test_compiled_decode_step_copies_no_weight_and_no_page(models):
     """A generator's decode step reads each layer's weights where they lie (one array per layer,
-    engine/per_layer.py) and its one-token attention reads the gathered keys and values as the
-    gather lays them out (kv_cache._one_token_attention): no instruction of the compiled step copies
-    a layer's weight or the gathered keys in any order. With the trainer's stacked weights the
-    same step runs a scan whose body copies every weight of the layer it runs."""
+    engine/per_layer.py), and without the C++ kernel its one-token attention reads the gathered keys
+    and values as the gather lays them out (kv_cache._one_token_attention): no instruction of the
+    compiled step copies a layer's weight or the gathered keys in any order. With the trainer's
+    stacked weights the same step runs a scan whose body copies every weight of the layer it runs."""
     B, model = 4, models[1]
     cfg = model.cfg
     cache = PagedKVCache.zeros(cfg, n_pages=1 + B * P_MODEL, page_size=16, batch=B, pages_per_seq=P_MODEL)
@@ -330,8 +385,11 @@ def test_compiled_decode_step_copies_no_weight_and_no_page(models):
     def text(state):
         return gen._forward.lower(state, tokens, tokens, cache).compile().as_text()
 
-    per_layer = text(gen.state)
-    assert copies_of(per_layer, layer_shapes) == []
-    assert copies_of(per_layer, {(B, S, G, K)}) == []
-    stacked = copies_of(text(restack_layers(gen.state)), layer_shapes)
+    assert copies_of(text(gen.state), layer_shapes) == []
+    with cpu_paged_attention.disabled():
+        gen = Generator(model)
+        per_layer = text(gen.state)
+        assert copies_of(per_layer, layer_shapes) == []
+        assert copies_of(per_layer, {(B, S, G, K)}) == []
+        stacked = copies_of(text(restack_layers(gen.state)), layer_shapes)
     assert {tuple(sorted(shape)) for _, shape in stacked} == {tuple(sorted(s)) for s in layer_shapes}

@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshwork.config_sections import ModelConfig
 from meshwork.engine.recurrent_states import RecurrentStates, StateLayerView
+from meshwork.kernels import cpu_paged_attention
 from meshwork.kernels.decode_attention import decode_attention
 from meshwork.kernels.paged_attention import gather_pages, paged_attention
 from meshwork.kernels.score_modifiers import soft_cap, softmax_with_sinks
@@ -456,10 +457,23 @@ def _attend_pages(
         modifiers = _modifiers(scale, softcap, sinks_H)
         o_BLHK = paged_attention(q_BLHK, k, v, table_BP, positions_BL, layer=i, window=window, **modifiers)
     else:
-        k_BSGK, v_BSGK = (gather_pages(pool, table_BP, i).astype(q_BLHK.dtype) for pool in (k, v))
-        o_BLHK = cached_attention(
-            q_BLHK, k_BSGK, v_BSGK, positions_BL, "xla", window, scale=scale, softcap=softcap, sinks_H=sinks_H
-        )
+
+        def gathered():
+            k_BSGK, v_BSGK = (gather_pages(pool, table_BP, i).astype(q_BLHK.dtype) for pool in (k, v))
+            return cached_attention(
+                q_BLHK, k_BSGK, v_BSGK, positions_BL, "xla", window, scale=scale, softcap=softcap, sinks_H=sinks_H
+            )
+
+        def in_place():  # the C++ kernel (kernels/cpu_paged_attention.py) reads the pages where they lie
+            modifiers = _modifiers(scale, softcap, sinks_H)
+            return cpu_paged_attention.cpu_paged_attention(
+                q_BLHK, k, v, table_BP, positions_BL, layer=i, window=window, **modifiers
+            )
+
+        if impl == "xla" and cpu_paged_attention.available() and cpu_paged_attention.supports(q_BLHK, k, v):
+            o_BLHK = jax.lax.platform_dependent(cpu=in_place, default=gathered)  # other platforms: the gather
+        else:
+            o_BLHK = gathered()
     return o_BLHK, k, v
 
 
