@@ -103,8 +103,8 @@ def test_bad_requests_get_an_error_and_the_rest_are_served(model, gen, requests)
 
 
 def test_a_dispatch_computes_the_running_requests_and_the_first_token_comes_after_one_step(model, gen, requests):
-    """On 8 slots, one running request decodes 2 rows a step, three 4 and five all 8 (a power of two,
-    at least 2: the cost of a step follows the load, not the slots), each request getting its solo
+    """On 8 slots, one running request decodes 1 row a step, three 4 and five all 8 (a power of two:
+    the cost of a step follows the load, not the slots), each request getting its solo
     tokens; and the step that prefills a prompt returns its first token with one decode step after
     it, not a dispatch of 8."""
     alone = {r.id: gen.generate([r.prompt], r.params)[0] for r in requests}
@@ -114,7 +114,7 @@ def test_a_dispatch_computes_the_running_requests_and_the_first_token_comes_afte
     assert [rid for rid, _ in server.step()] == [first.id, first.id]  # the prefill's token, one step's
     assert len(server.step()) == 8  # then whole dispatches
     server.run()
-    assert set(server.batch_sizes) == {2}
+    assert set(server.batch_sizes) == {1}
     for n, rows in ((3, 4), (5, 8)):
         server.batch_sizes.clear()
         batch = requests[1 : 1 + n]

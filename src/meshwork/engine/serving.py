@@ -49,7 +49,7 @@ per call with preemption. So the host sees one call and one copy of tokens
 per dispatch, not per token. The sampler does not sort (sampling.py).
 A dispatch computes the running requests, not every slot: their rows, padded
 with idle slots to a power of two (`_batch_rows`), so one request on a server
-of 32 slots costs a 2-row step (`fixed_batch=True`: every slot, every time).
+of 32 slots costs a 1-row step (`fixed_batch=True`: every slot, every time).
 The step that prefills a prompt runs one decode step rather than a dispatch,
 so the prompt's first token reaches its client after prefill + 1 step instead
 of with the next 8.
@@ -658,18 +658,21 @@ class Server:
 
     def _batch_rows(self, live: list[int]) -> list[int]:
         """The slots a decode dispatch computes: the live ones, then idle ones up to a power of two
-        (at least 2, at most every slot), so a step costs what its running requests need rather than
-        what the server could hold: one request on 32 slots ran 32 rows per step. The loop compiles
-        once per size. Rows 2 to 32 are computed alike by XLA:CPU's matrix products (a row's result
-        does not depend on how many there are; one row takes the matrix-vector path, which sums in
-        another order), so a request's tokens do not change with the load below 33 running requests.
-        Data-parallel replicas each serve their own range of slots, and a hybrid model's recurrent
-        states are laid out per slot: those compute every slot, and so does a server built with
-        `fixed_batch=True`, whose requests' tokens then never depend on the load at any slot count."""
+        (at most every slot), so a step costs what its running requests need rather than what the
+        server could hold: one request on 32 slots ran 32 rows per step. The loop compiles once per
+        size. Rows 2 to 32 are computed alike by XLA:CPU's matrix products (a row's result does not
+        depend on how many there are), so a request's tokens do not change with the load between 2
+        and 32 running requests. One row takes the matrix-vector path, which sums in another order:
+        a request running alone may part from its batched tokens where two logits all but tie, as
+        in vLLM. Padding it to 2 rows would avoid that, at 1.35x the step time on CPU host D
+        (benchmarks/RESULTS.md, 2026-12-06). Data-parallel replicas each serve their own range of
+        slots, and a hybrid model's recurrent states are laid out per slot: those compute every
+        slot, and so does a server built with `fixed_batch=True`, whose requests' tokens then never
+        depend on the load at any slot count."""
         S = len(self.slots)
         if self.fixed_batch or self.replicas > 1 or self.states is not None:
             return list(range(S))
-        size = min(S, max(2, 1 << (len(live) - 1).bit_length()))
+        size = min(S, 1 << (len(live) - 1).bit_length())
         if size == S:
             return list(range(S))
         running = set(live)
