@@ -10,9 +10,10 @@
 //   head h reads kv head h / (H / G); a query at position p sees keys j <= p, j > p - window when a
 //   window is given, j < P * T; a negative position is a padding row and gets zeros. Scores are
 //   soft-capped when softcap > 0; sinks (H,) join the softmax's denominator with no value.
-// Work items are (row, token, kv head): all H / G query heads of a kv head share each key and value
-// read. Items are split over XLA's intra-op thread pool; the call returns a future that completes
-// when the last share is done.
+// Work items are (row, token, block of kv heads): every query head of a kv head shares each key and
+// value read, and a block reads its kv heads' keys of a position as one contiguous run. Items are
+// split over XLA's intra-op thread pool; the call returns a future that completes when the last
+// share is done.
 
 #include <algorithm>
 #include <cmath>
@@ -46,71 +47,86 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
-// One (row b, token l, kv head g): the R = H / G query heads of g over the keys position p sees.
-void AttendItem(const Problem& pb, int64_t item, std::vector<float>& scores) {
-  const int64_t g = item % pb.G, bl = item / pb.G, b = bl / pb.L;
-  const int64_t R = pb.H / pb.G, K = pb.K, T = pb.T;
+// One (row b, token l) and kv heads [g0, g0 + gn): their R = H / G query heads each over the keys
+// position p sees. A position's keys for consecutive kv heads lie side by side in the pool, so
+// each item reads one contiguous gn * K run per position: every byte it fetches is used.
+void AttendItem(const Problem& pb, int64_t bl, int64_t g0, int64_t gn, std::vector<float>& scores) {
+  const int64_t b = bl / pb.L, R = pb.H / pb.G, K = pb.K, T = pb.T, W = gn * R;  // W: query heads here
   const int64_t p = pb.positions[bl];
-  const float* q = pb.q + (bl * pb.H + g * R) * K;
-  float* out = pb.out + (bl * pb.H + g * R) * K;
+  const float* q = pb.q + (bl * pb.H + g0 * R) * K;  // head h = g * R + r: the W heads are contiguous
+  float* out = pb.out + (bl * pb.H + g0 * R) * K;
+  const float* sinks = pb.sinks ? pb.sinks + g0 * R : nullptr;
   const int64_t hi = std::min(p + 1, pb.P * T);
   const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, p - pb.window + 1) : 0;
   if (p < 0 || hi <= lo) {
-    std::fill(out, out + R * K, 0.0f);
+    std::fill(out, out + W * K, 0.0f);
     return;
   }
   const int64_t S = hi - lo;
-  scores.resize(S * R);
+  scores.resize(S * W + 2 * W);
+  float* peak = scores.data() + S * W;
+  float* total = peak + W;
   const int32_t* table = pb.table + b * pb.P;
   auto row = [&](const float* pool, int64_t j) {
     int64_t page = table[j / T];
     if (page < 0 || page >= pb.N) page = 0;  // out-of-range ids read the null page, never past the pool
-    return pool + (((pb.layer * pb.N + page) * T + j % T) * pb.G + g) * K;
+    return pool + (((pb.layer * pb.N + page) * T + j % T) * pb.G + g0) * K;
   };
-  // Scores, (S, R): each key row is loaded once for all R heads.
+  // Scores, (S, W): each position's keys are loaded once for the R query heads of each kv head.
   for (int64_t j = lo; j < hi; ++j) {
     const float* k = row(pb.k_pool, j);
-    float* s = scores.data() + (j - lo) * R;
-    for (int64_t r = 0; r < R; ++r) {
-      float x = Dot(q + r * K, k, K) * pb.scale;
-      s[r] = pb.softcap > 0.0f ? pb.softcap * std::tanh(x / pb.softcap) : x;
+    float* s = scores.data() + (j - lo) * W;
+    for (int64_t w = 0; w < W; ++w) {
+      float x = Dot(q + w * K, k + (w / R) * K, K) * pb.scale;
+      s[w] = pb.softcap > 0.0f ? pb.softcap * std::tanh(x / pb.softcap) : x;
     }
   }
-  std::vector<float> peak(R), total(R);
-  for (int64_t r = 0; r < R; ++r) {
-    float m = pb.sinks ? pb.sinks[g * R + r] : -INFINITY;
-    for (int64_t j = 0; j < S; ++j) m = std::max(m, scores[j * R + r]);
-    peak[r] = m;
-    total[r] = pb.sinks ? std::exp(pb.sinks[g * R + r] - m) : 0.0f;
+  for (int64_t w = 0; w < W; ++w) {
+    float m = sinks ? sinks[w] : -INFINITY;
+    for (int64_t j = 0; j < S; ++j) m = std::max(m, scores[j * W + w]);
+    peak[w] = m;
+    total[w] = sinks ? std::exp(sinks[w] - m) : 0.0f;
   }
   for (int64_t j = 0; j < S; ++j) {
-    for (int64_t r = 0; r < R; ++r) {
-      float e = std::exp(scores[j * R + r] - peak[r]);
-      scores[j * R + r] = e;
-      total[r] += e;
+    for (int64_t w = 0; w < W; ++w) {
+      float e = std::exp(scores[j * W + w] - peak[w]);
+      scores[j * W + w] = e;
+      total[w] += e;
     }
   }
-  // Output: the weighted sum of the value rows, each loaded once for all R heads.
-  std::fill(out, out + R * K, 0.0f);
+  // Output: the weighted sum of the value rows, each loaded once.
+  std::fill(out, out + W * K, 0.0f);
   for (int64_t j = lo; j < hi; ++j) {
     const float* v = row(pb.v_pool, j);
-    const float* w = scores.data() + (j - lo) * R;
-    for (int64_t r = 0; r < R; ++r) {
-      float* o = out + r * K;
-      const float wr = w[r];
+    const float* e = scores.data() + (j - lo) * W;
+    for (int64_t w = 0; w < W; ++w) {
+      float* o = out + w * K;
+      const float* vg = v + (w / R) * K;
+      const float ew = e[w];
 #pragma omp simd
-      for (int64_t i = 0; i < K; ++i) o[i] += wr * v[i];
+      for (int64_t i = 0; i < K; ++i) o[i] += ew * vg[i];
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const float inv = 1.0f / total[r];
-    for (int64_t i = 0; i < K; ++i) out[r * K + i] *= inv;
+  for (int64_t w = 0; w < W; ++w) {
+    const float inv = 1.0f / total[w];
+    for (int64_t i = 0; i < K; ++i) out[w * K + i] *= inv;
   }
 }
 
-void AttendRange(const Problem& pb, int64_t begin, int64_t end) {
+// Items are (row, token, block of kv heads): whole rows when there are enough of them to keep every
+// thread busy, else each row's kv heads in `blocks` blocks.
+struct Items {
+  int64_t rows, blocks, G;
+  int64_t count() const { return rows * blocks; }
+};
+
+void AttendRange(const Problem& pb, const Items& it, int64_t begin, int64_t end) {
   std::vector<float> scores;
-  for (int64_t item = begin; item < end; ++item) AttendItem(pb, item, scores);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t bl = item / it.blocks, blk = item % it.blocks;
+    const int64_t g0 = it.G * blk / it.blocks, g1 = it.G * (blk + 1) / it.blocks;
+    AttendItem(pb, bl, g0, g1 - g0, scores);
+  }
 }
 
 ffi::Future PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
@@ -127,18 +143,20 @@ ffi::Future PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
              layer_window.typed_data()[0],
              layer_window.typed_data()[1],
              scale,              softcap};
-  const int64_t items = pb.B * pb.L * pb.G;
-  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t rows = pb.B * pb.L;
+  const Items it{rows, std::min(pb.G, (threads + rows - 1) / rows), pb.G};
+  const int64_t shares = std::min(threads, it.count());
   if (shares == 1) {
-    AttendRange(pb, 0, items);
+    AttendRange(pb, it, 0, it.count());
     ffi::Promise done;
     done.SetAvailable();
     return ffi::Future(done);
   }
   // Shares of whole items in order; the last one to finish completes the future.
   ffi::CountDownPromise done(shares);
-  auto run = [pb, items, shares, done](int64_t s) mutable {
-    AttendRange(pb, items * s / shares, items * (s + 1) / shares);
+  auto run = [pb, it, shares, done](int64_t s) mutable {
+    AttendRange(pb, it, it.count() * s / shares, it.count() * (s + 1) / shares);
     done.CountDown(1);
   };
   for (int64_t s = 1; s < shares; ++s) pool.Schedule([run, s]() mutable { run(s); });

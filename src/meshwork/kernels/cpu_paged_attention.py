@@ -149,7 +149,10 @@ def cpu_paged_attention(
 ) -> jax.Array:
     """`paged_attention`'s result (kernels/paged_attention.py) computed on the CPU by the C++ kernel;
     the pools are (layers, N, T, G, K) or (N, T, G, K), read in place. `window` may be traced (a
-    layer pattern's). float32 only (`supports`); call only where `available()`."""
+    layer pattern's). float32 only (`supports`); builds the kernel if need be, and raises RuntimeError
+    where it cannot be built (`unavailable_reason()`)."""
+    if (why := _load()) is not None:
+        raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {why}")
     if k_pool.ndim == 4:
         k_pool, v_pool = k_pool[None], v_pool[None]
     B, L, H, K = q_BLHK.shape
