@@ -140,7 +140,8 @@ ffi::Future PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
              out->typed_data(),  qd[0],                  qd[1],
              qd[2],              qd[3],                  kd[1],
              kd[2],              kd[3],                  td[1],
-             layer_window.typed_data()[0],
+             // A traced layer index out of range is clamped, as XLA clamps a dynamic slice's start.
+             std::clamp<int64_t>(layer_window.typed_data()[0], 0, kd[0] - 1),
              layer_window.typed_data()[1],
              scale,              softcap};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());

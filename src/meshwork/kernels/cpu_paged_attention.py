@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshwork.kernels.paged_attention import check_shapes
+
 SOURCE = pathlib.Path(__file__).with_name("cpu_paged_attention.cc")
 TARGET = "meshwork_cpu_paged_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
@@ -153,8 +155,8 @@ def cpu_paged_attention(
     where it cannot be built (`unavailable_reason()`)."""
     if (why := _load()) is not None:
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {why}")
-    if k_pool.ndim == 4:
-        k_pool, v_pool = k_pool[None], v_pool[None]
+    # The C++ reads by offsets computed from these shapes: they are checked here, not there.
+    k_pool, v_pool = check_shapes(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
     B, L, H, K = q_BLHK.shape
     # (layer, window): one small operand, so both may be traced; window 0 means none.
     window = jnp.asarray(0 if window is None else window, jnp.int32)

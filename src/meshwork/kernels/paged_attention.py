@@ -126,7 +126,9 @@ def _paged_kernel(layer_ref, table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l))
 
 
-def _check(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL):
+def check_shapes(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL):
+    """The pools with a layers axis ([layers,] pages, page_size, G, K); ValueError naming every shape
+    when they do not fit the queries, table and positions."""
     if k_pool.ndim == 4:
         k_pool, v_pool = k_pool[None], v_pool[None]
     (B, L, H, K), (_, _, _, G, Kk) = q_BLHK.shape, k_pool.shape
@@ -185,7 +187,7 @@ def paged_attention(
     >>> paged_attention(q, pool, pool, jnp.array([[3, 1, 4, 2]]), jnp.array([[9, 10, 11]]), sinks=jnp.zeros(4)).shape
     (1, 3, 4, 16)
     """
-    k_pool, v_pool = _check(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
+    k_pool, v_pool = check_shapes(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
     if window is not None and window < 1:
         raise ValueError(f"paged_attention window={window}: a window must see at least the query's own key (>= 1)")
     backend, interpret = resolve_backend(backend, interpret)
@@ -329,7 +331,7 @@ def paged_attention_reference(
     (1, 3, 4, 16)
     """
     del block_rows, pages_per_split, backend, interpret
-    k_pool, v_pool = _check(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
+    k_pool, v_pool = check_shapes(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
     (B, L, H, K), G = q_BLHK.shape, k_pool.shape[3]
     check_features(softcap, sinks, H)
     scale = K**-0.5 if scale is None else scale
