@@ -39,6 +39,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.cancelled = self.completed = 0
         self.failure: str | None = None
+        server.on_events = self._deliver  # a prompt's first token goes out as its prefill ends
 
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():  # two threads stepping one Server would corrupt it
@@ -108,23 +109,26 @@ class Engine:
                     else:
                         self._cancel(command[1])
                 if s.busy:
-                    # A step may give a request several tokens (decode steps per dispatch), the last of
-                    # which finished it: deliver them all, then the results.
-                    events = s.step()
-                    for (rid, token), (logprob, top) in zip(events, s.last_scores, strict=True):
-                        sink = self._sinks.get(rid)
-                        if sink is not None:
-                            self._dequeue(rid)
-                            sink("token", (token, logprob, top))
-                    for rid in dict.fromkeys(rid for rid, _ in events):
-                        if rid in self._sinks:
-                            self._finish_if_done(rid)
+                    self._deliver(s.step(), s.last_scores)
         except Exception as e:  # the engine is broken: every open request hears why, /health says so
             self.failure = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             for rid, sink in list(self._sinks.items()):
                 sink("done", Result(rid, [], "error", f"the engine failed: {self.failure}"))
             self._sinks.clear()
+
+    def _deliver(self, events: list, scores: list) -> None:
+        """Sends (request id, token) events with their (log-probability, alternatives) to their sinks. A
+        step may give a request several tokens (decode steps per dispatch), the last of which finished
+        it: all of them go first, then the results."""
+        for (rid, token), (logprob, top) in zip(events, scores, strict=True):
+            sink = self._sinks.get(rid)
+            if sink is not None:
+                self._dequeue(rid)
+                sink("token", (token, logprob, top))
+        for rid in dict.fromkeys(rid for rid, _ in events):
+            if rid in self._sinks:
+                self._finish_if_done(rid)
 
     def _dequeue(self, rid: Hashable) -> None:
         with self._lock:

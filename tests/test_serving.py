@@ -121,3 +121,30 @@ def test_a_dispatch_computes_the_running_requests_and_the_first_token_comes_afte
         results = server.run([Request(f"{r.id} of {n}", r.prompt, r.params) for r in batch])
         assert {r.id: results[f"{r.id} of {n}"].tokens for r in batch} == {r.id: alone[r.id] for r in batch}
         assert max(server.batch_sizes) == rows  # fewer as requests finish
+
+
+def test_each_first_token_goes_out_as_its_prompt_is_prefilled(model, gen, requests):
+    """With `on_events` (the serving thread's delivery), of three prompts prefilled in one step each
+    first token is handed over as its own prefill ends, while the prompts after it still wait:
+    not after the last prompt and a decode step. The tokens are still the solo ones."""
+    server = Server(model, slots=4, page_size=4, max_len=64, prefill_chunk=256)
+    handed = []
+
+    def on_events(events, scores):
+        waiting = [s.request.id for s in server.slots if s and s.prefilling]
+        handed.append((events, len(scores), waiting))
+
+    server.on_events = on_events
+    batch = requests[:3]
+    for r in batch:
+        server.submit(r)
+    rest = server.step()
+    assert [[rid for rid, _ in e] for e, _, _ in handed] == [[r.id] for r in batch]
+    assert [n for _, n, _ in handed] == [1, 1, 1]  # each token with its scores
+    assert [w for _, _, w in handed] == [[r.id for r in batch[k + 1 :]] for k in range(3)]
+    assert [rid for rid, _ in rest] == [r.id for r in batch]  # the step's one decode step
+    tokens = {r.id: [e[0][1]] for r, (e, _, _) in zip(batch, handed)}
+    for rid, token in rest:
+        tokens[rid].append(token)
+    for r in batch:
+        assert tokens[r.id] == gen.generate([r.prompt], r.params)[0][:2]

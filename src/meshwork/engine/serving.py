@@ -52,7 +52,9 @@ with idle slots to a power of two (`_batch_rows`), so one request on a server
 of 32 slots costs a 1-row step (`fixed_batch=True`: every slot, every time).
 The step that prefills a prompt runs one decode step rather than a dispatch,
 so the prompt's first token reaches its client after prefill + 1 step instead
-of with the next 8.
+of with the next 8 (with `on_events` set, as the serving thread sets it, right
+after its prefill: of several prompts prefilled in one step, each first token
+goes out as its prompt is done).
 
 Log-probabilities: every Result carries `logprobs`, the log-probability of each of its tokens under
 the model's own distribution, log_softmax of the logits the sampler was given, in float32, before
@@ -272,6 +274,10 @@ class Server:
         self._scores: dict[Hashable, _Scores] = {}  # per queued or running request
         # (log p, top alternatives) of each (id, token) pair the last `step` returned, in the same order.
         self.last_scores: list[tuple[float, list[tuple[int, float]]]] = []
+        self._first_tokens = False  # a prefill in this step sampled a prompt's first token
+        # Called with (events, their scores) as a prefill produces them, mid-step (the serving thread's
+        # delivery, inference/serve_engine.py); None: they are returned with the step's.
+        self.on_events: Callable[[list[tuple[Hashable, int]], list], None] | None = None
         self._arrays: tuple[SamplingArrays, jax.Array] | None = None
         self._set_seen = jax.jit(lambda seen, row, slot: seen.at[slot].set(row), donate_argnums=0)
         # The last argument, `top`, is static: 0, or MAX_TOP_LOGPROBS when a request in the call asks for
@@ -471,14 +477,27 @@ class Server:
         """Admits what fits, prefills (a chunk of) the waiting prompts, then decodes every prefilled
         slot for up to `steps_per_dispatch` steps: the (request id, token) pairs sampled, in order
         (`last_scores` holds their log-probabilities and alternatives, in the same order)."""
-        self.last_scores = []
+        self.last_scores, self._first_tokens = [], False
         events = self.admit()
         events += self._prefill()
         if self.drafter is not None:
             return events + self._speculate()
-        # A request whose prefill just sampled its first token waits for this step's return to see it:
-        # one decode step then, not a dispatch of many, so its first token comes after prefill + 1 step.
-        return events + self._decode(one_step=bool(events))
+        # A request whose prefill just sampled its first token (without `on_events`, it waits for this
+        # step's return to see it): one decode step then, not a dispatch of many.
+        return events + self._decode(one_step=self._first_tokens)
+
+    def _now(self, events: list[tuple[Hashable, int]]) -> list[tuple[Hashable, int]]:
+        """A prefill's events (its prompt's first token, if it ended one): handed to `on_events` at once
+        where it is set, so that of several prompts prefilled in one step each first token goes out
+        as its prompt is done, not after the others and a decode step; otherwise returned."""
+        if not events:
+            return events
+        self._first_tokens = True
+        if self.on_events is None:
+            return events
+        self.on_events(events, self.last_scores[-len(events) :])
+        del self.last_scores[-len(events) :]
+        return []
 
     def admit(self) -> list[tuple[Hashable, int]]:
         """Gives waiting requests free slots and the pages of their context (+1 position), reusing
@@ -512,7 +531,7 @@ class Server:
             seen_V[np.asarray(context, np.int64)] = True
             self.seen = self._set_seen(self.seen, jnp.asarray(seen_V), slot)
             if self.prefill_chunk is None:
-                events += self._prefill_slot(slot, len(context) - len(hits) * T)
+                events += self._now(self._prefill_slot(slot, len(context) - len(hits) * T))
         return events
 
     def _replica(self, slot: int) -> int:
@@ -546,7 +565,7 @@ class Server:
                 break
             n = int(min(self.slots[i].context - self.slots[i].length, budget))
             budget -= n
-            events += self._prefill_slot(i, n)
+            events += self._now(self._prefill_slot(i, n))
         return events
 
     def _prefill_slot(self, i: int, n: int) -> list[tuple[Hashable, int]]:
