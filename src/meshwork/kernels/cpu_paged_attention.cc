@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -115,16 +114,11 @@ void AttendItem(const Problem& pb, int64_t bl, int64_t g0, int64_t gn, std::vect
 
 // Items are (row, token, block of kv heads): whole rows when there are enough of them to keep every
 // thread busy, else each row's kv heads in `blocks` blocks.
-struct Items {
-  int64_t rows, blocks, G;
-  int64_t count() const { return rows * blocks; }
-};
-
-void AttendRange(const Problem& pb, const Items& it, int64_t begin, int64_t end) {
+void AttendRange(const Problem& pb, int64_t blocks, int64_t begin, int64_t end) {
   std::vector<float> scores;
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t bl = item / it.blocks, blk = item % it.blocks;
-    const int64_t g0 = it.G * blk / it.blocks, g1 = it.G * (blk + 1) / it.blocks;
+    const int64_t bl = item / blocks, blk = item % blocks;
+    const int64_t g0 = pb.G * blk / blocks, g1 = pb.G * (blk + 1) / blocks;
     AttendItem(pb, bl, g0, g1 - g0, scores);
   }
 }
@@ -146,18 +140,12 @@ ffi::Future PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
              scale,              softcap};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t rows = pb.B * pb.L;
-  const Items it{rows, std::min(pb.G, (threads + rows - 1) / rows), pb.G};
-  const int64_t shares = std::min(threads, it.count());
-  if (shares == 1) {
-    AttendRange(pb, it, 0, it.count());
-    ffi::Promise done;
-    done.SetAvailable();
-    return ffi::Future(done);
-  }
-  // Shares of whole items in order; the last one to finish completes the future.
+  const int64_t blocks = std::min(pb.G, (threads + rows - 1) / rows), items = rows * blocks;
+  const int64_t shares = std::min(threads, items);
+  // Shares of whole items in order, the first on this thread; the last to finish completes the future.
   ffi::CountDownPromise done(shares);
-  auto run = [pb, it, shares, done](int64_t s) mutable {
-    AttendRange(pb, it, it.count() * s / shares, it.count() * (s + 1) / shares);
+  auto run = [pb, blocks, items, shares, done](int64_t s) mutable {
+    AttendRange(pb, blocks, items * s / shares, items * (s + 1) / shares);
     done.CountDown(1);
   };
   for (int64_t s = 1; s < shares; ++s) pool.Schedule([run, s]() mutable { run(s); });
