@@ -10,10 +10,12 @@ values; at the device's read bandwidth that bounds it from below
 (benchmarks/generate.py's `roofline`, the bandwidth measured in this process).
 Here the step is the one `Server` (src/meshwork/engine/serving.py) runs: greedy rows,
 `--dispatch` decode steps per device call, the paged KV cache read in place by
-the C++ kernel on the CPU (`xla`: attention=xla, kernels/cpu_paged_attention.py),
-by XLA after gathering each row's pages (`gather`: the same with that kernel
-switched off, what other platforms' attention=xla does) or by the Pallas
-paged-attention kernel (`pallas`: attention=pallas).
+the C++ kernel on the CPU (`xla`: attention=xla, kernels/cpu_paged_attention.py,
+with the projection weights packed for the C++ matmul kernel as `serve` packs
+them, models/pack.py; `unpacked`: the same with XLA's own dots), by XLA after
+gathering each row's pages (`gather`: XLA's dots and both kernels switched off,
+what other platforms' attention=xla does) or by the Pallas paged-attention
+kernel (`pallas`: attention=pallas).
 The decode time per step is the run with --steps new tokens minus the same run
 with one (the prefill), over steps - 1: best of --repeats after a compiling
 run. Prints, per path and batch, ms per step, tokens/s and the fraction of the
@@ -45,8 +47,10 @@ from meshwork.engine.kv_cache import cache_bytes_per_token  # noqa: E402
 from meshwork.engine.serving import Server  # noqa: E402
 from meshwork.kernels import cpu_paged_attention  # noqa: E402
 from meshwork.models.build import build_model  # noqa: E402
+from meshwork.models.pack import pack_for_cpu_decode  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATHS = ("xla", "unpacked", "gather", "pallas")
 
 
 def main(argv: list[str]) -> int:
@@ -56,7 +60,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dispatch", type=int, default=8, help="decode steps per device call")
     ap.add_argument(
-        "--impls", default="xla,gather,pallas", help="attention paths: xla (CPU kernel), gather, pallas (paged kernel)"
+        "--impls",
+        default="xla,gather,pallas",
+        help="paths: xla (CPU kernels), unpacked (no matmul kernel), gather (no CPU kernel), pallas (paged kernel)",
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--slots", type=int, default=None, help="the server's slots (default: the batch)")
@@ -74,13 +80,13 @@ def main(argv: list[str]) -> int:
     ):
         if value < (2 if name == "--steps" else 1):
             ap.error(f"{name} {value}: too small (--steps needs 2, the rest 1)")
-    if bad := [i for i in impls if i not in ("xla", "gather", "pallas")]:
-        ap.error(f"--impls: {bad[0]!r} is not a path; use xla, gather and/or pallas")
+    if bad := [i for i in impls if i not in PATHS]:
+        ap.error(f"--impls: {bad[0]!r} is not a path; use {', '.join(PATHS)}")
     try:
         configs = {
             impl: load_config(
                 os.path.join(ROOT, "configs/lm_tiny.yaml"),
-                [*args.overrides, f"model.attention={'xla' if impl == 'gather' else impl}"],
+                [*args.overrides, f"model.attention={'pallas' if impl == 'pallas' else 'xla'}"],
             )
             for impl in impls
         }
@@ -107,6 +113,8 @@ def measure(impl, cfg, args, modes, bandwidth) -> None:
     """Prints one attention path's rows, for each batch."""
     model = build_model(cfg)
     total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if impl == "xla":
+        pack_for_cpu_decode(model)
     per_token = cache_bytes_per_token(model.cfg, model.dtype)
     for B in args.batches:
         slots = args.slots or B

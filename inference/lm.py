@@ -267,6 +267,9 @@ def run(args: argparse.Namespace) -> int:
         from meshwork.models.quantize import quantize_model
 
         quantize_model(model, args.quantize)
+    from meshwork.models.pack import pack_for_cpu_decode
+
+    pack_for_cpu_decode(model)  # on a CPU, decode's float32 projections run the C++ matmul kernel
     drafter = make_drafter(args, model)
     if len(prompts) == 1:
         return _stream_one(args, model, tokenizer, prompts[0], per_prompt[0], drafter)

@@ -161,6 +161,10 @@ def serve(args) -> int:
             "port (0: any free one)"
         ) from None
     model, served = load_served(args.checkpoint, args.model_name, args.attention, args.dtype)
+    if "mesh" not in options:  # one device: on a CPU, decode's projections run the C++ matmul kernel
+        from meshwork.models.pack import pack_for_cpu_decode
+
+        pack_for_cpu_decode(model)
     drafter = make_drafter(args, model, options.get("mesh"), options.get("rules"))
     engine = Engine(
         Server(

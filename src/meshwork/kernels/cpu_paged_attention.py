@@ -7,12 +7,9 @@ kernel in cpu_paged_attention.cc walks the page table itself, like the Pallas ke
 accelerators, reading each visible key and value once, with every query head of a kv head served
 by the same read.
 
-It is C++ compiled on first use by the machine's C++ compiler (`$CXX`, else `c++`) against jaxlib's
-FFI headers, for this CPU (`-march=native`), into the package's cache folder (`$MESHWORK_CACHE`,
-default ~/.cache/meshwork) under a name that hashes the source, the flags, the compiler, the CPU's
-features and jaxlib's version; later processes load the library built then. Without a compiler,
-or with `MESHWORK_CPU_KERNEL=0`, `available()` is False and says why (`unavailable_reason()`):
-the caller keeps the gather.
+It is built on first use by the machine's C++ compiler (kernels/cpu_build.py); without one, or
+with `MESHWORK_CPU_KERNEL=0`, `available()` is False and says why (`unavailable_reason()`): the
+caller keeps the gather.
 
     >>> import jax.numpy as jnp
     >>> q = jnp.ones((2, 1, 4, 8)); pool = jnp.ones((1, 5, 4, 2, 8))
@@ -23,84 +20,24 @@ the caller keeps the gather.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import hashlib
-import importlib.metadata
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshwork.kernels import cpu_build
 from meshwork.kernels.paged_attention import check_shapes
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_paged_attention.cc")
 TARGET = "meshwork_cpu_paged_attention"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
-DISABLE = "MESHWORK_CPU_KERNEL"  # set to 0 to keep the gather (benchmarks compare the two)
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags: -march=native builds for them, so a library built on one machine is
-    never loaded on another with a shared cache folder."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
-
-
-def _library_path(compiler: str) -> pathlib.Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            (SOURCE.read_text(), " ".join(FLAGS), version, _cpu_features(), importlib.metadata.version("jaxlib"))
-        ).encode()
-    ).hexdigest()[:16]
-    root = pathlib.Path(os.environ.get("MESHWORK_CACHE", "~/.cache/meshwork")).expanduser()
-    return root / "kernels" / f"cpu_paged_attention-{key}.so"
-
-
-def _build(compiler: str, path: pathlib.Path) -> None:
-    """Compiles into a temporary file beside `path` and renames it: processes building at once each
-    write their own, and none loads a half-written library."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @functools.cache
 def _load() -> str | None:
     """Builds (once per machine) and registers the kernel; returns why it is unavailable, or None."""
-    if os.environ.get(DISABLE, "1") == "0":
-        return f"{DISABLE}=0"
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        return "no C++ compiler (c++, g++ or clang++ on PATH, or $CXX)"
-    try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-        handler = ctypes.cdll.LoadLibrary(str(path)).MeshworkPagedAttention
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-        return f"building {SOURCE.name} failed: {e}"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return None
+    return cpu_build.load(SOURCE, "MeshworkPagedAttention", TARGET)
 
 
 _switched_off = 0  # depth of `disabled()` contexts

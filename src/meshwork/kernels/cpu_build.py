@@ -1,0 +1,83 @@
+"""Building meshwork's C++ kernels for XLA:CPU on first use and registering them with jax's FFI.
+
+Each kernel is one C++ source beside its Python module (cpu_paged_attention.cc, cpu_matmul.cc). It is
+compiled by the machine's C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`) against jaxlib's FFI
+headers, for this CPU (`-march=native`), into the package's cache folder (`$MESHWORK_CACHE`, default
+~/.cache/meshwork) under a name that hashes the source, the flags, the compiler, the CPU's features
+and jaxlib's version; later processes load the library built then. Without a compiler, or with
+`MESHWORK_CPU_KERNEL=0`, a kernel is unavailable and `load` says why: callers keep XLA's own ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+DISABLE = "MESHWORK_CPU_KERNEL"  # set to 0 to keep XLA's own ops (benchmarks compare the two)
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags: -march=native builds for them, so a library built on one machine is
+    never loaded on another with a shared cache folder."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def library_path(source: pathlib.Path, compiler: str) -> pathlib.Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            (source.read_text(), " ".join(FLAGS), version, _cpu_features(), importlib.metadata.version("jaxlib"))
+        ).encode()
+    ).hexdigest()[:16]
+    root = pathlib.Path(os.environ.get("MESHWORK_CACHE", "~/.cache/meshwork")).expanduser()
+    return root / "kernels" / f"{source.stem}-{key}.so"
+
+
+def _build(source: pathlib.Path, compiler: str, path: pathlib.Path) -> None:
+    """Compiles into a temporary file beside `path` and renames it: processes building at once each
+    write their own, and none loads a half-written library."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(source: pathlib.Path, symbol: str, target: str) -> str | None:
+    """Builds `source` (once per machine), registers its handler `symbol` as the FFI target `target`
+    on the CPU, and returns None; or returns why it cannot (callers cache the answer)."""
+    if os.environ.get(DISABLE, "1") == "0":
+        return f"{DISABLE}=0"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        return "no C++ compiler (c++, g++ or clang++ on PATH, or $CXX)"
+    try:
+        path = library_path(source, compiler)
+        if not path.exists():
+            _build(source, compiler, path)
+        handler = getattr(ctypes.cdll.LoadLibrary(str(path)), symbol)
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        return f"building {source.name} failed: {e}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return None

@@ -1,0 +1,105 @@
+// A few rows times a packed weight on the CPU: an XLA FFI custom call for decode's projections.
+//
+// At one to a few dozen rows a projection is a matrix-vector product that reads every weight once
+// and does little else, so its speed is the memory's. XLA:CPU runs such a dot on one thread (about
+// 21 GB/s on the 2-core host of benchmarks/RESULTS.md, which reads 45 GB/s with both cores). This
+// kernel splits the output columns over XLA's intra-op threads and reads the weight in the layout
+// cpu_matmul.py packs it into: (T, K, 64), column tile t holding columns 64t..64t+63 of the (K, N)
+// weight row after row, so each thread streams whole tiles front to back.
+//   y (M, T * 64) = x (M, K) @ W, W[k, 64t + j] = tiles[t, k, j].
+// Each output is one fused multiply-add chain over k in order, whatever M and however the columns
+// are split: a row's result does not depend on the other rows of the batch (batch invariance).
+// While a tile is in cache every group of rows reads it, so the weight is read from memory once.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 64;  // columns per tile: 4 vectors of 16 floats
+typedef float Vec __attribute__((vector_size(64)));
+
+// Accumulators in registers: 16 of AVX-512's 32 (4 rows or 4 tiles x 4 vectors), 16 of AVX2's 16
+// ymm (2 x 4 vectors of 2 ymm each).
+#ifdef __AVX512F__
+constexpr int kRowsAtOnce = 4, kTilesAtOnce = 4;
+#else
+constexpr int kRowsAtOnce = 2, kTilesAtOnce = 2;
+#endif
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Rows [0, R) of x times tiles [t, t + NT): R x NT x 4 accumulators over all of K.
+template <int R, int NT>
+void Tiles(const float* x, const float* tiles, float* y, int64_t K, int64_t N, int64_t t) {
+  Vec acc[R][NT][4] = {};
+  const float* w = tiles + t * K * kTile;
+  for (int64_t k = 0; k < K; ++k) {
+    for (int n = 0; n < NT; ++n) {
+      const float* wk = w + (n * K + k) * kTile;
+      const Vec w0 = Load(wk), w1 = Load(wk + 16), w2 = Load(wk + 32), w3 = Load(wk + 48);
+      for (int r = 0; r < R; ++r) {
+        const float xs = x[r * K + k];
+        acc[r][n][0] += xs * w0;
+        acc[r][n][1] += xs * w1;
+        acc[r][n][2] += xs * w2;
+        acc[r][n][3] += xs * w3;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NT; ++n)
+      for (int v = 0; v < 4; ++v) std::memcpy(y + r * N + (t + n) * kTile + 16 * v, &acc[r][n][v], sizeof(Vec));
+}
+
+// Tiles [t0, t1) for all M rows. One row reads several tiles at a time (more reads in flight); more
+// rows read one tile per pass over the row groups, each group's accumulators in registers.
+void Columns(const float* x, const float* tiles, float* y, int64_t M, int64_t K, int64_t N, int64_t t0,
+             int64_t t1) {
+  int64_t t = t0;
+  if (M == 1)
+    for (; t + kTilesAtOnce <= t1; t += kTilesAtOnce) Tiles<1, kTilesAtOnce>(x, tiles, y, K, N, t);
+  for (; t < t1; ++t) {
+    int64_t m = 0;
+    for (; m + kRowsAtOnce <= M; m += kRowsAtOnce) Tiles<kRowsAtOnce, 1>(x + m * K, tiles, y + m * N, K, N, t);
+    for (; m + 2 <= M; m += 2) Tiles<2, 1>(x + m * K, tiles, y + m * N, K, N, t);
+    for (; m < M; ++m) Tiles<1, 1>(x + m * K, tiles, y + m * N, K, N, t);
+  }
+}
+
+ffi::Future PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> tiles,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], T = tiles.dimensions()[0];
+  const float* xp = x.typed_data();
+  const float* wp = tiles.typed_data();
+  float* yp = y->typed_data();
+  // One share per thread (this one included), whole tiles each, in order; the last to finish
+  // completes the future.
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), T));
+  ffi::CountDownPromise done(shares);
+  auto run = [=](int64_t s) mutable {
+    Columns(xp, wp, yp, M, K, T * kTile, T * s / shares, T * (s + 1) / shares);
+    done.CountDown(1);
+  };
+  for (int64_t s = 1; s < shares; ++s) pool.Schedule([run, s]() mutable { run(s); });
+  run(0);
+  return ffi::Future(done);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshworkPackedMatmul, PackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // tiles (T, K, 64)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y (M, T * 64)

@@ -1,0 +1,94 @@
+"""Decode's projections on XLA:CPU at the memory's speed: a C++ kernel over a packed weight layout.
+
+A decode step multiplies one row per sequence by every weight of the model, so it reads each weight
+once and does two flops per 4 bytes read: its time is the weights' bytes over the read bandwidth.
+XLA:CPU runs a matrix-vector dot on one thread, which on the 2-core host of benchmarks/RESULTS.md
+reads about 21 GB/s of the 45 both cores read together. cpu_matmul.cc splits the columns over XLA's
+intra-op threads and streams the weight in a tiled layout, `pack(w)`: (T, K, 64), tile t holding
+columns 64t..64t+63 row after row, so each thread reads its tiles front to back.
+
+    tiles = pack(w_KN)                         # once, at load: a copy in the packed layout
+    y_MN = matmul(x_MK, tiles, n=w_KN.shape[1])   # the kernel for at most MAX_ROWS rows, else XLA
+
+Each output is one multiply-add chain over k in order, so a row's result does not depend on the other
+rows of its batch. The kernel is built on first use by the machine's C++ compiler
+(kernels/cpu_build.py); without one, or with `MESHWORK_CPU_KERNEL=0`, `available()` is False and
+`matmul` runs XLA's dot over the packed layout. `disabled()` does the same for programs traced inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from meshwork.kernels import cpu_build
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
+TARGET = "meshwork_cpu_packed_matmul"
+TILE = 64  # columns per tile (cpu_matmul.cc's kTile)
+# Up to this many rows the kernel beats XLA's dot (measured 1-32 rows on a 34M model's projections,
+# benchmarks/RESULTS.md 2026-12-06); past it the products are compute-bound and XLA's GEMM is better.
+MAX_ROWS = 32
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds (once per machine) and registers the kernel; returns why it is unavailable, or None."""
+    return cpu_build.load(SOURCE, "MeshworkPackedMatmul", TARGET)
+
+
+_switched_off = 0  # depth of `disabled()` contexts
+
+
+@contextlib.contextmanager
+def disabled():
+    """Programs traced inside run XLA's dot over the packed layout: for measuring the kernel."""
+    global _switched_off
+    _switched_off += 1
+    try:
+        yield
+    finally:
+        _switched_off -= 1
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on the first call) and not `disabled()`."""
+    return not _switched_off and _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def pack(w_KN: jax.Array) -> jax.Array:
+    """(..., K, N) -> (..., T, K, 64), T = ceil(N / 64): the kernel's layout (a copy), the columns
+    zero-padded to whole tiles; leading dims (a layers axis) are kept."""
+    *lead, K, N = w_KN.shape
+    T = -(-N // TILE)
+    w = jnp.pad(w_KN, [(0, 0)] * len(lead) + [(0, 0), (0, T * TILE - N)])
+    return jnp.swapaxes(w.reshape(*lead, K, T, TILE), -3, -2)
+
+
+def unpack(tiles: jax.Array, n: int) -> jax.Array:
+    """`pack` undone: (..., T, K, 64) -> (..., K, n)."""
+    *lead, T, K, _ = tiles.shape
+    return jnp.swapaxes(tiles, -3, -2).reshape(*lead, K, T * TILE)[..., :n]
+
+
+def matmul(x_MK: jax.Array, tiles: jax.Array, n: int) -> jax.Array:
+    """x (M, K) @ the (K, n) weight packed as `tiles` (T, K, 64): (M, n) float32 for float32
+    operands. The C++ kernel runs it for at most MAX_ROWS rows where available; otherwise XLA's dot
+    reads the packed layout as it is."""
+    M, K = x_MK.shape
+    T = tiles.shape[0]
+    if tiles.shape != (T, K, TILE) or T * TILE < n:
+        raise ValueError(f"x {x_MK.shape} does not match packed tiles {tiles.shape} of {n} columns")
+    if M <= MAX_ROWS and x_MK.dtype == tiles.dtype == jnp.float32 and available():
+        y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, T * TILE), jnp.float32))(x_MK, tiles)
+    else:
+        y = jnp.einsum("mk,tkj->mtj", x_MK, tiles, preferred_element_type=jnp.float32).reshape(M, T * TILE)
+    return y if n == T * TILE else y[:, :n]
