@@ -41,6 +41,7 @@ tokens/s against float.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -81,6 +82,24 @@ def measure_bandwidth(nbytes: int, repeats: int = 10) -> float:
         best = min(best, time.perf_counter() - t0)
     del x
     return 4 * n / best
+
+
+def all_core_read_bandwidth(nbytes: int, repeats: int = 10) -> float:
+    """Read bandwidth (bytes/s) of the host with every core reading: one numpy sum per core over its
+    share of `nbytes` of float32, in threads (numpy's loops release the GIL), best of `repeats`.
+    A one-thread read (or copy) understates what a kernel that splits its reads over the cores gets.
+
+    >>> all_core_read_bandwidth(64 * 2**20) > 1e9
+    True
+    """
+    shares = np.array_split(np.ones(nbytes // 4, np.float32), os.cpu_count() or 1)
+    best = float("inf")
+    with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, shares))
+            best = min(best, time.perf_counter() - t0)
+    return sum(s.nbytes for s in shares) / best
 
 
 def load_model(args: argparse.Namespace):
