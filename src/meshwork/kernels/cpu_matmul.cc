@@ -21,16 +21,18 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kTile = 64;  // columns per tile: 4 vectors of 16 floats
-typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kTile = 64;  // columns per tile
 
-// Accumulators in registers: 16 of AVX-512's 32 (4 rows or 4 tiles x 4 vectors), 16 of AVX2's 16
-// ymm (2 x 4 vectors of 2 ymm each).
+// Accumulators live in registers. AVX-512 has 32 vector registers of 16 floats: 6 rows x 4 vectors
+// as accumulators (a prefill chunk's products run near the FMA units' peak), or 4 tiles x 4 vectors
+// for one row (more reads in flight). AVX2 has 16 of 8 floats: one row of one tile, 8 vectors.
 #ifdef __AVX512F__
-constexpr int kRowsAtOnce = 4, kTilesAtOnce = 4;
+constexpr int kLanes = 16, kRowsAtOnce = 6, kTilesAtOnce = 4;
 #else
-constexpr int kRowsAtOnce = 2, kTilesAtOnce = 2;
+constexpr int kLanes = 8, kRowsAtOnce = 1, kTilesAtOnce = 1;
 #endif
+constexpr int kVectors = kTile / kLanes;  // per tile row
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline Vec Load(const float* p) {
   Vec v;
@@ -38,27 +40,26 @@ inline Vec Load(const float* p) {
   return v;
 }
 
-// Rows [0, R) of x times tiles [t, t + NT): R x NT x 4 accumulators over all of K.
+// Rows [0, R) of x times tiles [t, t + NT): R x NT x kVectors accumulators over all of K.
 template <int R, int NT>
 void Tiles(const float* x, const float* tiles, float* y, int64_t K, int64_t N, int64_t t) {
-  Vec acc[R][NT][4] = {};
+  Vec acc[R][NT][kVectors] = {};
   const float* w = tiles + t * K * kTile;
   for (int64_t k = 0; k < K; ++k) {
     for (int n = 0; n < NT; ++n) {
       const float* wk = w + (n * K + k) * kTile;
-      const Vec w0 = Load(wk), w1 = Load(wk + 16), w2 = Load(wk + 32), w3 = Load(wk + 48);
+      Vec wv[kVectors];
+      for (int v = 0; v < kVectors; ++v) wv[v] = Load(wk + v * kLanes);
       for (int r = 0; r < R; ++r) {
         const float xs = x[r * K + k];
-        acc[r][n][0] += xs * w0;
-        acc[r][n][1] += xs * w1;
-        acc[r][n][2] += xs * w2;
-        acc[r][n][3] += xs * w3;
+        for (int v = 0; v < kVectors; ++v) acc[r][n][v] += xs * wv[v];
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NT; ++n)
-      for (int v = 0; v < 4; ++v) std::memcpy(y + r * N + (t + n) * kTile + 16 * v, &acc[r][n][v], sizeof(Vec));
+      for (int v = 0; v < kVectors; ++v)
+        std::memcpy(y + r * N + (t + n) * kTile + v * kLanes, &acc[r][n][v], sizeof(Vec));
 }
 
 // Tiles [t0, t1) for all M rows. One row reads several tiles at a time (more reads in flight); more
@@ -66,13 +67,17 @@ void Tiles(const float* x, const float* tiles, float* y, int64_t K, int64_t N, i
 void Columns(const float* x, const float* tiles, float* y, int64_t M, int64_t K, int64_t N, int64_t t0,
              int64_t t1) {
   int64_t t = t0;
-  if (M == 1)
+  if (M == 1 && kTilesAtOnce > 1)
     for (; t + kTilesAtOnce <= t1; t += kTilesAtOnce) Tiles<1, kTilesAtOnce>(x, tiles, y, K, N, t);
   for (; t < t1; ++t) {
     int64_t m = 0;
     for (; m + kRowsAtOnce <= M; m += kRowsAtOnce) Tiles<kRowsAtOnce, 1>(x + m * K, tiles, y + m * N, K, N, t);
-    for (; m + 2 <= M; m += 2) Tiles<2, 1>(x + m * K, tiles, y + m * N, K, N, t);
-    for (; m < M; ++m) Tiles<1, 1>(x + m * K, tiles, y + m * N, K, N, t);
+    if constexpr (kRowsAtOnce > 4)
+      for (; m + 4 <= M; m += 4) Tiles<4, 1>(x + m * K, tiles, y + m * N, K, N, t);
+    if constexpr (kRowsAtOnce > 2)
+      for (; m + 2 <= M; m += 2) Tiles<2, 1>(x + m * K, tiles, y + m * N, K, N, t);
+    if constexpr (kRowsAtOnce > 1)
+      for (; m < M; ++m) Tiles<1, 1>(x + m * K, tiles, y + m * N, K, N, t);
   }
 }
 
@@ -82,9 +87,9 @@ ffi::Future PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const float* xp = x.typed_data();
   const float* wp = tiles.typed_data();
   float* yp = y->typed_data();
-  // One share per thread (this one included), whole tiles each, in order; the last to finish
-  // completes the future.
-  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), T));
+  // One share per thread (this one included), whole tiles each, in order, at least kTilesAtOnce
+  // tiles a share; the last to finish completes the future.
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), T / kTilesAtOnce));
   ffi::CountDownPromise done(shares);
   auto run = [=](int64_t s) mutable {
     Columns(xp, wp, yp, M, K, T * kTile, T * s / shares, T * (s + 1) / shares);

@@ -8,10 +8,13 @@ intra-op threads and streams the weight in a tiled layout, `pack(w)`: (T, K, 64)
 columns 64t..64t+63 row after row, so each thread reads its tiles front to back.
 
     tiles = pack(w_KN)                         # once, at load: a copy in the packed layout
-    y_MN = matmul(x_MK, tiles, n=w_KN.shape[1])   # the kernel for at most MAX_ROWS rows, else XLA
+    y_MN = matmul(x_MK, tiles, n=w_KN.shape[1])
 
 Each output is one multiply-add chain over k in order, so a row's result does not depend on the other
-rows of its batch. The kernel is built on first use by the machine's C++ compiler
+rows of its batch. A prefill chunk's products (hundreds of rows) run the same kernel: it reads each
+tile once for every group of 6 rows while the tile is in cache, at about the FMA units' peak
+(225 GFLOP/s on 2 AVX-512 cores against XLA's 200 here); XLA's own dot would first transpose the
+tiles back, a copy of every weight per chunk. The kernel is built on first use by the machine's C++ compiler
 (kernels/cpu_build.py); without one, or with `MESHWORK_CPU_KERNEL=0`, `available()` is False and
 `matmul` runs XLA's dot over the packed layout. `disabled()` does the same for programs traced inside.
 """
@@ -30,9 +33,6 @@ from meshwork.kernels import cpu_build
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "meshwork_cpu_packed_matmul"
 TILE = 64  # columns per tile (cpu_matmul.cc's kTile)
-# Up to this many rows the kernel beats XLA's dot (measured 1-32 rows on a 34M model's projections,
-# benchmarks/RESULTS.md 2026-12-06); past it the products are compute-bound and XLA's GEMM is better.
-MAX_ROWS = 32
 
 
 @functools.cache
@@ -81,13 +81,13 @@ def unpack(tiles: jax.Array, n: int) -> jax.Array:
 
 def matmul(x_MK: jax.Array, tiles: jax.Array, n: int) -> jax.Array:
     """x (M, K) @ the (K, n) weight packed as `tiles` (T, K, 64): (M, n) float32 for float32
-    operands. The C++ kernel runs it for at most MAX_ROWS rows where available; otherwise XLA's dot
-    reads the packed layout as it is."""
+    operands. The C++ kernel runs it where available; otherwise (or for other dtypes) XLA's dot reads
+    the packed layout (transposing it first: slower, but right)."""
     M, K = x_MK.shape
     T = tiles.shape[0]
     if tiles.shape != (T, K, TILE) or T * TILE < n:
         raise ValueError(f"x {x_MK.shape} does not match packed tiles {tiles.shape} of {n} columns")
-    if M <= MAX_ROWS and x_MK.dtype == tiles.dtype == jnp.float32 and available():
+    if x_MK.dtype == tiles.dtype == jnp.float32 and available():
         y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, T * TILE), jnp.float32))(x_MK, tiles)
     else:
         y = jnp.einsum("mk,tkj->mtj", x_MK, tiles, preferred_element_type=jnp.float32).reshape(M, T * TILE)
