@@ -98,8 +98,15 @@ def _zero_pair(
     """Zeroed k and v arrays of shape (layers, *lead, kv heads, width), each created directly in its
     sharding (no host copy)."""
     G, Kk, Kv = cache_geometry(cfg)
-    make = lambda K: jax.jit(lambda: jnp.zeros((cache_layers(cfg), *lead, G, K), dtype), out_shardings=sharding)()  # noqa: E731
-    return make(Kk), make(Kv)
+    return tuple(_zeros((cache_layers(cfg), *lead, G, K), jnp.dtype(dtype), sharding)() for K in (Kk, Kv))
+
+
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding | None):
+    """A program making a zeroed array in `sharding`, one per (shape, dtype, sharding) and process:
+    every cache of a shape made later reuses its trace (a fresh jit of a lambda traced and lowered
+    again each time: 807 times in one run of the quick tier)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def _latent(axes: tuple) -> tuple:

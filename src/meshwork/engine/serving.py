@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
@@ -175,6 +176,12 @@ class _Live:
     @property
     def prefilling(self) -> bool:
         return self.length < self.context
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_seen(seen: jax.Array, row: jax.Array, slot) -> jax.Array:
+    """`seen` with row `slot` replaced (module-level: one trace per shape for every server)."""
+    return seen.at[slot].set(row)
 
 
 class Server:
@@ -279,7 +286,6 @@ class Server:
         # delivery, inference/serve_engine.py); None: they are returned with the step's.
         self.on_events: Callable[[list[tuple[Hashable, int]], list], None] | None = None
         self._arrays: tuple[SamplingArrays, jax.Array] | None = None
-        self._set_seen = jax.jit(lambda seen, row, slot: seen.at[slot].set(row), donate_argnums=0)
         # The last argument, `top`, is static: 0, or MAX_TOP_LOGPROBS when a request in the call asks for
         # alternatives (two compiled variants each; the common path never runs lax.top_k).
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(4, 5, 11, 13), static_argnums=(9,))
@@ -529,7 +535,7 @@ class Server:
             self.peak_pages = max(self.peak_pages, len(self.pages.owners))
             seen_V = np.zeros(self.cfg.vocab_size, bool)
             seen_V[np.asarray(context, np.int64)] = True
-            self.seen = self._set_seen(self.seen, jnp.asarray(seen_V), slot)
+            self.seen = _set_seen(self.seen, jnp.asarray(seen_V), slot)
             if self.prefill_chunk is None:
                 events += self._now(self._prefill_slot(slot, len(context) - len(hits) * T))
         return events

@@ -10,6 +10,7 @@ and jaxlib's version; later processes load the library built then. Without a com
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.metadata
@@ -19,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 
 import jax
 
@@ -62,6 +64,20 @@ def _build(source: pathlib.Path, compiler: str, path: pathlib.Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _prune(source, path)
+
+
+STALE_DAYS = 30
+
+
+def _prune(source: pathlib.Path, kept: pathlib.Path) -> None:
+    """Removes this source's libraries built more than STALE_DAYS ago (older sources, compilers or
+    jaxlibs; about 100 KB each); a process that still wants one builds it again."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in kept.parent.glob(f"{source.stem}-*.so"):
+        with contextlib.suppress(OSError):
+            if old != kept and old.stat().st_mtime < cutoff:
+                old.unlink()
 
 
 def load(source: pathlib.Path, symbol: str, target: str) -> str | None:

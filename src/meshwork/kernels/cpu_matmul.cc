@@ -12,8 +12,10 @@
 // While a tile is in cache every group of rows reads it, so the weight is read from memory once.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -87,16 +89,21 @@ ffi::Future PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const float* xp = x.typed_data();
   const float* wp = tiles.typed_data();
   float* yp = y->typed_data();
-  // One share per thread (this one included), whole tiles each, in order, at least kTilesAtOnce
-  // tiles a share; the last to finish completes the future.
-  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), T / kTilesAtOnce));
-  ffi::CountDownPromise done(shares);
-  auto run = [=](int64_t s) mutable {
-    Columns(xp, wp, yp, M, K, T * kTile, T * s / shares, T * (s + 1) / shares);
+  // Workers (this thread and up to num_threads - 1 of the pool) take chunks of kTilesAtOnce tiles
+  // from a shared counter until none is left: on a shared machine a thread that another process
+  // delays computes fewer chunks instead of holding up the call with a fixed half. The last worker
+  // to finish completes the future.
+  const int64_t chunks = (T + kTilesAtOnce - 1) / kTilesAtOnce;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), chunks));
+  auto next = std::make_shared<std::atomic<int64_t>>(0);
+  ffi::CountDownPromise done(workers);
+  auto run = [=]() mutable {
+    for (int64_t c; (c = next->fetch_add(1, std::memory_order_relaxed)) < chunks;)
+      Columns(xp, wp, yp, M, K, T * kTile, c * kTilesAtOnce, std::min(T, (c + 1) * kTilesAtOnce));
     done.CountDown(1);
   };
-  for (int64_t s = 1; s < shares; ++s) pool.Schedule([run, s]() mutable { run(s); });
-  run(0);
+  for (int64_t w = 1; w < workers; ++w) pool.Schedule([run]() mutable { run(); });
+  run();
   return ffi::Future(done);
 }
 
