@@ -581,7 +581,8 @@ def roofline_lines(args, sizes: dict, bandwidth: float, results: dict) -> list[s
         lines.append(
             f"meshwork roofline, 1 client, {p}/{o}: ({roof['weights_read'] / 2**20:.1f} MiB weights + "
             f"{roof['kv_read'] / 2**20:.2f} MiB KV) per step / TPOT {1e3 * step:.2f} ms / {bandwidth / 1e9:.2f} GB/s "
-            f"= {roof['bytes_per_step'] / step / bandwidth:.1%} of the roofline"
+            f"= {roof['bytes_per_step'] / step / bandwidth:.1%} of the roofline "
+            f"({roof['bytes_per_step'] / step / copy:.1%} of the one-thread copy's)"
         )
     return lines
 
