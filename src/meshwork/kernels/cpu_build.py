@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -97,3 +98,33 @@ def load(source: pathlib.Path, symbol: str, target: str) -> str | None:
         return f"building {source.name} failed: {e}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return None
+
+
+class CpuKernel:
+    """One C++ kernel: built and registered on first use, switchable off for a trace.
+
+    KERNEL = CpuKernel(SOURCE, "MeshworkPackedMatmul", "meshwork_cpu_packed_matmul")
+    KERNEL.available()             # built (on the first call) and not switched off
+    with KERNEL.disabled(): ...    # programs traced inside keep XLA's own ops
+    """
+
+    def __init__(self, source: pathlib.Path, symbol: str, target: str):
+        self.source, self.symbol, self.target = source, symbol, target
+        self._switched_off = 0  # depth of `disabled()` contexts
+
+    @functools.cache  # noqa: B019 (one per kernel, for the process's life)
+    def unavailable_reason(self) -> str | None:
+        """Why the kernel cannot be used here (building it on the first call), or None."""
+        return load(self.source, self.symbol, self.target)
+
+    def available(self) -> bool:
+        return not self._switched_off and self.unavailable_reason() is None
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Programs traced inside keep XLA's own ops: for measuring the kernel against them in one process."""
+        self._switched_off += 1
+        try:
+            yield
+        finally:
+            self._switched_off -= 1

@@ -21,8 +21,6 @@ tiles back, a copy of every weight per chunk. The kernel is built on first use b
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import pathlib
 
 import jax
@@ -35,33 +33,9 @@ TARGET = "meshwork_cpu_packed_matmul"
 TILE = 64  # columns per tile (cpu_matmul.cc's kTile)
 
 
-@functools.cache
-def _load() -> str | None:
-    """Builds (once per machine) and registers the kernel; returns why it is unavailable, or None."""
-    return cpu_build.load(SOURCE, "MeshworkPackedMatmul", TARGET)
-
-
-_switched_off = 0  # depth of `disabled()` contexts
-
-
-@contextlib.contextmanager
-def disabled():
-    """Programs traced inside run XLA's dot over the packed layout: for measuring the kernel."""
-    global _switched_off
-    _switched_off += 1
-    try:
-        yield
-    finally:
-        _switched_off -= 1
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered (building it on the first call) and not `disabled()`."""
-    return not _switched_off and _load() is None
-
-
-def unavailable_reason() -> str | None:
-    return _load()
+KERNEL = cpu_build.CpuKernel(SOURCE, "MeshworkPackedMatmul", TARGET)
+available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason
+disabled = KERNEL.disabled  # Programs traced inside run XLA's dot over the packed layout.
 
 
 def pack(w_KN: jax.Array) -> jax.Array:

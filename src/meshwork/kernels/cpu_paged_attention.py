@@ -19,8 +19,6 @@ caller keeps the gather.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import pathlib
 
 import jax
@@ -34,33 +32,9 @@ SOURCE = pathlib.Path(__file__).with_name("cpu_paged_attention.cc")
 TARGET = "meshwork_cpu_paged_attention"
 
 
-@functools.cache
-def _load() -> str | None:
-    """Builds (once per machine) and registers the kernel; returns why it is unavailable, or None."""
-    return cpu_build.load(SOURCE, "MeshworkPagedAttention", TARGET)
-
-
-_switched_off = 0  # depth of `disabled()` contexts
-
-
-@contextlib.contextmanager
-def disabled():
-    """Programs traced inside keep the gather: for measuring the kernel against it in one process."""
-    global _switched_off
-    _switched_off += 1
-    try:
-        yield
-    finally:
-        _switched_off -= 1
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered (building it on the first call) and not `disabled()`."""
-    return not _switched_off and _load() is None
-
-
-def unavailable_reason() -> str | None:
-    return _load()
+KERNEL = cpu_build.CpuKernel(SOURCE, "MeshworkPagedAttention", TARGET)
+available, unavailable_reason = KERNEL.available, KERNEL.unavailable_reason
+disabled = KERNEL.disabled  # Programs traced inside keep the gather.
 
 
 def supports(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
@@ -90,7 +64,7 @@ def cpu_paged_attention(
     the pools are (layers, N, T, G, K) or (N, T, G, K), read in place. `window` may be traced (a
     layer pattern's). float32 only (`supports`); builds the kernel if need be, and raises RuntimeError
     where it cannot be built (`unavailable_reason()`)."""
-    if (why := _load()) is not None:
+    if (why := unavailable_reason()) is not None:
         raise RuntimeError(f"the CPU paged-attention kernel is unavailable: {why}")
     # The C++ reads by offsets computed from these shapes: they are checked here, not there.
     k_pool, v_pool = check_shapes(q_BLHK, k_pool, v_pool, page_table_BP, positions_BL)
