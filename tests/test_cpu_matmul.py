@@ -114,3 +114,18 @@ def test_a_packed_model_decodes_like_the_plain_one_with_one_kernel_call_per_proj
     step = (jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32), KVCache.zeros(cfg, 2, 16, jnp.float32))
     assert kernel_calls(gens[1].apply, gens[1].state, *step) == 7 * cfg.n_layers + 1
     assert kernel_calls(gens[0].apply, gens[0].state, *step) == 0
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def test_packed_hf_families_generate_the_plain_models_tokens(name):
+    """Families whose attention differs from the dense LM's (Qwen3-Next: gated attention beside linear
+    layers; gpt-oss: sinks, biases, MoE MLPs): packing still gives the plain model's greedy tokens."""
+    from conftest import ROOT
+
+    from meshwork.models.hf import model_from_hf
+
+    plain, packed = (model_from_hf(ROOT / "tests/fixtures/hf" / name)[1] for _ in range(2))
+    assert pack_for_cpu_decode(packed) > 0
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    assert Generator(packed).generate(prompts, params) == Generator(plain).generate(prompts, params)
