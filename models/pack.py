@@ -5,8 +5,8 @@
 
 Decode on the CPU reads every projection weight once per step, and XLA:CPU's one-thread dot reads
 it at about half of what both cores can (kernels/cpu_matmul.py). Packed, the same products run
-the C++ kernel on every thread at a few rows and XLA's dot over the tiles for long prefill chunks;
-the values are those of the plain weights (up to summation order). The weights packed are the ones
+the C++ kernel on every thread, for decode steps and prefill chunks alike; the values are those of
+the plain weights (up to summation order). The weights packed are the ones
 quantization reads (models/quantize.py `projection_sites`), float32 only: quantized, LoRA-wrapped
 or bf16 projections and the MoE experts stay as they are. Packing is for inference: the kernel
 has no gradient, so do not train a packed model.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshwork.kernels import cpu_matmul
-from meshwork.models.layers.packed import PackedWeight, pack_weight
+from meshwork.models.layers.packed import pack_weight
 from meshwork.models.quantize import projection_sites
 
 
@@ -47,7 +47,3 @@ def pack_for_cpu_decode(model: nnx.Module) -> int:
     for site, packed in zip(sites, run([s.param.get_value() for s in sites])):
         site.param.set_value(packed)
     return len(sites)
-
-
-def is_packed(value) -> bool:
-    return isinstance(value, PackedWeight)

@@ -6,9 +6,9 @@ there), like the quantized formats: `models.layers.params.matmul` hands it the p
 "BLD,DHK->BLHK": n_in 1; wo (H, K, D) as "BLHK,HKD->BLD": n_in 2), so it is a (K, N) matrix, kept
 as kernels/cpu_matmul.py's (T, K, 64) tiles. A stacked weight keeps its leading layers axis.
 
-A product whose spec reads the weight that way is a (rows, K) @ (K, N) matmul: the C++ kernel for
-a decode step's few rows, XLA's dot over the tiles for a prefill chunk's many. Any other spec gets
-the weight unpacked first (a copy), so every einsum still gives the right values.
+A product whose spec reads the weight that way is a (rows, K) @ (K, N) matmul, which the C++
+kernel runs for a decode step's few rows and a prefill chunk's many alike. Any other spec gets the
+weight unpacked first (a copy), so every einsum still gives the right values.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class PackedWeight:
     tiles: jax.Array
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
-    format = "packed"
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 A decode step multiplies one row per sequence by every weight of the model, so it reads each weight
 once and does two flops per 4 bytes read: its time is the weights' bytes over the read bandwidth.
 XLA:CPU runs a matrix-vector dot on one thread, which on the 2-core host of benchmarks/RESULTS.md
-reads about 21 GB/s of the 45 both cores read together. cpu_matmul.cc splits the columns over XLA's
+reads about 21 GB/s of the 33-45 both cores read together. cpu_matmul.cc splits the columns over XLA's
 intra-op threads and streams the weight in a tiled layout, `pack(w)`: (T, K, 64), tile t holding
 columns 64t..64t+63 row after row, so each thread reads its tiles front to back.
 
@@ -14,9 +14,10 @@ Each output is one multiply-add chain over k in order, so a row's result does no
 rows of its batch. A prefill chunk's products (hundreds of rows) run the same kernel: it reads each
 tile once for every group of 6 rows while the tile is in cache, at about the FMA units' peak
 (225 GFLOP/s on 2 AVX-512 cores against XLA's 200 here); XLA's own dot would first transpose the
-tiles back, a copy of every weight per chunk. The kernel is built on first use by the machine's C++ compiler
-(kernels/cpu_build.py); without one, or with `MESHWORK_CPU_KERNEL=0`, `available()` is False and
-`matmul` runs XLA's dot over the packed layout. `disabled()` does the same for programs traced inside.
+tiles back, a copy of every weight per chunk. The kernel is built on first use by the machine's C++
+compiler (kernels/cpu_build.py); without one, or with `MESHWORK_CPU_KERNEL=0`, `available()` is
+False and `matmul` runs XLA's dot over the packed layout. `disabled()` does the same for programs
+traced inside.
 """
 
 from __future__ import annotations
