@@ -556,7 +556,7 @@ def table(args, results: dict) -> list[str]:
     return lines
 
 
-def roofline_lines(args, sizes: dict, bandwidth: float, results: dict) -> list[str]:
+def roofline_lines(args, sizes: dict, bandwidths: dict, results: dict) -> list[str]:
     from generate import roofline  # benchmarks/generate.py: bytes a decode step reads
 
     # A decode step at batch 1 reads every weight but the input embedding's unused rows.
@@ -565,7 +565,7 @@ def roofline_lines(args, sizes: dict, bandwidth: float, results: dict) -> list[s
         if sizes["tied"]
         else sizes["weight_bytes"] - sizes["embed_bytes"] * (1 - 1 / sizes["vocab"])
     )
-    copy, read = bandwidth["copy"], bandwidth["all_core_read"]
+    copy, read = bandwidths["copy"], bandwidths["all_core_read"]
     bandwidth = max(copy, read)
     lines = [
         f"bandwidth: numpy copy of {args.bandwidth_mib} MiB (one thread, read + write, best of 10) "
