@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -35,6 +36,13 @@ constexpr int kLanes = 16, kRowsAtOnce = 6;
 constexpr int kLanes = 8, kRowsAtOnce = 1;
 #endif
 constexpr int kVectors = kTile / kLanes;  // per tile row
+
+// Below this many rows a call is bound by the weight's read, and the hardware prefetcher alone,
+// restarting at every tile (128 KB at K = 512), left a third of the bandwidth unused: the first pass
+// over a tile asks for the rows kPrefetchAhead ahead (8 KB), which made a 1-row decode step of
+// benchmarks/RESULTS.md's model about 15% faster. With more rows the FMA units are the limit and the
+// extra instructions only cost.
+constexpr int kPrefetchBelowRows = 6, kPrefetchAhead = 32;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline Vec Load(const float* p) {
@@ -44,13 +52,16 @@ inline Vec Load(const float* p) {
 }
 
 // Rows [0, R) of x times tile t: R x kVectors accumulators over all of K.
-template <int R>
+template <int R, bool kPrefetch>
 void Tile(const float* x, const float* tiles, float* y, int64_t K, int64_t N, int64_t t) {
   Vec acc[R][kVectors] = {};
   const float* w = tiles + t * K * kTile;
   for (int64_t k = 0; k < K; ++k) {
     Vec wv[kVectors];
     for (int v = 0; v < kVectors; ++v) wv[v] = Load(w + k * kTile + v * kLanes);
+    if constexpr (kPrefetch)  // a hint: past the buffer's end it reads nothing and cannot fault
+      for (int line = 0; line < kTile; line += 64 / sizeof(float))
+        __builtin_prefetch(w + (k + kPrefetchAhead) * kTile + line, 0, 0);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * K + k];
       for (int v = 0; v < kVectors; ++v) acc[r][v] += xs * wv[v];
@@ -61,16 +72,27 @@ void Tile(const float* x, const float* tiles, float* y, int64_t K, int64_t N, in
 }
 
 // Tile t for all M rows, group by group of rows while the tile is in cache: each weight is read
-// from memory once per call.
+// from memory once per call, by the first group (which prefetches it when M is small).
 void Column(const float* x, const float* tiles, float* y, int64_t M, int64_t K, int64_t N, int64_t t) {
   int64_t m = 0;
-  for (; m + kRowsAtOnce <= M; m += kRowsAtOnce) Tile<kRowsAtOnce>(x + m * K, tiles, y + m * N, K, N, t);
+  bool prefetch = M < kPrefetchBelowRows;
+  auto group = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (prefetch)
+      Tile<R, true>(x + m * K, tiles, y + m * N, K, N, t);
+    else
+      Tile<R, false>(x + m * K, tiles, y + m * N, K, N, t);
+    prefetch = false;
+    m += R;
+  };
+  using std::integral_constant;
+  while (m + kRowsAtOnce <= M) group(integral_constant<int, kRowsAtOnce>());
   if constexpr (kRowsAtOnce > 4)
-    for (; m + 4 <= M; m += 4) Tile<4>(x + m * K, tiles, y + m * N, K, N, t);
+    while (m + 4 <= M) group(integral_constant<int, 4>());
   if constexpr (kRowsAtOnce > 2)
-    for (; m + 2 <= M; m += 2) Tile<2>(x + m * K, tiles, y + m * N, K, N, t);
+    while (m + 2 <= M) group(integral_constant<int, 2>());
   if constexpr (kRowsAtOnce > 1)
-    for (; m < M; ++m) Tile<1>(x + m * K, tiles, y + m * N, K, N, t);
+    while (m < M) group(integral_constant<int, 1>());
 }
 
 ffi::Future PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> tiles,
