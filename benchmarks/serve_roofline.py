@@ -20,7 +20,9 @@ kernel (`pallas`: attention=pallas).
 The decode time per step is the run with --steps new tokens minus the same run
 with one (the prefill), over steps - 1: best of --repeats after a compiling
 run. Prints, per path and batch, ms per step, tokens/s and the fraction of the
-roofline reached; random weights (a step's cost does not depend on them).
+roofline reached, against the read at the start and (the median over rounds) against
+an all-core read taken in each round beside its steps; random weights (a step's cost
+does not depend on them).
 
 With `--slots S`, the server has S slots whatever the batch (as a server started with
 `--slots S` serves fewer requests than it could), and each row is measured twice in
@@ -108,9 +110,10 @@ def main(argv: list[str]) -> int:
         ap.error(f"--slots {args.slots}: fewer than the largest batch ({max(args.batches)}); use at least that")
     modes = ["running rows", "every slot"] if args.slots is not None else ["running rows"]
     print(
-        "| attention | batch | slots | rows computed | ms/step | tok/s | steps/dispatch | roofline tok/s | of roofline |"
+        "| attention | batch | slots | rows computed | ms/step | tok/s | steps/dispatch | roofline tok/s | of roofline "
+        "| of the read beside it |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for impl in impls:
         # Programs are traced at their first call, inside the context: `gather` keeps XLA's gather.
         with cpu_paged_attention.disabled() if impl == "gather" else contextlib.nullcontext():
@@ -145,10 +148,14 @@ def measure(impl, cfg, args, modes, bandwidth) -> None:
             serve_once(server, B, args.prompt_len, args.steps, "warm", rng)  # compiles
             serve_once(server, B, args.prompt_len, 1, "warm1", rng)
         # The modes take turns, so a disturbance of the shared machine hits them alike.
-        runs = {mode: [] for mode in modes}
+        # Each round also reads the memory with every core, right beside its steps: what other
+        # processes on a shared host leave moves by a third within minutes, and the fraction of the
+        # read beside a step follows that where the read at the start of the run cannot.
+        runs, reads = {mode: [] for mode in modes}, []
         for r in range(args.repeats):
             for mode, server in servers.items():
                 runs[mode].append(decode_step_s(server, B, args, r))
+            reads.append(all_core_read_bandwidth(args.bandwidth_mib * 2**20, repeats=3))
         bound = roofline(
             weights_read_per_step(model, total, B), per_token, B, args.prompt_len + args.steps / 2, bandwidth
         )
@@ -156,14 +163,16 @@ def measure(impl, cfg, args, modes, bandwidth) -> None:
             step_s, per_dispatch = min(s for s, _ in runs[mode]), runs[mode][0][1]
             rows = max(servers[mode].batch_sizes)
             tok_s = B / step_s
+            beside = np.median([bound["bytes_per_step"] / s / bw for (s, _), bw in zip(runs[mode], reads)])
             print(
                 f"| {impl} | {B} | {slots} | {rows} ({mode}) | {step_s * 1e3:.3f} | {tok_s:,.0f} | "
-                f"{per_dispatch:.2f} | {bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} |",
+                f"{per_dispatch:.2f} | {bound['ceiling_tok_s']:,.0f} | {tok_s / bound['ceiling_tok_s']:.1%} | "
+                f"{beside:.1%} |",
                 flush=True,
             )
         if len(modes) == 2:
             ratio = min(s for s, _ in runs["every slot"]) / min(s for s, _ in runs["running rows"])
-            print(f"|  |  |  | every slot / running rows: {ratio:.2f}x the step time |  |  |  |  |  |", flush=True)
+            print(f"|  |  |  | every slot / running rows: {ratio:.2f}x the step time |  |  |  |  |  |  |", flush=True)
         del servers
 
 

@@ -37,11 +37,10 @@ constexpr int kLanes = 8, kRowsAtOnce = 1;
 #endif
 constexpr int kVectors = kTile / kLanes;  // per tile row
 
-// Below this many rows a call is bound by the weight's read, and the hardware prefetcher alone,
-// restarting at every tile (128 KB at K = 512), left a third of the bandwidth unused: the first pass
-// over a tile asks for the rows kPrefetchAhead ahead (8 KB), which made a 1-row decode step of
-// benchmarks/RESULTS.md's model about 15% faster. With more rows the FMA units are the limit and the
-// extra instructions only cost.
+// Below this many rows a call is bound by the weight's read, and the hardware prefetcher alone
+// restarts at every tile (128 KB at K = 512): the first pass over a tile asks for the rows
+// kPrefetchAhead ahead (8 KB), which made benchmarks/RESULTS.md's 8-layer product chain at one row
+// 5-18% faster. With more rows the FMA units are the limit and the extra instructions only cost.
 constexpr int kPrefetchBelowRows = 6, kPrefetchAhead = 32;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
