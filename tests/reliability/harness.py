@@ -60,6 +60,15 @@ def launch(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, **popen) -> 
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
+def train_in_process(run_dir: pathlib.Path, *extra: str) -> int:
+    """The command `launch` starts, called in this process (for claims about the trainer's checks, not
+    about a process): its exit status; the caller reads the output with capsys. The session has 8
+    devices, so the mesh takes them all (`mesh.data=-1`); a resumed run's mesh may differ."""
+    from meshwork.train.cli import main
+
+    return main(["--config", str(ROOT / "configs/lm_tiny.yaml"), f"run.dir={run_dir}", *TINY, "mesh.data=-1", *extra])
+
+
 def run(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
     proc = launch(run_dir, cache, *extra)
     out, err = proc.communicate(timeout=timeout)

@@ -4,22 +4,16 @@ when named in run.allow_changes (then recorded), and a run at its last step is l
 import json
 
 import pytest
-from harness import ROOT, STEPS, TINY, run, stopped_run, tree_digest
+from harness import STEPS, run, stopped_run, train_in_process, tree_digest
 
 from meshwork.run.metrics import read_metrics
 
 
 def test_shape_change_is_refused_before_compiling(compile_cache, tmp_path, capsys):
-    # In-process on a copy of the shared run stopped at step 30: the claim is about the trainer's
-    # checks, not about a process (test_bad_inputs.py has the real processes).
-    from meshwork.train.cli import main
-
     stopped_run(compile_cache, tmp_path)
     before = tree_digest(tmp_path)
     capsys.readouterr()
-    code = main(
-        ["--config", str(ROOT / "configs/lm_tiny.yaml"), f"run.dir={tmp_path}", *TINY, "mesh.data=-1", "model.d_ff=256"]
-    )
+    code = train_in_process(tmp_path, "model.d_ff=256")
     out, err = capsys.readouterr()
     assert code == 2 and "parameters" not in out  # nothing built or compiled
     (line,) = err.strip().splitlines()

@@ -16,6 +16,7 @@ from harness import (
     launch_until,
     run,
     stopped_run,
+    train_in_process,
     tree_digest,
 )
 
@@ -142,16 +143,18 @@ def test_leftovers_of_interrupted_writes_are_removed(reference_run, compile_cach
     assert_same_final_state(tmp_path, reference_run)
 
 
-def test_a_finished_run_is_not_touched_again(reference_run, compile_cache, tmp_path):
+def test_a_finished_run_is_not_touched_again(reference_run, tmp_path, capsys):
     import shutil
 
     run_dir = shutil.copytree(reference_run, tmp_path / "run")
     before = tree_digest(run_dir)
     for steps in (STEPS, STEPS - 10):
-        done = run(run_dir, compile_cache, f"train.steps={steps}")
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert f"already at step {STEPS} of train.steps={steps}" in done.stdout
-        assert "parameters" not in done.stdout  # nothing compiled
+        capsys.readouterr()
+        code = train_in_process(run_dir, f"train.steps={steps}")
+        out, err = capsys.readouterr()
+        assert code == 0, err[-2000:]
+        assert f"already at step {STEPS} of train.steps={steps}" in out
+        assert "parameters" not in out  # nothing compiled
     assert tree_digest(run_dir) == before
 
 
