@@ -99,14 +99,17 @@ def test_packed_weight_reads_like_the_einsum(spec, shape, x_shape):
         (packed if len(shape) == 4 else jax.tree.map(lambda t: t[None], packed)).matmul(spec, x, jnp.float32)
 
 
-def test_a_packed_model_gives_the_plain_ones_logits_with_one_kernel_call_per_projection():
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_packed_model_gives_the_plain_ones_logits_with_one_kernel_call_per_projection(tied):
     """pack_for_cpu_decode swaps every projection of a dense LM (4 attention, 3 MLP per layer, the
-    untied head) for a PackedWeight: a generator's compiled forward calls the kernel once per
+    head, tied or not) for a PackedWeight: a generator's compiled forward calls the kernel once per
     projection, and its logits through a KV cache stay within float32 rounding of the plain model's."""
-    cfg = ModelConfig(vocab_size=50, d_model=96, n_layers=2, n_heads=3, n_kv_heads=1, d_ff=160)
+    cfg = ModelConfig(vocab_size=50, d_model=96, n_layers=2, n_heads=3, n_kv_heads=1, d_ff=160, tie_embeddings=tied)
     plain, packed = Transformer(cfg, rngs=nnx.Rngs(0)), Transformer(cfg, rngs=nnx.Rngs(0))
-    assert not cfg.tie_embeddings and pack_for_cpu_decode(packed) == 8  # stacked: one weight for all layers
+    assert pack_for_cpu_decode(packed) == 8  # stacked: one weight for all layers, and the head
     assert isinstance(packed.blocks.mlp.w_down.get_value(), PackedWeight)
+    assert isinstance(packed.head.lm_head.get_value(), PackedWeight) and not packed.head.tied
+    assert packed.embed.table.get_value().shape == (cfg.vocab_size, cfg.d_model)  # the lookup's own
     tokens = jnp.asarray([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
     logits, calls = [], []
