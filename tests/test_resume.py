@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_overrides
 
-from meshwork.config import ConfigError, load_config
+from meshwork.config import load_config
 from meshwork.run.metrics import read_metrics
 from meshwork.train.loop import train
 
@@ -43,19 +43,3 @@ def test_resume_is_bitwise_exact(tmp_path):
     for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(second["state"])):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_finished_run_is_not_trained_again(tmp_path):
-    cfg = load_config(ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "train.steps=3", "mesh.data=8"])
-    train(cfg)
-    again = train(cfg)
-    assert again["resumed_from"] == 3 and again["val_loss"] == {}
-    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [3]
-
-    before = (tmp_path / "config.yaml").read_text()
-    other = load_config(
-        ROOT / "configs/lm_tiny.yaml", [*tiny_overrides(tmp_path), "train.steps=6", "mesh.data=8", "model.d_ff=256"]
-    )
-    with pytest.raises(ConfigError, match=r"model\.d_ff: run.dir .* holds a run with model.d_ff=128, not 256"):
-        train(other)
-    assert (tmp_path / "config.yaml").read_text() == before

@@ -36,6 +36,11 @@ TINY = [
 ]
 
 
+def train_args(run_dir: pathlib.Path, *extra: str) -> list[str]:
+    """The arguments of `python -m train` for the tiny lm_tiny run into `run_dir`."""
+    return ["--config", str(ROOT / "configs/lm_tiny.yaml"), f"run.dir={run_dir}", *TINY, *extra]
+
+
 def launch(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, **popen) -> subprocess.Popen:
     """`python -m train` of the tiny lm_tiny run into `run_dir`, on one CPU device."""
     env = {
@@ -47,16 +52,7 @@ def launch(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, **popen) -> 
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "train",
-        "--config",
-        str(ROOT / "configs/lm_tiny.yaml"),
-        f"run.dir={run_dir}",
-        *TINY,
-        *extra,
-    ]
+    cmd = [sys.executable, "-m", "train", *train_args(run_dir, *extra)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -66,7 +62,7 @@ def train_in_process(run_dir: pathlib.Path, *extra: str) -> int:
     devices, so the mesh takes them all (`mesh.data=-1`); a resumed run's mesh may differ."""
     from meshwork.train.cli import main
 
-    return main(["--config", str(ROOT / "configs/lm_tiny.yaml"), f"run.dir={run_dir}", *TINY, "mesh.data=-1", *extra])
+    return main(train_args(run_dir, "mesh.data=-1", *extra))
 
 
 def run(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:

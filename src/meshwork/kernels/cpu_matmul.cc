@@ -39,8 +39,8 @@ constexpr int kVectors = kTile / kLanes;  // per tile row
 
 // Below this many rows a call is bound by the weight's read, and the hardware prefetcher alone
 // restarts at every tile (128 KB at K = 512): the first pass over a tile asks for the rows
-// kPrefetchAhead ahead (8 KB), which made benchmarks/RESULTS.md's 8-layer product chain at one row
-// 5-18% faster. With more rows the FMA units are the limit and the extra instructions only cost.
+// kPrefetchAhead ahead (8 KB), which took 4-18% off benchmarks/RESULTS.md's 8-layer product chain at
+// one row. With more rows the FMA units are the limit and the extra instructions only cost.
 constexpr int kPrefetchBelowRows = 6, kPrefetchAhead = 32;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -74,14 +74,12 @@ void Tile(const float* x, const float* tiles, float* y, int64_t K, int64_t N, in
 // from memory once per call, by the first group (which prefetches it when M is small).
 void Column(const float* x, const float* tiles, float* y, int64_t M, int64_t K, int64_t N, int64_t t) {
   int64_t m = 0;
-  bool prefetch = M < kPrefetchBelowRows;
   auto group = [&](auto rows) {
     constexpr int R = decltype(rows)::value;
-    if (prefetch)
+    if (m == 0 && M < kPrefetchBelowRows)
       Tile<R, true>(x + m * K, tiles, y + m * N, K, N, t);
     else
       Tile<R, false>(x + m * K, tiles, y + m * N, K, N, t);
-    prefetch = false;
     m += R;
   };
   using std::integral_constant;
