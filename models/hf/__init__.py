@@ -233,6 +233,18 @@ def _write_layer(stacked: Any, layer: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda buf, x: buf.at[i].set(x.astype(buf.dtype)), stacked, layer)
 
 
+# Module-level functions with their shapes and dtypes as static arguments, not lambdas closing over
+# them: jax traces a function once per shapes and layout, so every tensor and stack of a model with
+# the same shapes (and every later load in the process) reuses the first one's program.
+def _cast(tree: Any, dtypes: tuple) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([x.astype(d) for x, d in zip(leaves, dtypes, strict=True)])
+
+
+def _zeros(treedef: Any, specs: tuple) -> Any:
+    return treedef.unflatten([jnp.zeros(shape, dtype) for shape, dtype in specs])
+
+
 class _Devices:
     """Moves each tensor onto its devices as soon as it is read, cast there to the model's
     dtypes: host memory holds about one tensor at a time (at most one layer), never the model.
@@ -256,19 +268,16 @@ class _Devices:
         placed = _settle(self._put(part, read, shardings))
         # A fresh device copy in the model's dtypes: on CPU, device_put may alias an aligned
         # numpy buffer, which would keep safetensors' host copy alive as the parameter.
-        target = self.target[key]
-        cast = jax.jit(
-            lambda tree: jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, target),
-            **({"out_shardings": shardings} if shardings is not None else {}),
-        )
-        out = cast(placed)
+        cast = jax.jit(_cast, static_argnums=1, **({"out_shardings": shardings} if shardings is not None else {}))
+        out = cast(placed, tuple(ref.dtype for ref in jax.tree.leaves(self.target[key])))
         del placed
         return _settle(out)
 
     def stack(self, key: str, layers: list[dict[str, Any]], read: Callable[[HFTensor], np.ndarray]) -> dict[str, Any]:
         target, full = self.target[key], self.shardings[key] if self.shardings is not None else None
         kw = {"out_shardings": full} if full is not None else {}
-        out = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), target), **kw)()
+        leaves, treedef = jax.tree.flatten(target)
+        out = jax.jit(_zeros, static_argnums=(0, 1), **kw)(treedef, tuple((a.shape, a.dtype) for a in leaves))
         write = jax.jit(_write_layer, donate_argnums=0, **kw)
         layer_shardings = jax.tree.map(_layer_sharding, full) if full is not None else None
         for i, layer in enumerate(layers):
