@@ -80,16 +80,22 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _fresh_state(cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None) -> TrainState:
-    _, params, buffers = split_model(build_model(cfg, base_params=base_params), cfg)
+def _fresh_state(
+    cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None, graphdefs: list | None = None
+) -> TrainState:
+    graphdef, params, buffers = split_model(build_model(cfg, base_params=base_params), cfg)
+    if graphdefs is not None:  # the model's structure, which holds no arrays: abstract_state keeps it
+        graphdefs.append(graphdef)
     ema = jax.tree.map(jnp.copy, params) if ema_decay(cfg) else None
     return TrainState(jnp.zeros((), jnp.int32), params, buffers, tx.init(params), ema=ema)
 
 
 def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
-    """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched."""
-    graphdef = split_model(nnx.eval_shape(lambda: build_model(cfg)), cfg)[0]
-    return graphdef, jax.eval_shape(lambda: _fresh_state(cfg, tx))
+    """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched. The model is traced
+    once for both (a trainer's start-up traced it a second time for the graphdef alone)."""
+    graphdefs: list[nnx.GraphDef] = []
+    state = jax.eval_shape(lambda: _fresh_state(cfg, tx, graphdefs=graphdefs))
+    return graphdefs[0], state
 
 
 def state_shardings(
