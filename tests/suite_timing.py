@@ -43,6 +43,16 @@ class _Meter:
         self.shared_fixture_s = 0.0
         self.shared_depth = 0
         self._jax_listening = False
+        # Programs: each one jax compiles or loads has a persistent-cache key (a hash of the lowered
+        # program, the compile options and the versions). A key this process has met before marks
+        # work done twice: the same program traced and lowered again by a new function object (a
+        # jit made per instance, a lambda per call), and loaded again from the cache.
+        self.programs = 0
+        self.repeated_programs = 0
+        self.repeated_s = 0.0
+        self._keys: set[str] = set()
+        self._since_last_key = 0.0  # tracing and lowering since the last program's key
+        self._last_repeated = False  # the last key was a repeat: its load counts too
 
     def listen_to_jax(self):
         # jax reports tracing, lowering and backend compilation (a persistent-cache hit included)
@@ -52,11 +62,28 @@ class _Meter:
         from jax import monitoring
 
         def on_duration(event: str, duration: float, **_):
-            if event.startswith("/jax/core/compile/"):
-                self.compile_s += duration
+            if not event.startswith("/jax/core/compile/"):
+                return
+            self.compile_s += duration
+            if event.endswith("backend_compile_duration"):
+                if self._last_repeated:
+                    self.repeated_s += duration
+                self._last_repeated = False
+            else:
+                self._since_last_key += duration
 
         monitoring.register_event_duration_secs_listener(on_duration)
+        _listen_for_cache_keys(self._on_key)
         self._jax_listening = True
+
+    def _on_key(self, key: str) -> None:
+        self.programs += 1
+        self._last_repeated = key in self._keys
+        if self._last_repeated:
+            self.repeated_programs += 1
+            self.repeated_s += self._since_last_key
+        self._keys.add(key)
+        self._since_last_key = 0.0
 
     def snapshot(self) -> dict:
         me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -67,7 +94,32 @@ class _Meter:
             "compile": self.compile_s,
             "subprocesses": self.subprocesses,
             "shared": self.shared_fixture_s,
+            "programs": self.programs,
+            "repeated_programs": self.repeated_programs,
+            "repeated_s": self.repeated_s,
         }
+
+
+def _listen_for_cache_keys(on_key) -> None:
+    """Calls `on_key(key)` for each program jax looks up in its persistent cache (hit or miss).
+
+    jax names the key only in a debug-level line of its compiler's logger, so that logger is
+    opened to debug records and a filter takes the keys out of them, passing on only the records
+    its level let through before: what reaches handlers and pytest's log capture is unchanged.
+    """
+    import logging
+
+    logger = logging.getLogger("jax._src.compiler")
+    passed_before = logger.getEffectiveLevel()
+
+    def take_key(record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith(("Persistent compilation cache hit for", "PERSISTENT COMPILATION CACHE MISS for")):
+            on_key(str(record.args[1]))
+        return record.levelno >= passed_before
+
+    logger.addFilter(take_key)
+    logger.setLevel(logging.DEBUG)
 
 
 _METER = _Meter()
@@ -103,6 +155,9 @@ def _delta(before: dict, after: dict) -> dict:
         "child_cpu_s": after["child_cpu"] - before["child_cpu"],
         "subprocesses": after["subprocesses"] - before["subprocesses"],
         "shared_fixture_s": after["shared"] - before["shared"],
+        "programs": after["programs"] - before["programs"],
+        "repeated_programs": after["repeated_programs"] - before["repeated_programs"],
+        "repeated_s": after["repeated_s"] - before["repeated_s"],
     }
 
 
@@ -227,7 +282,10 @@ def _table(records: list[dict], session_wall_s: float) -> list[str]:
         f"meshwork test times: {len(records)} tests, {total:.0f} s of test time in a {session_wall_s:.0f} s "
         f"session; compile {compile_total:.0f} s ({100 * compile_total / total:.0f}% of test time), "
         f"subprocess CPU {child_total:.0f} s ({100 * child_total / cpu_total:.0f}% of CPU), "
-        f"{sum(r['subprocesses'] for r in records)} subprocesses",
+        f"{sum(r['subprocesses'] for r in records)} subprocesses; "
+        f"{sum(r.get('programs', 0) for r in records)} programs compiled or loaded, "
+        f"{sum(r.get('repeated_programs', 0) for r in records)} of them again in the same process "
+        f"({sum(r.get('repeated_s', 0.0) for r in records):.0f} s)",
         f"slowest {SLOWEST}:  wall s | share | shared fixture s | compile s | subprocesses (CPU s) | test",
     ]
     for r in sorted(records, key=lambda r: -r["wall_s"])[:SLOWEST]:

@@ -1,0 +1,22 @@
+"""The suite's own meter (suite_timing.py) counts what it claims to: programs, and the ones done twice."""
+
+import uuid
+
+import jax
+import jax.numpy as jnp
+import suite_timing
+
+
+def test_a_program_lowered_again_by_a_new_function_is_counted_as_repeated():
+    meter = suite_timing._METER
+    meter.listen_to_jax()  # already listening in a suite run; a no-op then
+    x = jnp.arange(5.0)
+    shift = uuid.uuid4().int % 10_000 / 7.0  # a constant no other program of this process holds
+    before = meter.snapshot()
+    jax.jit(lambda v: jnp.sin(v) + shift)(x).block_until_ready()
+    jax.jit(lambda v: jnp.sin(v) + shift)(x).block_until_ready()  # a new function: traced and lowered again
+    jax.jit(lambda v: jnp.cos(v) + shift)(x).block_until_ready()  # another program
+    after = suite_timing._delta(before, meter.snapshot())
+    assert after["programs"] == 3
+    assert after["repeated_programs"] == 1
+    assert 0.0 < after["repeated_s"] < after["compile_s"]
