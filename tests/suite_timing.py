@@ -53,6 +53,7 @@ class _Meter:
         self._keys: set[str] = set()
         self._since_last_key = 0.0  # tracing and lowering since the last program's key
         self._last_repeated = False  # the last key was a repeat: its load counts too
+        self.repeated_names: list[str] = []  # the repeated programs' names (jit_train_step, ...), in order
 
     def listen_to_jax(self):
         # jax reports tracing, lowering and backend compilation (a persistent-cache hit included)
@@ -76,11 +77,12 @@ class _Meter:
         _listen_for_cache_keys(self._on_key)
         self._jax_listening = True
 
-    def _on_key(self, key: str) -> None:
+    def _on_key(self, key: str, name: str) -> None:
         self.programs += 1
         self._last_repeated = key in self._keys
         if self._last_repeated:
             self.repeated_programs += 1
+            self.repeated_names.append(name)
             self.repeated_s += self._since_last_key
         self._keys.add(key)
         self._since_last_key = 0.0
@@ -97,11 +99,12 @@ class _Meter:
             "programs": self.programs,
             "repeated_programs": self.repeated_programs,
             "repeated_s": self.repeated_s,
+            "repeated_names": len(self.repeated_names),
         }
 
 
 def _listen_for_cache_keys(on_key) -> None:
-    """Calls `on_key(key)` for each program jax looks up in its persistent cache (hit or miss).
+    """Calls `on_key(key, module name)` for each program jax looks up in its persistent cache (hit or miss).
 
     jax names the key only in a debug-level line of its compiler's logger, so that logger is
     opened to debug records and a filter takes the keys out of them, passing on only the records
@@ -115,7 +118,7 @@ def _listen_for_cache_keys(on_key) -> None:
     def take_key(record: logging.LogRecord) -> bool:
         msg = record.msg if isinstance(record.msg, str) else ""
         if msg.startswith(("Persistent compilation cache hit for", "PERSISTENT COMPILATION CACHE MISS for")):
-            on_key(str(record.args[1]))
+            on_key(str(record.args[1]), str(record.args[0]))
         return record.levelno >= passed_before
 
     logger.addFilter(take_key)
@@ -158,6 +161,7 @@ def _delta(before: dict, after: dict) -> dict:
         "programs": after["programs"] - before["programs"],
         "repeated_programs": after["repeated_programs"] - before["repeated_programs"],
         "repeated_s": after["repeated_s"] - before["repeated_s"],
+        "repeated": _METER.repeated_names[before["repeated_names"] : after["repeated_names"]],
     }
 
 

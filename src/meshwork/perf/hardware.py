@@ -24,12 +24,13 @@ Conventions, the same for every row:
   sheet figures: vendors do not publish them.
 
 `peak_flops_per_device()` (used by the training loop for MFU) looks the local
-device up by its `device_kind`, or measures a CPU matmul.
+device up by its `device_kind`, or measures a CPU matmul once per process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from meshwork.config import ConfigError
@@ -299,6 +300,13 @@ def measure_cpu_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5, ac
     return 2 * n**3 / best
 
 
+@functools.cache
+def _cpu_peak_of_this_process(dtype: str) -> float:
+    # Once per process: every run in it (a notebook's several, a test session's hundred) divides
+    # by the same read, and none pays the matmul and its compile again.
+    return measure_cpu_peak(dtype)
+
+
 def peak_flops_per_device(dtype: str = "float32", device=None) -> tuple[float, str]:
     """(peak FLOP/s of one local device, where the figure came from); dtype is a jax name.
     KeyError for an accelerator whose device kind the table has no row for."""
@@ -306,7 +314,7 @@ def peak_flops_per_device(dtype: str = "float32", device=None) -> tuple[float, s
 
     dev = device or jax.local_devices()[0]
     if dev.platform == "cpu":
-        return measure_cpu_peak(dtype) / jax.local_device_count(), "cpu (measured matmul / local devices)"
+        return _cpu_peak_of_this_process(dtype) / jax.local_device_count(), "cpu (measured matmul / local devices)"
     acc = accelerator_for_device_kind(dev.device_kind)
     if acc is None:
         raise KeyError(f"no peak FLOP/s for device kind {dev.device_kind!r}; add it to meshwork/perf/hardware.py")
