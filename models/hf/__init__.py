@@ -366,13 +366,12 @@ def load_hf_model(
     check_tree(target, layout_shapes(split_buffers(hf_layout(cfg, model_type))[0]))
     params, read_buffers = _read_params(source, _Devices(target, shardings))
     nnx.replace_by_pure_dict(abstract, params)
-    # Buffers (e.g. MoE selection biases) get their initial values, replicated; under jit the
-    # parameters' random init is dead code and compiles away.
-    replicated = {}
+    # Buffers (e.g. MoE selection biases) get their initial values, replicated.
+    replicated = None
     if shardings is not None:
         mesh = next(s.mesh for s in jax.tree.leaves(shardings) if isinstance(s, NamedSharding))
-        replicated = {"out_shardings": NamedSharding(mesh, PartitionSpec())}
-    buffers = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], **replicated)()
+        replicated = NamedSharding(mesh, PartitionSpec())
+    buffers = _initial_buffers(cfg, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, out_sharding=replicated)
     _set_buffers(buffers, read_buffers)
     return cfg, nnx.merge(graphdef, abstract, buffers)
 
@@ -415,6 +414,27 @@ def hf_param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict[str, 
 # ---------------------------------------------------------------- into a model
 
 
+def _initial_buffers(
+    cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, remat: str, out_sharding: NamedSharding | None = None
+) -> nnx.State:
+    """The model's buffers that are not parameters (e.g. MoE selection biases) at their initial
+    values, from one jitted program per model config and layout in the process (under jit the
+    parameters' random init is dead code and compiles away)."""
+    return _buffer_program(cfg.model_dump_json(), jnp.dtype(dtype), jnp.dtype(param_dtype), remat, out_sharding)()
+
+
+@functools.cache
+def _buffer_program(
+    cfg_json: str, dtype: jnp.dtype, param_dtype: jnp.dtype, remat: str, out_sharding: NamedSharding | None
+) -> Callable[[], nnx.State]:
+    # Keyed by the config's JSON (the config holds lists, so it is not hashable itself): a lambda
+    # jitted per load was traced and lowered again at every load of the same model.
+    cfg = ModelConfig.model_validate_json(cfg_json)
+    make = functools.partial(_make_model, cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, seed=0)
+    kw = {"out_shardings": out_sharding} if out_sharding is not None else {}
+    return jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2], **kw)
+
+
 def _make_model(cfg: ModelConfig, *, dtype: jnp.dtype, param_dtype: jnp.dtype, remat: str, seed: int) -> nnx.Module:
     kw = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=nnx.Rngs(seed))
     if cfg.kind == "moe":
@@ -455,8 +475,7 @@ def build_hf_model(
     """
     make = lambda: _make_model(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, seed=0)  # noqa: E731
     graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-    # Under jit the parameters' random init is dead code and compiles away.
-    buffers = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
+    buffers = _initial_buffers(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat)
     # A checkpoint's buffers (DeepSeek-V3's selection biases) ride in `params`, beside the parameters.
     target = nnx.to_pure_dict(abstract)
     params, read_buffers = _split_like(params, target)
