@@ -2,8 +2,9 @@
 
 For every test: wall time (setup + call + teardown), the part spent in shared session fixtures
 (charged to whichever test asked first), this process's CPU, the compile time jax reports through
-its monitoring events, and the subprocesses the test started with their CPU (read from
-`RUSAGE_CHILDREN` once they are reaped). Under pytest-xdist each worker measures its own tests and
+its monitoring events, the subprocesses the test started with their CPU (read from
+`RUSAGE_CHILDREN` once they are reaped), and the programs jax compiled or loaded for it, with the
+ones this process had already lowered once (`repeated`: work a shared jit would save). Under pytest-xdist each worker measures its own tests and
 sends the record in the report's `user_properties`; the controlling process prints the slowest 30
 with their shares at the end of the run and writes every record to
 `.pytest_cache/meshwork/test_times_<tier>.json`.
@@ -287,9 +288,9 @@ def _table(records: list[dict], session_wall_s: float) -> list[str]:
         f"session; compile {compile_total:.0f} s ({100 * compile_total / total:.0f}% of test time), "
         f"subprocess CPU {child_total:.0f} s ({100 * child_total / cpu_total:.0f}% of CPU), "
         f"{sum(r['subprocesses'] for r in records)} subprocesses; "
-        f"{sum(r.get('programs', 0) for r in records)} programs compiled or loaded, "
-        f"{sum(r.get('repeated_programs', 0) for r in records)} of them again in the same process "
-        f"({sum(r.get('repeated_s', 0.0) for r in records):.0f} s)",
+        f"{sum(r['programs'] for r in records)} programs compiled or loaded, "
+        f"{sum(r['repeated_programs'] for r in records)} of them again in the same process "
+        f"({sum(r['repeated_s'] for r in records):.0f} s)",
         f"slowest {SLOWEST}:  wall s | share | shared fixture s | compile s | subprocesses (CPU s) | test",
     ]
     for r in sorted(records, key=lambda r: -r["wall_s"])[:SLOWEST]:

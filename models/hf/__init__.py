@@ -423,7 +423,7 @@ def _initial_buffers(
     return _buffer_program(cfg.model_dump_json(), jnp.dtype(dtype), jnp.dtype(param_dtype), remat, out_sharding)()
 
 
-@functools.cache
+@functools.lru_cache(maxsize=32)  # a process loading many models keeps the last 32 programs
 def _buffer_program(
     cfg_json: str, dtype: jnp.dtype, param_dtype: jnp.dtype, remat: str, out_sharding: NamedSharding | None
 ) -> Callable[[], nnx.State]:
