@@ -80,22 +80,29 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _fresh_state(
-    cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None, graphdefs: list | None = None
-) -> TrainState:
+def _graphdef_and_state(
+    cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None
+) -> tuple[nnx.GraphDef, TrainState]:
     graphdef, params, buffers = split_model(build_model(cfg, base_params=base_params), cfg)
-    if graphdefs is not None:  # the model's structure, which holds no arrays: abstract_state keeps it
-        graphdefs.append(graphdef)
     ema = jax.tree.map(jnp.copy, params) if ema_decay(cfg) else None
-    return TrainState(jnp.zeros((), jnp.int32), params, buffers, tx.init(params), ema=ema)
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, buffers, tx.init(params), ema=ema)
+
+
+def _fresh_state(cfg: Config, tx: optax.GradientTransformation, base_params: nnx.State | None = None) -> TrainState:
+    return _graphdef_and_state(cfg, tx, base_params)[1]
 
 
 def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
-    """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched. The model is traced
-    once for both (a trainer's start-up traced it a second time for the graphdef alone)."""
-    graphdefs: list[nnx.GraphDef] = []
-    state = jax.eval_shape(lambda: _fresh_state(cfg, tx, graphdefs=graphdefs))
-    return graphdefs[0], state
+    """(graphdef, state of ShapeDtypeStructs): no parameter memory is touched. One trace of the
+    model gives both: the graphdef holds no arrays, so it leaves the trace beside the shapes."""
+    kept = {}
+
+    def state_only() -> TrainState:
+        kept["graphdef"], state = _graphdef_and_state(cfg, tx)
+        return state
+
+    state = jax.eval_shape(state_only)
+    return kept["graphdef"], state
 
 
 def state_shardings(
