@@ -66,7 +66,7 @@ def test_what_meshwork_cannot_compute_is_refused_by_name(tmp_path, change, key):
         config_from_hf(config)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+@pytest.mark.parametrize("name", ["gemma2", pytest.param("gemma3_text", marks=pytest.mark.slow)])
 def test_the_pallas_kernels_give_transformers_logits_and_tokens(name):
     """model.attention pallas (interpret mode here): the flash kernel soft-caps and windows per layer
     (one lax.switch branch per window), and the paged decode kernel does the same."""

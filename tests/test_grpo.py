@@ -175,7 +175,9 @@ PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize(
+    "placement", [p if p == "colocated" else pytest.param(p, marks=pytest.mark.slow) for p in sorted(PLACEMENTS)]
+)
 def test_the_engine_samples_what_the_trainer_scores(tmp_path, placement):
     """The engine's log-probability of every sampled token equals the trainer's forward pass over
     the same rows within 1e-5 (float32), so the first step's importance ratio is 1; the G
@@ -267,7 +269,9 @@ RESUMES = {
 
 
 @pytest.mark.over_budget("three trainer invocations (straight, stopped, resumed) for the bit-exact resume", seconds=60)
-@pytest.mark.parametrize("mode", sorted(RESUMES))
+@pytest.mark.parametrize(
+    "mode", [m if m == "on_policy" else pytest.param(m, marks=pytest.mark.slow) for m in sorted(RESUMES)]
+)
 def test_a_run_stopped_between_updates_resumes_bit_exactly(tmp_path, capsys, monkeypatch, mode):
     extra, stop, staleness = RESUMES[mode]
     prompts = _prompts(tmp_path / "p.jsonl")

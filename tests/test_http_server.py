@@ -121,7 +121,7 @@ def bad_requests(s: Served, chat_model: str):
     ]
 
 
-@pytest.mark.parametrize("name", ["lm_tiny", "hf_llama"])
+@pytest.mark.parametrize("name", [pytest.param("lm_tiny", marks=pytest.mark.slow), "hf_llama"])
 def test_concurrent_requests_get_their_solo_tokens_and_bad_ones_4xx(servers, name):
     s = servers(name)
     model_id = s.client.models.list().data[0].id

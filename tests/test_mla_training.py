@@ -38,8 +38,9 @@ def references(tmp_path_factory):
 
 MARKS = {
     "mla tp+cp": [pytest.mark.slow],
-    # Two compiles (8 devices and its one-device reference) of a MoE model with an MTP MoE block.
-    "moe+mtp fsdp+tp+ep": [pytest.mark.over_budget("an 8-device and a 1-device MoE+MTP compile: ~20 s", seconds=35)],
+    # Two compiles (8 devices and its one-device reference) of a MoE model with an MTP MoE block, ~27 s
+    # cold: the quick tier keeps the MLA step under fsdp; MTP's losses are test_mtp_losses_* below.
+    "moe+mtp fsdp+tp+ep": [pytest.mark.slow],
 }
 
 

@@ -41,8 +41,9 @@ def test_committed_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} hold outputs; clear them before committing"
 
 
-# The quick tier runs the quickstart and the planner; the slow tier the four that train bigger runs.
-QUICK_NOTEBOOKS = ("01_quickstart", "06_planner")
+# The quick tier runs the quickstart (a kernel of its own, a training run, plots); the slow tier the
+# planner and the four that train bigger runs.
+QUICK_NOTEBOOKS = ("01_quickstart",)
 
 
 # A notebook starts its own kernel (jax imported again) and trains: over the 20 s budget cold.

@@ -278,7 +278,7 @@ def test_algorithm_costs():
 # --- search --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", ["llama7b.yaml", "mixtral8x7b.yaml"])
+@pytest.mark.parametrize("config", ["llama7b.yaml", pytest.param("mixtral8x7b.yaml", marks=pytest.mark.slow)])
 def test_search_on_64_h100s(config, tmp_path, capsys):
     out = tmp_path / "best.yaml"
     assert (
