@@ -70,7 +70,7 @@ def optimized_override() -> str:
     return xla_options_override(OPTIMIZED_OPTIONS)
 
 
-# Two tiers. `pytest` runs the quick one (one test per claim, ~10 min on 2 cores); tests marked
+# Two tiers. `pytest` runs the quick one (one test per claim: ~13 min on 2 cores cold, ~7 warm); tests marked
 # `slow` (more layouts and signals, longer learning runs, the bigger notebooks) run with
 # `--tier slow`, and everything with `--tier all`. CI runs both tiers.
 def pytest_addoption(parser):
