@@ -56,10 +56,10 @@ def assert_same_step(got, want, param_atol=1e-5):
         np.testing.assert_allclose(a, b, rtol=0, atol=param_atol)
 
 
-# Every preset and two hybrids, each on an asymmetric mesh (a symmetric one
-# cannot expose two swapped axes). The quick tier runs the three hybrids, which between them use
-# every axis (fsdp, tensor, sequence) and the zero2, tp, sp and cp rules; the slow tier the rest.
-# cp+tp's step is the slow tier's here: the quick tier's context-parallel steps are test_context_parallel's.
+# Every preset and three hybrids, each on an asymmetric mesh (a symmetric one cannot expose two
+# swapped axes). The quick tier runs two hybrids, which between them use every axis (fsdp, tensor,
+# sequence) and the zero2, tp and sp rules; the slow tier the rest, cp+tp included (the quick tier's
+# context-parallel steps are test_context_parallel's).
 HYBRIDS = ("fsdp+tp 2x2x2", "zero2+sp 2x2x2")
 LAYOUTS = {
     "dp 2x4": ("dp", dict(data=2, fsdp=4)),
