@@ -1,6 +1,6 @@
 """What compiling for compile speed costs and saves (train/state.py's RUN_ONCE_OPTIONS: XLA's
 backend at optimization level 0, LLVM's expensive passes off; and the test session's flags,
-tests/conftest.py's FAST_COMPILE_FLAGS: those plus XLA:CPU's older fusion emitters), measured in
+tests/compile_flags.py's FAST_COMPILE_FLAGS: those plus XLA:CPU's older fusion emitters), measured in
 one run.
 
     python benchmarks/compile_options.py      # ~3 min on 2 cores
@@ -37,7 +37,7 @@ CONFIGS = {
     "lm_tiny": ("lm_tiny", ["mesh.data=8"]),
     "lm_tiny fsdp": ("lm_tiny", ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]),
 }
-# The test session's options (tests/conftest.py's FAST_COMPILE_FLAGS, as compile options); jaxlib
+# The test session's options (tests/compile_flags.py's FAST_COMPILE_FLAGS, as compile options); jaxlib
 # 0.12's XLA has only the MLIR fusion emitters, so there the session's options are RUN_ONCE_OPTIONS.
 TEST_SESSION_OPTIONS = {
     **RUN_ONCE_OPTIONS,

@@ -7,7 +7,8 @@
 #   bash benchmarks/suite_time.sh 940ffbe HEAD          # before and after, one line each per run
 #   WARM=0 bash benchmarks/suite_time.sh HEAD           # the cold run only
 #
-# Prints "commit  cold|warm  wall  CPU-min  tests"; logs are kept in $OUT (default /tmp/suite_time).
+# Prints "commit  cold|warm  wall  CPU-min  tests"; logs and each run's per-test record (RUN.times.json)
+# are kept in $OUT (default /tmp/suite_time).
 # A commit from before the persistent caches (940ffbe and older) compiled into a fresh temporary
 # folder per run, so its "warm" run is cold too.
 set -euo pipefail
@@ -30,6 +31,8 @@ for rev in "$@"; do
       PATH="$dir/venv/bin:$PATH" MESHWORK_CACHE="$dir/cache" CI=true \
         /usr/bin/time -f "%e %U %S" -o "$dir/$run.time" python3 -m pytest -q > "$dir/$run.log" 2>&1 || true
     )
+    # Every test's record of this run (tests/suite_timing.py), kept beside its log.
+    cp "$dir/clone/.pytest_cache/meshwork/test_times_quick.json" "$dir/$run.times.json" 2>/dev/null || true
     read -r wall user sys < "$dir/$run.time"
     summary="$(grep -E '[0-9]+ (passed|failed)' "$dir/$run.log" | tail -1)"
     printf '%s  %s  %d min %02d s  %.1f CPU-min  %s\n' "$sha" "$run" "$((${wall%.*} / 60))" "$((${wall%.*} % 60))" \

@@ -1,28 +1,15 @@
 """Eight fake CPU devices, set before jax is imported anywhere."""
 
-import importlib.metadata
 import os
 
-# XLA compiles for compile speed (its LLVM passes cost about a third of most tests' time and change
-# how fast a program runs, not what it computes); the runs that train for many steps ask for XLA's
-# default optimization back per compile (`optimized_override()`). benchmarks/compile_options.py
-# measures both sides. XLA:CPU's MLIR fusion emitters are off too where jaxlib still has the older
-# ones (0.10; 0.12's XLA knows only the MLIR ones and aborts on the flag): with the older ones
-# lm_tiny's 8-device step compiled in 0.80 s instead of 2.07 s (fsdp: 1.07 s instead of 2.04 s) and
-# ran 1.5x slower, and the quick tier took 14 min 26 s instead of 21 min 41 s on 2 cores
-# (RESULTS.md, 2026-12-04). The fusion pass plans for the emitters it has, so a test that counts the
-# compiled program's fusions or reads the shapes of its ops compiles with XLA's own (`XLA_EMITTERS`).
-OLDER_EMITTERS = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
-FAST_COMPILE_FLAGS = [
-    "--xla_backend_optimization_level=0",
-    "--xla_llvm_disable_expensive_passes=true",
-    *(["--xla_cpu_use_fusion_emitters=false"] if OLDER_EMITTERS else []),
-]
-_flags = os.environ.get("XLA_FLAGS", "").split()
-for _flag in ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS]:
-    if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):  # a flag set by the caller wins
-        _flags.append(_flag)
-os.environ["XLA_FLAGS"] = " ".join(_flags)
+# XLA compiles for compile speed in the whole session (compile_flags.py says why and what it saves);
+# a test that counts the compiled program's fusions or reads the shapes of its ops compiles with
+# XLA's own emitters (`XLA_EMITTERS`), since the fusion pass plans for the emitters it has.
+from compile_flags import FAST_COMPILE_FLAGS, OLDER_EMITTERS, with_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_flags(
+    os.environ.get("XLA_FLAGS", ""), ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS]
+)  # a flag set by the caller wins
 os.environ["JAX_PLATFORMS"] = "cpu"
 # One persistent compilation cache for the tests, the processes they start and every later run of the
 # suite on this machine (`cache_dirs.py`): the slow tier and the next run load what the quick tier

@@ -1,16 +1,21 @@
 """The docs' command checker (tools/check_doc_commands.py) reads the pages the way it should:
 every shell block of README.md and docs/ is either run or carries a marker with a reason, a
 command that sets a mesh axis above 1 says how many devices it simulates, and small mode's caps
-are appended overrides, never edits of the text. Pure text, no jax; the commands themselves run
+are appended overrides, never edits of the text, and its `python3` adds the test session's
+fast-compile XLA flags. No jax; the commands themselves run
 in CI after the suite (`python3 tools/check_doc_commands.py`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import re
+import subprocess
 import sys
+
+from compile_flags import FAST_COMPILE_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("check_doc_commands", ROOT / "tools" / "check_doc_commands.py")
@@ -58,6 +63,24 @@ def test_small_mode_appends_caps_and_keeps_the_command():
     assert cap(["-m", "inference", "lm", "--checkpoint", "r"]) == ["--max-new-tokens", "4"]
     assert cap(["-m", "inference", "diffusion", "--checkpoint", "r"]) == ["--num", "10", "--steps", "2"]
     assert cap(["-m", "train.plan", "--config", "c.yaml"]) == [] and cap(["-c", "print(1)"]) == []
+
+
+def test_small_modes_python3_compiles_as_the_tests_do_unless_the_command_says_otherwise(tmp_path):
+    """Every fast-compile flag is added to what the command's own XLA_FLAGS say; a flag it sets keeps its value."""
+    checker.install_capping_python(tmp_path)
+    show = ["-c", "import os; print(os.environ['XLA_FLAGS'])"]
+
+    def flags_seen(env_flags: str | None) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        if env_flags is not None:
+            env["XLA_FLAGS"] = env_flags
+        out = subprocess.run([str(tmp_path / "python3"), *show], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.split()
+
+    assert flags_seen(None) == FAST_COMPILE_FLAGS
+    own = ["--xla_force_host_platform_device_count=4", "--xla_backend_optimization_level=3"]
+    seen = flags_seen(" ".join(own))
+    assert seen[:2] == own and sorted(seen[2:]) == sorted(FAST_COMPILE_FLAGS[1:])
 
 
 def test_markers_and_console_blocks_are_read(tmp_path):

@@ -30,7 +30,10 @@ PATH that appends overrides to what the command already says (the last override 
 `python3 -m train ...` gets `train.steps=4` (or fewer if asked) with evaluation and checkpoints
 at that step, `python3 -m inference lm ...` gets `--max-new-tokens 4`, and
 `python3 -m inference diffusion ...` gets `--num 10 --steps 2`. A `--dry-run` is not capped.
-Small mode also points `JAX_COMPILATION_CACHE_DIR` at the working folder, so blocks that
+Every `python3` of small mode compiles as the test session does, for compile speed
+(tests/compile_flags.py's XLA flags, each unless the command's own `XLA_FLAGS` sets it): the
+commands compile far more than they run, and the flags change how fast a program runs, not what it
+computes. Small mode also points `JAX_COMPILATION_CACHE_DIR` at the working folder, so blocks that
 compile the same program compile it once.
 
 Exit status 0 when every block passed, 1 otherwise, with the file, line, command, exit status and
@@ -51,6 +54,9 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from compile_flags import FAST_COMPILE_FLAGS  # noqa: E402
+
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 TRAIN_STEPS = 4
 _FENCE = re.compile(r"^(\s*)(```|~~~)\s*([\w+-]*)\s*$")
@@ -140,15 +146,21 @@ def _prelude(capped: bool) -> str:
 
 
 def install_capping_python(bin_dir: pathlib.Path) -> None:
-    """Writes `bin_dir/python3`, a script that appends small mode's caps and then `exec`s the real
-    python3; with `bin_dir` first on PATH every block's `python3` is it. A script rather than a
+    """Writes `bin_dir/python3`, a script that appends small mode's caps, adds the test session's
+    fast-compile XLA flags (tests/compile_flags.py) and then `exec`s the real python3; with `bin_dir` first on PATH every block's `python3` is it. A script rather than a
     shell function, so that `python3 ... &` puts the server itself behind `$!`, and a block's
     SIGTERM reaches the process it started."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     real, me = shutil.which("python3") or sys.executable, pathlib.Path(__file__).resolve()
     wrapper = bin_dir / "python3"
+    # Each fast-compile flag the command's own XLA_FLAGS does not set is appended (its own value wins).
+    add_flags = "".join(
+        f'case " ${{XLA_FLAGS:-}} " in *" {f.split("=")[0]}="*) ;; *) XLA_FLAGS="${{XLA_FLAGS:-}} {f}" ;; esac\n'
+        for f in FAST_COMPILE_FLAGS
+    )
     wrapper.write_text(
-        f'#!/usr/bin/env bash\nextra=$("{real}" "{me}" --cap-args "$@") || exit 2\nexec "{real}" "$@" $extra\n'
+        f'#!/usr/bin/env bash\nextra=$("{real}" "{me}" --cap-args "$@") || exit 2\n'
+        f'{add_flags}export XLA_FLAGS\nexec "{real}" "$@" $extra\n'
     )
     wrapper.chmod(0o755)
 
