@@ -1,9 +1,9 @@
 """Where the test suite keeps what outlives one run: jax's compilation cache and the shared trained runs.
 
 Both live under the package's cache folder, `$MESHWORK_CACHE` (default `~/.cache/meshwork`).
-The compilation cache is one folder per Python, jax and jaxlib version (jax's own cache key already
-holds the program, the XLA flags and the devices; a folder per version keeps an upgrade from reading
-another version's entries) and is bounded: past `MAX_BYTES`, each session starts by deleting the
+The compilation cache is one folder per Python, jax and jaxlib version and entry codec (jax's own
+cache key already holds the program, the XLA flags and the devices; a folder per version keeps an
+upgrade from reading another version's entries) and is bounded: past `MAX_BYTES`, each session starts by deleting the
 oldest entries (`prune`). jax's own bound (`jax_compilation_cache_max_size`) is not used: with it,
 every write takes a lock and stats the whole folder, which made a cold quick tier 1.5x slower.
 Deleting the folder costs one cold run, nothing else.
@@ -30,8 +30,26 @@ def versions() -> str:
     )
 
 
+def entry_codec() -> str:
+    """How jax compresses its cache entries here: zstd where `zstandard` (the test extra; Python 3.14's
+    `compression.zstd`) is importable, else zlib. zstd writes the quick tier's ~80 MB of executables
+    8x faster (0.18 s against 1.44 s per 330 programs, measured 2026-12-07) and reads them 2x faster;
+    the folder's name carries it, since jax cannot read an entry the other codec wrote."""
+    import importlib.util
+
+    for module in ("compression.zstd", "zstandard"):
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return "zstd"
+        except ModuleNotFoundError:  # no `compression` package before Python 3.14
+            pass
+    return "zlib"
+
+
 def compilation_cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_root() / f"jax-{versions()}")
+    return pathlib.Path(
+        os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_root() / f"jax-{versions()}-{entry_codec()}"
+    )
 
 
 def use_persistent_compilation_cache() -> None:
