@@ -3,8 +3,8 @@
 Both live under the package's cache folder, `$MESHWORK_CACHE` (default `~/.cache/meshwork`).
 The compilation cache is one folder per Python, jax and jaxlib version and entry codec (jax's own
 cache key already holds the program, the XLA flags and the devices; a folder per version keeps an
-upgrade from reading another version's entries) and is bounded: past `MAX_BYTES`, each session starts by deleting the
-oldest entries (`prune`). jax's own bound (`jax_compilation_cache_max_size`) is not used: with it,
+upgrade from reading another version's entries) and is bounded: past `MAX_BYTES`, each session
+starts by deleting the oldest entries (`prune`). jax's own bound (`jax_compilation_cache_max_size`) is not used: with it,
 every write takes a lock and stats the whole folder, which made a cold quick tier 1.5x slower.
 Deleting the folder costs one cold run, nothing else.
 """

@@ -22,13 +22,13 @@ if "PYTEST_XDIST_WORKER" not in os.environ:  # the session's first process: befo
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
+import signal  # noqa: E402
 
 # Python's cyclic GC at its default thresholds (700, 10, 10) ran ~4,800 young collections and 22
 # full ones in a minute of serving and sharded-step tests: 9.5-10 s, 13% of the process's CPU, spent
 # walking what jax's tracing allocates. At (10,000, 20, 100): 2.2-2.7 s and 10-12% less CPU, for
 # ~20% more peak memory (1.7 -> 2.1 GB) in that process (benchmarks/RESULTS.md, 2026-12-07).
 gc.set_threshold(10_000, 20, 100)
-import signal  # noqa: E402
 
 # A suite started in the background of a script inherits SIGINT ignored, and so would every trainer
 # the tests start; the signal tests need what a terminal gives: Ctrl-C at its default action.

@@ -54,9 +54,6 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from compile_flags import FAST_COMPILE_FLAGS  # noqa: E402
-
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 TRAIN_STEPS = 4
 _FENCE = re.compile(r"^(\s*)(```|~~~)\s*([\w+-]*)\s*$")
@@ -147,20 +144,18 @@ def _prelude(capped: bool) -> str:
 
 def install_capping_python(bin_dir: pathlib.Path) -> None:
     """Writes `bin_dir/python3`, a script that appends small mode's caps, adds the test session's
-    fast-compile XLA flags (tests/compile_flags.py) and then `exec`s the real python3; with `bin_dir` first on PATH every block's `python3` is it. A script rather than a
-    shell function, so that `python3 ... &` puts the server itself behind `$!`, and a block's
+    fast-compile XLA flags (tests/compile_flags.py) and then `exec`s the real python3; with
+    `bin_dir` first on PATH every block's `python3` is it. A script rather than a shell function, so that `python3 ... &` puts the server itself behind `$!`, and a block's
     SIGTERM reaches the process it started."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     real, me = shutil.which("python3") or sys.executable, pathlib.Path(__file__).resolve()
     wrapper = bin_dir / "python3"
-    # Each fast-compile flag the command's own XLA_FLAGS does not set is appended (its own value wins).
-    add_flags = "".join(
-        f'case " ${{XLA_FLAGS:-}} " in *" {f.split("=")[0]}="*) ;; *) XLA_FLAGS="${{XLA_FLAGS:-}} {f}" ;; esac\n'
-        for f in FAST_COMPILE_FLAGS
-    )
+    # The command's own XLA_FLAGS plus each fast-compile flag it does not set (compile_flags.with_flags).
+    flags = ROOT / "tests" / "compile_flags.py"
     wrapper.write_text(
         f'#!/usr/bin/env bash\nextra=$("{real}" "{me}" --cap-args "$@") || exit 2\n'
-        f'{add_flags}export XLA_FLAGS\nexec "{real}" "$@" $extra\n'
+        f'XLA_FLAGS="$("{real}" "{flags}" ${{XLA_FLAGS:-}})" || exit 2\nexport XLA_FLAGS\n'
+        f'exec "{real}" "$@" $extra\n'
     )
     wrapper.chmod(0o755)
 
