@@ -20,3 +20,17 @@ def test_a_program_lowered_again_by_a_new_function_is_counted_as_repeated():
     assert after["programs"] == 3
     assert after["repeated_programs"] == 1 and after["repeated"] == ["jit__lambda"]
     assert 0.0 < after["repeated_s"] < after["compile_s"]
+
+
+def test_the_compile_floor_is_the_compile_paths_even_share_among_the_processes():
+    def record(process, compile_s):
+        zero = dict.fromkeys(("cpu_s", "child_cpu_s", "subprocesses", "shared_fixture_s", "programs"), 0)
+        return {**zero, "test": f"t{compile_s}", "wall_s": compile_s + 1.0, "compile_s": compile_s,
+                "repeated_programs": 0, "repeated_s": 0.0, "process": process}  # fmt: skip
+
+    records = [record("gw0", 30.0), record("gw1", 50.0), record("gw1", 20.0)]
+    floor = next(line for line in suite_timing._table(records, 80.0) if line.startswith("compile floor"))
+    assert (
+        floor
+        == "compile floor: 100 s of jax's compile path over 2 processes (busiest 70 s): no split of these tests ends in under 50 s"
+    )
