@@ -296,7 +296,8 @@ def _table(records: list[dict], session_wall_s: float) -> list[str]:
         f"{sum(r['repeated_programs'] for r in records)} of them again in the same process "
         f"({sum(r['repeated_s'] for r in records):.0f} s)",
         # Tracing and lowering are never cached and loading a cached program is not free: with these
-        # programs, no split of the tests among the processes ends before the compile path's even share.
+        # programs, no split of the tests among the processes ends before the compile path's even share
+        # (cold, a split moves only which process compiles a shared program and which loads it).
         f"compile floor: {compile_total:.0f} s of jax's compile path over {len(per_process)} processes "
         f"(busiest {max(per_process.values(), default=0.0):.0f} s): no split of these tests ends in under "
         f"{compile_total / max(len(per_process), 1):.0f} s",
